@@ -1,0 +1,402 @@
+"""Typed run configuration: YAML files plus dotted command-line overrides, validated on load.
+
+A run is described by one :class:`RunConfig` (nested dataclasses). It is read from a YAML file
+that may inherit from others (``_base_: other.yaml`` or a list of them, paths relative to the
+file), then patched by overrides such as ``algorithm.kl_coef=0.001`` (the value is parsed as YAML,
+so ``true``, ``1e-3``, ``null`` and ``[1, 2]`` work). Every key is checked against the dataclasses:
+
+- an unknown key is an error naming its dotted path, the file and line it came from (or the
+  override), and the closest valid keys;
+- a value of the wrong type is an error naming the path, the expected type and what was found;
+- cross-field rules (loss names, loss-specific arguments, divisibility) are checked in
+  :func:`validate`, again naming the field.
+
+Deliberately left out: environment-variable interpolation and config "groups"; a config is one
+file tree plus overrides, so what ran is exactly what ``dump_config`` writes next to the run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+
+import yaml
+
+__all__ = [
+    "ConfigError", "RunConfig", "AlgorithmConfig", "AdvantageConfig", "RolloutConfig",
+    "OptimConfig", "TrainConfig", "ParallelConfig", "ModelConfig", "load_config",
+    "from_dict", "to_dict", "apply_overrides", "dump_config", "validate",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the field and where it came from."""
+
+
+# --------------------------------------------------------------------------------------------
+# Schema
+# --------------------------------------------------------------------------------------------
+@dataclass
+class AlgorithmConfig:
+    """The policy loss and its options (see ``megatron_tepo.algorithms.compute_policy_loss``)."""
+
+    loss: str = "tepo"
+    clip_low: Optional[float] = None  # None: the loss's own default (0.2 for most; 3e-4 gspo)
+    clip_high: Optional[float] = None  # None: the loss's own default (0.28 for most; 4e-4 gspo)
+    agg: Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]] = None
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_mask: Literal["none", "pos_adv_dec_entropy", "neg_adv_inc_entropy", "either", "all"] = (
+        "pos_adv_dec_entropy")
+    kl_target: Literal["old", "ref"] = "old"  # KL against the rollout policy or a frozen reference
+    delta_entropy: Literal["measured", "predicted"] = "measured"
+    entropy_coef: float = 0.0  # >0 maximises entropy, <0 minimises (Table 3 Panel B)
+    entropy_adv_alpha: float = 0.0  # Cheng et al. 2025 entropy-based advantage (0 = off)
+    entropy_adv_kappa: float = 2.0
+    loss_args: Dict[str, Any] = field(default_factory=dict)  # loss-specific, checked by the loss
+
+
+@dataclass
+class AdvantageConfig:
+    std_normalize: bool = True  # False: Dr.GRPO (r - mean)
+    eps: float = 1e-6
+    gpg_correction: bool = False  # GPG's B/(B-M) factor
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 64
+    n_samples: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_prompt_len: int = 2048
+    max_new_tokens: int = 8192
+    dynamic_sampling: bool = True  # DAPO: drop groups whose rewards are all equal, resample
+    max_sampling_rounds: int = 4  # bound on over-sampling rounds per step
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 5e-7
+    min_lr: float = 0.0
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100  # rollout steps
+    mini_batch_prompts: int = 16  # prompts per policy update
+    epochs_per_step: int = 2  # passes over a step's responses (64 / 16 x 2 = 8 updates)
+    max_tokens_per_micro_batch: int = 16384
+    seed: int = 1
+    save_every: int = 0
+    eval_every: int = 0
+    output_dir: str = "outputs/run"
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # Hugging Face checkpoint directory (config.json, weights, tokenizer)
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+
+
+@dataclass
+class RunConfig:
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    notes: str = ""  # free text: where a setting comes from
+
+
+# --------------------------------------------------------------------------------------------
+# YAML with line numbers
+# --------------------------------------------------------------------------------------------
+BASE_KEY = "_base_"
+
+
+def _construct(node: yaml.Node, where: Dict[str, str], path: str, source: str) -> Any:
+    """Turn a composed YAML node into Python data, recording ``file:line`` of every key."""
+    if isinstance(node, yaml.MappingNode):
+        out: Dict[str, Any] = {}
+        for key_node, value_node in node.value:
+            key = yaml.safe_load(yaml.serialize(key_node)) if not isinstance(key_node, yaml.ScalarNode) \
+                else key_node.value
+            if not isinstance(key, str):
+                raise ConfigError(f"{source}:{key_node.start_mark.line + 1}: key {key!r} is not a string")
+            sub = f"{path}.{key}" if path else key
+            if key in out:
+                raise ConfigError(f"{source}:{key_node.start_mark.line + 1}: duplicate key '{sub}'")
+            where[sub] = f"{source}:{key_node.start_mark.line + 1}"
+            out[key] = _construct(value_node, where, sub, source)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_construct(v, where, f"{path}[{i}]", source) for i, v in enumerate(node.value)]
+    return yaml.safe_load(yaml.serialize(node))
+
+
+def _read_yaml(path: Path, where: Dict[str, str], _seen: Tuple[Path, ...] = ()) -> Dict[str, Any]:
+    path = path.resolve()
+    if path in _seen:
+        raise ConfigError(f"{path}: circular {BASE_KEY} chain: " + " -> ".join(map(str, _seen + (path,))))
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        node = yaml.compose(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if node is None:
+        return {}
+    own_where: Dict[str, str] = {}
+    data = _construct(node, own_where, "", str(path))
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, found {type(data).__name__}")
+    bases = data.pop(BASE_KEY, [])
+    own_where.pop(BASE_KEY, None)
+    if isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise ConfigError(f"{path}: {BASE_KEY} must be a file name or a list of file names")
+    merged: Dict[str, Any] = {}
+    for base in bases:
+        merged = _deep_merge(merged, _read_yaml(path.parent / base, where, _seen + (path,)))
+    where.update(own_where)
+    return _deep_merge(merged, data)
+
+
+def _deep_merge(base: Dict[str, Any], top: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "loss_args":
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Typed conversion
+# --------------------------------------------------------------------------------------------
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is not None:
+        return str(tp).replace("typing.", "")
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str, where: Dict[str, str]) -> Any:
+    loc = f" ({where[path]})" if path in where else ""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}{loc}: expected a mapping for section '{path}', "
+                              f"found {type(value).__name__} {value!r}")
+        return _build(tp, value, path, where)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path, where)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{path}{loc}: expected {_type_name(tp)}, found {type(value).__name__} {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{path}{loc}: expected {_type_name(tp)}, found {value!r}")
+        return value
+    if origin in (list, List):
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}{loc}: expected a list, found {type(value).__name__} {value!r}")
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        return [_coerce(v, item_tp, f"{path}[{i}]", where) for i, v in enumerate(value)]
+    if origin in (dict, Dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}{loc}: expected a mapping, found {type(value).__name__} {value!r}")
+        _, val_tp = typing.get_args(tp) or (str, Any)
+        return {str(k): _coerce(v, val_tp, f"{path}.{k}", where) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}{loc}: expected bool (true/false), found {type(value).__name__} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}{loc}: expected int, found {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # YAML 1.1 reads "1e-3" (no dot) as a string; accept numeric strings for floats.
+            if isinstance(value, str):
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            raise ConfigError(f"{path}{loc}: expected float, found {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}{loc}: expected str, found {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported schema type {tp!r}")  # pragma: no cover - schema bug
+
+
+def _build(cls: type, data: Dict[str, Any], prefix: str, where: Dict[str, str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            path = f"{prefix}.{key}" if prefix else key
+            loc = f" ({where[path]})" if path in where else ""
+            close = difflib.get_close_matches(key, names, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            section = f"section '{prefix}'" if prefix else "the top level"
+            raise ConfigError(f"{path}{loc}: unknown key in {section}{hint} "
+                              f"(valid keys: {', '.join(names)})")
+    kwargs = {}
+    for name in names:
+        if name in data:
+            path = f"{prefix}.{name}" if prefix else name
+            kwargs[name] = _coerce(data[name], hints[name], path, where)
+    return cls(**kwargs)
+
+
+def from_dict(data: Dict[str, Any], where: Optional[Dict[str, str]] = None) -> RunConfig:
+    """Build and validate a :class:`RunConfig` from plain data."""
+    cfg = _build(RunConfig, data, "", where or {})
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Any) -> Dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# Overrides
+# --------------------------------------------------------------------------------------------
+def apply_overrides(data: Dict[str, Any], overrides: List[str], where: Dict[str, str]) -> Dict[str, Any]:
+    """Apply ``a.b.c=value`` strings to nested data (value parsed as YAML)."""
+    data = _deep_merge({}, data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. algorithm.kl_coef=0.001")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: malformed key {key!r}")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: value is not valid YAML: {exc}") from None
+        parts = key.split(".")
+        node = data
+        for depth, part in enumerate(parts[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            elif not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: '{'.'.join(parts[:depth + 1])}' is not a section")
+            node = nxt
+        node[parts[-1]] = value
+        where[key] = f"override {item!r}"
+    return data
+
+
+def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[List[str]] = None) -> RunConfig:
+    """Read ``path`` (with its ``_base_`` chain), apply ``overrides``, build and validate."""
+    where: Dict[str, str] = {}
+    data = _read_yaml(Path(path), where) if path else {}
+    data = apply_overrides(data, list(overrides or []), where)
+    return from_dict(data, where)
+
+
+def dump_config(cfg: RunConfig, path: Union[str, Path]) -> None:
+    """Write the resolved config (what actually ran) atomically."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Cross-field validation
+# --------------------------------------------------------------------------------------------
+def _positive(cfg: Any, prefix: str, names: List[str], allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ConfigError(f"{prefix}.{name}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Rules spanning fields; every error names the field."""
+    from megatron_tepo.algorithms import losses  # algorithms are pure torch: no heavy imports
+
+    alg = cfg.algorithm
+    if alg.loss not in losses.POLICY_LOSSES:
+        raise ConfigError(f"algorithm.loss: unknown loss {alg.loss!r}; "
+                          f"valid: {', '.join(sorted(losses.POLICY_LOSSES))}")
+    valid_args = losses.get_loss_defaults(alg.loss)
+    for key in alg.loss_args:
+        if key not in valid_args:
+            raise ConfigError(f"algorithm.loss_args.{key}: not an argument of loss {alg.loss!r}; "
+                              f"valid: {', '.join(sorted(valid_args)) or '(none)'}")
+    for name in ("clip_low", "clip_high"):
+        value = getattr(alg, name)
+        if value is not None and value < 0:
+            raise ConfigError(f"algorithm.{name}: must be >= 0, got {value!r}")
+    if alg.entropy_adv_alpha < 0:
+        raise ConfigError(f"algorithm.entropy_adv_alpha: must be >= 0, got {alg.entropy_adv_alpha!r}")
+    if alg.entropy_adv_kappa <= 0:
+        raise ConfigError(f"algorithm.entropy_adv_kappa: must be > 0, got {alg.entropy_adv_kappa!r}")
+    if alg.kl_coef < 0:
+        raise ConfigError(f"algorithm.kl_coef: must be >= 0, got {alg.kl_coef!r}")
+    _positive(cfg.advantage, "advantage", ["eps"], allow_zero=True)
+    r = cfg.rollout
+    _positive(r, "rollout", ["prompts_per_step", "n_samples", "max_prompt_len", "max_new_tokens",
+                             "max_sampling_rounds", "temperature", "top_p"])
+    if r.top_p > 1:
+        raise ConfigError(f"rollout.top_p: must be in (0, 1], got {r.top_p!r}")
+    o = cfg.optim
+    _positive(o, "optim", ["lr"])
+    _positive(o, "optim", ["min_lr", "warmup_steps", "weight_decay", "clip_grad"], allow_zero=True)
+    t = cfg.train
+    _positive(t, "train", ["steps", "mini_batch_prompts", "epochs_per_step", "max_tokens_per_micro_batch"])
+    _positive(t, "train", ["save_every", "eval_every"], allow_zero=True)
+    if r.prompts_per_step % t.mini_batch_prompts:
+        raise ConfigError(f"train.mini_batch_prompts: {t.mini_batch_prompts} must divide "
+                          f"rollout.prompts_per_step ({r.prompts_per_step})")
+    _positive(cfg.parallel, "parallel", ["tp", "pp", "ep"])

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment in .venv and install what the tests and
+# the CPU demo need. torch is installed first and pinned: an unpinned torch, or a package that
+# pins another version, would pull a multi-GB CUDA build (see ../shared/notes/platform.md).
+#
+# Usage: source-free; prints the venv's python path on its last line.
+#   MTEPO_VENV=/path/to/venv  use another location (default: <repo>/.venv)
+#   MTEPO_EXTRAS=dev          extras of setup.py to install (comma separated)
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${MTEPO_VENV:-$repo/.venv}"
+extras="${MTEPO_EXTRAS:-dev}"
+TORCH_VERSION="${MTEPO_TORCH_VERSION:-2.13.0}"
+
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv" >&2
+fi
+py="$venv/bin/python"
+stamp="$venv/.mtepo-installed"
+want="torch=$TORCH_VERSION extras=$extras setup=$(sha1sum "$repo/setup.py" | cut -c1-12)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  "$py" -m pip install -q --upgrade pip >&2
+  "$py" -m pip install -q "torch==$TORCH_VERSION" >&2
+  "$py" -m pip install -q -e "$repo[$extras]" >&2
+  echo "$want" > "$stamp"
+fi
+echo "$py"
