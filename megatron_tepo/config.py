@@ -331,6 +331,8 @@ def apply_overrides(data: Dict[str, Any], overrides: List[str], where: Dict[str,
                 raise ConfigError(f"override {item!r}: '{'.'.join(parts[:depth + 1])}' is not a section")
             node = nxt
         node[parts[-1]] = value
+        for depth in range(1, len(parts) + 1):  # so an error on any part of the key names it
+            where.setdefault(".".join(parts[:depth]), f"override {item!r}")
         where[key] = f"override {item!r}"
     return data
 

@@ -35,7 +35,7 @@ def test_unknown_key_names_path_file_and_line(tmp_path):
 
 
 def test_unknown_section_and_override_key():
-    with pytest.raises(ConfigError, match=r"algorithmm .*unknown key in the top level.*algorithm"):
+    with pytest.raises(ConfigError, match=r"algorithmm \(override .algorithmm.loss=tepo.\): unknown key in the top level; did you mean algorithm"):
         load_config(None, ["algorithmm.loss=tepo"])
     with pytest.raises(ConfigError, match=r"rollout\.nsamples \(override 'rollout\.nsamples=3'\)"):
         load_config(None, ["rollout.nsamples=3"])
