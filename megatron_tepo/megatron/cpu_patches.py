@@ -1,0 +1,337 @@
+"""Run-time work-arounds that let megatron-core 0.16.1 train on a CUDA-less torch (gloo).
+
+megatron-core hard-codes CUDA in many places that no config flag reaches. This module is THE one
+place that papers over them, and only when ``torch.cuda.is_available()`` is False: on a GPU
+machine :func:`apply_cpu_patches` does nothing.
+
+Each work-around is a small named function (see :data:`PATCHES`) whose docstring names the
+megatron-core file/function it serves. Every patch records what it replaced, so
+:func:`revert_cpu_patches` restores the original objects; tests use
+``apply_cpu_patches(exclude={name})`` to show that each patch is necessary.
+
+Scope of the lies told:
+  * ``torch.cuda.current_device`` / ``torch.cuda.synchronize`` are replaced globally, but only in
+    a process without CUDA, where the originals can only raise.
+  * ``device="cuda"`` tensor factories are redirected to the CPU only inside the listed megatron
+    modules (their module-global ``torch`` is swapped for a thin proxy); torch itself is untouched.
+  * ``Tensor.type()`` reports ``torch.cuda.FloatTensor`` for CPU fp32 tensors only while one of
+    the two megatron functions that assert on that string is running; ``Tensor.cuda()`` is the
+    identity only while the tied-embedding set-up of a pipelined model runs.
+  * ``moe_router_gemm`` only binds a name megatron forgot to define without Transformer Engine.
+
+Deliberately left out (not probed, the actor does not use them on CPU): dist_checkpointing (its
+saver needs only patches 1 and 3), CUDA graphs, FP8/FP16 grad scaling, NCCL allocators, the MoE
+alltoall dispatcher (needs CUDA streams; see models/qwen3_moe/README.md).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from typing import Callable, Dict, Iterable, List, Tuple
+
+import torch
+
+__all__ = ["PATCHES", "apply_cpu_patches", "revert_cpu_patches", "applied_patches"]
+
+# (owner object, attribute name, original value) for every replaced attribute, per patch.
+_UNDO: Dict[str, List[Tuple[object, str, object]]] = {}
+_MISSING = object()  # "the attribute did not exist": reverting deletes it
+
+
+def _replace(patch: str, owner: object, attr: str, new: object) -> None:
+    """Set ``owner.attr = new`` and remember the original for :func:`revert_cpu_patches`."""
+    _UNDO.setdefault(patch, []).append((owner, attr, getattr(owner, attr)))
+    setattr(owner, attr, new)
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# 1. torch.cuda.current_device
+# --------------------------------------------------------------------------------------------
+def patch_current_device() -> None:
+    """``torch.cuda.current_device()`` -> ``"cpu"``.
+
+    megatron-core passes ``device=torch.cuda.current_device()`` to tensor factories in many
+    places: ``models/common/embeddings/rotary_pos_embedding.py`` (``RotaryEmbedding.get_emb``
+    moves ``inv_freq`` there on every forward), ``pipeline_parallel/p2p_communication.py``
+    (receive buffers and shape tensors), ``tensor_parallel/mappings.py``,
+    ``distributed/param_and_grad_buffer.py`` (DDP grad buffers), ``global_vars``.
+    """
+    _replace("current_device", torch.cuda, "current_device", lambda: "cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# 2. The CUDA RNG tracker
+# --------------------------------------------------------------------------------------------
+def _cpu_get_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False):
+    state = torch.get_rng_state()
+    return state.clone() if clone else state
+
+
+def _cpu_set_rng_state(new_state, device=-1, graph_safe: bool = False):
+    torch.set_rng_state(new_state)
+
+
+def _cpu_tracker_add(self, name, seed):
+    """``CudaRNGStatesTracker.add`` with the same semantics on the CPU generator."""
+    self._is_initialized = True
+    if seed in self.seeds_:
+        raise Exception("seed {} already exists".format(seed))
+    self.seeds_.add(seed)
+    if name in self.states_:
+        raise Exception("cuda rng state {} already exists".format(name))
+    orig = torch.get_rng_state()
+    torch.manual_seed(seed)
+    self.states_[name] = torch.get_rng_state()
+    torch.set_rng_state(orig)
+
+
+def patch_rng_tracker() -> None:
+    """The model-parallel RNG tracker keeps CPU generator states instead of CUDA ones.
+
+    ``tensor_parallel/random.py``: ``CudaRNGStatesTracker.add`` (called by
+    ``model_parallel_cuda_manual_seed``) calls ``torch.cuda.get_rng_state``; ``fork`` (entered by
+    every attention/embedding dropout) and ``CheckpointFunction`` (activation recompute) call the
+    module helpers ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    _replace("rng_tracker", mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
+    _replace("rng_tracker", mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
+    _replace("rng_tracker", mrandom.CudaRNGStatesTracker, "add", _cpu_tracker_add)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. torch.cuda.synchronize
+# --------------------------------------------------------------------------------------------
+def patch_cuda_synchronize() -> None:
+    """``torch.cuda.synchronize()`` -> no-op (there is no device stream to wait for).
+
+    ``pipeline_parallel/p2p_communication.py``: ``P2PCommunicator._communicate_shapes`` calls it
+    unconditionally after exchanging tensor shapes, which the pipeline schedule does for every
+    micro-batch when ``variable_seq_lengths=True`` (the actor's token-budget micro-batches);
+    ``_communicate`` calls it when ``batch_p2p_sync`` is set.
+    """
+    _replace("cuda_synchronize", torch.cuda, "synchronize", lambda device=None: None)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. device="cuda" tensor factories inside a few megatron modules
+# --------------------------------------------------------------------------------------------
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "as_tensor")
+
+# Modules whose module-global ``torch`` is swapped for the proxy; each one is needed (a probe
+# fails when it alone is left out). optimizer/distrib_optimizer.py (only current_device) and
+# optimizer/grad_scaler.py (fp16 only) need no proxy.
+CUDA_FACTORY_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",  # total_num_tokens = zeros(device="cuda")
+    "megatron.core.optimizer.optimizer",  # found_inf / _scale_one / dummy_overflow buffers
+    "megatron.core.optimizer.clip_grads",  # norm buffers in get_grad_norm_fp32 & clipping
+    "megatron.core.utils",  # local_multi_tensor_l2_norm (no apex) returns a "cuda" tensor
+)
+
+
+class _CpuFactoryTorch:
+    """A stand-in for the ``torch`` module that maps ``device="cuda"`` to the CPU in factories.
+
+    Every other attribute is the real torch's, so ``isinstance(x, torch.Tensor)``,
+    ``torch.distributed`` and friends behave unchanged.
+    """
+
+    def __init__(self, real):
+        self.__dict__["_real"] = real
+        for name in _FACTORIES:
+            self.__dict__[name] = self._wrap(getattr(real, name))
+
+    @staticmethod
+    def _wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def factory(*args, **kwargs):
+            if _is_cuda_device(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            return fn(*args, **kwargs)
+
+        return factory
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_real"], name)
+
+
+def patch_cuda_tensor_factories() -> None:
+    """``torch.zeros(..., device="cuda")`` and friends -> CPU, inside the listed modules only.
+
+    ``pipeline_parallel/schedules.py`` (``total_num_tokens`` in every forward_backward_*),
+    ``optimizer/optimizer.py`` (``MixedPrecisionOptimizer.__init__`` buffers, used by the
+    distributed optimizer even in fp32), ``optimizer/clip_grads.py`` (overflow/norm buffers of
+    ``get_grad_norm_fp32`` and ``clip_grad_by_total_norm_fp32``) and ``megatron/core/utils.py``
+    (``local_multi_tensor_l2_norm``, the no-apex grad-norm fallback) build tensors with a literal
+    ``device="cuda"``.
+    """
+    proxy = _CpuFactoryTorch(torch)
+    for modname in CUDA_FACTORY_MODULES:
+        module = importlib.import_module(modname)
+        _replace("cuda_tensor_factories", module, "torch", proxy)
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Tensor.type() == "torch.cuda.FloatTensor" checks
+# --------------------------------------------------------------------------------------------
+_CPU_TO_CUDA_TYPE = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+@contextlib.contextmanager
+def cuda_type_strings():
+    """While active, ``t.type()`` (no argument) on a CPU float tensor reports the CUDA type name."""
+    real_type = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        result = real_type(self, dtype, non_blocking, **kwargs)
+        if dtype is None and isinstance(result, str):
+            return _CPU_TO_CUDA_TYPE.get(result, result)
+        return result
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = real_type
+
+
+def _with_cuda_type_strings(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with cuda_type_strings():
+            return fn(*args, **kwargs)
+
+    wrapper.__wrapped_by_cpu_patches__ = True
+    return wrapper
+
+
+def patch_tensor_type_checks() -> None:
+    """Scoped ``Tensor.type()`` faking for the two megatron functions that assert on it.
+
+    ``optimizer/clip_grads.py``: ``clip_grad_by_total_norm_fp32`` asserts
+    ``param.grad.type() == 'torch.cuda.FloatTensor'`` (also imported by name into
+    ``optimizer/optimizer.py``); ``optimizer/distrib_optimizer.py``:
+    ``DistributedOptimizer._build_model_and_main_param_groups`` raises TypeError unless an fp32
+    param's type string is ``torch.cuda.FloatTensor``. Outside these two calls ``type()`` is real.
+    """
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    wrapped = _with_cuda_type_strings(clip_grads.clip_grad_by_total_norm_fp32)
+    _replace("tensor_type_checks", clip_grads, "clip_grad_by_total_norm_fp32", wrapped)
+    _replace("tensor_type_checks", moptimizer, "clip_grad_by_total_norm_fp32", wrapped)
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls.__dict__["_build_model_and_main_param_groups"]  # a classmethod object
+    _replace("tensor_type_checks", cls, "_build_model_and_main_param_groups",
+             classmethod(_with_cuda_type_strings(original.__func__)))
+
+
+# --------------------------------------------------------------------------------------------
+# 6. Tensor.cuda() in the tied-embedding set-up of a pipelined model
+# --------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def cuda_to_noop():
+    """While active, ``t.cuda()`` returns ``t`` itself (CPU tensors stay where they are)."""
+    real_cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = real_cuda
+
+
+def patch_tied_embedding_setup() -> None:
+    """Scoped ``Tensor.cuda()`` -> identity inside ``LanguageModule.setup_embeddings_and_output_layer``.
+
+    ``models/common/language_module/language_module.py``: with tied embeddings and PP > 1 the
+    first and last stage all-reduce their copies of the word embeddings at construction, after
+    ``weight.data = weight.data.cuda()``. Outside that method ``Tensor.cuda`` is the real one.
+    """
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+
+    @functools.wraps(original)
+    def setup(self, *args, **kwargs):
+        with cuda_to_noop():
+            return original(self, *args, **kwargs)
+
+    _replace("tied_embedding_setup", LanguageModule, "setup_embeddings_and_output_layer", setup)
+
+
+# --------------------------------------------------------------------------------------------
+# 7. MoE router GEMM without Transformer Engine
+# --------------------------------------------------------------------------------------------
+def patch_moe_router_gemm() -> None:
+    """Define ``te_general_gemm = None`` in ``transformer/moe/moe_utils.py``.
+
+    ``RouterGatingLinearFunction.forward/backward`` test ``te_general_gemm is not None``, but the
+    name is only bound when Transformer Engine imports, so every MoE router forward raises
+    NameError without TE (a megatron-core 0.16.1 bug, not CPU-specific). ``None`` selects the
+    existing plain ``torch.matmul`` path.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if "te_general_gemm" not in vars(moe_utils):
+        _UNDO.setdefault("moe_router_gemm", []).append((moe_utils, "te_general_gemm", _MISSING))
+        moe_utils.te_general_gemm = None
+    else:
+        _UNDO.setdefault("moe_router_gemm", [])
+
+
+# --------------------------------------------------------------------------------------------
+PATCHES: Dict[str, Callable[[], None]] = {
+    "current_device": patch_current_device,
+    "rng_tracker": patch_rng_tracker,
+    "cuda_synchronize": patch_cuda_synchronize,
+    "cuda_tensor_factories": patch_cuda_tensor_factories,
+    "tensor_type_checks": patch_tensor_type_checks,
+    "tied_embedding_setup": patch_tied_embedding_setup,
+    "moe_router_gemm": patch_moe_router_gemm,
+}
+
+
+def applied_patches() -> List[str]:
+    """Names of the patches currently in effect."""
+    return [name for name in PATCHES if name in _UNDO]
+
+
+def apply_cpu_patches(exclude: Iterable[str] = (), force: bool = False) -> List[str]:
+    """Apply every CPU work-around (minus ``exclude``); idempotent; returns those now applied.
+
+    A no-op when CUDA is available (unless ``force``, which only tests use).
+    """
+    exclude = set(exclude)
+    unknown = exclude - set(PATCHES)
+    if unknown:
+        raise ValueError(f"unknown cpu patch(es) {sorted(unknown)}; known: {sorted(PATCHES)}")
+    if torch.cuda.is_available() and not force:
+        return []
+    for name, patch in PATCHES.items():
+        if name not in exclude and name not in _UNDO:
+            patch()
+    return applied_patches()
+
+
+def revert_cpu_patches() -> None:
+    """Undo every applied patch (restores the original objects, latest first)."""
+    for name in reversed(list(_UNDO)):
+        for owner, attr, original in reversed(_UNDO.pop(name)):
+            if original is _MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
