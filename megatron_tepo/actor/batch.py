@@ -1,0 +1,111 @@
+"""The batch format the Megatron actor consumes (one data-parallel rank's share of a mini-batch).
+
+Layout of :class:`RolloutBatch` (``B`` sequences, ``L`` padded tokens, ``R`` response slots)::
+
+    input_ids      [B, L] long   prompt tokens, then response tokens, then padding (right-padded)
+    prompt_lens    [B]    long   prompt length p_b >= 1 of each row
+    response_mask  [B, R]        1 where response slot j of row b is a real (trained) token
+    advantages     [B, R] float  per-token advantages                      (train_step only)
+    old_log_probs  [B, R] float  log-probs of the behaviour/old policy     (train_step only)
+    old_entropy    [B, R] float  entropy of the old policy                 (optional)
+    ref_log_probs  [B, R] float  log-probs of the reference policy         (optional, KL losses)
+
+Response slot ``j`` of row ``b`` is the token ``input_ids[b, p_b + j]``; its log-prob is read from
+the model's logits at position ``p_b + j - 1``. Slots past the end of ``input_ids`` or with
+``response_mask == 0`` are padding: the actor returns 0 there. Every per-token field is aligned
+with ``response_mask``. The batch is DP-local: each data-parallel rank passes its own rows, and
+all TP/PP ranks of one model replica pass the same rows (see :meth:`split_for_data_parallel`).
+
+Left out: packed (THD) sequences, multi-turn masks inside the prompt, images.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+PER_TOKEN_FIELDS = ("response_mask", "advantages", "old_log_probs", "old_entropy", "ref_log_probs")
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor
+    prompt_lens: torch.Tensor
+    response_mask: torch.Tensor
+    advantages: Optional[torch.Tensor] = None
+    old_log_probs: Optional[torch.Tensor] = None
+    old_entropy: Optional[torch.Tensor] = None
+    ref_log_probs: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_len(self) -> int:
+        return self.response_mask.shape[1]
+
+    def validate(self) -> None:
+        """Shape/dtype checks with messages naming the field."""
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, L], got {tuple(self.input_ids.shape)}")
+        b = self.input_ids.shape[0]
+        if self.prompt_lens.shape != (b,):
+            raise ValueError(f"prompt_lens must be [{b}], got {tuple(self.prompt_lens.shape)}")
+        if b and int(self.prompt_lens.min()) < 1:
+            raise ValueError("every prompt needs at least one token (prompt_lens >= 1)")
+        if b and int(self.prompt_lens.max()) > self.input_ids.shape[1]:
+            raise ValueError("a prompt_lens entry exceeds input_ids' length")
+        if self.response_mask.dim() != 2 or self.response_mask.shape[0] != b:
+            raise ValueError(f"response_mask must be [{b}, R], got {tuple(self.response_mask.shape)}")
+        for name in PER_TOKEN_FIELDS[1:]:
+            value = getattr(self, name)
+            if value is not None and value.shape != self.response_mask.shape:
+                raise ValueError(f"{name} must match response_mask's shape "
+                                 f"{tuple(self.response_mask.shape)}, got {tuple(value.shape)}")
+
+    def response_lengths(self) -> torch.Tensor:
+        """[B] index of the last real response slot + 1 (0 for an empty response), capped by L."""
+        r = self.response_len
+        mask = self.response_mask != 0
+        last = torch.where(mask, torch.arange(1, r + 1).expand_as(mask), torch.zeros_like(mask, dtype=torch.long))
+        length = last.max(dim=1).values if r else torch.zeros(self.batch_size, dtype=torch.long)
+        return torch.minimum(length, self.input_ids.shape[1] - self.prompt_lens)
+
+    def seq_lens(self) -> torch.Tensor:
+        """[B] tokens the model must see per row: prompt + response up to its last real token."""
+        return self.prompt_lens + self.response_lengths()
+
+    def select(self, indices: Sequence[int], max_len: Optional[int] = None) -> "RolloutBatch":
+        """Rows ``indices`` (in that order), ``input_ids`` trimmed to ``max_len`` columns."""
+        idx = torch.as_tensor(list(indices), dtype=torch.long)
+        fields = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            fields[f.name] = None if value is None else value.index_select(0, idx)
+        if max_len is not None:
+            fields["input_ids"] = fields["input_ids"][:, :max_len]
+        return RolloutBatch(**fields)
+
+    def padded(self, rows: int, length: int) -> "RolloutBatch":
+        """This batch grown to ``rows`` x ``length`` with fully-masked dummy rows / pad columns."""
+        extra_rows, extra_cols = rows - self.batch_size, length - self.input_ids.shape[1]
+        if extra_rows < 0 or extra_cols < 0:
+            raise ValueError(f"cannot pad {self.batch_size}x{self.input_ids.shape[1]} to {rows}x{length}")
+        ids = torch.nn.functional.pad(self.input_ids, (0, extra_cols, 0, extra_rows))
+        fields = {"input_ids": ids,
+                  "prompt_lens": torch.cat([self.prompt_lens, self.prompt_lens.new_ones(extra_rows)])}
+        for name in PER_TOKEN_FIELDS:
+            value = getattr(self, name)
+            fields[name] = None if value is None else torch.nn.functional.pad(value, (0, 0, 0, extra_rows))
+        return RolloutBatch(**fields)
+
+    def split_for_data_parallel(self, dp_rank: int, dp_size: int) -> "RolloutBatch":
+        """The contiguous block of rows of data-parallel rank ``dp_rank`` (sizes differ by <= 1)."""
+        bounds = torch.linspace(0, self.batch_size, dp_size + 1).round().long().tolist()
+        return self.select(range(bounds[dp_rank], bounds[dp_rank + 1]))

@@ -1,0 +1,74 @@
+"""Micro-batches formed by a token budget.
+
+:func:`plan_micro_batches` sorts the rows by length (longest first, stable) and packs them
+greedily: a row joins the current micro-batch while ``padded length x row count`` stays within
+``max_tokens_per_micro_batch`` (the padded length is the micro-batch's longest row, i.e. its first
+one). A single row longer than the budget gets a micro-batch of its own. Each micro-batch is a
+list of ORIGINAL row indices, so results can be scattered back into the caller's order.
+
+Equal count on every data-parallel rank (:func:`equalize_micro_batch_count`): the counts are
+all-reduced (MAX) over the DP group; a rank with fewer micro-batches first splits its most
+populous micro-batch in two (splitting never exceeds the budget) and, when every micro-batch
+holds a single row, appends EMPTY micro-batches (``[]``), which the actor runs as a one-token
+dummy row whose loss is exactly zero. Equal counts keep the ranks' collective sequences aligned
+(the DP gradient all-reduce after the last micro-batch, MoE token exchanges).
+
+Left out: sequence packing without padding (THD), balancing by compute cost rather than tokens.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+import torch.distributed as dist
+
+MicroBatches = List[List[int]]
+
+
+def plan_micro_batches(seq_lens: Sequence[int], max_tokens_per_micro_batch: int) -> MicroBatches:
+    """Greedy token-budget packing; returns lists of original row indices (longest row first)."""
+    if max_tokens_per_micro_batch < 1:
+        raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
+    lens = [int(x) for x in seq_lens]
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])  # stable: ties keep input order
+    plan: MicroBatches = []
+    current: List[int] = []
+    for i in order:
+        padded = lens[current[0]] if current else lens[i]
+        if current and padded * (len(current) + 1) > max_tokens_per_micro_batch:
+            plan.append(current)
+            current = []
+        current.append(i)
+    if current:
+        plan.append(current)
+    return plan
+
+
+def padded_tokens(micro_batch: Sequence[int], seq_lens: Sequence[int]) -> int:
+    return max((int(seq_lens[i]) for i in micro_batch), default=0) * len(micro_batch)
+
+
+def balance_to_count(plan: MicroBatches, count: int) -> MicroBatches:
+    """Split the most populous micro-batches (then add empty ones) until there are ``count``."""
+    if count < len(plan):
+        raise ValueError(f"cannot shrink {len(plan)} micro-batches to {count}")
+    plan = [list(mb) for mb in plan]
+    while len(plan) < count:
+        j = max(range(len(plan)), key=lambda k: len(plan[k]), default=None)
+        if j is None or len(plan[j]) < 2:
+            plan.append([])
+            continue
+        mb = plan[j]
+        half = (len(mb) + 1) // 2
+        plan[j:j + 1] = [mb[:half], mb[half:]]
+    return plan
+
+
+def equalize_micro_batch_count(plan: MicroBatches, dp_group=None) -> MicroBatches:
+    """Give every rank of ``dp_group`` the same number of micro-batches (see module docstring)."""
+    if dp_group is None or dist.get_world_size(dp_group) == 1:
+        return plan
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    count = torch.tensor([len(plan)], dtype=torch.long, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+    return balance_to_count(plan, int(count.item()))

@@ -1,0 +1,101 @@
+"""Model families for the Megatron actor: THE single source of truth for HF <-> Megatron.
+
+One folder per family (``llama/``, ``qwen2/``, ``qwen3/``, ``qwen3_moe/``), each with its HF
+config translation (``from_hf_config``) and its per-layer name table (``layer_mapping``); shared
+GPT code in :mod:`.common`, spec choice in :mod:`.spec`, generic TP/PP sharding in :mod:`.sharding`.
+
+Public API:
+  * :func:`resolve_family` / :func:`family_config_from_hf` -- registry lookup by HF ``model_type``
+    or ``architectures`` (unknown -> ValueError naming it and the supported ones).
+  * :func:`hf_to_megatron` / :func:`megatron_to_hf` -- streaming converters between HF
+    ``(name, full tensor)`` and Megatron ``(global name, full tensor)``.
+  * :func:`load_hf_weights_into` -- shard an HF state dict onto this rank's model chunks.
+  * :func:`export_hf_state` -- this rank's stage as HF ``(name, full tensor)`` (params or grads),
+    for the checkpoint converter and the rollout weight-sync.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
+
+import torch
+
+from . import llama, qwen2, qwen3, qwen3_moe
+from .common import GPTFamilyConfig, LayerMapping, convert_hf_to_megatron, convert_megatron_to_hf
+from .sharding import gather_full_tensors, load_megatron_state_into
+
+FAMILIES: Dict[str, ModuleType] = {m.FAMILY: m for m in (llama, qwen2, qwen3, qwen3_moe)}
+
+__all__ = ["FAMILIES", "GPTFamilyConfig", "resolve_family", "family_config_from_hf",
+           "layer_mapping", "hf_to_megatron", "megatron_to_hf", "load_hf_weights_into",
+           "export_hf_state"]
+
+
+def _field(hf_config, name):
+    return hf_config.get(name) if isinstance(hf_config, Mapping) else getattr(hf_config, name, None)
+
+
+def resolve_family(hf_config) -> ModuleType:
+    """The family module for an HF config (dict or ``PretrainedConfig``)."""
+    model_type = _field(hf_config, "model_type")
+    for module in FAMILIES.values():
+        if model_type in module.MODEL_TYPES:
+            return module
+    for arch in _field(hf_config, "architectures") or ():
+        for module in FAMILIES.values():
+            if arch in module.ARCHITECTURES:
+                return module
+    supported = sorted(a for m in FAMILIES.values() for a in m.ARCHITECTURES)
+    raise ValueError(f"unsupported architecture: model_type={model_type!r}, "
+                     f"architectures={_field(hf_config, 'architectures')!r}; supported: {supported} "
+                     f"(model_type {sorted(t for m in FAMILIES.values() for t in m.MODEL_TYPES)})")
+
+
+def family_config_from_hf(hf_config, spec: Optional[str] = None) -> GPTFamilyConfig:
+    """Translate an HF config; ``spec`` defaults to TE when importable, else local."""
+    if spec is None:
+        from .spec import default_spec
+
+        spec = default_spec()
+    return resolve_family(hf_config).from_hf_config(hf_config, spec=spec)
+
+
+def layer_mapping(cfg: GPTFamilyConfig) -> LayerMapping:
+    return FAMILIES[cfg.family].layer_mapping(cfg)
+
+
+def _items(state) -> Iterable[Tuple[str, torch.Tensor]]:
+    return state.items() if isinstance(state, Mapping) else state
+
+
+def hf_to_megatron(hf_state_iter: Union[Mapping, Iterable[Tuple[str, torch.Tensor]]],
+                   family_cfg: GPTFamilyConfig) -> Iterator[Tuple[str, torch.Tensor]]:
+    """HF ``(name, full tensor)`` -> Megatron ``(global name, full tensor)``; each HF tensor used once."""
+    return convert_hf_to_megatron(_items(hf_state_iter), family_cfg, layer_mapping(family_cfg))
+
+
+def megatron_to_hf(megatron_iter: Union[Mapping, Iterable[Tuple[str, torch.Tensor]]],
+                   family_cfg: GPTFamilyConfig) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Megatron ``(global name, full tensor)`` -> HF ``(name, full tensor)``, tensor by tensor."""
+    return convert_megatron_to_hf(_items(megatron_iter), family_cfg, layer_mapping(family_cfg))
+
+
+def load_hf_weights_into(model_chunks: List[torch.nn.Module], hf_state_dict,
+                         family_cfg: Optional[GPTFamilyConfig] = None, tp_group=None) -> List[str]:
+    """Shard an HF state dict onto this rank's chunks; every HF tensor consumed exactly once and
+    every local parameter filled (ValueError naming the tensor otherwise). ``family_cfg`` defaults
+    to the ``family_cfg`` attribute the actor puts on its model chunks."""
+    if family_cfg is None:
+        from .sharding import unwrap_model
+
+        family_cfg = getattr(unwrap_model(model_chunks[0]), "family_cfg", None)
+        if family_cfg is None:
+            raise ValueError("load_hf_weights_into needs family_cfg (the chunks carry none)")
+    return load_megatron_state_into(model_chunks, hf_to_megatron(hf_state_dict, family_cfg),
+                                    family_cfg.tie_word_embeddings, tp_group=tp_group)
+
+
+def export_hf_state(model_chunks: List[torch.nn.Module], family_cfg: GPTFamilyConfig,
+                    what: str = "param", tp_group=None) -> Iterator[Tuple[str, torch.Tensor]]:
+    """This rank's pipeline stage as HF ``(name, full tensor)``; collective over the TP group."""
+    return megatron_to_hf(gather_full_tensors(model_chunks, what=what, tp_group=tp_group), family_cfg)

@@ -1,0 +1,9 @@
+"""Qwen3 HF <-> Megatron per-layer name table: dense layer + QK-norm weights."""
+from __future__ import annotations
+
+from ..common import GPTFamilyConfig, LayerMapping, dense_layer_mapping
+
+
+def layer_mapping(cfg: GPTFamilyConfig) -> LayerMapping:
+    assert cfg.qk_layernorm, "qwen3 always has QK-norm"
+    return dense_layer_mapping(cfg)

@@ -1,0 +1,46 @@
+"""Qwen3-MoE HF config -> :class:`GPTFamilyConfig` (attention of Qwen3 + a routed-expert MLP).
+
+Routing: softmax over all experts, top-k, renormalised when ``norm_topk_prob`` -- megatron's
+``topk -> softmax`` (``moe_router_pre_softmax=False``) gives exactly that; without renormalisation
+``moe_router_pre_softmax=True``. No token dropping (no capacity factor), no load-balancing loss
+(RL fine-tuning; HF only adds it when asked for router logits), no shared experts.
+
+On CPU only the ``allgather`` token dispatcher works (``alltoall`` creates a ``torch.cuda.Stream``
+in ``MoEAlltoAllTokenDispatcher.__init__``), and megatron refuses ``allgather`` with
+``variable_seq_lengths``, which the actor needs for pipeline parallelism: MoE on CPU is limited to
+PP=1 (EP=1 or EP>1 over gloo both work). On GPU the ``alltoall`` dispatcher is used.
+
+Left out: ``mlp_only_layers`` / ``decoder_sparse_step != 1`` (mixed dense/MoE stacks) ->
+NotImplementedError; grouped-GEMM expert layouts (``moe_grouped_gemm``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..common import GPTFamilyConfig, _get
+from ..qwen3.config import from_hf_config as qwen3_config
+
+
+def from_hf_config(hf_config, spec: str = "local") -> GPTFamilyConfig:
+    if _get(hf_config, "mlp_only_layers", None):
+        raise NotImplementedError("qwen3_moe: mlp_only_layers (dense layers in an MoE stack) is not supported")
+    if int(_get(hf_config, "decoder_sparse_step", 1)) != 1:
+        raise NotImplementedError("qwen3_moe: decoder_sparse_step != 1 is not supported")
+    base = qwen3_config(hf_config, spec=spec, family="qwen3_moe")
+    num_experts = int(_get(hf_config, "num_experts"))
+    moe_kwargs = dict(
+        num_moe_experts=num_experts,
+        moe_router_topk=int(_get(hf_config, "num_experts_per_tok")),
+        moe_ffn_hidden_size=int(_get(hf_config, "moe_intermediate_size")),
+        moe_router_pre_softmax=not bool(_get(hf_config, "norm_topk_prob", True)),
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+    )
+    extra = dict(base.extra, num_experts=num_experts, moe_transformer_kwargs=moe_kwargs)
+    return dataclasses.replace(base, extra=extra)

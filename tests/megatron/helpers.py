@@ -1,0 +1,172 @@
+"""Tiny Hugging Face models, random rollout batches and the single-process HF reference.
+
+The reference is the plain transformers model (eager attention, fp32) with the SAME weights as
+the Megatron actor: log-probs/entropy from ``log_softmax`` of its logits, the loss from
+``compute_policy_loss`` over the whole mini-batch at once, gradients by autograd, and one step of
+``torch.optim.AdamW`` (weight decay only on >=2-D weights, like megatron) after
+``clip_grad_norm_``.
+"""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+from megatron_tepo.actor.batch import RolloutBatch
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def tiny_hf_config(family: str, tie: bool = False, **overrides):
+    import transformers
+
+    kw = dict(TINY, tie_word_embeddings=tie, rms_norm_eps=1e-6)
+    if family == "qwen3":
+        kw.update(head_dim=32, rope_theta=1e6)  # head_dim != hidden / heads on purpose
+        cls = transformers.Qwen3Config
+    elif family == "qwen2":
+        kw.update(rope_theta=1e6)
+        cls = transformers.Qwen2Config
+    elif family == "qwen3_moe":
+        kw.update(head_dim=32, rope_theta=1e6, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+                  mlp_only_layers=[])
+        cls = transformers.Qwen3MoeConfig
+    elif family == "llama":
+        kw.update(rope_theta=5e5)
+        cls = transformers.LlamaConfig
+    else:
+        raise ValueError(family)
+    kw.update(overrides)
+    cfg = cls(**kw)
+    cfg.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
+    return cfg
+
+
+def make_hf_model(hf_config, seed: int = 0):
+    """Random init with randomised norm weights and biases (so a wrong mapping shows)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager",
+                                                         dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    return model.float()
+
+
+def checkpoint_names(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """transformers>=5 keeps MoE experts fused in memory (``mlp.experts.gate_up_proj`` [E, 2I, H],
+    ``mlp.experts.down_proj`` [E, H, I]); checkpoints (and the mapping) use one tensor per expert."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{prefix}{e}.gate_proj.weight"] = gate.clone()
+                out[f"{prefix}{e}.up_proj.weight"] = up.clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = t[e].clone()
+        else:
+            out[name] = t
+    return out
+
+
+def hf_state(model) -> Dict[str, torch.Tensor]:
+    """The model's tensors as a checkpoint holds them (tied lm_head dropped)."""
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return checkpoint_names(state)
+
+
+def hf_param_names(model) -> list:
+    return sorted(checkpoint_names({n: p.detach() for n, p in model.named_parameters()}))
+
+
+def make_batch(seed: int, batch_size: int = 8, vocab: int = 256, max_prompt: int = 10,
+               max_resp: int = 14, train: bool = True) -> RolloutBatch:
+    """Variable prompt lengths (1..max_prompt), variable responses (some with holes, one empty)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(1, max_prompt + 1, (batch_size,), generator=g)
+    resp_lens = torch.randint(1, max_resp + 1, (batch_size,), generator=g)
+    resp_lens[-1] = 0  # one empty response
+    length = int((prompt_lens + resp_lens).max())
+    input_ids = torch.randint(0, vocab, (batch_size, length), generator=g)
+    mask = torch.zeros(batch_size, max_resp)
+    for i in range(batch_size):
+        mask[i, : resp_lens[i]] = 1
+        input_ids[i, prompt_lens[i] + resp_lens[i]:] = 0  # right padding
+    mask[0, 1] = 0  # a hole inside a response
+    batch = RolloutBatch(input_ids=input_ids, prompt_lens=prompt_lens, response_mask=mask)
+    if train:
+        # mixed signs, but not mean-zero: a near-zero loss would make its relative error meaningless
+        batch.advantages = (torch.randn(batch_size, max_resp, generator=g) + 1.0) * mask
+        batch.old_entropy = torch.rand(batch_size, max_resp, generator=g) * mask
+    return batch
+
+
+def hf_log_probs(model, batch: RolloutBatch, temperature: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Reference per-response-token log-probs and entropy (0 on padding), differentiable."""
+    logits = model(input_ids=batch.input_ids).logits.float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    b, s = batch.input_ids.shape
+    r = batch.response_len
+    target = batch.prompt_lens[:, None] + torch.arange(r)[None]
+    valid = (target < s) & (batch.response_mask != 0)
+    target = target.clamp(max=s - 1)
+    rows = torch.arange(b)[:, None]
+    lp_rows = logp_all[rows, target - 1]  # [b, r, V]
+    labels = batch.input_ids.gather(1, target)
+    lp = lp_rows.gather(-1, labels[..., None]).squeeze(-1)
+    ent = -(lp_rows.exp() * lp_rows).sum(-1)
+    return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
+
+
+def hf_reference_step(model, batch: RolloutBatch, loss_cfg: dict, lr: float, betas, eps: float,
+                      weight_decay: float, clip_grad: float, temperature: float = 1.0):
+    """(loss, metrics, grads by HF name, params after one AdamW step by HF name)."""
+    from megatron_tepo.algorithms import compute_policy_loss
+
+    cfg = dict(loss_cfg)
+    name = cfg.pop("name")
+    cfg.pop("temperature", None)
+    model.zero_grad(set_to_none=True)
+    lp, ent = hf_log_probs(model, batch, temperature)
+
+    def f64(t):  # the loss arithmetic in fp64, so the reference adds no rounding of its own
+        return None if t is None else t.double()
+
+    loss, metrics = compute_policy_loss(name, f64(lp), f64(batch.old_log_probs), f64(batch.advantages),
+                                        batch.response_mask, entropy=f64(ent),
+                                        old_entropy=f64(batch.old_entropy),
+                                        ref_log_prob=f64(batch.ref_log_probs), **cfg)
+    loss.backward()
+    grads = checkpoint_names({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    params = [p for p in model.parameters()]
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1 and not n.endswith(".bias")]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() > 1 and not n.endswith(".bias"))]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
+    if clip_grad > 0:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip_grad))
+    else:
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+    opt.step()
+    after = checkpoint_names({n: p.detach().clone() for n, p in model.named_parameters()})
+    return float(loss.detach()), {k: float(v) for k, v in metrics.items()}, grads, after, grad_norm
+
+
+def max_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    scale = float(ref.abs().max())
+    return float((got - ref).abs().max()) / max(scale, 1e-30)

@@ -1,0 +1,124 @@
+"""torchrun worker: the Megatron actor against a single-process Hugging Face reference.
+
+argv[1]: JSON list of cases ``{"family", "tie", "tp", "pp", "dist_opt", "loss", "mb_tokens",
+"mb_invariance"}``. Every rank builds the same HF model (random weights, randomised norms/biases)
+and the same mini-batch; the actor gets its DP share; the HF reference runs the WHOLE mini-batch in
+this process. Each rank writes, per case, the max errors it measured on its own stage.
+"""
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+
+from tests.dist_utils import write_result
+from tests.megatron.helpers import (
+    hf_log_probs,
+    hf_param_names,
+    hf_reference_step,
+    hf_state,
+    make_batch,
+    make_hf_model,
+    max_rel_err,
+    tiny_hf_config,
+)
+
+OPT = dict(lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-6, weight_decay=0.1, clip_grad=0.5)
+
+
+def run_case(case):
+    from megatron.core import parallel_state as ps
+
+    from megatron_tepo.actor.actor import MegatronActor, OptimConfig
+    from megatron_tepo.actor.parallel import ParallelLayout
+    from megatron_tepo.models.sharding import gather_full_tensors
+
+    torch.manual_seed(0)
+    hf_cfg = tiny_hf_config(case["family"], tie=case["tie"])
+    model = make_hf_model(hf_cfg, seed=case.get("seed", 0))
+    batch = make_batch(seed=case.get("seed", 0) + 1)
+    initial = hf_state(model)
+    optim = OptimConfig(**OPT, use_distributed_optimizer=case.get("dist_opt", False))
+    source_cfg, source_weights = hf_cfg, hf_state(model)
+    if case.get("from_dir"):  # a saved HF model directory: config.json + *.safetensors
+        from safetensors.torch import save_file
+
+        # (save_pretrained writes on global rank 0 only once torch.distributed is up)
+        path = tempfile.mkdtemp(prefix="mtepo_hf_")
+        hf_cfg.to_json_file(os.path.join(path, "config.json"))
+        save_file(source_weights, os.path.join(path, "model.safetensors"))
+        source_cfg = source_weights = path
+    actor = MegatronActor(source_cfg, hf_weights=source_weights,
+                          layout=ParallelLayout(tp=case["tp"], pp=case["pp"], ep=case.get("ep", 1)), optim=optim,
+                          max_tokens_per_micro_batch=case.get("mb_tokens", 64))
+    if case.get("from_dir"):
+        shutil.rmtree(source_cfg)
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    out = {"case": case, "dp": dp, "pp_rank": ps.get_pipeline_model_parallel_rank(),
+           "hf_names": hf_param_names(model)}
+
+    # --- old-policy pass
+    with torch.no_grad():
+        ref_lp, ref_ent = hf_log_probs(model, batch)
+    g = torch.Generator().manual_seed(7)
+    batch.old_log_probs = (ref_lp + 0.05 * torch.randn(ref_lp.shape, generator=g)) * batch.response_mask
+    if case["loss"].get("kl_coef"):
+        batch.ref_log_probs = (ref_lp + 0.05 * torch.randn(ref_lp.shape, generator=g)) * batch.response_mask
+    local = batch.split_for_data_parallel(dp_rank, dp)
+    rows = slice(*[int(x) for x in torch.linspace(0, batch.batch_size, dp + 1).round()[dp_rank:dp_rank + 2]])
+    lp, ent = actor.compute_log_probs(local)
+    out["logprob_abs_err"] = float((lp - ref_lp[rows]).abs().max())
+    out["entropy_abs_err"] = float((ent - ref_ent[rows]).abs().max())
+
+    # --- the same mini-batch as 1 and as 4 micro-batches
+    if case.get("mb_invariance"):
+        grads = {}
+        for budget in (10**6, 1):
+            actor.max_tokens_per_micro_batch = budget
+            m = actor.forward_backward(local, case["loss"])
+            grads[int(m["num_micro_batches"])] = dict(gather_full_tensors(actor.model, "grad"))
+        out["mb_counts"] = sorted(grads)
+        a, b = (grads[k] for k in sorted(grads))
+        out["mb_invariance_rel_err"] = max(max_rel_err(a[n], b[n]) for n in a)
+        actor.max_tokens_per_micro_batch = case.get("mb_tokens", 64)
+
+    # --- one training step
+    metrics = actor.forward_backward(local, case["loss"])
+    grads = dict(actor.export_hf_state("grad"))
+    mgrads = dict(gather_full_tensors(actor.model, "grad"))
+    ref_loss, ref_metrics, ref_grads, ref_after, ref_norm = hf_reference_step(
+        model, batch, case["loss"], lr=OPT["lr"], betas=(OPT["adam_beta1"], OPT["adam_beta2"]),
+        eps=OPT["adam_eps"], weight_decay=OPT["weight_decay"], clip_grad=OPT["clip_grad"])
+    out["loss"], out["ref_loss"] = metrics["loss"], ref_loss
+    out["loss_rel_err"] = abs(metrics["loss"] - ref_loss) / abs(ref_loss)
+    out["num_micro_batches"] = metrics["num_micro_batches"]
+    out["metric_errs"] = {k: abs(metrics[k] - ref_metrics[k]) for k in ref_metrics if k in metrics}
+    out["grad_names"] = sorted(grads)
+    out["grad_rel_err"] = {n: max_rel_err(grads[n], ref_grads[n]) for n in grads}
+    if case["tie"] and "output_layer.weight" in mgrads:  # the last stage's copy of the embedding
+        out["tied_copy_grad_rel_err"] = max_rel_err(mgrads["output_layer.weight"],
+                                                    ref_grads["model.embed_tokens.weight"])
+    step = actor.optimizer_step()
+    out["grad_norm"], out["ref_grad_norm"], out["lr"] = step["grad_norm"], ref_norm, step["lr"]
+    params = dict(actor.export_hf_state("param"))
+    out["param_abs_err"] = {n: float((params[n] - ref_after[n]).abs().max()) for n in params}
+    out["param_rel_err"] = {n: max_rel_err(params[n], ref_after[n]) for n in params}
+    out["min_param_update"] = min(float((ref_after[n] - initial[n]).abs().max()) for n in params)
+    mparams = dict(gather_full_tensors(actor.model, "param"))
+    if case["tie"] and "output_layer.weight" in mparams:
+        out["tied_copy_param_abs_err"] = float((mparams["output_layer.weight"]
+                                                - ref_after["model.embed_tokens.weight"]).abs().max())
+    return out
+
+
+def main():
+    cases = json.loads(sys.argv[1])
+    write_result({"cases": [run_case(c) for c in cases]})
+
+
+if __name__ == "__main__":
+    main()
