@@ -81,15 +81,24 @@ class RolloutConfig:
 
 @dataclass
 class OptimConfig:
+    """Adam (fp32 master weights), gradient clipping and the LR schedule of the actor.
+
+    The schedule is megatron's ``OptimizerParamScheduler``: linear warmup from ``lr_warmup_init``
+    to ``lr`` over ``lr_warmup_steps``, then ``lr_decay_style`` decay to ``min_lr`` at
+    ``lr_decay_steps`` (None: the run's total number of optimizer steps).
+    """
+
     lr: float = 5e-7
     min_lr: float = 0.0
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    lr_warmup_steps: int = 0
+    lr_warmup_init: float = 0.0
+    lr_decay_steps: Optional[int] = None
+    weight_decay: float = 0.0  # not applied to biases and 1-D params (megatron's rule)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    clip_grad: float = 1.0  # 0 disables clipping
     use_distributed_optimizer: bool = False
 
 
@@ -394,7 +403,11 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.top_p: must be in (0, 1], got {r.top_p!r}")
     o = cfg.optim
     _positive(o, "optim", ["lr"])
-    _positive(o, "optim", ["min_lr", "warmup_steps", "weight_decay", "clip_grad"], allow_zero=True)
+    _positive(o, "optim", ["min_lr", "lr_warmup_steps", "lr_warmup_init", "weight_decay", "clip_grad"],
+              allow_zero=True)
+    if o.lr_decay_steps is not None and o.lr_decay_steps <= o.lr_warmup_steps:
+        raise ConfigError(f"optim.lr_decay_steps: must exceed optim.lr_warmup_steps "
+                          f"({o.lr_warmup_steps}), got {o.lr_decay_steps}")
     t = cfg.train
     _positive(t, "train", ["steps", "mini_batch_prompts", "epochs_per_step", "max_tokens_per_micro_batch"])
     _positive(t, "train", ["save_every", "eval_every"], allow_zero=True)

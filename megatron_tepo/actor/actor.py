@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -45,6 +44,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_tepo.actor.batch import RolloutBatch
+from megatron_tepo.config import OptimConfig
+from megatron_tepo.megatron.gpt import build_gpt_chunk, transformer_config
 from megatron_tepo.actor.batching import equalize_micro_batch_count, plan_micro_batches
 from megatron_tepo.actor.parallel import ParallelLayout, initialize_parallel
 from megatron_tepo.models import (
@@ -53,31 +54,11 @@ from megatron_tepo.models import (
     family_config_from_hf,
     load_hf_weights_into,
 )
-from megatron_tepo.models.spec import get_layer_spec
 
 __all__ = ["OptimConfig", "MegatronActor", "build_lr_scheduler", "response_log_probs", "SUMMED_METRICS"]
 
 #: Loss metrics already divided by the global normaliser: the mini-batch value is their sum.
 SUMMED_METRICS = ("pg_loss",)
-
-
-@dataclass
-class OptimConfig:
-    """Adam (fp32) + clipping + LR schedule. ``lr_decay_style``: constant | linear | cosine."""
-
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0  # not applied to biases and 1-D params (megatron's standard rule)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0  # 0 disables clipping
-    use_distributed_optimizer: bool = False
-    lr_warmup_steps: int = 0
-    lr_warmup_init: float = 0.0  # lr at step 0 of the warmup
-    lr_decay_steps: Optional[int] = None  # defaults to max(total_steps, warmup + 1)
-    lr_decay_style: str = "constant"
-    total_steps: int = 1000
 
 
 def _load_hf_config(hf_config):
@@ -134,15 +115,16 @@ def response_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, prompt_len
     return torch.where(valid, log_probs, zero), torch.where(valid, entropy, zero)
 
 
-def build_lr_scheduler(optimizer, o: OptimConfig):
+def build_lr_scheduler(optimizer, o: OptimConfig, total_steps: int = 1000):
     """megatron's ``OptimizerParamScheduler``: linear warmup from ``lr_warmup_init`` to ``lr`` over
-    ``lr_warmup_steps``, then constant / linear / cosine decay to ``min_lr`` at ``lr_decay_steps``.
+    ``lr_warmup_steps``, then constant / linear / cosine decay to ``min_lr`` at ``lr_decay_steps``
+    (default: ``total_steps``, the run's number of optimizer steps).
     Step 0 (the first optimizer step) uses the lr at ``num_steps=0``."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     if o.lr_decay_style not in ("constant", "linear", "cosine"):
         raise ValueError(f"lr_decay_style must be constant, linear or cosine, got {o.lr_decay_style!r}")
-    decay = o.lr_decay_steps or max(o.total_steps, o.lr_warmup_steps + 1)
+    decay = o.lr_decay_steps or max(total_steps, o.lr_warmup_steps + 1)
     return OptimizerParamScheduler(
         optimizer, init_lr=o.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr,
         lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=decay, lr_decay_style=o.lr_decay_style,
@@ -170,15 +152,18 @@ class MegatronActor:
         max_tokens_per_micro_batch: token budget (padded length x rows) of a micro-batch.
         spec: "local" / "te" layer spec; None = TE when importable.
         seed: megatron's model-parallel RNG seed (initialisation when no weights are given).
+        total_steps: optimizer steps of the whole run (the LR decay horizon unless
+            ``optim.lr_decay_steps`` is set).
     """
 
     def __init__(self, hf_config, hf_weights=None, layout: Optional[ParallelLayout] = None,
                  optim: Optional[OptimConfig] = None, max_tokens_per_micro_batch: int = 4096,
-                 spec: Optional[str] = None, seed: int = 1234):
+                 spec: Optional[str] = None, seed: int = 1234, total_steps: int = 1000):
         self.family_cfg: GPTFamilyConfig = family_config_from_hf(_load_hf_config(hf_config), spec=spec)
         self.layout = layout = layout or ParallelLayout()
         self.optim_cfg = optim or OptimConfig()
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        self.total_steps = total_steps
         self.dp_size = initialize_parallel(layout, self.family_cfg, seed=seed)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -199,44 +184,15 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ construction
     def _transformer_config(self):
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
-        kw = self.family_cfg.transformer_config_kwargs()
-        if self.family_cfg.extra.get("num_experts"):
-            kw.update(self.family_cfg.extra["moe_transformer_kwargs"])
-        else:
-            # unused by dense layers, but the default "allgather" makes TransformerConfig refuse
-            # variable_seq_lengths (needed for PP with token-budget micro-batches)
-            kw["moe_token_dispatcher_type"] = "alltoall"
-        return TransformerConfig(
-            **kw,
-            tensor_model_parallel_size=self.layout.tp,
-            pipeline_model_parallel_size=self.layout.pp,
-            expert_model_parallel_size=self.layout.ep,
+        return transformer_config(
+            self.family_cfg, tp=self.layout.tp, pp=self.layout.pp, ep=self.layout.ep,
             sequence_parallel=self.layout.sequence_parallel,
-            params_dtype=torch.float32,
-            pipeline_dtype=torch.float32,
-            use_cpu_initialization=True,
-            gradient_accumulation_fusion=False,
-            apply_rope_fusion=False,
-            persist_layer_norm=False,
-            bias_activation_fusion=False,
-            bias_dropout_fusion=False,
-            masked_softmax_fusion=False,
-            variable_seq_lengths=self.layout.pp > 1,
-            calculate_per_token_loss=True,
-        )
+            variable_seq_lengths=self.layout.pp > 1,  # token-budget micro-batches vary in shape
+            calculate_per_token_loss=True)  # see the module docstring: exact gradient sums
 
     def _build_model_chunk(self):
-        from megatron.core.models.gpt import GPTModel
-
-        cfg = self.family_cfg
-        spec = get_layer_spec(cfg, num_experts=cfg.extra.get("num_experts"))
-        model = GPTModel(config=self.config, transformer_layer_spec=spec,
-                         pre_process=self._ps.is_pipeline_first_stage(),
-                         post_process=self._ps.is_pipeline_last_stage(),
-                         **cfg.gpt_model_kwargs())
-        return model.to(self.device)
+        return build_gpt_chunk(self.config, self.family_cfg, self._ps.is_pipeline_first_stage(),
+                               self._ps.is_pipeline_last_stage()).to(self.device)
 
     def _wrap_ddp(self, chunk):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -258,7 +214,7 @@ class MegatronActor:
         return get_megatron_optimizer(cfg, self.model)
 
     def _build_scheduler(self):
-        return build_lr_scheduler(self.optimizer, self.optim_cfg)
+        return build_lr_scheduler(self.optimizer, self.optim_cfg, self.total_steps)
 
     def _finalize_grads(self, model, num_tokens=None, pg_collection=None, force_all_reduce=False):
         """megatron's finalize_model_grads without its division by the token count (see module doc)."""

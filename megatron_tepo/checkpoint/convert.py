@@ -47,7 +47,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -183,29 +183,14 @@ def build_gpt_model(family_cfg, params_dtype: torch.dtype = torch.float32, initi
     is only right at TP=1 or when loading through ``sharded_state_dict`` (which does not use
     them); it is what the meta-device export model uses."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_tepo.models.spec import get_layer_spec
+    from megatron_tepo.megatron.gpt import build_gpt_chunk, transformer_config
 
-    kw = family_cfg.transformer_config_kwargs()
-    num_experts = family_cfg.extra.get("num_experts") if family_cfg.extra else None
-    if num_experts:
-        kw.update(family_cfg.extra["moe_transformer_kwargs"])
-    pp = ps.get_pipeline_model_parallel_world_size()
-    config = TransformerConfig(
-        **kw,
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-        params_dtype=params_dtype, pipeline_dtype=params_dtype,
-        use_cpu_initialization=True, perform_initialization=initialize,
-        gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-    )
-    return GPTModel(config=config, transformer_layer_spec=get_layer_spec(family_cfg, num_experts=num_experts),
-                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                    **family_cfg.gpt_model_kwargs())
+    config = transformer_config(
+        family_cfg, tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(), ep=ps.get_expert_model_parallel_world_size(),
+        params_dtype=params_dtype, initialize=initialize)
+    return build_gpt_chunk(config, family_cfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
 
 
 def load_checkpoint_into(model: torch.nn.Module, megatron_dir) -> None:
@@ -352,7 +337,6 @@ def convert_megatron_to_hf(megatron_dir, out_dir, force: bool = False,
     """Write a checkpoint made by :func:`convert_hf_to_megatron` (any saved TP/PP) back as an HF
     directory: sharded safetensors + index + config/generation config/tokenizer files.
     Runs in ONE process (a 1-process gloo group is started when none exists)."""
-    from megatron.core import dist_checkpointing
 
     t_start = time.time()
     src = Path(megatron_dir)
