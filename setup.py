@@ -20,6 +20,9 @@ setup(
         "torch>=2.4",
         "pyyaml>=6",
         "numpy>=1.24",
+        # rewards and data: math-verify (with its LaTeX parser) and Parquet prompt files
+        "math-verify[antlr4_13_2]>=0.7",
+        "pyarrow>=14",
     ],
     extras_require={
         # The Megatron actor on CPU (gloo) or GPU; psutil is an undeclared need of dist_checkpointing.
