@@ -23,6 +23,7 @@ setup(
         # rewards and data: math-verify (with its LaTeX parser) and Parquet prompt files
         "math-verify[antlr4_13_2]>=0.7",
         "pyarrow>=14",
+        "matplotlib>=3.7",  # tools/plot_metrics.py
     ],
     extras_require={
         # The Megatron actor on CPU (gloo) or GPU; psutil is an undeclared need of dist_checkpointing.
