@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""The main job: a tiny TEPO run on CPU that shows held-out accuracy going up, with a picture.
+
+What it does, in order:
+1. builds a character tokenizer and a tiny Qwen3 (2 layers, hidden 128) locally -- no hub;
+2. warms it up with a short supervised run on two-digit addition ("37+45=" -> "82"), cached under
+   ``.cache/tiny_tepo`` so later runs skip it;
+3. runs TEPO (examples/tiny_tepo/config.yaml; any ablation config works with --config) with the
+   Megatron actor (one process, gloo) and the embedded rollout engine, syncing weights after every
+   step;
+4. prints greedy held-out accuracy before and after, writes metrics.jsonl, summary.json and
+   curves.png to the output directory.
+
+Deliberately left out: real math data and math-verify (the reward is exact match of the sum),
+SGLang, parallelism beyond one process, checkpointing. It is a demonstration that the whole loop
+learns, sized for 2 CPU cores in a few minutes, not a benchmark.
+
+    python examples/tiny_tepo/run.py [--config FILE] [override ...]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+PAD, EOS = 0, 1
+CHARS = "0123456789+="
+VOCAB = 16  # PAD, EOS, 12 characters, 2 spare (divisible by TP=2 and 4)
+
+
+def encode(text):
+    return [2 + CHARS.index(c) for c in text]
+
+
+def decode(ids):
+    out = []
+    for t in ids:
+        if t == EOS:
+            break
+        if 2 <= t < 2 + len(CHARS):
+            out.append(CHARS[t - 2])
+    return "".join(out)
+
+
+def problems(n, seed):
+    rng = random.Random(seed)
+    items = []
+    for _ in range(n):
+        a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+        items.append((encode(f"{a}+{b}="), str(a + b)))
+    return items
+
+
+def reward_fn(responses, answers):
+    return [1.0 if decode(r) == a else 0.0 for r, a in zip(responses, answers)]
+
+
+def tiny_qwen3_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+                       tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
+
+
+def warm_up(cache_dir: Path, steps=300, batch=64, lr=3e-3, seed=0) -> Path:
+    """Supervised warm-up on addition (cached by its settings)."""
+    key = hashlib.sha1(json.dumps([steps, batch, lr, seed, VOCAB, CHARS, "v1"]).encode()).hexdigest()[:10]
+    out = cache_dir / f"sft-{key}"
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_qwen3_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng = random.Random(seed)
+    t = time.time()
+    for step in range(steps):
+        rows = []
+        for _ in range(batch):
+            a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+            rows.append(encode(f"{a}+{b}=") + encode(str(a + b)) + [EOS])
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
+        labels = ids.clone()
+        labels[:, :6] = -100  # learn the answer only
+        labels[ids == PAD] = -100
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    print(f"[warm-up] {steps} supervised steps in {time.time() - t:.0f}s, final loss {loss.item():.3f}")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tmp.replace(out)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="tiny TEPO run on CPU")
+    ap.add_argument("--config", default=str(REPO / "examples/tiny_tepo/config.yaml"))
+    ap.add_argument("--eval-size", type=int, default=200)
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
+    args = ap.parse_args(argv)
+
+    from megatron_tepo.config import dump_config, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    torch.manual_seed(cfg.train.seed)
+    out = Path(cfg.train.output_dir)
+    if not out.is_absolute():
+        out = REPO / out
+    out.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, out / "config.yaml")
+    sft_dir = warm_up(REPO / ".cache" / "tiny_tepo")
+
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
+                       ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    from transformers import AutoModelForCausalLM
+
+    from megatron_tepo.actor import MegatronActor, ParallelLayout
+    from megatron_tepo.metrics import MetricsLogger
+    from megatron_tepo.rollout.embedded import EmbeddedEngine
+    from megatron_tepo.trainer import Task, evaluate, train
+
+    steps_total = cfg.train.steps * cfg.train.epochs_per_step * (cfg.rollout.prompts_per_step // cfg.train.mini_batch_prompts)
+    actor = MegatronActor(str(sft_dir), hf_weights=str(sft_dir), layout=ParallelLayout(tp=cfg.parallel.tp, pp=cfg.parallel.pp),
+                          optim=cfg.optim, max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
+                          seed=cfg.train.seed, total_steps=steps_total)
+    engine = EmbeddedEngine(AutoModelForCausalLM.from_pretrained(sft_dir, dtype=torch.float32), seed=cfg.train.seed,
+                            pad_token_id=PAD)
+    train_items, eval_items = problems(5000, seed=1), problems(args.eval_size, seed=2)
+    task = Task([p for p, _ in train_items], [a for _, a in train_items], reward_fn, stop_token_ids=[EOS],
+                pad_token_id=PAD)
+
+    def held_out():
+        return evaluate(engine, [p for p, _ in eval_items], [a for _, a in eval_items], reward_fn, [EOS],
+                        max_new_tokens=cfg.rollout.max_new_tokens)["avg@1"]
+
+    t0 = time.time()
+    before = held_out()
+    print(f"[tepo] loss={cfg.algorithm.loss} kl_coef={cfg.algorithm.kl_coef} kl_mask={cfg.algorithm.kl_mask}; "
+          f"held-out greedy accuracy before: {before:.3f}")
+    log_path = out / "metrics.jsonl"
+    if log_path.exists():
+        log_path.unlink()
+    logger = MetricsLogger(log_path)
+
+    def progress(step, m):
+        print(f"[step {step:3d}/{cfg.train.steps}] reward {m['reward_mean']:.3f}  entropy {m.get('entropy', 0):.3f}  "
+              f"clip {m.get('clip_frac', 0):.3f}  kl_mask {m.get('kl_mask_frac', 0):.3f}  "
+              f"grad_norm {m.get('grad_norm', 0):.2f}  dropped {m['groups_dropped']}  {m['step_s']:.1f}s", flush=True)
+
+    train(cfg, actor, engine, task, logger=logger, on_step=progress)
+    logger.close()
+    after = held_out()
+    summary = {"accuracy_before": before, "accuracy_after": after, "improvement": after - before,
+               "steps": cfg.train.steps, "seconds": time.time() - t0, "loss": cfg.algorithm.loss}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    sys.path.insert(0, str(REPO / "tools"))
+    from plot_metrics import plot
+
+    png = plot([str(log_path)], [cfg.algorithm.loss], out / "curves.png", smooth=5)
+    print(f"[tepo] held-out greedy accuracy: before {before:.3f} -> after {after:.3f} "
+          f"(improvement {after - before:+.3f}) in {summary['seconds']:.0f}s; plot: {png}")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

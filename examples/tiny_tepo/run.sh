@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The main job: installs what it needs (tools/setup_env.sh), then runs a tiny TEPO on CPU with the
+# embedded engine (examples/tiny_tepo/run.py; arguments are passed on, e.g. train.steps=50).
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+py="$(bash "$repo/tools/setup_env.sh" | tail -n 1)"
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=""
+exec "$py" "$repo/examples/tiny_tepo/run.py" "$@"

@@ -1,0 +1,171 @@
+"""The RL loop, top to bottom: generate -> reward -> dynamic sampling -> advantages -> old
+log-probs -> N policy updates -> weight sync -> log / evaluate.
+
+:func:`train` is the whole loop on one screen; the helpers above it are small and separately
+tested. Everything algorithmic comes from ``megatron_tepo.algorithms`` through the run config, so
+every loss and ablation config runs through it unchanged.
+
+Left out for now (tracked on the trainer issue): checkpoint/resume of the RL state, the SGLang
+fleet as engine (the loop takes any :class:`~megatron_tepo.rollout.engine.RolloutEngine`), a
+reference policy for ``kl_target: ref``, and data-parallel splitting of the rollout batch.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from megatron_tepo.actor.batch import RolloutBatch
+from megatron_tepo.algorithms import compute_group_advantages, filter_groups
+from megatron_tepo.algorithms.advantages import broadcast_to_tokens, gpg_correction
+from megatron_tepo.config import AlgorithmConfig, RunConfig
+
+RewardFn = Callable[[List[List[int]], List[str]], List[float]]
+
+
+@dataclass
+class Task:
+    """What to train on: tokenized prompts with answers, a reward, and how responses end."""
+    train_prompts: List[List[int]]
+    train_answers: List[str]
+    reward_fn: RewardFn  # (response token ids per sample, answer per sample) -> rewards
+    stop_token_ids: Sequence[int]
+    pad_token_id: int = 0
+    eval_prompts: Optional[List[List[int]]] = None
+    eval_answers: Optional[List[str]] = None
+
+
+def loss_settings(alg: AlgorithmConfig, temperature: float) -> Dict:
+    """The actor's ``loss_cfg`` from the run config's algorithm section."""
+    if alg.kl_target != "old":
+        raise NotImplementedError("algorithm.kl_target: 'ref' needs a reference policy, not wired yet")
+    return dict(name=alg.loss, clip_low=alg.clip_low, clip_high=alg.clip_high, agg=alg.agg,
+                kl_coef=alg.kl_coef, kl_estimator=alg.kl_estimator, kl_mask=alg.kl_mask,
+                delta_entropy=alg.delta_entropy, entropy_coef=alg.entropy_coef,
+                entropy_adv_alpha=alg.entropy_adv_alpha, entropy_adv_kappa=alg.entropy_adv_kappa,
+                temperature=temperature, **alg.loss_args)
+
+
+def generate_groups(engine, task: Task, indices: List[int], cfg: RunConfig, rng: random.Random):
+    """Groups for ``prompts_per_step`` prompts, with DAPO dynamic sampling: groups whose rewards
+    are all equal are dropped and fresh prompts drawn, for at most ``max_sampling_rounds`` rounds
+    (counted). Returns (prompt ids, samples per group, rewards per group, stats)."""
+    r = cfg.rollout
+    want = r.prompts_per_step
+    kept_prompts, kept_groups, kept_rewards = [], [], []
+    stats = {"sampling_rounds": 0, "groups_dropped": 0, "groups_generated": 0}
+    queue = list(indices)
+    while len(kept_prompts) < want and stats["sampling_rounds"] < r.max_sampling_rounds:
+        stats["sampling_rounds"] += 1
+        need = want - len(kept_prompts)
+        batch_idx = [queue.pop(0) if queue else rng.randrange(len(task.train_prompts)) for _ in range(need)]
+        prompts = [task.train_prompts[i] for i in batch_idx]
+        groups = engine.generate(prompts, n=r.n_samples, temperature=r.temperature, top_p=r.top_p,
+                                 max_new_tokens=r.max_new_tokens, stop_token_ids=task.stop_token_ids)
+        flat = [s.token_ids for g in groups for s in g]
+        answers = [task.train_answers[i] for i in batch_idx for _ in range(r.n_samples)]
+        rewards = torch.tensor(task.reward_fn(flat, answers), dtype=torch.float32)
+        stats["groups_generated"] += len(groups)
+        keep = filter_groups(rewards, r.n_samples).keep_groups.tolist() if r.dynamic_sampling else [True] * len(groups)
+        for g, (i, group) in enumerate(zip(batch_idx, groups)):
+            if keep[g] and len(kept_prompts) < want:
+                kept_prompts.append(task.train_prompts[i])
+                kept_groups.append(group)
+                kept_rewards.append(rewards[g * r.n_samples:(g + 1) * r.n_samples])
+            elif not keep[g]:
+                stats["groups_dropped"] += 1
+        stats.setdefault("reward_mean_all", float(rewards.mean()))
+    return kept_prompts, kept_groups, kept_rewards, stats
+
+
+def build_batch(prompts: List[List[int]], groups, advantages: torch.Tensor, pad_id: int) -> RolloutBatch:
+    """One row per sample: prompt + response, right-padded; per-token advantages."""
+    rows = [(p, s) for p, g in zip(prompts, groups) for s in g]
+    resp_len = max(1, max(len(s.token_ids) for _, s in rows))
+    width = max(len(p) for p, _ in rows) + resp_len
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), resp_len))
+    for i, (p, s) in enumerate(rows):
+        seq = list(p) + list(s.token_ids)
+        ids[i, :len(seq)] = torch.tensor(seq)
+        mask[i, :len(s.token_ids)] = 1
+    prompt_lens = torch.tensor([len(p) for p, _ in rows])
+    return RolloutBatch(input_ids=ids, prompt_lens=prompt_lens, response_mask=mask,
+                        advantages=broadcast_to_tokens(advantages, mask))
+
+
+def sync_weights(actor, engine) -> float:
+    """Push the actor's weights (HF names, full tensors) into the engine; returns seconds."""
+    t = time.time()
+    engine.update_weights(actor.export_hf_state())
+    engine.flush_cache()
+    return time.time() - t
+
+
+def evaluate(engine, prompts, answers, reward_fn: RewardFn, stop_token_ids, *, n: int = 1,
+             temperature: float = 1e-5, max_new_tokens: int = 16) -> Dict[str, float]:
+    """avg@n (mean reward) and pass@n (any sample correct) over held-out prompts."""
+    groups = engine.generate(prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens,
+                             stop_token_ids=stop_token_ids)
+    flat = [s.token_ids for g in groups for s in g]
+    rewards = torch.tensor(reward_fn(flat, [a for a in answers for _ in range(n)])).view(len(prompts), n)
+    return {f"avg@{n}": float(rewards.mean()), f"pass@{n}": float((rewards.max(1).values > 0).float().mean())}
+
+
+def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
+          on_step: Optional[Callable[[int, Dict], None]] = None) -> List[Dict[str, float]]:
+    """The RL loop. Returns the per-step metrics (also logged)."""
+    rng = random.Random(cfg.train.seed)
+    order = list(range(len(task.train_prompts)))
+    loss_cfg = loss_settings(cfg.algorithm, cfg.rollout.temperature)
+    n = cfg.rollout.n_samples
+    history = []
+    for step in range(1, cfg.train.steps + 1):
+        t0 = time.time()
+        rng.shuffle(order)
+        # 1. generate -> reward -> dynamic sampling
+        prompts, groups, rewards, gen = generate_groups(engine, task, order[:cfg.rollout.prompts_per_step], cfg, rng)
+        if not prompts:
+            history.append({"step": step, "skipped": 1.0, **gen})
+            continue
+        reward = torch.cat(rewards)
+        # 2. advantages (eq. 9), GPG's correction when configured
+        adv = compute_group_advantages(reward, n, std_normalize=cfg.advantage.std_normalize, eps=cfg.advantage.eps)
+        if cfg.advantage.gpg_correction:
+            adv = adv * gpg_correction(reward, n)
+        batch = build_batch(prompts, groups, adv, task.pad_token_id)
+        # 3. old log-probs and entropy from the actor (the rollout policy, recomputed)
+        batch.old_log_probs, batch.old_entropy = actor.compute_log_probs(batch, cfg.rollout.temperature)
+        drift = _drift(batch, groups)
+        # 4. policy updates over mini-batches of prompts
+        rows_per_mb = cfg.train.mini_batch_prompts * n
+        updates = []
+        for _ in range(cfg.train.epochs_per_step):
+            for start in range(0, batch.batch_size, rows_per_mb):
+                mb = batch.select(range(start, min(start + rows_per_mb, batch.batch_size)))
+                updates.append(actor.train_step(mb, loss_cfg))
+        # 5. weight sync to the rollout engine
+        sync_s = sync_weights(actor, engine)
+        metrics = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0] if isinstance(updates[0][k], float)}
+        metrics.update(gen, reward_mean=float(reward.mean()), sync_s=sync_s, step_s=time.time() - t0,
+                       response_length_mean=float(batch.response_mask.sum(1).mean()), **drift)
+        if logger is not None:
+            logger.log(step, metrics)
+        if on_step is not None:
+            on_step(step, metrics)
+        history.append(metrics)
+    return history
+
+
+def _drift(batch: RolloutBatch, groups) -> Dict[str, float]:
+    """Engine vs actor log-probs of the same sampled tokens (mean and max |difference|)."""
+    engine_lp = torch.zeros_like(batch.response_mask)
+    for i, s in enumerate(s for g in groups for s in g):
+        engine_lp[i, :len(s.log_probs)] = torch.tensor(s.log_probs)
+    m = batch.response_mask != 0
+    diff = (engine_lp - batch.old_log_probs).abs()[m]
+    return {"drift_mean": float(diff.mean()) if diff.numel() else 0.0,
+            "drift_max": float(diff.max()) if diff.numel() else 0.0}

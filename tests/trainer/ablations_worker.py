@@ -1,0 +1,55 @@
+"""Run one RL step of every examples/ablations config through the same loop, actor and engine.
+
+Writes per config: finite metrics, whether the actor's weights moved, and the engine/actor drift.
+"""
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "examples" / "tiny_tepo"))
+
+
+def main(out_path):
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import run as tiny
+    from megatron_tepo.actor import MegatronActor
+    from megatron_tepo.config import load_config
+    from megatron_tepo.rollout.embedded import EmbeddedEngine
+    from megatron_tepo.trainer import Task, train
+
+    sft = tiny.warm_up(REPO / ".cache" / "tiny_tepo")
+    base = load_config(REPO / "examples/tiny_tepo/config.yaml")
+    actor = MegatronActor(str(sft), hf_weights=str(sft), optim=base.optim, seed=1)
+    engine = EmbeddedEngine(AutoModelForCausalLM.from_pretrained(sft, dtype=torch.float32), seed=1, pad_token_id=tiny.PAD)
+    items = tiny.problems(500, seed=1)
+    task = Task([p for p, _ in items], [a for _, a in items], tiny.reward_fn, [tiny.EOS], tiny.PAD)
+    overrides = ["rollout.prompts_per_step=8", "rollout.n_samples=4", "rollout.max_new_tokens=4",
+                 "train.steps=1", "train.mini_batch_prompts=4", "train.epochs_per_step=1", "optim.lr=1e-4",
+                 "rollout.max_sampling_rounds=3"]
+    results = {}
+    for path in sorted((REPO / "examples" / "ablations").glob("[!_]*.yaml")):
+        cfg = load_config(path, overrides)
+        before = {n: t.clone() for n, t in actor.export_hf_state()}
+        history = train(cfg, actor, engine, task)
+        after = dict(actor.export_hf_state())
+        m = history[-1]
+        results[path.stem] = {
+            "finite": all(isinstance(v, (int, float)) and math.isfinite(v) for v in m.values()),
+            "bad": [k for k, v in m.items() if not (isinstance(v, (int, float)) and math.isfinite(v))],
+            "moved": any(not torch.equal(before[n], after[n]) for n in before),
+            "drift_max": m.get("drift_max", float("nan")), "skipped": m.get("skipped", 0.0),
+            "keys": sorted(m),
+        }
+    Path(out_path).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
