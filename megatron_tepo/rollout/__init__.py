@@ -1,0 +1,4 @@
+"""Rollout engines: the interface (``engine``), the embedded in-process engine (``embedded``)."""
+from .engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Group, RolloutEngine, Sample, SamplingParams
+
+__all__ = ["RolloutEngine", "Sample", "Group", "SamplingParams", "FINISH_STOP", "FINISH_LENGTH", "FINISH_ABORT"]

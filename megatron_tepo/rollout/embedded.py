@@ -1,0 +1,143 @@
+"""The embedded rollout engine: a plain Hugging Face causal LM in this process.
+
+The default on one machine (and in tests): no server, no sync traffic -- :meth:`update_weights`
+copies the ``(HF name, tensor)`` stream straight into the model's parameters.
+
+Sampling is exactly ``softmax(logits / temperature)`` restricted to the top-p nucleus (the smallest
+set of most-probable tokens whose mass reaches ``top_p``, renormalised); the returned log-prob of
+each sampled token is its log-probability under that distribution (with ``top_p == 1`` this is
+``log_softmax(logits / T)`` of the token, the quantity the actor recomputes). Generation is batched
+(all prompts x n samples, left-padded, up to ``max_batch_size`` rows at a time) with a KV cache,
+and deterministic for a given seed.
+"""
+from __future__ import annotations
+
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from megatron_tepo.rollout.engine import (FINISH_LENGTH, FINISH_STOP, Group, RolloutEngine, Sample,
+                                          make_params, validate_prompts)
+
+
+def sampling_log_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Log-probs (float32) of the sampling distribution: ``log_softmax(logits / T)`` over the top-p
+    nucleus, renormalised; tokens outside the nucleus get ``-inf``."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return logp
+    sorted_lp, order = torch.sort(logp, dim=-1, descending=True)
+    probs = sorted_lp.exp()
+    mass_before = probs.cumsum(-1) - probs
+    drop_sorted = mass_before >= top_p  # keep a token while the mass before it is < top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    logp = logp.masked_fill(drop, float("-inf"))
+    return logp - torch.logsumexp(logp, dim=-1, keepdim=True)
+
+
+class EmbeddedEngine(RolloutEngine):
+    """In-process engine around a ``transformers`` causal LM (HF parameter names)."""
+
+    def __init__(self, model: Union[torch.nn.Module, str], *, seed: int = 0,
+                 dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu",
+                 max_batch_size: int = 64, pad_token_id: int = 0):
+        if isinstance(model, str):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype or torch.float32)
+        elif dtype is not None:
+            model = model.to(dtype)
+        self.model = model.to(device).eval()
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.max_batch_size = max_batch_size
+        self.pad_token_id = pad_token_id
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: List[List[int]], n: int = 1, temperature: float = 1.0,
+                 top_p: float = 1.0, max_new_tokens: int = 128,
+                 stop_token_ids: Sequence[int] = ()) -> List[Group]:
+        sp = make_params(n, temperature, top_p, max_new_tokens, stop_token_ids)
+        validate_prompts(prompts, self.vocab_size)
+        rows = [list(p) for p in prompts for _ in range(sp.n)]
+        samples: List[Sample] = []
+        for start in range(0, len(rows), self.max_batch_size):
+            samples.extend(self._generate_rows(rows[start:start + self.max_batch_size], sp))
+        return [samples[i * sp.n:(i + 1) * sp.n] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def _generate_rows(self, rows: List[List[int]], sp) -> List[Sample]:
+        b, width = len(rows), max(len(r) for r in rows)
+        ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((b, width), dtype=torch.long)
+        for i, r in enumerate(rows):  # left padding: every row's next token sits at the end
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        stop = torch.tensor(sorted(sp.stop_token_ids), dtype=torch.long, device=self.device)
+        out_tok = torch.empty((b, 0), dtype=torch.long, device=self.device)
+        out_lp = torch.empty((b, 0), dtype=torch.float32, device=self.device)
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        stopped = torch.zeros(b, dtype=torch.bool, device=self.device)
+        cache, step_ids = None, ids
+        for _ in range(sp.max_new_tokens):
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
+                             past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logp = sampling_log_probs(out.logits[:, -1], sp.temperature, sp.top_p)
+            tok = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(1)
+            tok_lp = logp.gather(-1, tok[:, None]).squeeze(1)
+            tok = tok.masked_fill(done, self.pad_token_id)
+            out_tok = torch.cat([out_tok, tok[:, None]], 1)
+            out_lp = torch.cat([out_lp, tok_lp[:, None]], 1)
+            active = ~done
+            if stop.numel():
+                hit = torch.isin(tok, stop) & active
+                stopped |= hit
+                done |= hit
+            step_ids = tok[:, None]
+            mask = torch.cat([mask, active.long()[:, None]], 1)
+            if bool(done.all()):
+                break
+        samples = []
+        for i in range(b):
+            toks, lps = out_tok[i].tolist(), out_lp[i].tolist()
+            if bool(stopped[i]):
+                k = next(j for j, t in enumerate(toks) if t in sp.stop_token_ids) + 1
+                samples.append(Sample(toks[:k], lps[:k], FINISH_STOP))
+            else:
+                samples.append(Sample(toks, lps, FINISH_LENGTH))
+        return samples
+
+    @torch.no_grad()
+    def score(self, sequences: List[List[int]], prompt_lens: List[int],
+              temperature: float = 1.0) -> List[List[float]]:
+        result = []
+        for seq, pl in zip(sequences, prompt_lens):
+            ids = torch.tensor([seq], device=self.device)
+            logits = self.model(input_ids=ids).logits[0, pl - 1:-1]
+            lp = torch.log_softmax(logits.float() / temperature, -1)
+            result.append(lp.gather(-1, ids[0, pl:, None]).squeeze(-1).tolist())
+        return result
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named_tensors:
+            param = self._params.get(name)
+            if param is None:
+                raise KeyError(f"EmbeddedEngine.update_weights: unknown parameter {name!r} "
+                               f"(the model has {len(self._params)} named parameters)")
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(param.shape)}")
+            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+
+    def flush_cache(self) -> None:
+        pass  # the KV cache lives only inside one generate() call
+
+    def close(self) -> None:
+        self.model = None
+        self._params = {}

@@ -1,0 +1,104 @@
+"""The rollout engine interface: what the trainer needs from anything that generates responses.
+
+Every engine (the in-process :class:`~megatron_tepo.rollout.embedded.EmbeddedEngine`, the SGLang
+fleet :class:`~megatron_tepo.rollout.sglang_fleet.SGLangFleet`) takes prompts as token ids and
+returns, per prompt, a *group* of ``n`` samples, each with its response token ids, the engine's
+log-probability of every sampled token under the distribution it sampled from (``softmax(logits /
+temperature)``, after top-p) and why it stopped. Weights arrive as a stream of ``(HF name,
+tensor)`` -- the same stream :func:`megatron_tepo.models.export_hf_state` yields.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+FINISH_STOP = "stop"      # a stop token was sampled (it is the last response token)
+FINISH_LENGTH = "length"  # max_new_tokens reached
+FINISH_ABORT = "abort"    # the engine gave up on the request (never returned by a healthy step)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    stop_token_ids: Sequence[int] = ()
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+
+@dataclass
+class Sample:
+    """One response: ``len(token_ids) == len(log_probs)``."""
+    token_ids: List[int]
+    log_probs: List[float]
+    finish_reason: str
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.token_ids) != len(self.log_probs):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.log_probs)} log-probs")
+
+
+Group = List[Sample]  # the n samples of one prompt
+
+
+class RolloutEngine(abc.ABC):
+    """Generates groups of responses and accepts new weights in Hugging Face layout."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: List[List[int]], n: int = 1, temperature: float = 1.0,
+                 top_p: float = 1.0, max_new_tokens: int = 128,
+                 stop_token_ids: Sequence[int] = ()) -> List[Group]:
+        """One group of ``n`` samples per prompt, in prompt order."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Load full tensors with HF names (every parameter of the model, or a subset)."""
+
+    def score(self, sequences: List[List[int]], prompt_lens: List[int],
+              temperature: float = 1.0) -> List[List[float]]:
+        """Log-probs of the given response tokens (``seq[prompt_len:]``) under ``logits / T``.
+
+        Used by the drift check; optional for an engine."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score fixed tokens")
+
+    def flush_cache(self) -> None:
+        """Drop cached KV / prefixes (after a weight update they are stale)."""
+
+    def close(self) -> None:
+        """Free the engine's resources; the engine is unusable afterwards."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def make_params(n, temperature, top_p, max_new_tokens, stop_token_ids) -> SamplingParams:
+    return SamplingParams(n=n, temperature=temperature, top_p=top_p,
+                          max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
+
+
+def validate_prompts(prompts: List[List[int]], vocab_size: Optional[int] = None) -> None:
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError("prompts must be a list of token-id lists")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
