@@ -346,10 +346,15 @@ def apply_overrides(data: Dict[str, Any], overrides: List[str], where: Dict[str,
     return data
 
 
-def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[List[str]] = None) -> RunConfig:
-    """Read ``path`` (with its ``_base_`` chain), apply ``overrides``, build and validate."""
+def load_config(path: Optional[Union[str, Path, List[Union[str, Path]]]] = None,
+                overrides: Optional[List[str]] = None) -> RunConfig:
+    """Read ``path`` (with its ``_base_`` chain; a list of files is merged left to right, later
+    files winning), apply ``overrides``, build and validate."""
     where: Dict[str, str] = {}
-    data = _read_yaml(Path(path), where) if path else {}
+    paths = [] if not path else [path] if isinstance(path, (str, Path)) else list(path)
+    data: Dict[str, Any] = {}
+    for p in paths:
+        data = _deep_merge(data, _read_yaml(Path(p), where))
     data = apply_overrides(data, list(overrides or []), where)
     return from_dict(data, where)
 

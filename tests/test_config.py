@@ -95,3 +95,13 @@ def test_every_example_config_loads():
     assert files, "no example configs found"
     for path in files:
         load_config(path)  # raises with the file and field on any problem
+
+
+def test_several_files_merge_left_to_right(tmp_path):
+    a = write(tmp_path, "a.yaml", "algorithm:\n  loss: gspo\n  agg: seq-mean-token-mean\nrollout:\n  n_samples: 16\n")
+    b = write(tmp_path, "b.yaml", "rollout:\n  n_samples: 4\n  max_new_tokens: 8\n")
+    cfg = load_config([a, b])
+    assert (cfg.algorithm.loss, cfg.algorithm.agg, cfg.rollout.n_samples, cfg.rollout.max_new_tokens) == (
+        "gspo", "seq-mean-token-mean", 4, 8)
+    with pytest.raises(ConfigError, match=r"b2.yaml:1"):
+        load_config([a, write(tmp_path, "b2.yaml", "rolout:\n  n_samples: 4\n")])

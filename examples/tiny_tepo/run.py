@@ -5,7 +5,8 @@ What it does, in order:
 1. builds a character tokenizer and a tiny Qwen3 (2 layers, hidden 128) locally -- no hub;
 2. warms it up with a short supervised run on two-digit addition ("37+45=" -> "82"), cached under
    ``.cache/tiny_tepo`` so later runs skip it;
-3. runs TEPO (examples/tiny_tepo/config.yaml; any ablation config works with --config) with the
+3. runs TEPO (examples/tiny_tepo/config.yaml; any method: --config examples/ablations/X.yaml
+   --config examples/tiny_tepo/sizes.yaml) with the
    Megatron actor (one process, gloo) and the embedded rollout engine, syncing weights after every
    step;
 4. prints greedy held-out accuracy before and after, writes metrics.jsonl, summary.json and
@@ -110,14 +111,15 @@ def warm_up(cache_dir: Path, steps=300, batch=64, lr=3e-3, seed=0) -> Path:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="tiny TEPO run on CPU")
-    ap.add_argument("--config", default=str(REPO / "examples/tiny_tepo/config.yaml"))
+    ap.add_argument("--config", action="append",
+                    help="config file (repeatable, merged left to right; default examples/tiny_tepo/config.yaml)")
     ap.add_argument("--eval-size", type=int, default=200)
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
     args = ap.parse_args(argv)
 
     from megatron_tepo.config import dump_config, load_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config or [REPO / "examples/tiny_tepo/config.yaml"], args.overrides)
     torch.manual_seed(cfg.train.seed)
     out = Path(cfg.train.output_dir)
     if not out.is_absolute():
@@ -164,7 +166,7 @@ def main(argv=None):
               f"clip {m.get('clip_frac', 0):.3f}  kl_mask {m.get('kl_mask_frac', 0):.3f}  "
               f"grad_norm {m.get('grad_norm', 0):.2f}  dropped {m['groups_dropped']}  {m['step_s']:.1f}s", flush=True)
 
-    train(cfg, actor, engine, task, logger=logger, on_step=progress)
+    train(cfg, actor, engine, task, logger=logger, on_step=progress, eval_fn=lambda: {"eval_acc": held_out()})
     logger.close()
     after = held_out()
     summary = {"accuracy_before": before, "accuracy_after": after, "improvement": after - before,

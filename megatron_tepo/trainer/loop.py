@@ -11,6 +11,7 @@ reference policy for ``kl_target: ref``, and data-parallel splitting of the roll
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -115,9 +116,26 @@ def evaluate(engine, prompts, answers, reward_fn: RewardFn, stop_token_ids, *, n
     return {f"avg@{n}": float(rewards.mean()), f"pass@{n}": float((rewards.max(1).values > 0).float().mean())}
 
 
+def policy_update(actor, mb: RolloutBatch, loss_cfg: Dict) -> Dict[str, float]:
+    """One optimizer step, skipped (and reported as ``skipped_update``) when the loss or the
+    gradient norm is not finite: the weights, and so any checkpoint, never see a NaN."""
+    metrics = actor.forward_backward(mb, loss_cfg)
+    grad_norm = float(actor.optimizer.get_grad_norm()) if math.isfinite(metrics["loss"]) else math.nan
+    if not math.isfinite(grad_norm):
+        actor.optimizer.zero_grad()
+        for chunk in actor.model:
+            chunk.zero_grad_buffer()
+        metrics.update(skipped_update=1.0, grad_norm=grad_norm)
+        return metrics
+    metrics.update(actor.optimizer_step(), skipped_update=0.0)
+    return metrics
+
+
 def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
-          on_step: Optional[Callable[[int, Dict], None]] = None) -> List[Dict[str, float]]:
-    """The RL loop. Returns the per-step metrics (also logged)."""
+          on_step: Optional[Callable[[int, Dict], None]] = None,
+          eval_fn: Optional[Callable[[], Dict[str, float]]] = None) -> List[Dict[str, float]]:
+    """The RL loop. Returns the per-step metrics (also logged). ``eval_fn`` runs every
+    ``train.eval_every`` steps (0: never) and its results join that step's metrics."""
     rng = random.Random(cfg.train.seed)
     order = list(range(len(task.train_prompts)))
     loss_cfg = loss_settings(cfg.algorithm, cfg.rollout.temperature)
@@ -146,12 +164,16 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         for _ in range(cfg.train.epochs_per_step):
             for start in range(0, batch.batch_size, rows_per_mb):
                 mb = batch.select(range(start, min(start + rows_per_mb, batch.batch_size)))
-                updates.append(actor.train_step(mb, loss_cfg))
+                updates.append(policy_update(actor, mb, loss_cfg))
         # 5. weight sync to the rollout engine
         sync_s = sync_weights(actor, engine)
-        metrics = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0] if isinstance(updates[0][k], float)}
+        done = [u for u in updates if not u["skipped_update"]] or updates
+        metrics = {k: sum(u[k] for u in done) / len(done) for k in done[0] if isinstance(done[0][k], float)}
+        metrics["skipped_update"] = float(sum(u["skipped_update"] for u in updates))
         metrics.update(gen, reward_mean=float(reward.mean()), sync_s=sync_s, step_s=time.time() - t0,
                        response_length_mean=float(batch.response_mask.sum(1).mean()), **drift)
+        if eval_fn is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0:
+            metrics.update(eval_fn())
         if logger is not None:
             logger.log(step, metrics)
         if on_step is not None:

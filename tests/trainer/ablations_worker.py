@@ -48,6 +48,27 @@ def main(out_path):
             "drift_max": m.get("drift_max", float("nan")), "skipped": m.get("skipped", 0.0),
             "keys": sorted(m),
         }
+    # A NaN loss: the update is skipped and reported, the weights stay finite and unchanged.
+    from megatron_tepo.trainer.loop import build_batch, generate_groups, loss_settings, policy_update
+    import random
+
+    cfg = load_config(REPO / "examples/tiny_tepo/config.yaml", overrides)
+    prompts, groups, rewards, _ = generate_groups(engine, task, list(range(8)), cfg, random.Random(0))
+    batch = build_batch(prompts, groups, torch.zeros(sum(len(g) for g in groups)), tiny.PAD)
+    batch.old_log_probs, batch.old_entropy = actor.compute_log_probs(batch)
+    batch.advantages = torch.where(batch.response_mask != 0, torch.full_like(batch.advantages, float("nan")),
+                                   batch.advantages)
+    before = {n: t.clone() for n, t in actor.export_hf_state()}
+    m = policy_update(actor, batch, loss_settings(cfg.algorithm, 1.0))
+    after = dict(actor.export_hf_state())
+    results["_nan"] = {"skipped": m["skipped_update"], "loss": m["loss"],
+                       "unchanged": all(torch.equal(before[n], after[n]) for n in before)}
+    batch.advantages = torch.nan_to_num(batch.advantages, nan=1.0) * batch.response_mask
+    m = policy_update(actor, batch, loss_settings(cfg.algorithm, 1.0))
+    after2 = dict(actor.export_hf_state())
+    results["_after_nan"] = {"skipped": m["skipped_update"],
+                             "finite": all(bool(torch.isfinite(t).all()) for t in after2.values()),
+                             "moved": any(not torch.equal(after[n], after2[n]) for n in after)}
     Path(out_path).write_text(json.dumps(results))
 
 

@@ -40,6 +40,9 @@ def test_main_job_short_run(tmp_path):
 def test_every_ablation_config_runs_through_the_loop(tmp_path):
     _run(["tests/trainer/ablations_worker.py", str(tmp_path / "r.json")], 600)
     results = json.loads((tmp_path / "r.json").read_text())
+    nan, after = results.pop("_nan"), results.pop("_after_nan")
+    assert nan["skipped"] == 1.0 and nan["unchanged"] and nan["loss"] != nan["loss"]  # NaN loss: no step
+    assert after["skipped"] == 0.0 and after["finite"] and after["moved"]  # training goes on
     stems = {p.stem for p in (REPO / "examples" / "ablations").glob("[!_]*.yaml")}
     assert set(results) == stems
     for stem, r in results.items():
