@@ -29,7 +29,8 @@ explicit causal attention mask, ``variable_seq_lengths`` when PP > 1 (token-budg
 have varying shapes).
 
 Left out: virtual pipeline stages, context parallelism, sequence packing (THD), bf16/fp16 mixed
-precision, checkpoint save/load (dist_checkpointing), MoE with PP > 1 on CPU.
+precision, MoE with PP > 1 on CPU. Checkpoints: :meth:`MegatronActor.save_checkpoint` /
+:meth:`MegatronActor.load_checkpoint` (see :mod:`megatron_tepo.actor.checkpointing`).
 """
 from __future__ import annotations
 
@@ -416,6 +417,24 @@ class MegatronActor:
         metrics = self.forward_backward(batch, loss_cfg)
         metrics.update(self.optimizer_step())
         return metrics
+
+    # ------------------------------------------------------------------ checkpointing
+    def save_checkpoint(self, directory, extra_state: Optional[dict] = None):
+        """Collective: model, optimizer, LR scheduler, every rank's RNG states and the JSON
+        ``extra_state`` (e.g. trainer step, data position), written atomically to ``directory``
+        (a ``<directory>.tmp-*`` renamed once complete; ``complete`` marker). See
+        :mod:`megatron_tepo.actor.checkpointing`. Returns the checkpoint path."""
+        from megatron_tepo.actor.checkpointing import save_actor_checkpoint
+
+        return save_actor_checkpoint(self, directory, extra_state)
+
+    def load_checkpoint(self, directory, model_only: bool = False) -> dict:
+        """Collective: restore what :meth:`save_checkpoint` wrote (bit-exact continuation at the
+        same layout) and return its ``extra_state``. A directory without the ``complete`` marker is
+        refused. ``model_only``: just the weights, resharded to this actor's TP/PP."""
+        from megatron_tepo.actor.checkpointing import load_actor_checkpoint
+
+        return load_actor_checkpoint(self, directory, model_only=model_only)
 
     def export_hf_state(self, what: str = "param"):
         """This pipeline stage's parameters (or grads) as HF ``(name, full tensor)``; TP-collective."""

@@ -1,0 +1,417 @@
+"""Training checkpoints of the Megatron actor: atomic, resumable bit-exactly at the same layout.
+
+Layout of one checkpoint directory (e.g. ``<root>/step_<N>``)::
+
+    complete            JSON marker, written LAST (step, time, layout): no marker = no checkpoint
+    extra_state.json    the caller's JSON state (trainer step, data position, ...)
+    rng/rank<R>.pt      RNG states of global rank R (python, numpy, torch CPU, CUDA, megatron tracker)
+    metadata.json, common.pt, __*.distcp, ...   megatron-core dist_checkpointing (torch_dist):
+                        model (``sharded_state_dict``), optimizer, LR scheduler (common state)
+
+:func:`save_actor_checkpoint` (a collective over all ranks) writes everything into
+``<directory>.tmp-<id>``; after a barrier rank 0 writes the marker, renames the temporary
+directory to ``<directory>`` and fsyncs the parent. A crash at any point leaves either a
+``*.tmp-*`` directory or nothing: :func:`find_latest_checkpoint` ignores both, and
+:func:`load_actor_checkpoint` refuses any directory without the marker.
+
+The model tensors use megatron's sharded keys, so the model part is loadable at another TP/PP
+(``load_actor_checkpoint(..., model_only=True)``, or ``checkpoint.convert.load_checkpoint_into``).
+A full load (optimizer, scheduler, RNG) requires the layout it was saved at. The distributed
+optimizer is saved with ``distrib_optim_sharding_type = "dp_reshardable"``.
+
+Assumes a file system shared by all ranks (every rank writes its own shards and RNG file).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "COMPLETE_MARKER",
+    "CheckpointError",
+    "checkpoint_dir_for_step",
+    "find_latest_checkpoint",
+    "is_complete_checkpoint",
+    "list_complete_checkpoints",
+    "prune_checkpoints",
+    "read_marker",
+    "save_actor_checkpoint",
+    "load_actor_checkpoint",
+]
+
+COMPLETE_MARKER = "complete"
+EXTRA_STATE = "extra_state.json"
+RNG_DIR = "rng"
+FORMAT = "megatron_tepo.actor_checkpoint/1"
+DIST_OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+PathLike = Union[str, os.PathLike]
+
+
+class CheckpointError(RuntimeError):
+    """A directory is not a usable (complete, compatible) actor checkpoint."""
+
+
+# ---------------------------------------------------------------------------------------------
+# directory helpers (no process group needed)
+# ---------------------------------------------------------------------------------------------
+def checkpoint_dir_for_step(root: PathLike, step: int) -> Path:
+    return Path(root) / f"step_{int(step)}"
+
+
+def is_complete_checkpoint(directory: PathLike) -> bool:
+    d = Path(directory)
+    return d.is_dir() and (d / COMPLETE_MARKER).is_file() and ".tmp-" not in d.name
+
+
+def read_marker(directory: PathLike) -> Dict[str, Any]:
+    """The ``complete`` marker's contents; raises :class:`CheckpointError` naming the directory
+    when it is not a complete checkpoint."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise CheckpointError(f"checkpoint directory {d} does not exist")
+    if ".tmp-" in d.name:
+        raise CheckpointError(f"{d} is a temporary (unfinished) checkpoint directory; refusing to load it")
+    marker = d / COMPLETE_MARKER
+    if not marker.is_file():
+        raise CheckpointError(f"{d} has no '{COMPLETE_MARKER}' marker: it is a partial / unfinished "
+                              f"checkpoint (the save did not finish); refusing to load it")
+    try:
+        info = json.loads(marker.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{marker} is not valid JSON ({e}); refusing to load {d}") from e
+    if info.get("format") != FORMAT:
+        raise CheckpointError(f"{marker}: unknown format {info.get('format')!r} (expected {FORMAT!r})")
+    return info
+
+
+def list_complete_checkpoints(root: PathLike) -> List[Path]:
+    """Complete ``step_<N>`` directories under ``root``, oldest (smallest N) first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)  # (``step_3.tmp-ab`` does not match)
+        if m and is_complete_checkpoint(d):
+            found.append((int(m.group(1)), d))
+    return [d for _, d in sorted(found)]
+
+
+def find_latest_checkpoint(root: PathLike) -> Optional[Path]:
+    """The complete ``step_<N>`` subdirectory of ``root`` with the largest N, or None.
+    Temporary ``*.tmp-*`` directories and directories without the marker are ignored."""
+    done = list_complete_checkpoints(root)
+    return done[-1] if done else None
+
+
+def prune_checkpoints(root: PathLike, keep_last: int, remove_partial: bool = False) -> List[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints under ``root``. With
+    ``remove_partial`` also delete ``step_*.tmp-*`` leftovers and markerless ``step_*`` directories
+    (only safe when no save is in flight). Returns the paths removed. Not a collective: every rank
+    may call it, but when a process group is up only global rank 0 deletes."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    done = list_complete_checkpoints(root)
+    removed = done[:-keep_last]
+    if remove_partial and Path(root).is_dir():
+        keep = set(done)
+        for d in Path(root).iterdir():
+            if d.is_dir() and d.name.startswith("step_") and d not in keep and d not in removed:
+                removed.append(d)
+    if _rank() == 0:
+        for d in removed:
+            shutil.rmtree(d, ignore_errors=True)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG
+# ---------------------------------------------------------------------------------------------
+def get_rng_state() -> Dict[str, Any]:
+    """Python, numpy, torch CPU, CUDA (when available) and megatron's model-parallel RNG tracker
+    states of this process (the tracker holds CPU generator states under the CPU patches)."""
+    import numpy as np
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch_cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
+    }
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    import numpy as np
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    get_cuda_rng_tracker().set_states({k: v.clone() for k, v in state["tracker"].items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# save / load
+# ---------------------------------------------------------------------------------------------
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _broadcast_obj(obj):
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
+def _agree_ok(error: Optional[BaseException]) -> None:
+    """Raise on every rank if any rank failed (so no rank is left waiting in a collective)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errs = [None] * dist.get_world_size()
+        dist.all_gather_object(errs, None if error is None else f"{type(error).__name__}: {error}")
+        bad = [(r, e) for r, e in enumerate(errs) if e is not None]
+        if bad and error is None:
+            raise CheckpointError("checkpoint failed on rank(s) " + "; ".join(f"{r}: {e}" for r, e in bad))
+    if error is not None:
+        raise error
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_file_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def actor_layout(actor) -> Dict[str, Any]:
+    ps = actor._ps
+    return {
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "distributed_optimizer": bool(actor.optim_cfg.use_distributed_optimizer),
+    }
+
+
+def _model_sharded_state_dict(actor):
+    chunks = [c.module for c in actor.model]  # (megatron DDP has no sharded_state_dict of its own)
+    if len(chunks) != 1:
+        raise NotImplementedError("checkpointing supports one model chunk per rank (no virtual PP)")
+    return chunks[0].sharded_state_dict()
+
+
+def _optimizer_metadata(actor) -> Optional[dict]:
+    return dict(DIST_OPT_METADATA) if actor.optim_cfg.use_distributed_optimizer else None
+
+
+def _ensure_torch_adam_state(actor) -> None:
+    """A fresh distributed optimizer without apex/TE (torch Adam) cannot build its sharded state
+    dict: ``DistributedOptimizer.state_dict`` reads the per-param ``step`` of a state that only
+    exists after a first step. Give every param placeholder Adam state (zeros, step 0); the load
+    overwrites all of it. No-op for optimizers that already stepped, or are not torch Adam/AdamW."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(opt, DistributedOptimizer) or not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p not in inner.state or "step" not in inner.state[p]:
+                    st = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                          "exp_avg_sq": torch.zeros_like(p)}
+                    if group.get("amsgrad"):
+                        st["max_exp_avg_sq"] = torch.zeros_like(p)
+                    inner.state[p] = st
+
+
+def _saved_adam_steps(actor, loaded_optimizer) -> List[Optional[float]]:
+    """Per sub-optimizer: the Adam step saved with a distributed optimizer's param groups (torch
+    Adam, no apex/TE), else None. Read BEFORE ``load_state_dict`` (which may consume the dict)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    subs = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    out: List[Optional[float]] = []
+    for idx, opt in enumerate(subs):
+        inner = getattr(opt, "optimizer", None)
+        step = None
+        if isinstance(opt, DistributedOptimizer) and isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            sd = loaded_optimizer if len(subs) == 1 else loaded_optimizer[idx]
+            steps = {g.get("step") for g in sd["optimizer"]["param_groups"]} - {None}
+            if len(steps) > 1:
+                raise CheckpointError(f"inconsistent optimizer steps in the checkpoint: {sorted(steps)}")
+            step = float(steps.pop()) if steps else None
+        out.append(step)
+    return out
+
+
+def _fix_torch_adam_steps(actor, saved_steps: List[Optional[float]]) -> None:
+    """Two megatron-core 0.16 faults of the distributed optimizer on torch Adam (no apex/TE), both
+    about Adam's per-param ``step``:
+
+    * the ``dp_reshardable`` param state carries ``step`` as a non-persistent object, so the load
+      copies the TEMPLATE's step (the fresh optimizer's) over the restored one;
+    * ``DistributedOptimizer.load_state_dict`` puts ONE step tensor into every param's state, and
+      torch Adam increments it in place once per param per step (wrong bias correction).
+
+    The true step is the one saved with the param groups (common state): give every param its own
+    tensor of that value. Other optimizers restore ``step`` correctly; their step tensors are only
+    un-shared, as a guard."""
+    subs = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    for opt, step in zip(subs, saved_steps):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            continue
+        for st in inner.state.values():
+            old = st.get("step")
+            if isinstance(old, torch.Tensor):
+                st["step"] = (torch.tensor(step, dtype=old.dtype, device=old.device)
+                              if step is not None else old.clone())
+
+
+def _sharded_state_dict(actor, is_loading: bool, with_optimizer: bool = True) -> Dict[str, Any]:
+    model_sd = _model_sharded_state_dict(actor)
+    if with_optimizer and is_loading:
+        _ensure_torch_adam_state(actor)
+    state: Dict[str, Any] = {"model": model_sd}
+    if with_optimizer:
+        state["optimizer"] = actor.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=_optimizer_metadata(actor))
+        state["scheduler"] = actor.scheduler.state_dict()
+    return state
+
+
+def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict] = None) -> Path:
+    """Collective: write ``actor``'s full training state to ``directory`` atomically (see module doc).
+    An existing ``directory`` is replaced (only once the new checkpoint is complete)."""
+    from megatron.core import dist_checkpointing
+
+    final = Path(directory).absolute()
+    extra_json = json.dumps(extra_state if extra_state is not None else {}, sort_keys=True)  # fail early
+    layout = actor_layout(actor)
+    tag = _broadcast_obj(f"{os.getpid()}-{uuid.uuid4().hex[:8]}" if _rank() == 0 else None)
+    tmp = final.with_name(f"{final.name}.tmp-{tag}")
+
+    err = None
+    if _rank() == 0:
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+            (tmp / RNG_DIR).mkdir()
+        except OSError as e:
+            err = e
+    _agree_ok(err)  # (also the barrier: the directory exists everywhere before anyone writes)
+
+    # The RNG states as they are now; restored right after the save so that saving is
+    # RNG-neutral (the run continues exactly as a run resumed from this checkpoint does).
+    rng = get_rng_state()
+    state = _sharded_state_dict(actor, is_loading=False)
+    dist_checkpointing.save(state, str(tmp), content_metadata={"format": FORMAT})
+    set_rng_state(rng)
+    torch.save(rng, tmp / RNG_DIR / f"rank{_rank()}.pt")
+    _barrier()
+
+    err = None
+    if _rank() == 0:
+        try:
+            _write_file_atomic(tmp / EXTRA_STATE, extra_json)
+            marker = {"format": FORMAT, "step": (extra_state or {}).get("step"), "time": time.time(),
+                      "layout": layout}
+            _fsync_dir(tmp / RNG_DIR)
+            _write_file_atomic(tmp / COMPLETE_MARKER, json.dumps(marker, sort_keys=True))  # last
+            _fsync_dir(tmp)
+            old = None
+            if final.exists():
+                old = final.with_name(f"{final.name}.tmp-old-{tag}")
+                os.replace(final, old)
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            err = e
+    _agree_ok(err)
+    return final
+
+
+def load_actor_checkpoint(actor, directory: PathLike, model_only: bool = False) -> dict:
+    """Collective: restore ``actor`` from ``directory``; returns the saved ``extra_state``.
+
+    Full load (default): model, optimizer, LR scheduler and this rank's RNG states; the layout
+    (TP/PP/EP/DP, world size, distributed optimizer) must equal the saved one. ``model_only``:
+    only the model weights, resharded by dist_checkpointing to this actor's TP/PP."""
+    from megatron.core import dist_checkpointing
+
+    d = Path(directory).absolute()
+    err, info = None, None
+    try:
+        info = read_marker(d)
+        if not model_only and info["layout"] != actor_layout(actor):
+            raise CheckpointError(
+                f"{d} was saved at layout {info['layout']}, this actor is {actor_layout(actor)}: a full "
+                f"load (optimizer, scheduler, RNG) needs the same layout; pass model_only=True to load "
+                f"only the model weights (resharded)")
+        rng_file = d / RNG_DIR / f"rank{_rank()}.pt"
+        if not model_only and not rng_file.is_file():
+            raise CheckpointError(f"{rng_file} is missing")
+    except (CheckpointError, OSError) as e:
+        err = e
+    _agree_ok(err)
+
+    state = _sharded_state_dict(actor, is_loading=True, with_optimizer=not model_only)
+    # no_grad: the distributed optimizer copies into fp32 main params that view leaf parameters
+    with torch.no_grad():
+        loaded = dist_checkpointing.load(state, str(d))
+        for chunk in actor.model:
+            chunk.module.load_state_dict(loaded["model"])
+        if not model_only:
+            loaded_optimizer = loaded["optimizer"]
+            saved_steps = _saved_adam_steps(actor, loaded_optimizer)
+            actor.optimizer.load_state_dict(loaded_optimizer)
+            _fix_torch_adam_steps(actor, saved_steps)
+            actor.scheduler.num_steps = 0  # load_state_dict ADDS the saved step count
+            actor.scheduler.load_state_dict(loaded["scheduler"])
+    if not model_only:
+        set_rng_state(torch.load(d / RNG_DIR / f"rank{_rank()}.pt", weights_only=False))
+    _barrier()
+    return json.loads((d / EXTRA_STATE).read_text())
