@@ -109,7 +109,9 @@ class TrainConfig:
     epochs_per_step: int = 2  # passes over a step's responses (64 / 16 x 2 = 8 updates)
     max_tokens_per_micro_batch: int = 16384
     seed: int = 1
-    save_every: int = 0
+    save_every: int = 0  # checkpoint every N rollout steps (0: never)
+    keep_checkpoints: int = 0  # keep the newest N complete checkpoints (0: all)
+    resume: bool = True  # continue from the newest complete checkpoint under output_dir
     eval_every: int = 0
     output_dir: str = "outputs/run"
 
@@ -415,7 +417,7 @@ def validate(cfg: RunConfig) -> None:
                           f"({o.lr_warmup_steps}), got {o.lr_decay_steps}")
     t = cfg.train
     _positive(t, "train", ["steps", "mini_batch_prompts", "epochs_per_step", "max_tokens_per_micro_batch"])
-    _positive(t, "train", ["save_every", "eval_every"], allow_zero=True)
+    _positive(t, "train", ["save_every", "eval_every", "keep_checkpoints"], allow_zero=True)
     if r.prompts_per_step % t.mini_batch_prompts:
         raise ConfigError(f"train.mini_batch_prompts: {t.mini_batch_prompts} must divide "
                           f"rollout.prompts_per_step ({r.prompts_per_step})")

@@ -13,7 +13,9 @@ What it does, in order:
    curves.png to the output directory.
 
 Deliberately left out: real math data and math-verify (the reward is exact match of the sum),
-SGLang, parallelism beyond one process, checkpointing. It is a demonstration that the whole loop
+SGLang and parallelism beyond one process. Checkpoints are written every train.save_every steps
+under <output_dir>/checkpoints, and a run started again over the same output directory resumes
+from the newest complete one (train.resume=false starts over). It is a demonstration that the whole loop
 learns, sized for 2 CPU cores in a few minutes, not a benchmark.
 
     python examples/tiny_tepo/run.py [--config FILE] [override ...]
@@ -153,12 +155,15 @@ def main(argv=None):
                         max_new_tokens=cfg.rollout.max_new_tokens)["avg@1"]
 
     t0 = time.time()
-    before = held_out()
-    print(f"[tepo] loss={cfg.algorithm.loss} kl_coef={cfg.algorithm.kl_coef} kl_mask={cfg.algorithm.kl_mask}; "
-          f"held-out greedy accuracy before: {before:.3f}")
-    log_path = out / "metrics.jsonl"
-    if log_path.exists():
-        log_path.unlink()
+    from megatron_tepo.actor.checkpointing import find_latest_checkpoint
+
+    log_path, ckpt_root = out / "metrics.jsonl", out / "checkpoints"
+    resuming = cfg.train.resume and find_latest_checkpoint(ckpt_root) is not None
+    extra = {}
+    if not resuming:
+        if log_path.exists():
+            log_path.unlink()
+        extra["accuracy_before"] = held_out()
     logger = MetricsLogger(log_path)
 
     def progress(step, m):
@@ -166,7 +171,12 @@ def main(argv=None):
               f"clip {m.get('clip_frac', 0):.3f}  kl_mask {m.get('kl_mask_frac', 0):.3f}  "
               f"grad_norm {m.get('grad_norm', 0):.2f}  dropped {m['groups_dropped']}  {m['step_s']:.1f}s", flush=True)
 
-    train(cfg, actor, engine, task, logger=logger, on_step=progress, eval_fn=lambda: {"eval_acc": held_out()})
+    print(f"[tepo] loss={cfg.algorithm.loss} kl_coef={cfg.algorithm.kl_coef} kl_mask={cfg.algorithm.kl_mask}"
+          + (f"; resuming from {find_latest_checkpoint(ckpt_root)}" if resuming else
+             f"; held-out greedy accuracy before: {extra['accuracy_before']:.3f}"), flush=True)
+    train(cfg, actor, engine, task, logger=logger, on_step=progress, eval_fn=lambda: {"eval_acc": held_out()},
+          checkpoint_root=ckpt_root, extra_state=extra)
+    before = extra["accuracy_before"]
     logger.close()
     after = held_out()
     summary = {"accuracy_before": before, "accuracy_after": after, "improvement": after - before,

@@ -5,8 +5,11 @@ log-probs -> N policy updates -> weight sync -> log / evaluate.
 tested. Everything algorithmic comes from ``megatron_tepo.algorithms`` through the run config, so
 every loss and ablation config runs through it unchanged.
 
-Left out for now (tracked on the trainer issue): checkpoint/resume of the RL state, the SGLang
-fleet as engine (the loop takes any :class:`~megatron_tepo.rollout.engine.RolloutEngine`), a
+Checkpoints hold the actor (model, optimizer, LR schedule, RNG: ``MegatronActor.save_checkpoint``)
+plus the loop's own state (step, prompt order and RNG, the engine's sampling RNG), written
+atomically; a resumed run continues exactly (tested with a SIGKILL).
+
+Left out for now (tracked on the trainer issue): the SGLang fleet as engine (the loop takes any :class:`~megatron_tepo.rollout.engine.RolloutEngine`), a
 reference policy for ``kl_target: ref``, and data-parallel splitting of the rollout batch.
 """
 from __future__ import annotations
@@ -15,11 +18,13 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from megatron_tepo.actor.batch import RolloutBatch
+from megatron_tepo.actor.checkpointing import find_latest_checkpoint, prune_checkpoints
 from megatron_tepo.algorithms import compute_group_advantages, filter_groups
 from megatron_tepo.algorithms.advantages import broadcast_to_tokens, gpg_correction
 from megatron_tepo.config import AlgorithmConfig, RunConfig
@@ -131,17 +136,48 @@ def policy_update(actor, mb: RolloutBatch, loss_cfg: Dict) -> Dict[str, float]:
     return metrics
 
 
+def _loop_state(step: int, rng: random.Random, order: List[int], engine, extra: Dict) -> Dict:
+    """Everything besides the actor that a resumed run needs to continue exactly (JSON)."""
+    version, internal, gauss = rng.getstate()
+    gen = getattr(engine, "generator", None)
+    return {"step": step, "rng": [version, list(internal), gauss], "order": order,
+            "engine_rng": gen.get_state().tolist() if gen is not None else None, **extra}
+
+
+def _restore_loop_state(state: Dict, rng: random.Random, order: List[int], engine) -> int:
+    version, internal, gauss = state["rng"]
+    rng.setstate((version, tuple(internal), gauss))
+    order[:] = state["order"]
+    if state.get("engine_rng") is not None:
+        engine.generator.set_state(torch.tensor(state["engine_rng"], dtype=torch.uint8))
+    return int(state["step"])
+
+
 def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
           on_step: Optional[Callable[[int, Dict], None]] = None,
-          eval_fn: Optional[Callable[[], Dict[str, float]]] = None) -> List[Dict[str, float]]:
+          eval_fn: Optional[Callable[[], Dict[str, float]]] = None,
+          checkpoint_root: Optional[Path] = None, extra_state: Optional[Dict] = None) -> List[Dict[str, float]]:
     """The RL loop. Returns the per-step metrics (also logged). ``eval_fn`` runs every
-    ``train.eval_every`` steps (0: never) and its results join that step's metrics."""
+    ``train.eval_every`` steps (0: never) and its results join that step's metrics. With
+    ``checkpoint_root``, a checkpoint is written every ``train.save_every`` steps, and with
+    ``train.resume`` the run continues from the newest complete one there (partial ones are
+    ignored); ``extra_state`` (JSON) is saved with it and read back into the same dict."""
     rng = random.Random(cfg.train.seed)
     order = list(range(len(task.train_prompts)))
     loss_cfg = loss_settings(cfg.algorithm, cfg.rollout.temperature)
     n = cfg.rollout.n_samples
     history = []
-    for step in range(1, cfg.train.steps + 1):
+    extra = extra_state if extra_state is not None else {}
+    start = 1
+    latest = find_latest_checkpoint(checkpoint_root) if checkpoint_root and cfg.train.resume else None
+    if latest is not None:
+        state = actor.load_checkpoint(latest)
+        start = _restore_loop_state(state, rng, order, engine) + 1
+        extra.update({k: v for k, v in state.items() if k not in ("step", "rng", "order", "engine_rng")})
+        sync_weights(actor, engine)
+        if logger is not None:
+            logger.truncate_after(start - 1)
+    for step in range(start, cfg.train.steps + 1):
         t0 = time.time()
         rng.shuffle(order)
         # 1. generate -> reward -> dynamic sampling
@@ -176,6 +212,10 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
             metrics.update(eval_fn())
         if logger is not None:
             logger.log(step, metrics)
+        if checkpoint_root and cfg.train.save_every and step % cfg.train.save_every == 0:
+            actor.save_checkpoint(Path(checkpoint_root) / f"step_{step}", _loop_state(step, rng, order, engine, extra))
+            if cfg.train.keep_checkpoints:
+                prune_checkpoints(checkpoint_root, cfg.train.keep_checkpoints)
         if on_step is not None:
             on_step(step, metrics)
         history.append(metrics)
