@@ -6,6 +6,9 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 py="$(bash tools/setup_env.sh | tail -n 1)"
+# A real SGLang server on CPU for the rollout tests (marker `sglang`): its own venv, see the script.
+MTEPO_SGLANG_PYTHON="$(bash tools/install_sglang_cpu.sh | tail -n 1)"
+export MTEPO_SGLANG_PYTHON
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=""
 set +e
 "$py" -m pytest -ra --timeout=900 "$@"

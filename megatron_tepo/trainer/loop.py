@@ -28,6 +28,7 @@ from megatron_tepo.actor.checkpointing import find_latest_checkpoint, prune_chec
 from megatron_tepo.algorithms import compute_group_advantages, filter_groups
 from megatron_tepo.algorithms.advantages import broadcast_to_tokens, gpg_correction
 from megatron_tepo.config import AlgorithmConfig, RunConfig
+from megatron_tepo.rollout.weight_sync import DriftCheck
 
 RewardFn = Callable[[List[List[int]], List[str]], List[float]]
 
@@ -168,6 +169,7 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
     n = cfg.rollout.n_samples
     history = []
     extra = extra_state if extra_state is not None else {}
+    drift_check = DriftCheck(prefix="drift")
     start = 1
     latest = find_latest_checkpoint(checkpoint_root) if checkpoint_root and cfg.train.resume else None
     if latest is not None:
@@ -193,7 +195,7 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         batch = build_batch(prompts, groups, adv, task.pad_token_id)
         # 3. old log-probs and entropy from the actor (the rollout policy, recomputed)
         batch.old_log_probs, batch.old_entropy = actor.compute_log_probs(batch, cfg.rollout.temperature)
-        drift = _drift(batch, groups)
+        drift = _drift(batch, groups, drift_check)
         # 4. policy updates over mini-batches of prompts
         rows_per_mb = cfg.train.mini_batch_prompts * n
         updates = []
@@ -222,12 +224,10 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
     return history
 
 
-def _drift(batch: RolloutBatch, groups) -> Dict[str, float]:
-    """Engine vs actor log-probs of the same sampled tokens (mean and max |difference|)."""
+def _drift(batch: RolloutBatch, groups, check: DriftCheck) -> Dict[str, float]:
+    """Engine vs actor log-probs of the same sampled tokens (mean / max |difference|; warns over
+    the check's thresholds)."""
     engine_lp = torch.zeros_like(batch.response_mask)
     for i, s in enumerate(s for g in groups for s in g):
         engine_lp[i, :len(s.log_probs)] = torch.tensor(s.log_probs)
-    m = batch.response_mask != 0
-    diff = (engine_lp - batch.old_log_probs).abs()[m]
-    return {"drift_mean": float(diff.mean()) if diff.numel() else 0.0,
-            "drift_max": float(diff.max()) if diff.numel() else 0.0}
+    return check(engine_lp, batch.old_log_probs, batch.response_mask)

@@ -1,0 +1,408 @@
+"""A fleet of SGLang servers behind the :class:`RolloutEngine` interface.
+
+Servers are either started here as subprocesses (``python -m sglang.launch_server`` of the SGLang
+venv, each with its own random API key, bound to ``FleetConfig.host`` -- loopback by default -- on
+a free port) or attached to by URL (with their API key). A step's requests (one per prompt group)
+are spread over the healthy servers, least-loaded first (fewest requests in flight). A request
+that fails (connection refused or reset, time-out, HTTP 5xx) is moved to another server; the server
+it failed on is health-checked and dropped from the rotation if it does not answer. When no server
+is left -- or the step's deadline passes -- :class:`FleetError` names every server and its last
+error.
+
+SGLang on CPU: ``tools/install_sglang_cpu.sh`` builds the venv whose python starts the servers
+(``FleetConfig.python``, default ``$MTEPO_SGLANG_PYTHON`` or ``<repo>/.venv-sglang/bin/python``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import requests
+import torch
+
+from megatron_tepo.rollout.engine import (FINISH_LENGTH, FINISH_STOP, Group, RolloutEngine, Sample,
+                                          make_params, validate_prompts)
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[2]
+
+
+class FleetError(RuntimeError):
+    """No server could answer (all dead, or the deadline passed)."""
+
+
+class RequestFailed(Exception):
+    def __init__(self, msg: str, server_dead: bool = False, retryable: bool = True):
+        super().__init__(msg)
+        self.server_dead, self.retryable = server_dead, retryable
+
+
+def default_sglang_python() -> str:
+    return os.environ.get("MTEPO_SGLANG_PYTHON", str(REPO / ".venv-sglang" / "bin" / "python"))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class FleetConfig:
+    model_path: Optional[str] = None     # needed to launch servers
+    num_servers: int = 0                 # servers to launch
+    urls: Sequence[str] = ()             # servers to attach to
+    api_keys: Sequence[Optional[str]] = ()  # one per url (None: no key)
+    host: str = "127.0.0.1"
+    python: str = field(default_factory=default_sglang_python)
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    mem_fraction_static: float = 0.05
+    max_total_tokens: Optional[int] = 4096
+    extra_args: Sequence[str] = ()
+    env: Dict[str, str] = field(default_factory=dict)
+    threads_per_server: int = 1          # OMP threads of a launched CPU server
+    startup_timeout: float = 180.0
+    request_timeout: float = 120.0       # one HTTP request
+    step_timeout: float = 600.0          # one generate() call, retries included
+    max_attempts: int = 4                # per request, over distinct servers where possible
+    health_timeout: float = 5.0
+    max_concurrency: int = 64            # requests in flight over the whole fleet
+    log_dir: Optional[str] = None
+
+
+class SGLangServer:
+    """One server: its URL, key, (if launched here) its process, and its load."""
+
+    def __init__(self, url: str, api_key: Optional[str] = None, proc: Optional[subprocess.Popen] = None,
+                 log_path: Optional[str] = None):
+        self.url, self.api_key, self.proc, self.log_path = url.rstrip("/"), api_key, proc, log_path
+        self.inflight = 0
+        self.alive = True
+        self.last_error: Optional[str] = None
+        self.served = 0
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.proc.pid if self.proc is not None else None
+
+    def headers(self) -> Dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def post(self, path: str, payload: Optional[dict] = None, timeout: float = 60.0) -> Any:
+        try:
+            r = requests.post(self.url + path, json=payload if payload is not None else {},
+                              headers=self.headers(), timeout=timeout)
+        except requests.Timeout as e:
+            raise RequestFailed(f"{self.url}{path}: timed out after {timeout:.0f} s") from e
+        except requests.ConnectionError as e:
+            raise RequestFailed(f"{self.url}{path}: connection failed ({type(e).__name__})",
+                                server_dead=True) from e
+        if r.status_code >= 500:
+            raise RequestFailed(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}")
+        if r.status_code >= 400:
+            raise RequestFailed(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}", retryable=False)
+        try:
+            return r.json()
+        except ValueError:
+            return r.text
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            return False
+        try:
+            r = requests.get(self.url + "/health", headers=self.headers(), timeout=timeout)
+            return r.status_code == 200
+        except requests.RequestException:
+            return False
+
+    def describe(self) -> str:
+        state = "alive" if self.alive else "down"
+        pid = f" pid={self.pid}" if self.pid else ""
+        err = f" last error: {self.last_error}" if self.last_error else ""
+        return f"{self.url}{pid} [{state}, served {self.served}]{err}"
+
+    def __repr__(self):
+        return f"SGLangServer({self.describe()})"
+
+
+def launch_server(cfg: FleetConfig, index: int = 0) -> SGLangServer:
+    """Start one server subprocess (own session, own API key, free port) and return it unready."""
+    if not cfg.model_path:
+        raise ValueError("FleetConfig.model_path is needed to launch SGLang servers")
+    if not Path(cfg.python).exists():
+        raise FileNotFoundError(
+            f"SGLang python {cfg.python} not found: run `bash tools/install_sglang_cpu.sh` "
+            "(or set MTEPO_SGLANG_PYTHON / FleetConfig.python)")
+    port = free_port(cfg.host)
+    key = secrets.token_hex(16)
+    cmd = [cfg.python, "-m", "sglang.launch_server", "--model-path", str(cfg.model_path),
+           "--host", cfg.host, "--port", str(port), "--api-key", key, "--dtype", cfg.dtype,
+           "--device", cfg.device, "--mem-fraction-static", str(cfg.mem_fraction_static),
+           "--skip-server-warmup"]
+    if cfg.max_total_tokens:
+        cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
+    env = dict(os.environ)
+    if cfg.device == "cpu":
+        cmd += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+                "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+        env.update({"SGLANG_USE_CPU_ENGINE": "1", "CUDA_VISIBLE_DEVICES": "",
+                    "OMP_NUM_THREADS": str(cfg.threads_per_server),
+                    "MKL_NUM_THREADS": str(cfg.threads_per_server)})
+    cmd += list(cfg.extra_args)
+    env.pop("PYTHONPATH", None)  # the server runs in its own venv
+    env.update(cfg.env)
+    log_dir = Path(cfg.log_dir or os.environ.get("TMPDIR", "/tmp"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = str(log_dir / f"sglang_server_{index}_{port}.log")
+    with open(log_path, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    return SGLangServer(f"http://{cfg.host}:{port}", key, proc, log_path)
+
+
+def _log_tail(path: Optional[str], n: int = 3000) -> str:
+    if not path or not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        return f.read()[-n:]
+
+
+def wait_ready(servers: List[SGLangServer], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(servers)
+    while pending:
+        for s in list(pending):
+            if s.proc is not None and s.proc.poll() is not None:
+                raise FleetError(f"SGLang server {s.url} exited with code {s.proc.returncode} while "
+                                 f"starting; log {s.log_path}:\n{_log_tail(s.log_path)}")
+            if s.healthy(timeout=2.0):
+                pending.remove(s)
+        if pending and time.monotonic() > deadline:
+            raise FleetError(f"SGLang servers not ready after {timeout:.0f} s: "
+                             + "; ".join(f"{s.url} (log {s.log_path}):\n{_log_tail(s.log_path, 1500)}"
+                                         for s in pending))
+        if pending:
+            time.sleep(0.5)
+
+
+def stop_server(s: SGLangServer, grace: float = 10.0) -> None:
+    """Terminate a server this fleet launched: its whole process group (it forks workers)."""
+    if s.proc is None:
+        return
+    pgid = s.proc.pid  # launched with start_new_session=True: the group id is the leader's pid
+    for sig, wait_s in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            s.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        break
+    try:  # workers of the group may outlive their leader (e.g. after the leader was killed)
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if s.proc.poll() is None:
+        s.proc.kill()
+        s.proc.wait(timeout=5)
+    s.alive = False
+
+
+def parse_generate_output(out: dict) -> Sample:
+    meta = out.get("meta_info", {})
+    fr = meta.get("finish_reason") or {}
+    kind = fr.get("type") if isinstance(fr, dict) else str(fr)
+    lps = meta.get("output_token_logprobs") or []
+    ids = out.get("output_ids")
+    if ids is None:
+        ids = [int(t[1]) for t in lps]
+    if kind == "abort":
+        raise RequestFailed(f"request aborted by the server: {fr}")
+    reason = FINISH_STOP if kind == "stop" else FINISH_LENGTH
+    return Sample([int(t) for t in ids], [float(t[0]) for t in lps], reason,
+                  meta={"matched_stop": fr.get("matched") if isinstance(fr, dict) else None})
+
+
+class SGLangFleet(RolloutEngine):
+    def __init__(self, cfg: FleetConfig, weight_sync=None):
+        self.cfg = cfg
+        self.servers: List[SGLangServer] = []
+        self._lock = threading.Lock()
+        keys = list(cfg.api_keys) + [None] * (len(cfg.urls) - len(cfg.api_keys))
+        self.servers += [SGLangServer(u, k) for u, k in zip(cfg.urls, keys)]
+        try:
+            launched = [launch_server(cfg, i) for i in range(cfg.num_servers)]
+            self.servers += launched
+            wait_ready(self.servers, cfg.startup_timeout)
+        except BaseException:
+            self.close()
+            raise
+        if not self.servers:
+            raise ValueError("FleetConfig names no server: set num_servers or urls")
+        self.weight_sync = weight_sync
+
+    # ------------------------------------------------------------------ dispatch
+    def alive_servers(self) -> List[SGLangServer]:
+        return [s for s in self.servers if s.alive]
+
+    def _describe_all(self) -> str:
+        return "; ".join(s.describe() for s in self.servers)
+
+    def _pick(self, exclude: set) -> Optional[SGLangServer]:
+        with self._lock:
+            cands = [s for s in self.servers if s.alive and s.url not in exclude]
+            if not cands:
+                cands = [s for s in self.servers if s.alive]  # all tried: reuse a live one
+            if not cands:
+                return None
+            best = min(cands, key=lambda s: (s.inflight, s.served))
+            best.inflight += 1
+            return best
+
+    def _mark_failed(self, s: SGLangServer, err: RequestFailed) -> None:
+        s.last_error = str(err)
+        if err.server_dead or not s.healthy(self.cfg.health_timeout):
+            if s.alive:
+                log.warning("SGLang server %s dropped from the fleet: %s", s.url, err)
+            s.alive = False
+
+    def _run_one(self, path: str, payload: dict, deadline: float, parse):
+        """Send one request, moving it to another server on failure, until the deadline."""
+        tried: set = set()
+        errors: List[str] = []
+        for attempt in range(self.cfg.max_attempts):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            s = self._pick(tried)
+            if s is None:
+                break
+            tried.add(s.url)
+            try:
+                out = s.post(path, payload, timeout=min(self.cfg.request_timeout, left))
+                result = parse(out)
+                s.served += 1
+                return result
+            except RequestFailed as e:
+                errors.append(str(e))
+                if not e.retryable:
+                    raise FleetError(f"request rejected by {s.url}: {e}") from e
+                self._mark_failed(s, e)
+            finally:
+                with self._lock:
+                    s.inflight -= 1
+        reason = ("the step time-out passed" if time.monotonic() >= deadline else
+                  "no SGLang server is left" if not self.alive_servers() else
+                  f"{self.cfg.max_attempts} attempts failed")
+        raise FleetError(f"{reason}; attempts: {errors or 'none'}; servers: {self._describe_all()}")
+
+    def _run_all(self, path: str, payloads: List[dict], parse) -> List[Any]:
+        deadline = time.monotonic() + self.cfg.step_timeout
+        if not self.alive_servers():
+            raise FleetError(f"no SGLang server is left; servers: {self._describe_all()}")
+        workers = max(1, min(self.cfg.max_concurrency, len(payloads)))
+        results: List[Any] = [None] * len(payloads)
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sglang-req")
+        try:
+            futs = {pool.submit(self._run_one, path, p, deadline, parse): i for i, p in enumerate(payloads)}
+            pending = set(futs)
+            while pending:
+                left = deadline - time.monotonic() + 5.0  # requests honour the deadline themselves
+                done, pending = wait(pending, timeout=max(left, 0.1), return_when=FIRST_COMPLETED)
+                if not done and time.monotonic() > deadline + 5.0:
+                    raise FleetError(f"step time-out ({self.cfg.step_timeout:.0f} s) passed with "
+                                     f"{len(pending)} requests unanswered; servers: {self._describe_all()}")
+                for f in done:
+                    results[futs[f]] = f.result()  # raises FleetError of that request
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        return results
+
+    # ------------------------------------------------------------------ RolloutEngine
+    def generate(self, prompts: List[List[int]], n: int = 1, temperature: float = 1.0,
+                 top_p: float = 1.0, max_new_tokens: int = 128,
+                 stop_token_ids: Sequence[int] = (), seed: Optional[int] = None) -> List[Group]:
+        sp = make_params(n, temperature, top_p, max_new_tokens, stop_token_ids)
+        validate_prompts(prompts)
+        sampling = {"n": sp.n, "temperature": sp.temperature, "top_p": sp.top_p, "top_k": -1,
+                    "max_new_tokens": sp.max_new_tokens, "stop_token_ids": list(sp.stop_token_ids),
+                    # SGLang checks stop_token_ids only when ignore_eos is false; then the model's
+                    # own EOS id also stops (pass it in stop_token_ids to be explicit)
+                    "ignore_eos": not sp.stop_token_ids, "skip_special_tokens": False}
+        payloads = []
+        for i, p in enumerate(prompts):
+            s = dict(sampling)
+            if seed is not None:
+                s["sampling_seed"] = int(seed) + i
+            payloads.append({"input_ids": [int(t) for t in p], "sampling_params": s,
+                             "return_logprob": True, "logprob_start_len": -1})
+
+        def parse(out):
+            outs = out if isinstance(out, list) else [out]
+            if len(outs) != sp.n:
+                raise RequestFailed(f"expected {sp.n} samples, got {len(outs)}")
+            return [parse_generate_output(o) for o in outs]
+
+        return self._run_all("/generate", payloads, parse)
+
+    def score(self, sequences: List[List[int]], prompt_lens: List[int],
+              temperature: float = 1.0) -> List[List[float]]:
+        """The server's log-probs of ``seq[prompt_len:]`` (prefill only, no sampling).
+
+        SGLang's input-token log-probs are ``log_softmax(logits)`` (temperature 1) whatever the
+        sampling temperature; the log-probs that :meth:`generate` returns are under ``logits / T``.
+        """
+        if temperature != 1.0:
+            raise NotImplementedError("SGLang scores fixed tokens at temperature 1 only")
+        payloads = [{"input_ids": [int(t) for t in seq],
+                     "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
+                     "return_logprob": True, "logprob_start_len": int(pl) - 1}
+                    for seq, pl in zip(sequences, prompt_lens)]
+
+        def parse(out):
+            out = out[0] if isinstance(out, list) else out
+            lps = out["meta_info"]["input_token_logprobs"]
+            return [float(t[0]) for t in lps[1:]]  # the first is the prompt's last token's own
+
+        return self._run_all("/generate", payloads, parse)
+
+    def broadcast(self, path: str, payload: Optional[dict] = None, timeout: Optional[float] = None) -> List[Any]:
+        """POST to every live server (weight updates, cache flushes); a failure is an error."""
+        outs = []
+        for s in self.alive_servers():
+            try:
+                outs.append(s.post(path, payload, timeout=timeout or self.cfg.request_timeout))
+            except RequestFailed as e:
+                self._mark_failed(s, e)
+                raise FleetError(f"{path} failed on {s.url}: {e}; servers: {self._describe_all()}") from e
+        return outs
+
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        if self.weight_sync is None:
+            from megatron_tepo.rollout.weight_sync import WeightSync
+
+            self.weight_sync = WeightSync(self, mode="tensor")
+        self.weight_sync.push(named_tensors)
+
+    def flush_cache(self) -> None:
+        self.broadcast("/flush_cache")
+
+    def close(self) -> None:
+        ws, self.weight_sync = getattr(self, "weight_sync", None), None
+        if ws is not None and hasattr(ws, "close"):
+            ws.close()
+        for s in self.servers:
+            stop_server(s)

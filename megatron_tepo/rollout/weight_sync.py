@@ -1,0 +1,380 @@
+"""Megatron -> rollout engine weight sync, bucketed, in three modes; and the log-prob drift check.
+
+Input: an iterator of ``(HF name, full tensor)`` -- :meth:`MegatronActor.export_hf_state` /
+:func:`megatron_tepo.models.export_hf_state`, which gathers TP shards and maps Megatron names and
+fused layouts to Hugging Face through the project's one mapping module. That export is collective
+over the TP group, so every rank must drain the iterator; only the *sender* (global rank 0 by
+default) talks to the servers. Tensors are grouped into buckets of at most ``bucket_bytes`` (a
+tensor larger than that travels alone) and each bucket is pushed before the next is built, so the
+sender's extra memory is one bucket (plus the tensor the export is producing).
+
+Modes (SGLang 0.5.23 HTTP API; every weight load sits inside ``/begin_weight_update`` ...
+``/end_weight_update``):
+
+``distributed``  a process group between the sender (rank 0) and every server's TP workers
+                 (``/init_weights_update_group``; gloo on CPU, nccl on GPU); per bucket one
+                 ``/update_weights_from_distributed`` with ``load_format="flattened_bucket"`` and
+                 one broadcast of the bucket's bytes.
+``tensor``       per bucket ``/update_weights_from_tensor`` with the tensors serialised by
+                 ``ForkingPickler`` (shared memory: the engine must be on the same host).
+``disk``         per bucket one safetensors file in ``shared_dir`` (a file system the servers
+                 see), then one ``/update_weights_from_disk``.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import math
+import os
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MODES = ("distributed", "tensor", "disk")
+NamedTensors = Iterable[Tuple[str, torch.Tensor]]
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def iter_buckets(named_tensors: NamedTensors, bucket_bytes: int,
+                 wire_dtype: Optional[torch.dtype] = None,
+                 align: bool = False) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+    """Group the stream into lists of at most ``bucket_bytes`` (a bigger tensor goes alone).
+
+    ``wire_dtype`` casts floating tensors; ``align`` closes a bucket early when the next tensor's
+    byte offset would not be a multiple of its item size (needed by flattened buckets)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    bucket: List[Tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named_tensors:
+        t = t.detach()
+        if wire_dtype is not None and t.is_floating_point() and t.dtype != wire_dtype:
+            t = t.to(wire_dtype)
+        t = t.contiguous()
+        nb = tensor_bytes(t)
+        misaligned = align and size % t.element_size() != 0
+        if bucket and (size + nb > bucket_bytes or misaligned):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nb
+    if bucket:
+        yield bucket
+
+
+def flatten_bucket(bucket: List[Tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """The bytes of the bucket's tensors back to back (SGLang's ``flattened_bucket`` layout)."""
+    total = sum(tensor_bytes(t) for _, t in bucket)
+    flat = torch.empty(total, dtype=torch.uint8, device=bucket[0][1].device)
+    off = 0
+    for _, t in bucket:
+        nb = tensor_bytes(t)
+        flat[off:off + nb].copy_(t.reshape(-1).view(torch.uint8))
+        off += nb
+    return flat
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int,
+                              group_name: str, timeout: Optional[timedelta] = None):
+    """A process group outside the default one (the trainer's own group is untouched).
+
+    The same construction as ``sglang.srt.utils.init_custom_process_group`` (which the servers use
+    on their side, joining ``init_method`` as clients): a TCP store, a ``PrefixStore(group_name)``,
+    ``_new_process_group_helper``. Rank 0 (the sender) hosts the TCP store itself: torch's
+    ``rendezvous()`` would, under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``), connect as a
+    client to the elastic agent's store instead and wait forever.
+    """
+    from urllib.parse import urlparse
+
+    from torch.distributed import TCPStore
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
+                                                    _world, default_pg_timeout)
+
+    timeout = timeout or default_pg_timeout
+    u = urlparse(init_method)
+    if u.scheme != "tcp":
+        raise ValueError(f"init_method must be tcp://host:port, got {init_method}")
+    store = TCPStore(u.hostname, u.port, world_size, is_master=rank == 0, timeout=timeout,
+                     wait_for_workers=False)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
+                                      group_name=group_name, backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def _default_is_sender() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+@dataclass
+class SyncStats:
+    mode: str
+    bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    peak_bucket_bytes: int = 0
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes / self.seconds if self.seconds > 0 else float("nan")
+
+
+class WeightSync:
+    """Pushes ``(HF name, tensor)`` streams to every live server of a fleet.
+
+    ``target``: an :class:`~megatron_tepo.rollout.sglang_fleet.SGLangFleet` (or anything with
+    ``alive_servers()``). ``wire_dtype``: cast before sending (e.g. ``torch.bfloat16`` for a bf16
+    server; halves the bytes of a float32 actor); ``None`` sends as exported.
+    """
+
+    def __init__(self, target, mode: str = "distributed", bucket_bytes: int = 256 << 20,
+                 wire_dtype: Optional[torch.dtype] = None, backend: Optional[str] = None,
+                 master_address: str = "127.0.0.1", master_port: Optional[int] = None,
+                 shared_dir: Optional[str] = None, is_sender: Optional[bool] = None,
+                 timeout: float = 600.0, group_name: str = "mtepo_weight_sync"):
+        if mode not in MODES:
+            raise ValueError(f"unknown weight sync mode {mode!r}; choose one of {MODES}")
+        self.target, self.mode, self.bucket_bytes, self.wire_dtype = target, mode, bucket_bytes, wire_dtype
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.master_address, self.master_port = master_address, master_port
+        self.shared_dir = shared_dir
+        self.is_sender = _default_is_sender() if is_sender is None else is_sender
+        self.timeout = timeout
+        self.group_name = group_name
+        self._pg = None
+        self._pg_servers: Tuple[str, ...] = ()
+        self._version = 0
+        self.last_stats: Optional[SyncStats] = None
+
+    # ------------------------------------------------------------------ helpers
+    def _servers(self):
+        servers = self.target.alive_servers()
+        if not servers:
+            raise RuntimeError("weight sync: no live server")
+        return servers
+
+    def _post_all(self, path: str, payload: Optional[dict] = None, servers=None) -> None:
+        """POST to every server concurrently; any failure is an error naming the server."""
+        threads, errors = self._start_all(path, payload or {}, servers or self._servers())
+        self._join(threads, errors, path)
+
+    def _start_all(self, path: str, payload: dict, servers) -> Tuple[List[threading.Thread], Dict]:
+        errors: Dict[str, str] = {}
+
+        def call(s):
+            try:
+                out = s.post(path, payload, timeout=self.timeout)
+                if isinstance(out, dict) and out.get("success") is False:
+                    errors[s.url] = str(out.get("message"))
+            except Exception as e:  # noqa: BLE001
+                errors[s.url] = str(e)
+
+        threads = [threading.Thread(target=call, args=(s,), daemon=True) for s in servers]
+        for t in threads:
+            t.start()
+        return threads, errors
+
+    @staticmethod
+    def _join(threads, errors, what: str) -> None:
+        for t in threads:
+            t.join()
+        if errors:
+            raise RuntimeError(f"weight sync {what} failed: {errors}")
+
+    # ------------------------------------------------------------------ distributed
+    def _ensure_group(self, servers) -> None:
+        urls = tuple(s.url for s in servers)
+        if self._pg is not None and urls == self._pg_servers:
+            return
+        self._destroy_group()
+        from megatron_tepo.rollout.sglang_fleet import free_port
+
+        port = self.master_port or free_port(self.master_address)
+        tp = [int(getattr(s, "tp_size", 1)) for s in servers]
+        world = 1 + sum(tp)
+        offsets = [1 + sum(tp[:i]) for i in range(len(servers))]
+        errs: List[Dict[str, str]] = []
+        threads = []
+        for s, off in zip(servers, offsets):
+            payload = {"master_address": self.master_address, "master_port": port, "rank_offset": off,
+                       "world_size": world, "group_name": self.group_name, "backend": self.backend}
+            th, err = self._start_all("/init_weights_update_group", payload, [s])
+            threads += th
+            errs.append(err)
+        pg = init_custom_process_group(self.backend, f"tcp://{self.master_address}:{port}", world, 0,
+                                       self.group_name, timeout=timedelta(seconds=self.timeout))
+        for t in threads:
+            t.join()
+        errors = {k: v for e in errs for k, v in e.items()}
+        if errors:
+            raise RuntimeError(f"weight sync: /init_weights_update_group failed: {errors}")
+        self._pg, self._pg_servers = pg, urls
+
+    def _destroy_group(self) -> None:
+        if self._pg is None:
+            return
+        try:
+            servers = [s for s in self.target.alive_servers() if s.url in self._pg_servers]
+            self._post_all("/destroy_weights_update_group", {"group_name": self.group_name}, servers or None)
+        except Exception as e:  # noqa: BLE001 -- best effort on the way out
+            log.warning("weight sync: destroying the update group failed: %s", e)
+        try:
+            torch.distributed.destroy_process_group(self._pg)
+        except Exception:  # noqa: BLE001
+            pass
+        self._pg, self._pg_servers = None, ()
+
+    def _push_distributed(self, bucket, servers) -> None:
+        payload = {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+                   "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
+                   "load_format": "flattened_bucket", "flush_cache": False}
+        flat = flatten_bucket(bucket)
+        threads, errors = self._start_all("/update_weights_from_distributed", payload, servers)
+        torch.distributed.broadcast(flat, src=0, group=self._pg)
+        self._join(threads, errors, "/update_weights_from_distributed")
+
+    # ------------------------------------------------------------------ tensor
+    def _push_tensor(self, bucket, servers) -> None:
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401 -- registers the tensor reductions
+
+        # file_system: the tensor's shared memory is named, so an unrelated process can map it
+        old = torch.multiprocessing.get_sharing_strategy()
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        try:
+            shared = [(n, t.clone().share_memory_()) for n, t in bucket]
+            buf = io.BytesIO()
+            ForkingPickler(buf).dump(shared)
+            data = base64.b64encode(buf.getvalue()).decode()
+        finally:
+            torch.multiprocessing.set_sharing_strategy(old)
+        for s in servers:
+            tp = int(getattr(s, "tp_size", 1))
+            self._post_all("/update_weights_from_tensor",
+                           {"serialized_named_tensors": [data] * tp, "flush_cache": False}, [s])
+        del shared
+
+    # ------------------------------------------------------------------ disk
+    def _disk_dir(self) -> str:
+        root = self.shared_dir or os.environ.get("MTEPO_WEIGHT_SYNC_DIR") or tempfile.gettempdir()
+        path = os.path.join(root, f"mtepo_weights_v{self._version}_{os.getpid()}")
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+        return path
+
+    # ------------------------------------------------------------------ public
+    def push(self, named_tensors: NamedTensors, flush_cache: bool = True) -> SyncStats:
+        """Send the stream to every live server; on non-sender ranks just drain it (collective)."""
+        stats = SyncStats(self.mode)
+        if not self.is_sender:
+            for _ in named_tensors:
+                pass
+            return stats
+        t0 = time.perf_counter()
+        servers = self._servers()
+        self._version += 1
+        disk_dir = self._disk_dir() if self.mode == "disk" else None
+        files: List[str] = []
+        if self.mode == "distributed":
+            self._ensure_group(servers)
+        if self.mode != "disk":
+            self._post_all("/begin_weight_update", {}, servers)
+        try:
+            for bucket in iter_buckets(named_tensors, self.bucket_bytes, self.wire_dtype,
+                                       align=self.mode == "distributed"):
+                nbytes = sum(tensor_bytes(t) for _, t in bucket)
+                if self.mode == "distributed":
+                    self._push_distributed(bucket, servers)
+                elif self.mode == "tensor":
+                    self._push_tensor(bucket, servers)
+                else:
+                    from safetensors.torch import save_file
+
+                    path = os.path.join(disk_dir, f"model-{len(files):05d}.safetensors")
+                    save_file(dict(bucket), path)
+                    files.append(path)
+                stats.bytes += nbytes
+                stats.tensors += len(bucket)
+                stats.buckets += 1
+                stats.peak_bucket_bytes = max(stats.peak_bucket_bytes, nbytes)
+                del bucket
+        finally:
+            if self.mode != "disk":
+                self._post_all("/end_weight_update", {}, servers)
+        if self.mode == "disk":
+            try:
+                self._post_all("/update_weights_from_disk",
+                               {"model_path": disk_dir, "flush_cache": False}, servers)
+            finally:
+                shutil.rmtree(disk_dir, ignore_errors=True)
+        if flush_cache:
+            self._post_all("/flush_cache", {}, servers)
+        stats.seconds = time.perf_counter() - t0
+        self.last_stats = stats
+        log.info("weight sync (%s): %d tensors, %.1f MB in %d buckets, %.2f s (%.1f MB/s)", self.mode,
+                 stats.tensors, stats.bytes / 1e6, stats.buckets, stats.seconds, stats.bytes_per_s / 1e6)
+        return stats
+
+    def close(self) -> None:
+        if self.mode == "distributed":
+            self._destroy_group()
+
+
+# ---------------------------------------------------------------------- drift check
+@dataclass
+class DriftCheck:
+    """Mean / max |engine log-prob - actor log-prob| over the same tokens; warns over a threshold."""
+    mean_threshold: float = 0.05
+    max_threshold: float = 1.0
+    prefix: str = "rollout/logprob_drift"
+
+    def __call__(self, engine_log_probs, actor_log_probs, mask=None) -> Dict[str, float]:
+        e = _as_flat(engine_log_probs)
+        a = _as_flat(actor_log_probs)
+        if e.shape != a.shape:
+            raise ValueError(f"drift check: {tuple(e.shape)} engine log-probs vs {tuple(a.shape)} actor's")
+        diff = (e.double() - a.double()).abs()
+        if mask is not None:
+            diff = diff[_as_flat(mask).bool()]
+        if diff.numel() == 0:
+            return {f"{self.prefix}_mean": 0.0, f"{self.prefix}_max": 0.0, f"{self.prefix}_tokens": 0}
+        metrics = {f"{self.prefix}_mean": float(diff.mean()), f"{self.prefix}_max": float(diff.max()),
+                   f"{self.prefix}_tokens": int(diff.numel())}
+        if metrics[f"{self.prefix}_mean"] > self.mean_threshold or metrics[f"{self.prefix}_max"] > self.max_threshold:
+            msg = (f"log-prob drift between rollout engine and actor: mean {metrics[f'{self.prefix}_mean']:.4g} "
+                   f"(threshold {self.mean_threshold}), max {metrics[f'{self.prefix}_max']:.4g} "
+                   f"(threshold {self.max_threshold}) over {metrics[f'{self.prefix}_tokens']} tokens")
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            log.warning(msg)
+        return metrics
+
+
+def _as_flat(x) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.reshape(-1)
+    if len(x) and isinstance(x[0], (list, tuple, torch.Tensor)):
+        return torch.cat([torch.as_tensor(list(r) if not isinstance(r, torch.Tensor) else r,
+                                          dtype=torch.float64).reshape(-1) for r in x]) if len(x) else torch.zeros(0)
+    return torch.as_tensor(list(x), dtype=torch.float64)

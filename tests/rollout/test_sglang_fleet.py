@@ -1,0 +1,185 @@
+"""A fleet of REAL SGLang CPU servers (tiny local Qwen3): groups, weight sync in three modes,
+a server killed mid-step, and every server gone. Two servers are started once for the module; the
+fault tests come last because they destroy them."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_tepo.rollout.engine import FINISH_LENGTH, FINISH_STOP
+from megatron_tepo.rollout.sglang_fleet import FleetConfig, FleetError, SGLangFleet
+from megatron_tepo.rollout.weight_sync import DriftCheck, WeightSync
+from tests.rollout.helpers import VOCAB, hf_response_log_probs, save_tiny_qwen3, tiny_qwen3
+
+pytestmark = pytest.mark.sglang
+SCALE = 0.07  # weights small enough that a bf16 server is within 2e-2 of float32 (bf16 error grows with the logits)
+SEQ = [5, 17, 33, 40, 41, 42, 43, 44, 45, 46, 47, 48]
+PROMPT_LEN = 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    save_tiny_qwen3(str(path), seed=0, scale=SCALE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def fleet(sglang_python, model_dir, tmp_path_factory):
+    cfg = FleetConfig(model_path=model_dir, num_servers=2, python=sglang_python,
+                      log_dir=str(tmp_path_factory.mktemp("sglang_logs")), request_timeout=60,
+                      step_timeout=120, startup_timeout=240)
+    f = SGLangFleet(cfg)
+    yield f
+    f.close()
+
+
+def test_servers_are_keyed_and_local(fleet):
+    import requests
+
+    assert len(fleet.servers) == 2
+    for s in fleet.servers:
+        assert s.url.startswith("http://127.0.0.1:") and s.api_key and s.pid
+        r = requests.post(s.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}},
+                          timeout=30)
+        assert r.status_code in (401, 403), r.status_code  # no key -> refused
+
+
+def test_generate_groups(fleet):
+    prompts = [[5, 17, 33], [9], [100, 101, 102, 103]]
+    groups = fleet.generate(prompts, n=3, temperature=0.7, max_new_tokens=6)
+    assert len(groups) == 3 and all(len(g) == 3 for g in groups)
+    model = tiny_qwen3(seed=0, scale=SCALE)
+    for p, g in zip(prompts, groups):
+        for s in g:
+            assert len(s.token_ids) == len(s.log_probs) == 6 and s.finish_reason == FINISH_LENGTH
+            assert all(0 <= t < VOCAB for t in s.token_ids)
+            # the engine's log-probs are those of logits / T (bf16 server vs float32 reference)
+            ref = hf_response_log_probs(model, p + s.token_ids, len(p), temperature=0.7)
+            assert torch.allclose(torch.tensor(s.log_probs), ref, atol=5e-2), (s.log_probs, ref)
+    assert all(s.served > 0 for s in fleet.servers)  # spread over both servers
+
+
+def test_stop_tokens(fleet):
+    stop = list(range(0, VOCAB, 2))
+    groups = fleet.generate([[5, 17, 33], [9, 8]], n=4, temperature=1.0, max_new_tokens=16, stop_token_ids=stop)
+    seen = set()
+    for g in groups:
+        for s in g:
+            seen.add(s.finish_reason)
+            if s.finish_reason == FINISH_STOP:
+                assert s.token_ids[-1] in stop and not any(t in stop for t in s.token_ids[:-1])
+    assert FINISH_STOP in seen
+
+
+@pytest.mark.parametrize("mode", ["tensor", "distributed", "disk"])
+def test_weight_sync_modes_single_process(fleet, mode, tmp_path):
+    seed = {"tensor": 11, "distributed": 12, "disk": 13}[mode]
+    new = tiny_qwen3(seed=seed, scale=SCALE)
+    ref = hf_response_log_probs(new, SEQ, PROMPT_LEN)
+    before = [torch.tensor(x) for x in fleet.score([SEQ] * 2, [PROMPT_LEN] * 2)]
+    ws = WeightSync(fleet, mode=mode, bucket_bytes=100_000, shared_dir=str(tmp_path))
+    try:
+        stats = ws.push(new.state_dict().items())
+    finally:
+        ws.close()
+    assert stats.tensors == len(new.state_dict()) and stats.buckets > 1
+    assert stats.peak_bucket_bytes <= max(100_000, max(t.numel() * 4 for t in new.state_dict().values()))
+    # each of the two requests goes to a different server (least-loaded): both were updated
+    after = [torch.tensor(x) for x in fleet.score([SEQ] * 2, [PROMPT_LEN] * 2)]
+    for b, a in zip(before, after):
+        assert float((a - ref).abs().max()) < 2e-2, (mode, a, ref)
+        assert float((b - ref).abs().max()) > 0.1  # clearly different before the sync
+    drift = DriftCheck()(after, [ref, ref])
+    assert drift["rollout/logprob_drift_max"] < 2e-2
+    for s in fleet.servers:  # every server holds the new weights
+        out = s.post("/generate", {"input_ids": SEQ, "sampling_params": {"max_new_tokens": 0},
+                                   "return_logprob": True, "logprob_start_len": PROMPT_LEN - 1})
+        lp = torch.tensor([t[0] for t in out["meta_info"]["input_token_logprobs"][1:]])
+        assert float((lp - ref).abs().max()) < 2e-2
+
+
+def test_drift_check_warns():
+    with pytest.warns(RuntimeWarning, match="drift"):
+        m = DriftCheck(mean_threshold=0.01)([[0.0, -1.0]], [[0.1, -1.0]])
+    assert m["rollout/logprob_drift_mean"] == pytest.approx(0.05)
+    assert m["rollout/logprob_drift_max"] == pytest.approx(0.1)
+
+
+def test_weight_sync_from_tp2_actor(fleet, model_dir, tmp_path):
+    """Actor at TP=2 (torchrun, 2 ranks) -> both servers, each mode: server == float32 reference of
+    the actor's weights within 2e-2 (bf16 server), and clearly different before the sync."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from tests.dist_utils import REPO, torchrun
+
+    new = tiny_qwen3(seed=21, scale=SCALE)
+    new.config.to_json_file(str(tmp_path / "config.json"))
+    save_file({k: v.contiguous() for k, v in new.state_dict().items()}, str(tmp_path / "actor.safetensors"))
+    ref = hf_response_log_probs(new, SEQ, PROMPT_LEN)
+    args = {"urls": [s.url for s in fleet.servers], "keys": [s.api_key for s in fleet.servers],
+            "model_dir": model_dir, "weights": str(tmp_path / "actor.safetensors"),
+            "config_dir": str(tmp_path), "modes": ["distributed", "tensor", "disk"], "seq": SEQ,
+            "prompt_len": PROMPT_LEN, "bucket_bytes": 100_000, "shared_dir": str(tmp_path)}
+    res = torchrun(REPO / "tests/rollout/sync_worker.py", 2, json.dumps(args), tmp_path=tmp_path, timeout=600)
+    modes = res[0]["modes"]
+    assert sorted(modes) == ["disk", "distributed", "tensor"]
+    for mode, r in modes.items():
+        assert r["tensors"] == len(new.state_dict()) and r["buckets"] > 1
+        for before, after in zip(r["before"], r["after"]):
+            assert float((torch.tensor(after) - ref).abs().max()) < 2e-2, (mode, after, ref)
+            assert float((torch.tensor(before) - ref).abs().max()) > 0.1, mode
+
+
+# ---------------------------------------------------------------- faults (destroy the fleet: last)
+def test_server_killed_mid_step(fleet):
+    victim = fleet.servers[0]
+    prompts = [[i + 3, i + 4, i + 5] for i in range(12)]
+    result, errors = {}, []
+
+    def step():
+        try:
+            result["groups"] = fleet.generate(prompts, n=2, temperature=1.0, max_new_tokens=48)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=step)
+    t.start()
+    time.sleep(1.0)  # requests are in flight on both servers
+    assert victim.inflight > 0
+    os.kill(victim.pid, signal.SIGKILL)
+    t.join(timeout=180)
+    assert not t.is_alive() and not errors, errors
+    groups = result["groups"]
+    assert len(groups) == len(prompts)
+    for g in groups:  # nothing lost: every request answered in full
+        assert len(g) == 2 and all(len(s.token_ids) == 48 and s.finish_reason == FINISH_LENGTH for s in g)
+    assert not victim.alive and fleet.servers[1].alive
+    assert "connection" in (victim.last_error or "").lower()
+
+
+def test_all_servers_gone_clear_error_within_timeout(fleet):
+    last = fleet.servers[1]
+    fleet.cfg.step_timeout, fleet.cfg.request_timeout = 15.0, 5.0
+    os.kill(last.pid, signal.SIGSTOP)  # hung, not dead: only the time-outs can tell
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(FleetError) as exc:
+            fleet.generate([[1, 2, 3]], n=1, max_new_tokens=4)
+        elapsed = time.monotonic() - t0
+    finally:
+        os.kill(last.pid, signal.SIGKILL)
+        os.kill(last.pid, signal.SIGCONT)
+    assert elapsed < 15.0 + 6.0, elapsed
+    msg = str(exc.value)
+    for s in fleet.servers:
+        assert s.url in msg
+    t0 = time.monotonic()
+    with pytest.raises(FleetError, match="no SGLang server is left"):
+        fleet.generate([[1, 2, 3]], n=1, max_new_tokens=4)
+    assert time.monotonic() - t0 < 15.0
