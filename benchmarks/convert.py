@@ -1,6 +1,7 @@
 """Benchmark of checkpoint conversion: wall time and peak RSS per process, both directions.
 
     OMP_NUM_THREADS=1 python benchmarks/convert.py [--hidden 1280 --layers 24 --vocab 32000] [--tp 1]
+        [--max-shard-size 1GB] [--export-only]
 
 Builds a random Llama-shaped HF checkpoint (default ~0.5B parameters, fp32, 1 GB shards) under
 --workdir, then times ``tools/convert_hf_to_megatron.py`` (torchrun with tp ranks) and
@@ -71,6 +72,8 @@ def main():
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--tp", type=int, nargs="+", default=[1])
     p.add_argument("--workdir", default=None)
+    p.add_argument("--max-shard-size", default="1GB", help="export shard size (the writer holds one)")
+    p.add_argument("--export-only", action="store_true", help="reuse WORKDIR/mg-tp{N} from a previous run")
     a = p.parse_args()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="mtepo-convert-bench-"))
     (work / "rss" / "hook").mkdir(parents=True, exist_ok=True)
@@ -84,14 +87,15 @@ def main():
     rows = []
     for tp in a.tp:
         mg, back = work / f"mg-tp{tp}", work / f"back-tp{tp}"
-        shutil.rmtree(mg, ignore_errors=True)
         shutil.rmtree(back, ignore_errors=True)
-        w1, r1, k1 = run([sys.executable, str(REPO / "tools/convert_hf_to_megatron.py"), "--hf", str(hf),
-                          "--out", str(mg), "--tp", str(tp), "--quiet"], work / "rss")
+        if not a.export_only:
+            shutil.rmtree(mg, ignore_errors=True)
+            w1, r1, k1 = run([sys.executable, str(REPO / "tools/convert_hf_to_megatron.py"), "--hf", str(hf),
+                              "--out", str(mg), "--tp", str(tp), "--quiet"], work / "rss")
+            rows.append((f"HF -> Megatron, TP={tp}", k1, w1, r1))
         w2, r2, k2 = run([sys.executable, str(REPO / "tools/convert_megatron_to_hf.py"), "--megatron", str(mg),
-                          "--out", str(back), "--max-shard-size", "1GB", "--quiet"], work / "rss")
-        rows.append((f"HF -> Megatron, TP={tp}", k1, w1, r1))
-        rows.append((f"Megatron (TP={tp}) -> HF", k2, w2, r2))
+                          "--out", str(back), "--max-shard-size", a.max_shard_size, "--quiet"], work / "rss")
+        rows.append((f"Megatron (TP={tp}) -> HF, {a.max_shard_size} shards", k2, w2, r2))
     print(f"model: {n or '?'} parameters, {size / 2**30:.2f} GiB fp32 safetensors\n")
     print("| direction | processes | wall (s) | peak RSS per process (GiB) | peak / model size |")
     print("|---|---|---|---|---|")

@@ -15,9 +15,12 @@ tools/convert_megatron_to_hf.py needs nothing else. Progress is printed per laye
 The output appears only when complete (written to ``<out>.tmp-<pid>``, then renamed; removed on
 any error); an existing --out is refused unless --force.
 
-Deliberately left out: MoE / --ep > 1 (models/qwen3_moe is not implemented yet, so the layout
-check refuses it), pytorch_model.bin inputs (not lazily readable: convert to safetensors first),
-multi-node launching (run it under your own torchrun with WORLD_SIZE = tp*pp*ep), optimizer state.
+MoE (Qwen3-MoE): --ep N spreads the experts over N ranks (each reads only its own experts); on CPU
+MoE needs --tp 1 --pp 1 (megatron-core limits, models/qwen3_moe/README.md).
+
+Deliberately left out: pytorch_model.bin inputs (not lazily readable: convert to safetensors
+first), multi-node launching (run it under your own torchrun with WORLD_SIZE = tp*pp*ep),
+optimizer state.
 """
 from __future__ import annotations
 

@@ -3,17 +3,19 @@
 
     python tools/convert_megatron_to_hf.py --megatron DIR --out DIR [--max-shard-size 2GB] [--force]
 
-Runs in one process (gloo world of 1, no torchrun needed) whatever TP/PP the checkpoint was saved
-at: dist_checkpointing reshards it to TP=PP=1 on load. Writes sharded safetensors
+Runs in one process (gloo world of 1, no torchrun needed) whatever TP/PP/EP the checkpoint was
+saved at: the tensors are read in the TP=PP=EP=1 layout (every MoE expert included). Writes sharded safetensors
 (``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``), and copies config.json,
 generation_config.json and the tokenizer files from the checkpoint's ``hf_source/``. Every HF
 tensor recorded at import is produced once with its original name, shape and dtype (else an
 error naming it). Progress per layer; the output appears only when complete
 (``<out>.tmp-<pid>`` renamed at the end, removed on error); an existing --out needs --force.
 
-Deliberately left out: layer-streaming load (the model is loaded whole at TP=1, so peak memory
-is about the model's size plus one shard; see megatron_tepo/checkpoint/convert.py for why),
-checkpoints not made by convert_hf_to_megatron (they lack hf_source/), MoE, optimizer state.
+Streaming: each parameter is read from the checkpoint files only when it is written, so peak
+memory is about one output shard plus the largest tensor (see megatron_tepo/checkpoint/convert.py).
+
+Deliberately left out: checkpoints not made by convert_hf_to_megatron (they lack hf_source/),
+optimizer state.
 """
 from __future__ import annotations
 

@@ -10,8 +10,10 @@
 * :func:`copy_side_files` -- config.json, generation_config.json, tokenizer and chat-template files
   (every regular file that is not a weight file).
 * :func:`expected_hf_tensors` / :func:`check_hf_tensors` -- the names and shapes the HF config
-  implies (from the transformers model built on the ``meta`` device, no memory), and a check of a
-  checkpoint against them that names every missing / unexpected / wrongly shaped tensor.
+  implies (from the transformers model built on the ``meta`` device, no memory; MoE experts that
+  transformers >= 5 fuses in memory are listed one tensor per expert, as checkpoints store them),
+  and a check of a checkpoint against them that names every missing / unexpected / wrongly shaped
+  tensor.
 
 Left out: ``pytorch_model*.bin`` (pickle) checkpoints -- they cannot be read lazily; convert them
 to safetensors first. GGUF is read by transformers, not here.
@@ -235,10 +237,31 @@ def expected_hf_tensors(hf_config) -> Dict[str, Tuple[int, ...]]:
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shapes = checkpoint_shapes({k: tuple(v.shape) for k, v in model.state_dict().items()})
     if getattr(hf_config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
     return shapes
+
+
+def checkpoint_shapes(shapes: Dict[str, Tuple[int, ...]]) -> Dict[str, Tuple[int, ...]]:
+    """In-memory names/shapes -> checkpoint names/shapes. transformers >= 5 keeps MoE experts
+    fused in memory (``mlp.experts.gate_up_proj`` [E, 2I, H], gate first; ``mlp.experts.down_proj``
+    [E, H, I]) but ``save_pretrained`` / hub safetensors store one tensor per expert
+    (``mlp.experts.{e}.gate_proj|up_proj|down_proj.weight``), which is what the mapping uses."""
+    out: Dict[str, Tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        if name.endswith("mlp.experts.gate_up_proj") and len(shape) == 3:
+            prefix = name[: -len("gate_up_proj")]
+            for e in range(shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = (shape[1] // 2, shape[2])
+                out[f"{prefix}{e}.up_proj.weight"] = (shape[1] // 2, shape[2])
+        elif name.endswith("mlp.experts.down_proj") and len(shape) == 3:
+            prefix = name[: -len("down_proj")]
+            for e in range(shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = (shape[1], shape[2])
+        else:
+            out[name] = shape
+    return out
 
 
 def check_hf_tensors(ckpt: LazyHFCheckpoint, hf_config) -> None:

@@ -1,14 +1,17 @@
 """torchrun worker for tests/checkpoint: convert / load / compare, results via write_result.
 
-    convert_worker.py import  ROOT TP PP VARIANT[,VARIANT..] [--logits]
-        ROOT/hf-<v> -> ROOT/mg-<v>-tp{TP}pp{PP}; with --logits also build the model at TP/PP,
-        load the checkpoint and compare logits with the HF model.
-    convert_worker.py logits  CKPT HFDIR TP PP     load CKPT at TP/PP, compare logits with HFDIR
+    convert_worker.py import  ROOT TP PP VARIANT[,VARIANT..] [--logits] [--ep N]
+        ROOT/hf-<v> -> ROOT/mg-<v>-tp{TP}pp{PP}[ep{N}]; with --logits also build the model at
+        TP/PP/EP, load the checkpoint and compare logits with the HF model.
+    convert_worker.py logits  CKPT HFDIR TP PP [EP]  load CKPT at TP/PP/EP, compare logits with HFDIR
     convert_worker.py roundtrip ROOT VARIANT[,..]  (1 process) hf -> megatron (TP=1) -> hf, torch.equal
     convert_worker.py export  ROOT SUFFIX VARIANT[,..] (1 process) ROOT/mg-<v>-SUFFIX -> hf, torch.equal
+    convert_worker.py ep1 ROOT SUFFIX VARIANT[,..]   (1 process) MoE at EP=1: the TP=1 round trip,
+        plus ROOT/mg-<v>-SUFFIX (saved at EP=2) exported (bitwise) and loaded at EP=1 (logits)
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -50,7 +53,7 @@ def megatron_logits(model, ids: torch.Tensor):
     return out.float()
 
 
-def compare_logits(ckpt, hf_dir, tp: int, pp: int) -> dict:
+def compare_logits(ckpt, hf_dir, tp: int, pp: int, ep: int = 1) -> dict:
     import json
 
     from megatron_tepo.actor.parallel import ParallelLayout, initialize_parallel
@@ -58,7 +61,7 @@ def compare_logits(ckpt, hf_dir, tp: int, pp: int) -> dict:
     from megatron_tepo.models import family_config_from_hf
 
     fc = family_config_from_hf(json.loads((Path(hf_dir) / "config.json").read_text()), spec="local")
-    initialize_parallel(ParallelLayout(tp=tp, pp=pp), fc, backend="gloo")
+    initialize_parallel(ParallelLayout(tp=tp, pp=pp, ep=ep), fc, backend="gloo")
     model = build_gpt_model(fc, torch.float32)
     load_checkpoint_into(model, ckpt)
     ids = input_ids(fc.vocab_size)
@@ -67,10 +70,16 @@ def compare_logits(ckpt, hf_dir, tp: int, pp: int) -> dict:
         return {"has_logits": False}
     with torch.no_grad():
         ref = causal_lm(hf_dir)(input_ids=ids).logits.float()
-    out_path = Path(ckpt).parent / f"logits-{Path(ckpt).name}-tp{tp}pp{pp}.pt"
+    out_path = Path(ckpt).parent / f"logits-{Path(ckpt).name}-tp{tp}pp{pp}ep{ep}-r{dist_rank()}.pt"
     torch.save(got, out_path)
     return {"has_logits": True, "max_abs_diff": float((got - ref).abs().max()),
             "ref_max": float(ref.abs().max()), "saved": str(out_path)}
+
+
+def dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def roundtrip_equal(a_dir, b_dir) -> dict:
@@ -87,13 +96,15 @@ def main():
     res = {}
     if mode == "import":
         root, tp, pp, variants = Path(rest[0]), int(rest[1]), int(rest[2]), rest[3].split(",")
+        ep = int(rest[rest.index("--ep") + 1]) if "--ep" in rest else 1
         for v in variants:
-            ckpt = root / f"mg-{v}-tp{tp}pp{pp}"
-            convert_hf_to_megatron(root / f"hf-{v}", ckpt, tp=tp, pp=pp, progress=False)
+            ckpt = root / (f"mg-{v}-tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else ""))
+            convert_hf_to_megatron(root / f"hf-{v}", ckpt, tp=tp, pp=pp, ep=ep, progress=False)
             if "--logits" in rest:
-                res[v] = compare_logits(ckpt, root / f"hf-{v}", tp, pp)
+                res[v] = compare_logits(ckpt, root / f"hf-{v}", tp, pp, ep)
     elif mode == "logits":
-        res = compare_logits(rest[0], rest[1], int(rest[2]), int(rest[3]))
+        res = compare_logits(rest[0], rest[1], int(rest[2]), int(rest[3]),
+                             int(rest[4]) if len(rest) > 4 else 1)
     elif mode == "roundtrip":
         root, variants = Path(rest[0]), rest[1].split(",")
         for v in variants:
@@ -103,8 +114,20 @@ def main():
     elif mode == "export":
         root, suffix, variants = Path(rest[0]), rest[1], rest[2].split(",")
         for v in variants:
-            convert_megatron_to_hf(root / f"mg-{v}-{suffix}", root / f"back-{v}-{suffix}", progress=False)
+            convert_megatron_to_hf(root / f"mg-{v}-{suffix}", root / f"back-{v}-{suffix}", progress=False,
+                                   max_shard_bytes=int(os.environ.get("MTEPO_MAX_SHARD_BYTES", 2 * 1024 ** 3)))
             res[v] = roundtrip_equal(root / f"hf-{v}", root / f"back-{v}-{suffix}")
+    elif mode == "ep1":
+        root, suffix, variants = Path(rest[0]), rest[1], rest[2].split(",")
+        for v in variants:
+            hf, ckpt = root / f"hf-{v}", root / f"mg-{v}-{suffix}"
+            convert_hf_to_megatron(hf, root / f"mg-{v}-tp1pp1", progress=False)
+            convert_megatron_to_hf(root / f"mg-{v}-tp1pp1", root / f"back-{v}-tp1pp1", progress=False)
+            convert_megatron_to_hf(ckpt, root / f"back-{v}-{suffix}", progress=False)
+            res[v] = {"roundtrip_ep1": roundtrip_equal(hf, root / f"back-{v}-tp1pp1"),
+                      "export_of_ep2": roundtrip_equal(hf, root / f"back-{v}-{suffix}"),
+                      "logits_ep1": compare_logits(root / f"mg-{v}-tp1pp1", hf, 1, 1),
+                      "logits_ep2_ckpt_at_ep1": compare_logits(ckpt, hf, 1, 1)}
     else:
         raise SystemExit(f"unknown mode {mode}")
     write_result(res)

@@ -111,3 +111,35 @@ def test_error_after_start_removes_tmp_dir(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "lm_head.weight" in proc.stderr
     _no_output(tmp_path / "out")
+
+
+@pytest.fixture
+def hf_moe(tmp_path):
+    return make_hf_dir(tmp_path / "hf-moe", "qwen3_moe", tie=False, tokenizer=False)
+
+
+def test_moe_missing_expert_tensor(hf_moe, tmp_path, capsys):
+    _rewrite(hf_moe, lambda s: s.pop("model.layers.1.mlp.experts.2.up_proj.weight"))
+    assert _main("--hf", str(hf_moe), "--out", str(tmp_path / "out"), "--ep", "2") == 2
+    assert "model.layers.1.mlp.experts.2.up_proj.weight" in capsys.readouterr().err
+    _no_output(tmp_path / "out")
+
+
+def test_moe_fused_expert_names_refused(hf_moe, tmp_path, capsys):
+    """transformers' in-memory fused layout (mlp.experts.gate_up_proj [E, 2I, H]) is not a
+    checkpoint layout: named as unexpected, the per-expert tensors as missing."""
+    def fuse(s):
+        for e in range(4):
+            s.pop(f"model.layers.0.mlp.experts.{e}.gate_proj.weight")
+        s["model.layers.0.mlp.experts.gate_up_proj"] = torch.zeros(4, 64, 64)
+    _rewrite(hf_moe, fuse)
+    assert _main("--hf", str(hf_moe), "--out", str(tmp_path / "out")) == 2
+    err = capsys.readouterr().err
+    assert "model.layers.0.mlp.experts.gate_up_proj" in err and "model.layers.0.mlp.experts.0.gate_proj.weight" in err
+    _no_output(tmp_path / "out")
+
+
+def test_ep_not_dividing_experts(hf_moe, tmp_path, capsys):
+    assert _main("--hf", str(hf_moe), "--out", str(tmp_path / "out"), "--ep", "3") == 2
+    assert "num_experts=4 is not divisible by ep=3" in capsys.readouterr().err
+    _no_output(tmp_path / "out")

@@ -66,3 +66,27 @@ def test_tp2_logits_and_reshard_to_tp1_and_pp2(tmp_path):
     assert torch.equal(logits["tp1"], logits["pp2"])  # same ops, different placement
     # TP=2 splits the matmul reductions (row-parallel all-reduce): measured 1.4e-6 on logits ~4
     assert float((logits["tp1"] - logits["tp2"]).abs().max()) < 5e-6
+
+
+MOE_VARIANTS = [("qwen3_moe", False)]  # untied as every released Qwen3-MoE (tying: dense tests)
+
+
+def test_qwen3_moe_ep2_and_ep1(tmp_path):
+    """Qwen3-MoE (4 experts, top-2, QK-norm; one HF tensor per expert as safetensors store them),
+    untied. EP=2 (2 ranks, each holding and reading only its 2 experts): convert, load
+    at EP=2, logits vs HF (1e-5); the one-process exporter (EP=1) gives back every expert, bit for
+    bit. EP=1: round trip bit for bit, logits vs HF, and the EP=2 checkpoint loaded at EP=1."""
+    names = _build(tmp_path, MOE_VARIANTS)
+    results = torchrun(WORKER, 2, "import", str(tmp_path), "1", "1", names, "--logits", "--ep", "2",
+                       tmp_path=tmp_path / "ep2")
+    for r in results:  # EP=2 is data-parallel over tokens: both ranks compute full logits
+        for v, d in r.items():
+            assert d["has_logits"] and d["max_abs_diff"] < 1e-5, (v, d)
+    (res,) = torchrun(WORKER, 1, "ep1", str(tmp_path), "tp1pp1ep2", names, tmp_path=tmp_path / "ep1")
+    for v, r in res.items():
+        _assert_bitwise({v: r["roundtrip_ep1"]})
+        _assert_bitwise({v: r["export_of_ep2"]})
+        # 4 layers x (q,k,v,o, q/k norm, 2 layer norms, router, 4 experts x 3) + embed, norm (+ lm_head)
+        assert r["export_of_ep2"]["n"] == 4 * (4 + 2 + 2 + 1 + 4 * 3) + 2 + v.endswith("untied"), r
+        for k in ("logits_ep1", "logits_ep2_ckpt_at_ep1"):
+            assert r[k]["has_logits"] and r[k]["max_abs_diff"] < 1e-5, (v, k, r[k])

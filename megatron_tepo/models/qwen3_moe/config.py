@@ -29,7 +29,12 @@ def from_hf_config(hf_config, spec: str = "local") -> GPTFamilyConfig:
     if int(_get(hf_config, "decoder_sparse_step", 1)) != 1:
         raise NotImplementedError("qwen3_moe: decoder_sparse_step != 1 is not supported")
     base = qwen3_config(hf_config, spec=spec, family="qwen3_moe")
-    num_experts = int(_get(hf_config, "num_experts"))
+    # hub config.json files say ``num_experts``; transformers >= 5 saves it as ``num_local_experts``
+    # (its attribute_map alias), so a raw dict may carry either
+    num_experts = _get(hf_config, "num_experts", None) or _get(hf_config, "num_local_experts", None)
+    if not num_experts:
+        raise ValueError("qwen3_moe config has neither num_experts nor num_local_experts")
+    num_experts = int(num_experts)
     moe_kwargs = dict(
         num_moe_experts=num_experts,
         moe_router_topk=int(_get(hf_config, "num_experts_per_tok")),
