@@ -36,6 +36,8 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 import torch.distributed as dist
 
+from megatron_tepo.actor.parallel import raise_if_any_rank_failed
+
 __all__ = [
     "COMPLETE_MARKER",
     "CheckpointError",
@@ -189,14 +191,7 @@ def _broadcast_obj(obj):
 
 def _agree_ok(error: Optional[BaseException]) -> None:
     """Raise on every rank if any rank failed (so no rank is left waiting in a collective)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errs = [None] * dist.get_world_size()
-        dist.all_gather_object(errs, None if error is None else f"{type(error).__name__}: {error}")
-        bad = [(r, e) for r, e in enumerate(errs) if e is not None]
-        if bad and error is None:
-            raise CheckpointError("checkpoint failed on rank(s) " + "; ".join(f"{r}: {e}" for r, e in bad))
-    if error is not None:
-        raise error
+    raise_if_any_rank_failed(error, "checkpoint", CheckpointError)
 
 
 def _fsync_dir(path: Path) -> None:

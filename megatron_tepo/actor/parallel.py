@@ -132,3 +132,19 @@ def destroy_parallel() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def raise_if_any_rank_failed(error: Optional[BaseException], what: str,
+                             exc_type: type = RuntimeError) -> None:
+    """Collective: re-raise ``error`` on the rank that hit it and raise ``exc_type`` naming the
+    failed rank(s) and their errors on every other rank, so that no rank is left waiting in a
+    later collective. A no-op when every rank succeeded."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errs = [None] * dist.get_world_size()
+        dist.all_gather_object(errs, None if error is None else f"{type(error).__name__}: {error}")
+        bad = [(r, e) for r, e in enumerate(errs) if e is not None]
+        if bad and error is None:
+            raise exc_type(f"{what} failed on rank(s) " + "; ".join(f"{r}: {e}" for r, e in bad))
+    if error is not None:
+        raise error
+

@@ -65,7 +65,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_tepo.actor.parallel import ParallelLayout, initialize_parallel, validate_layout
+from megatron_tepo.actor.parallel import (ParallelLayout, initialize_parallel, raise_if_any_rank_failed,
+                                          validate_layout)
 from megatron_tepo.models import family_config_from_hf, hf_to_megatron, megatron_to_hf
 from megatron_tepo.models.sharding import expert_indices, layer_offsets, load_megatron_state_into
 
@@ -121,14 +122,7 @@ def _agree(fn: Callable, *args, **kwargs):
         result = fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 -- re-raised below on every rank
         err = e
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errs = [None] * dist.get_world_size()
-        dist.all_gather_object(errs, None if err is None else f"{type(err).__name__}: {err}")
-        bad = [(r, e) for r, e in enumerate(errs) if e is not None]
-        if bad and err is None:
-            raise RuntimeError("conversion failed on rank(s) " + "; ".join(f"{r}: {e}" for r, e in bad))
-    if err is not None:
-        raise err
+    raise_if_any_rank_failed(err, "conversion")
     return result
 
 
