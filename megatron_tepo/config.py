@@ -28,7 +28,7 @@ import yaml
 
 __all__ = [
     "ConfigError", "RunConfig", "AlgorithmConfig", "AdvantageConfig", "RolloutConfig",
-    "OptimConfig", "TrainConfig", "ParallelConfig", "ModelConfig", "load_config",
+    "OptimConfig", "TrainConfig", "ParallelConfig", "ModelConfig", "DataConfig", "RewardConfig", "load_config",
     "from_dict", "to_dict", "apply_overrides", "dump_config", "validate",
 ]
 
@@ -131,6 +131,24 @@ class ModelConfig:
 
 
 @dataclass
+class DataConfig:
+    """Prompt files (JSONL or Parquet; plain ``{prompt, answer}`` or the DAPO-Math form)."""
+
+    train_files: List[str] = field(default_factory=list)
+    eval_files: List[str] = field(default_factory=list)
+    apply_chat_template: bool = True
+    on_bad_row: Literal["error", "skip"] = "error"  # skip: count and report malformed rows
+
+
+@dataclass
+class RewardConfig:
+    """math-verify on the last \\boxed{} of each response, in a process pool."""
+
+    workers: int = 2
+    timeout_s: float = 5.0  # per answer; a time-out is reward 0 and is counted
+
+
+@dataclass
 class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
@@ -139,6 +157,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     notes: str = ""  # free text: where a setting comes from
 
 
@@ -422,3 +442,4 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.mini_batch_prompts: {t.mini_batch_prompts} must divide "
                           f"rollout.prompts_per_step ({r.prompts_per_step})")
     _positive(cfg.parallel, "parallel", ["tp", "pp", "ep"])
+    _positive(cfg.reward, "reward", ["workers", "timeout_s"])

@@ -184,8 +184,11 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         rng.shuffle(order)
         # 1. generate -> reward -> dynamic sampling
         prompts, groups, rewards, gen = generate_groups(engine, task, order[:cfg.rollout.prompts_per_step], cfg, rng)
-        if not prompts:
-            history.append({"step": step, "skipped": 1.0, **gen})
+        if not prompts:  # every group had equal rewards for max_sampling_rounds rounds
+            metrics = {"skipped_step": 1.0, **gen}
+            if logger is not None:
+                logger.log(step, metrics)
+            history.append(metrics)
             continue
         reward = torch.cat(rewards)
         # 2. advantages (eq. 9), GPG's correction when configured
@@ -212,14 +215,14 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
                        response_length_mean=float(batch.response_mask.sum(1).mean()), **drift)
         if eval_fn is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0:
             metrics.update(eval_fn())
+        if on_step is not None:
+            on_step(step, metrics)
         if logger is not None:
             logger.log(step, metrics)
         if checkpoint_root and cfg.train.save_every and step % cfg.train.save_every == 0:
             actor.save_checkpoint(Path(checkpoint_root) / f"step_{step}", _loop_state(step, rng, order, engine, extra))
             if cfg.train.keep_checkpoints:
                 prune_checkpoints(checkpoint_root, cfg.train.keep_checkpoints)
-        if on_step is not None:
-            on_step(step, metrics)
         history.append(metrics)
     return history
 

@@ -45,7 +45,7 @@ def main(out_path):
             "finite": all(isinstance(v, (int, float)) and math.isfinite(v) for v in m.values()),
             "bad": [k for k, v in m.items() if not (isinstance(v, (int, float)) and math.isfinite(v))],
             "moved": any(not torch.equal(before[n], after[n]) for n in before),
-            "drift_max": m.get("drift_max", float("nan")), "skipped": m.get("skipped", 0.0),
+            "drift_max": m.get("drift_max", float("nan")), "skipped": m.get("skipped_step", 0.0),
             "keys": sorted(m),
         }
     # A NaN loss: the update is skipped and reported, the weights stay finite and unchanged.
