@@ -1,0 +1,205 @@
+"""torchrun worker of ``benchmarks/weight_sync.py`` (2 gloo ranks, a MegatronActor at TP=2).
+
+argv[1]: JSON {"model_dir", "urls", "keys", "modes", "bucket_mib", "repeats", "wire_dtype",
+"shared_dir", "baseline_repeats"}. Rank 0 writes its measurements with ``write_result``.
+
+Per bucket size, two plain copies of the same total bytes in the same bucket sizes:
+  * ``memcpy``: rank 0 copies a bucket-sized uint8 tensor into a preallocated one, until the
+    model's wire bytes are copied (in-process, hot memory);
+  * ``gloo``: rank 0 broadcasts bucket-sized uint8 tensors to rank 1 over a gloo group of the two
+    local processes (loopback TCP, the transport of ``distributed`` on CPU), timed on rank 0 from
+    a barrier to a barrier after the last broadcast.
+Per mode and bucket size: one warm-up push (it creates the ``distributed`` update group), then
+``repeats`` timed pushes. For each: end to end (``SyncStats.seconds``: from before the first
+tensor is gathered to the servers' answer to ``/end_weight_update``, or to
+``/update_weights_from_disk`` in disk mode; no ``/flush_cache``), the time rank 0 spent inside the
+export iterator (TP gather + HF mapping), the time inside the per-bucket push calls, and the
+sender's peak RSS above its RSS just before the push (sampled every 2 ms by a thread). A
+``sender-only`` pass per bucket size (median of ``baseline_repeats``) runs the same export -> cast -> bucket -> flatten pipeline
+with no server (what the sender costs by itself).
+"""
+import gc
+import json
+import os
+import sys
+import threading
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import write_result
+
+MiB = 1 << 20
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+class RssPeak:
+    """Peak RSS above the RSS at entry, sampled by a thread."""
+
+    def __init__(self, every: float = 0.002):
+        self.every, self.peak, self._stop = every, 0, threading.Event()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss())
+            time.sleep(self.every)
+
+    def __enter__(self):
+        gc.collect()
+        self.base = self.peak = rss()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, rss())
+        self.delta = self.peak - self.base
+
+
+class Timed:
+    """Wraps an iterator; ``seconds`` is the time spent producing its items."""
+
+    def __init__(self, it):
+        self.it, self.seconds = iter(it), 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t = time.perf_counter()
+        try:
+            return next(self.it)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+
+def chunks(total: int, bucket: int):
+    n, rem = divmod(total, bucket)
+    return [bucket] * n + ([rem] if rem else [])
+
+
+def main():
+    args = json.loads(sys.argv[1])
+    from megatron_tepo.actor.actor import MegatronActor
+    from megatron_tepo.actor.parallel import ParallelLayout
+    from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet
+    from megatron_tepo.rollout.weight_sync import WeightSync, flatten_bucket, iter_buckets, tensor_bytes
+
+    class TimedSync(WeightSync):
+        push_s = 0.0
+
+        def _push_distributed(self, bucket, servers):
+            t = time.perf_counter()
+            super()._push_distributed(bucket, servers)
+            self.push_s += time.perf_counter() - t
+
+        def _push_tensor(self, bucket, servers):
+            t = time.perf_counter()
+            super()._push_tensor(bucket, servers)
+            self.push_s += time.perf_counter() - t
+
+    wire = {"bf16": torch.bfloat16, "fp32": torch.float32}[args["wire_dtype"]]
+    t0 = time.perf_counter()
+    actor = MegatronActor(args["model_dir"], hf_weights=args["model_dir"], layout=ParallelLayout(tp=2, pp=1))
+    rank = dist.get_rank()
+    build_s = time.perf_counter() - t0
+    fleet = SGLangFleet(FleetConfig(urls=args["urls"], api_keys=args["keys"], request_timeout=600)) \
+        if rank == 0 else None
+    res = {"build_actor_s": build_s, "baselines": {}, "sender_only": {}, "runs": [], "rss_after_build": rss()}
+
+    # the model's wire bytes and tensor count (one export pass, also a warm-up of the gather)
+    total, ntensors = 0, 0
+    for _, t in actor.export_hf_state("param"):
+        total += t.numel() * (wire.itemsize if t.is_floating_point() else t.element_size())
+        ntensors += 1
+    res["wire_bytes"], res["tensors"] = total, ntensors
+    gloo = dist.new_group(backend="gloo")
+
+    for mib in args["bucket_mib"]:
+        bb = mib * MiB
+        sizes = chunks(total, bb)
+        # ---- plain copy 1: memcpy on rank 0
+        dist.barrier()
+        if rank == 0:
+            src = torch.ones(min(bb, total), dtype=torch.uint8)
+            dst = torch.empty_like(src)
+            dst.copy_(src)
+            best = []
+            for _ in range(args["baseline_repeats"]):
+                t = time.perf_counter()
+                for n in sizes:
+                    dst[:n].copy_(src[:n])
+                best.append(time.perf_counter() - t)
+            res["baselines"].setdefault(mib, {})["memcpy_s"] = sorted(best)[len(best) // 2]
+            del src, dst
+        # ---- plain copy 2: gloo broadcast rank 0 -> rank 1 (two local processes)
+        buf = torch.ones(min(bb, total), dtype=torch.uint8)
+        dist.broadcast(buf[:1024], src=0, group=gloo)
+        times = []
+        for _ in range(args["baseline_repeats"]):
+            dist.barrier(group=gloo)
+            t = time.perf_counter()
+            for n in sizes:
+                dist.broadcast(buf[:n], src=0, group=gloo)
+            dist.barrier(group=gloo)
+            times.append(time.perf_counter() - t)
+        if rank == 0:
+            res["baselines"][mib]["gloo_bcast_s"] = sorted(times)[len(times) // 2]
+        del buf
+        # ---- the sender alone: export (TP gather, HF mapping) -> cast -> buckets -> flatten, no server
+        secs, deltas = [], []
+        for _ in range(args["baseline_repeats"]):
+            dist.barrier()
+            with RssPeak() as mem:
+                t = time.perf_counter()
+                nb = 0
+                for bucket in iter_buckets(actor.export_hf_state("param"), bb, wire, align=True):
+                    flat = flatten_bucket(bucket) if rank == 0 else None
+                    nb += sum(tensor_bytes(x) for _, x in bucket)
+                    del bucket, flat
+                secs.append(time.perf_counter() - t)
+            deltas.append(mem.delta)
+        if rank == 0:
+            res["sender_only"][mib] = {"seconds": sorted(secs)[len(secs) // 2], "all_s": secs, "bytes": nb,
+                                       "rss_delta": max(deltas)}
+
+    for mode in args["modes"]:
+        for mib in args["bucket_mib"]:
+            dist.barrier()
+            ws = TimedSync(fleet, mode=mode, bucket_bytes=mib * MiB, wire_dtype=wire,
+                           shared_dir=args["shared_dir"], is_sender=rank == 0, timeout=600)
+            try:
+                for rep in range(1 + args["repeats"]):
+                    dist.barrier()
+                    ws.push_s = 0.0
+                    it = Timed(actor.export_hf_state("param"))
+                    with RssPeak() as mem:
+                        stats = ws.push(it, flush_cache=False)
+                    if rank == 0 and rep > 0:
+                        res["runs"].append({"mode": mode, "bucket_mib": mib, "rep": rep, "seconds": stats.seconds,
+                                            "bytes": stats.bytes, "buckets": stats.buckets,
+                                            "tensors": stats.tensors, "gather_s": it.seconds,
+                                            "push_s": ws.push_s, "rss_delta": mem.delta,
+                                            "peak_bucket_bytes": stats.peak_bucket_bytes})
+                        print(f"[rank0] {mode} {mib} MiB rep {rep}: {stats.seconds:.2f} s "
+                              f"{stats.bytes / stats.seconds / 1e6:.0f} MB/s gather {it.seconds:.2f} s "
+                              f"rss +{mem.delta / MiB:.0f} MiB", flush=True)
+            finally:
+                ws.close()
+    dist.barrier()
+    if rank == 0:
+        write_result(res)
+
+
+if __name__ == "__main__":
+    main()
