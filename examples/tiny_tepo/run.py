@@ -130,16 +130,15 @@ def main(argv=None):
     dump_config(cfg, out / "config.yaml")
     sft_dir = warm_up(REPO / ".cache" / "tiny_tepo")
 
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
-                       ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)
     from transformers import AutoModelForCausalLM
 
     from megatron_tepo.actor import MegatronActor, ParallelLayout
+    from megatron_tepo.actor.parallel import single_process_env
     from megatron_tepo.metrics import MetricsLogger
     from megatron_tepo.rollout.embedded import EmbeddedEngine
     from megatron_tepo.trainer import Task, evaluate, train
 
+    single_process_env()
     steps_total = cfg.train.steps * cfg.train.epochs_per_step * (cfg.rollout.prompts_per_step // cfg.train.mini_batch_prompts)
     actor = MegatronActor(str(sft_dir), hf_weights=str(sft_dir), layout=ParallelLayout(tp=cfg.parallel.tp, pp=cfg.parallel.pp),
                           optim=cfg.optim, max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,

@@ -148,3 +148,16 @@ def raise_if_any_rank_failed(error: Optional[BaseException], what: str,
     if error is not None:
         raise error
 
+
+def single_process_env() -> None:
+    """Outside torchrun (no ``RANK`` set): the ``env://`` variables of a one-process world on a
+    free loopback port, so ``init_process_group`` works in a plain ``python`` run."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+

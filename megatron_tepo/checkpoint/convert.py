@@ -55,7 +55,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import sys
 import time
 from collections import Counter
@@ -66,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tepo.actor.parallel import (ParallelLayout, initialize_parallel, raise_if_any_rank_failed,
-                                          validate_layout)
+                                          single_process_env, validate_layout)
 from megatron_tepo.models import family_config_from_hf, hf_to_megatron, megatron_to_hf
 from megatron_tepo.models.sharding import expert_indices, layer_offsets, load_megatron_state_into
 
@@ -98,19 +97,11 @@ def _log(msg: str, progress: bool = True) -> None:
         print(f"[convert] {msg}", file=sys.stderr, flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ensure_process_group() -> None:
     """Join torchrun's world, or start a 1-process gloo world when not launched by torchrun."""
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+    single_process_env()
     dist.init_process_group("gloo")
 
 

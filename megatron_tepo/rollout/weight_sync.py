@@ -25,7 +25,6 @@ from __future__ import annotations
 import base64
 import io
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -34,7 +33,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 

@@ -62,9 +62,9 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
                                   "broadcast across ranks; see the module docstring)")
     if not cfg.model.path:
         raise ValueError("model.path: the Hugging Face checkpoint to train is not set")
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"),
-                       ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)
+    from megatron_tepo.actor.parallel import single_process_env
+
+    single_process_env()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_tepo.actor import MegatronActor, ParallelLayout

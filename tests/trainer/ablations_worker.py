@@ -4,7 +4,6 @@ Writes per config: finite metrics, whether the actor's weights moved, and the en
 """
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -14,8 +13,9 @@ sys.path.insert(0, str(REPO / "examples" / "tiny_tepo"))
 
 
 def main(out_path):
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)
+    from megatron_tepo.actor.parallel import single_process_env
+
+    single_process_env()
     import torch
     from transformers import AutoModelForCausalLM
 
