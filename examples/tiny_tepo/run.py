@@ -130,21 +130,11 @@ def main(argv=None):
     dump_config(cfg, out / "config.yaml")
     sft_dir = warm_up(REPO / ".cache" / "tiny_tepo")
 
-    from transformers import AutoModelForCausalLM
-
-    from megatron_tepo.actor import MegatronActor, ParallelLayout
-    from megatron_tepo.actor.parallel import single_process_env
     from megatron_tepo.metrics import MetricsLogger
-    from megatron_tepo.rollout.embedded import EmbeddedEngine
     from megatron_tepo.trainer import Task, evaluate, train
+    from megatron_tepo.trainer.main import build_actor_and_engine
 
-    single_process_env()
-    steps_total = cfg.train.steps * cfg.train.epochs_per_step * (cfg.rollout.prompts_per_step // cfg.train.mini_batch_prompts)
-    actor = MegatronActor(str(sft_dir), hf_weights=str(sft_dir), layout=ParallelLayout(tp=cfg.parallel.tp, pp=cfg.parallel.pp),
-                          optim=cfg.optim, max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
-                          seed=cfg.train.seed, total_steps=steps_total)
-    engine = EmbeddedEngine(AutoModelForCausalLM.from_pretrained(sft_dir, dtype=torch.float32), seed=cfg.train.seed,
-                            pad_token_id=PAD)
+    actor, engine = build_actor_and_engine(cfg, str(sft_dir), PAD)
     train_items, eval_items = problems(5000, seed=1), problems(args.eval_size, seed=2)
     task = Task([p for p, _ in train_items], [a for _, a in train_items], reward_fn, stop_token_ids=[EOS],
                 pad_token_id=PAD)

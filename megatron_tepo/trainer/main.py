@@ -55,6 +55,26 @@ def build_task(cfg: RunConfig, tokenizer, pool):
     return task, counters, data_stats
 
 
+def build_actor_and_engine(cfg: RunConfig, model_dir: str, pad_token_id: int):
+    """The Megatron actor and the embedded rollout engine, both loaded from the HF checkpoint
+    ``model_dir`` with ``cfg``'s layout, optimizer and seed (one process; starts its gloo world)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_tepo.actor import MegatronActor, ParallelLayout
+    from megatron_tepo.actor.parallel import single_process_env
+    from megatron_tepo.rollout.embedded import EmbeddedEngine
+
+    single_process_env()
+    updates_per_step = cfg.train.epochs_per_step * (cfg.rollout.prompts_per_step // cfg.train.mini_batch_prompts)
+    actor = MegatronActor(model_dir, hf_weights=model_dir,
+                          layout=ParallelLayout(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep),
+                          optim=cfg.optim, max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
+                          seed=cfg.train.seed, total_steps=cfg.train.steps * updates_per_step)
+    engine = EmbeddedEngine(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                            seed=cfg.train.seed, pad_token_id=pad_token_id)
+    return actor, engine
+
+
 def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict:
     cfg = load_config(config_files, overrides)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -62,15 +82,10 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
                                   "broadcast across ranks; see the module docstring)")
     if not cfg.model.path:
         raise ValueError("model.path: the Hugging Face checkpoint to train is not set")
-    from megatron_tepo.actor.parallel import single_process_env
+    from transformers import AutoTokenizer
 
-    single_process_env()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megatron_tepo.actor import MegatronActor, ParallelLayout
     from megatron_tepo.metrics import MetricsLogger
     from megatron_tepo.rewards import MathRewardPool
-    from megatron_tepo.rollout.embedded import EmbeddedEngine
     from megatron_tepo.trainer.loop import evaluate, train
 
     out = Path(cfg.train.output_dir)
@@ -78,15 +93,9 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
     dump_config(cfg, out / "config.yaml")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     torch.manual_seed(cfg.train.seed)
-    updates_per_step = cfg.train.epochs_per_step * (cfg.rollout.prompts_per_step // cfg.train.mini_batch_prompts)
     with MathRewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
         task, counters, data_stats = build_task(cfg, tokenizer, pool)
-        actor = MegatronActor(cfg.model.path, hf_weights=cfg.model.path,
-                              layout=ParallelLayout(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep),
-                              optim=cfg.optim, max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
-                              seed=cfg.train.seed, total_steps=cfg.train.steps * updates_per_step)
-        engine = EmbeddedEngine(AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32),
-                                seed=cfg.train.seed, pad_token_id=task.pad_token_id)
+        actor, engine = build_actor_and_engine(cfg, cfg.model.path, task.pad_token_id)
 
         def eval_fn():
             if not task.eval_prompts:

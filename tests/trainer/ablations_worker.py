@@ -17,18 +17,15 @@ def main(out_path):
 
     single_process_env()
     import torch
-    from transformers import AutoModelForCausalLM
 
     import run as tiny
-    from megatron_tepo.actor import MegatronActor
     from megatron_tepo.config import load_config
-    from megatron_tepo.rollout.embedded import EmbeddedEngine
     from megatron_tepo.trainer import Task, train
+    from megatron_tepo.trainer.main import build_actor_and_engine
 
     sft = tiny.warm_up(REPO / ".cache" / "tiny_tepo")
     base = load_config(REPO / "examples/tiny_tepo/config.yaml")
-    actor = MegatronActor(str(sft), hf_weights=str(sft), optim=base.optim, seed=1)
-    engine = EmbeddedEngine(AutoModelForCausalLM.from_pretrained(sft, dtype=torch.float32), seed=1, pad_token_id=tiny.PAD)
+    actor, engine = build_actor_and_engine(base, str(sft), tiny.PAD)
     items = tiny.problems(500, seed=1)
     task = Task([p for p, _ in items], [a for _, a in items], tiny.reward_fn, [tiny.EOS], tiny.PAD)
     overrides = ["rollout.prompts_per_step=8", "rollout.n_samples=4", "rollout.max_new_tokens=4",
