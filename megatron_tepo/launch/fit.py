@@ -72,6 +72,12 @@ log-softmax and softmax the vocab-parallel log-prob/entropy op keeps for backwar
 checked as ``weights + KV <= mem_fraction_static * gpu_mem_gib`` (SGLang's static pool; the rest
 is its activations and CUDA graphs).
 
+**CPU mode** (``launch.device: cpu``, the tiny job of ``slurm/local_cpu_tepo.sh``): no GPU
+arithmetic at all (the report says so); the layout rules below are still checked and the run config
+and ``FIT_*`` variables are still written. ``launch.gpus_per_node`` then means trainer processes
+per node, and ``launch.rollout_nodes: 0`` puts the SGLang servers on the actor node(s) (colocated:
+their srun steps overlap the trainer's; CPU only, the GPU arithmetic has no shared-GPU case).
+
 Deliberately left out: virtual pipeline stages, context parallelism, CPU offloading, selective
 recompute, the temporary buffers of the optimizer step, and the rollout fleet's radix cache
 beyond the configured concurrency.
@@ -112,11 +118,16 @@ class SGLangLayout:
     tp: int = 1  # GPUs per SGLang server
     max_running_requests: int = 64  # concurrent sequences per server (SGLang --max-running-requests)
     mem_fraction_static: float = 0.85  # SGLang --mem-fraction-static: weights + KV pool share
-    port: int = 30000  # first server port on a node (server i uses port + i)
+    port: int = 30000  # first server port on a node (server i uses port + i); 0: free ports picked
+    # by the batch shell (one-node jobs whose servers run on the batch host only)
+    servers_per_node: int = 0  # 0: gpus_per_node / tp on GPU, 1 on CPU
+    max_total_tokens: int = 0  # SGLang --max-total-tokens (KV pool in tokens); 0: SGLang's sizing
+    threads: int = 1  # OMP threads per CPU server (launch.device: cpu)
 
 
 @dataclass
 class LaunchLayout:
+    device: Literal["cuda", "cpu"] = "cuda"  # cpu: no GPU arithmetic, gpus_per_node = processes
     gpus_per_node: int = 8
     gpu_mem_gib: float = 80.0
     actor_nodes: int = 1
@@ -129,6 +140,21 @@ class LaunchLayout:
     @property
     def actor_gpus(self) -> int:
         return self.actor_nodes * self.gpus_per_node
+
+    @property
+    def colocated(self) -> bool:
+        """The SGLang servers run on the actor nodes (``launch.rollout_nodes: 0``, CPU only)."""
+        return self.rollout_nodes == 0
+
+    @property
+    def servers_per_node(self) -> int:
+        if self.sglang.servers_per_node:
+            return self.sglang.servers_per_node
+        return 1 if self.device == "cpu" else self.gpus_per_node // self.sglang.tp
+
+    @property
+    def servers(self) -> int:
+        return (self.actor_nodes if self.colocated else self.rollout_nodes) * self.servers_per_node
 
 
 def _layout_from_dict(data: Dict[str, Any], cls=LaunchLayout, prefix: str = "launch"):
@@ -159,9 +185,16 @@ def _layout_from_dict(data: Dict[str, Any], cls=LaunchLayout, prefix: str = "lau
             raise ConfigError(f"launch.actor_precision: expected bf16 or fp32, found {out.actor_precision!r}")
         if out.recompute not in ("none", "full"):
             raise ConfigError(f"launch.recompute: expected none or full, found {out.recompute!r}")
-        for name in ("gpus_per_node", "actor_nodes", "rollout_nodes"):
+        if out.device not in ("cuda", "cpu"):
+            raise ConfigError(f"launch.device: expected cuda or cpu, found {out.device!r}")
+        for name in ("gpus_per_node", "actor_nodes"):
             if getattr(out, name) < 1:
                 raise ConfigError(f"launch.{name}: must be >= 1, got {getattr(out, name)}")
+        if out.rollout_nodes < 0:
+            raise ConfigError(f"launch.rollout_nodes: must be >= 0, got {out.rollout_nodes}")
+        if out.rollout_nodes == 0 and out.device != "cpu":
+            raise ConfigError("launch.rollout_nodes: 0 (SGLang servers on the actor nodes) needs "
+                              "launch.device: cpu; on GPUs give the servers their own nodes (>= 1)")
         if out.gpu_mem_gib <= 0 or out.reserve_gib < 0:
             raise ConfigError("launch.gpu_mem_gib must be > 0 and launch.reserve_gib >= 0")
         s = out.sglang
@@ -170,6 +203,12 @@ def _layout_from_dict(data: Dict[str, Any], cls=LaunchLayout, prefix: str = "lau
                               f"({out.gpus_per_node}); a server does not span nodes")
         if s.max_running_requests < 1:
             raise ConfigError("launch.sglang.max_running_requests: must be >= 1")
+        if s.servers_per_node < 0 or s.max_total_tokens < 0 or s.threads < 1 or not 0 <= s.port < 65536:
+            raise ConfigError("launch.sglang: servers_per_node and max_total_tokens must be >= 0, "
+                              "threads >= 1, port in [0, 65535]")
+        if out.device == "cuda" and s.servers_per_node * s.tp > out.gpus_per_node:
+            raise ConfigError(f"launch.sglang.servers_per_node: {s.servers_per_node} servers x tp {s.tp} "
+                              f"need more than launch.gpus_per_node ({out.gpus_per_node}) GPUs")
         if not 0 < s.mem_fraction_static <= 1:
             raise ConfigError("launch.sglang.mem_fraction_static: must be in (0, 1]")
     return out
@@ -366,7 +405,7 @@ def server_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> Server
     return ServerMemory(params=dense + expert, weights=2 * (dense + expert), kv_bytes_per_token=kv_per_token,
                         kv_tokens=kv_tokens, kv_cache=float(kv_per_token * kv_tokens),
                         budget=launch.sglang.mem_fraction_static * launch.gpu_mem_gib * GiB,
-                        servers=launch.rollout_nodes * launch.gpus_per_node // ts)
+                        servers=launch.servers)
 
 
 def _gib(x: float) -> str:
@@ -376,18 +415,18 @@ def _gib(x: float) -> str:
 @dataclass
 class FitReport:
     shape: ModelShape
-    actor: ActorMemory
-    server: ServerMemory
+    actor: Optional[ActorMemory]  # None on CPU (launch.device: cpu): no GPU arithmetic
+    server: Optional[ServerMemory]
     launch: LaunchLayout
     cfg: RunConfig
 
     @property
     def actor_fits(self) -> bool:
-        return self.actor.total <= self.launch.gpu_mem_gib * GiB
+        return self.actor is None or self.actor.total <= self.launch.gpu_mem_gib * GiB
 
     @property
     def server_fits(self) -> bool:
-        return self.server.total <= self.server.budget
+        return self.server is None or self.server.total <= self.server.budget
 
     def actor_error(self) -> str:
         a, cfg = self.actor, self.cfg
@@ -423,13 +462,12 @@ class FitReport:
         return ", ".join(parts)
 
     def render(self) -> str:
+        if self.actor is None:
+            return self.render_cpu()
         m, a, s, L, cfg = self.shape, self.actor, self.server, self.launch, self.cfg
         par = cfg.parallel
         lines = [
-            f"model: {m.family}, {total_params(m):,} parameters "
-            f"(L={m.num_layers}, h={m.hidden}, F={m.ffn}, nh={m.heads}, ng={m.kv_groups}, d={m.head_dim}, "
-            f"V={m.vocab}, tied={m.tied}" + (f", E={m.num_experts}, k={m.topk}, Fm={m.moe_ffn}" if m.is_moe else "")
-            + ")",
+            self.model_line(),
             f"actor: {L.actor_nodes} node(s) x {L.gpus_per_node} GPUs = {L.actor_gpus}; tp={par.tp} pp={par.pp} "
             f"ep={par.ep} dp={a.dp}" + (f" edp={a.edp}" if m.is_moe else "")
             + f" sp={par.sequence_parallel} distributed_optimizer={cfg.optim.use_distributed_optimizer} "
@@ -444,6 +482,26 @@ class FitReport:
             f"(mem_fraction_static {L.sglang.mem_fraction_static:g}): {'fits' if self.server_fits else 'DOES NOT FIT'}",
         ]
         return "\n".join(lines)
+
+    def model_line(self) -> str:
+        m = self.shape
+        return (f"model: {m.family}, {total_params(m):,} parameters "
+                f"(L={m.num_layers}, h={m.hidden}, F={m.ffn}, nh={m.heads}, ng={m.kv_groups}, d={m.head_dim}, "
+                f"V={m.vocab}, tied={m.tied}" + (f", E={m.num_experts}, k={m.topk}, Fm={m.moe_ffn}" if m.is_moe else "")
+                + ")")
+
+    def render_cpu(self) -> str:
+        L, cfg = self.launch, self.cfg
+        par = cfg.parallel
+        where = "on the actor node(s) (colocated)" if L.colocated else f"on {L.rollout_nodes} node(s)"
+        return "\n".join([
+            self.model_line(),
+            f"actor (cpu): {L.actor_nodes} node(s) x {L.gpus_per_node} processes = {L.actor_gpus}; "
+            f"tp={par.tp} pp={par.pp} ep={par.ep} dp={L.actor_gpus // (par.tp * par.pp)}",
+            f"rollout (cpu): {L.servers} SGLang server(s) {where}, tp={L.sglang.tp}, "
+            f"{L.sglang.threads} thread(s) each",
+            "memory: not checked (launch.device: cpu; the GPU arithmetic does not apply)",
+        ])
 
 
 def check_layout(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> None:
@@ -477,6 +535,8 @@ def check_layout(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> None:
 def check_fit(m: ModelShape, cfg: RunConfig, launch: LaunchLayout, raise_error: bool = True) -> FitReport:
     """Compute the report; raise :class:`FitError` naming the settings to change if it does not fit."""
     check_layout(m, cfg, launch)
+    if launch.device == "cpu":
+        return FitReport(m, None, None, launch, cfg)
     report = FitReport(m, actor_memory(m, cfg, launch), server_memory(m, cfg, launch), launch, cfg)
     if raise_error:
         errors = ([report.actor_error()] if not report.actor_fits else []) + \
@@ -569,9 +629,12 @@ def shell_vars(spec: LaunchSpec) -> Dict[str, str]:
     """What slurm/lib.sh needs, as ``FIT_*`` shell variables."""
     L = spec.launch
     return {
+        "FIT_DEVICE": L.device,
         "FIT_ACTOR_NODES": str(L.actor_nodes), "FIT_ROLLOUT_NODES": str(L.rollout_nodes),
         "FIT_GPUS_PER_NODE": str(L.gpus_per_node), "FIT_SGLANG_TP": str(L.sglang.tp),
-        "FIT_SERVERS_PER_NODE": str(L.gpus_per_node // L.sglang.tp),
+        "FIT_SERVERS_PER_NODE": str(L.servers_per_node),
+        "FIT_SGLANG_MAX_TOTAL_TOKENS": str(L.sglang.max_total_tokens),
+        "FIT_SGLANG_THREADS": str(L.sglang.threads),
         "FIT_SGLANG_MAX_RUNNING": str(L.sglang.max_running_requests),
         "FIT_SGLANG_MEM_FRACTION": f"{L.sglang.mem_fraction_static:g}",
         "FIT_SGLANG_PORT": str(L.sglang.port),

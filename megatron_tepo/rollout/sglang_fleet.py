@@ -66,9 +66,13 @@ class FleetConfig:
     host: str = "127.0.0.1"
     python: str = field(default_factory=default_sglang_python)
     dtype: str = "bfloat16"
-    device: str = "cpu"
+    device: str = "cpu"                  # cpu or cuda
+    tp: int = 1                          # GPUs per server (--tp-size)
     mem_fraction_static: float = 0.05
     max_total_tokens: Optional[int] = 4096
+    max_running_requests: Optional[int] = None  # None: SGLang's default
+    context_length: Optional[int] = None        # None: the model's
+    skip_warmup: bool = True
     extra_args: Sequence[str] = ()
     env: Dict[str, str] = field(default_factory=dict)
     threads_per_server: int = 1          # OMP threads of a launched CPU server
@@ -136,6 +140,48 @@ class SGLangServer:
         return f"SGLangServer({self.describe()})"
 
 
+def server_command(cfg: FleetConfig, port: int, api_key: Optional[str] = None,
+                   base_env: Optional[Dict[str, str]] = None) -> Tuple[List[str], Dict[str, str]]:
+    """The command line and environment of one SGLang server: the single place that knows SGLang's
+    flags (the fleet's :func:`launch_server` and ``python -m megatron_tepo.rollout.serve``, which
+    slurm/lib.sh runs, both use it). Pure: ``base_env`` (default ``os.environ``) is copied.
+
+    ``cfg.device == "cpu"`` adds the CPU engine's flags (torch-native attention, PyTorch sampling,
+    no CUDA graphs) and env (``SGLANG_USE_CPU_ENGINE=1``, no visible GPU, ``threads_per_server``
+    OMP/MKL threads); ``"cuda"`` leaves the GPU choice to the caller's ``CUDA_VISIBLE_DEVICES``.
+    """
+    if not cfg.model_path:
+        raise ValueError("FleetConfig.model_path is needed to launch SGLang servers")
+    if cfg.device not in ("cpu", "cuda"):
+        raise ValueError(f"FleetConfig.device: expected cpu or cuda, found {cfg.device!r}")
+    cmd = [cfg.python, "-m", "sglang.launch_server", "--model-path", str(cfg.model_path),
+           "--host", cfg.host, "--port", str(int(port))]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    cmd += ["--dtype", cfg.dtype, "--device", cfg.device, "--mem-fraction-static", str(cfg.mem_fraction_static)]
+    if cfg.skip_warmup:
+        cmd += ["--skip-server-warmup"]
+    if cfg.tp != 1:
+        cmd += ["--tp-size", str(cfg.tp)]
+    if cfg.max_total_tokens:
+        cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
+    if cfg.max_running_requests:
+        cmd += ["--max-running-requests", str(cfg.max_running_requests)]
+    if cfg.context_length:
+        cmd += ["--context-length", str(cfg.context_length)]
+    env = dict(os.environ if base_env is None else base_env)
+    if cfg.device == "cpu":
+        cmd += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+                "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+        env.update({"SGLANG_USE_CPU_ENGINE": "1", "CUDA_VISIBLE_DEVICES": "",
+                    "OMP_NUM_THREADS": str(cfg.threads_per_server),
+                    "MKL_NUM_THREADS": str(cfg.threads_per_server)})
+    cmd += list(cfg.extra_args)
+    env.pop("PYTHONPATH", None)  # the server runs in its own venv
+    env.update(cfg.env)
+    return cmd, env
+
+
 def launch_server(cfg: FleetConfig, index: int = 0) -> SGLangServer:
     """Start one server subprocess (own session, own API key, free port) and return it unready."""
     if not cfg.model_path:
@@ -146,22 +192,7 @@ def launch_server(cfg: FleetConfig, index: int = 0) -> SGLangServer:
             "(or set MTEPO_SGLANG_PYTHON / FleetConfig.python)")
     port = free_port(cfg.host)
     key = secrets.token_hex(16)
-    cmd = [cfg.python, "-m", "sglang.launch_server", "--model-path", str(cfg.model_path),
-           "--host", cfg.host, "--port", str(port), "--api-key", key, "--dtype", cfg.dtype,
-           "--device", cfg.device, "--mem-fraction-static", str(cfg.mem_fraction_static),
-           "--skip-server-warmup"]
-    if cfg.max_total_tokens:
-        cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
-    env = dict(os.environ)
-    if cfg.device == "cpu":
-        cmd += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-                "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
-        env.update({"SGLANG_USE_CPU_ENGINE": "1", "CUDA_VISIBLE_DEVICES": "",
-                    "OMP_NUM_THREADS": str(cfg.threads_per_server),
-                    "MKL_NUM_THREADS": str(cfg.threads_per_server)})
-    cmd += list(cfg.extra_args)
-    env.pop("PYTHONPATH", None)  # the server runs in its own venv
-    env.update(cfg.env)
+    cmd, env = server_command(cfg, port, key)
     log_dir = Path(cfg.log_dir or os.environ.get("TMPDIR", "/tmp"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = str(log_dir / f"sglang_server_{index}_{port}.log")

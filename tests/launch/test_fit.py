@@ -173,3 +173,50 @@ def test_cli(tmp_path, capsys):
     assert "total 44.2 GiB of 80 GiB: fits" in capsys.readouterr().out
     assert cli(["--config", str(MODELS / "qwen3_14b.yaml"), "--gpu-mem-gib", "40"]) == 1
     assert "actor does not fit: 44.2 GiB > 40 GiB per GPU" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------- CPU mode
+def cpu_launch(**kw):
+    return dict(dict(device="cpu", gpus_per_node=2, actor_nodes=1, rollout_nodes=0,
+                     sglang=dict(tp=1, servers_per_node=1, port=0, max_total_tokens=2048)), **kw)
+
+
+def test_cpu_mode_skips_gpu_arithmetic(tmp_path):
+    from megatron_tepo.launch.fit import shell_vars
+    spec = tiny(tmp_path, launch=cpu_launch(gpu_mem_gib=0.001))  # would never fit a GPU
+    report = check_fit(spec.shape(), spec.cfg, spec.launch)
+    assert report.actor is None and report.server is None and report.actor_fits and report.server_fits
+    text = report.render()
+    assert "memory: not checked (launch.device: cpu" in text
+    assert "actor (cpu): 1 node(s) x 2 processes = 2; tp=2 pp=1 ep=1 dp=1" in text
+    assert "1 SGLang server(s) on the actor node(s) (colocated)" in text
+    v = shell_vars(spec)
+    assert (v["FIT_DEVICE"], v["FIT_ROLLOUT_NODES"], v["FIT_SERVERS_PER_NODE"], v["FIT_SGLANG_PORT"],
+            v["FIT_SGLANG_MAX_TOTAL_TOKENS"], v["FIT_GPUS_PER_NODE"]) == ("cpu", "0", "1", "0", "2048", "2")
+    assert load_config(write_run_config(spec, tmp_path / "run.yaml")).parallel.tp == 2
+
+
+def test_cpu_mode_still_checks_the_layout(tmp_path):
+    spec = tiny(tmp_path, parallel=dict(tp=3), launch=cpu_launch(gpus_per_node=3))
+    with pytest.raises(FitError, match="parallel.tp=3 does not divide num_attention_heads=4"):
+        check_fit(spec.shape(), spec.cfg, spec.launch)
+    spec = tiny(tmp_path, parallel=dict(tp=1), launch=cpu_launch(gpus_per_node=3, sglang=dict(tp=3)))
+    with pytest.raises(FitError, match="launch.sglang.tp=3 does not divide num_attention_heads=4"):
+        check_fit(spec.shape(), spec.cfg, spec.launch)
+    assert tiny(tmp_path, launch=cpu_launch(sglang=dict(tp=1))).launch.servers_per_node == 1  # CPU default
+
+
+def test_colocated_needs_cpu(tmp_path):
+    from megatron_tepo.config import ConfigError
+    with pytest.raises(ConfigError, match="rollout_nodes: 0 .* needs launch.device: cpu"):
+        tiny(tmp_path, launch=dict(rollout_nodes=0))
+    with pytest.raises(ConfigError, match="launch.device: expected cuda or cpu"):
+        tiny(tmp_path, launch=dict(device="tpu"))
+    with pytest.raises(ConfigError, match="servers_per_node: 3 servers x tp 2 need more"):
+        tiny(tmp_path, launch=dict(sglang=dict(tp=2, servers_per_node=3)))
+
+
+def test_gpu_servers_per_node_explicit(tmp_path):
+    spec = tiny(tmp_path, launch=dict(rollout_nodes=2, sglang=dict(tp=2, servers_per_node=1)))
+    s = server_memory(spec.shape(), spec.cfg, spec.launch)
+    assert s.servers == 2  # 2 nodes x 1 server (instead of 4 GPUs / tp 2 = 2 per node)

@@ -1,0 +1,94 @@
+"""The SGLang command line comes from one place (sglang_fleet.server_command), used by the fleet's
+launch_server and by `python -m megatron_tepo.rollout.serve` (which slurm/lib.sh runs)."""
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_tepo.rollout import sglang_fleet
+from megatron_tepo.rollout.sglang_fleet import FleetConfig, server_command
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_FLAGS = ["--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+             "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+
+
+def test_cpu_command_and_env():
+    cfg = FleetConfig(model_path="/m", python="/py", threads_per_server=3, env={"X": "1"})
+    base = {"PYTHONPATH": "/somewhere", "OMP_NUM_THREADS": "8", "KEEP": "k"}
+    argv, env = server_command(cfg, 1234, "key", base_env=base)
+    assert argv[:3] == ["/py", "-m", "sglang.launch_server"]
+    assert argv[3:] == ["--model-path", "/m", "--host", "127.0.0.1", "--port", "1234", "--api-key", "key",
+                        "--dtype", "bfloat16", "--device", "cpu", "--mem-fraction-static", "0.05",
+                        "--skip-server-warmup", "--max-total-tokens", "4096", *CPU_FLAGS]
+    assert env == {"KEEP": "k", "OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3", "SGLANG_USE_CPU_ENGINE": "1",
+                   "CUDA_VISIBLE_DEVICES": "", "X": "1"}
+    assert base["OMP_NUM_THREADS"] == "8" and "PYTHONPATH" in base  # pure: the input is not touched
+
+
+def test_cuda_command():
+    cfg = FleetConfig(model_path="/m", python="/py", device="cuda", tp=2, mem_fraction_static=0.85,
+                      max_total_tokens=None, max_running_requests=64, context_length=10240, skip_warmup=False,
+                      extra_args=["--foo"])
+    argv, env = server_command(cfg, 30000, None, base_env={"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert argv[3:] == ["--model-path", "/m", "--host", "127.0.0.1", "--port", "30000", "--dtype", "bfloat16",
+                        "--device", "cuda", "--mem-fraction-static", "0.85", "--tp-size", "2",
+                        "--max-running-requests", "64", "--context-length", "10240", "--foo"]
+    assert env == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    with pytest.raises(ValueError, match="device"):
+        server_command(FleetConfig(model_path="/m", device="tpu"), 1)
+
+
+def test_launch_server_uses_server_command(tmp_path, monkeypatch):
+    seen = {}
+
+    class FakePopen:
+        pid = 4242
+
+        def __init__(self, cmd, env, **kw):
+            seen.update(cmd=cmd, env=env)
+
+    monkeypatch.setattr(sglang_fleet.subprocess, "Popen", FakePopen)
+    cfg = FleetConfig(model_path="/m", python=sys.executable, log_dir=str(tmp_path))
+    server = sglang_fleet.launch_server(cfg)
+    port = int(server.url.rsplit(":", 1)[1])
+    assert (seen["cmd"], seen["env"]) == server_command(cfg, port, server.api_key)
+
+
+def _serve(*args, **env):
+    full = {k: v for k, v in os.environ.items() if k != "TEPO_SGLANG_API_KEY"}
+    full.update(env)
+    return subprocess.run([sys.executable, "-m", "megatron_tepo.rollout.serve", *args], cwd=ROOT, env=full,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_serve_cli_prints_the_shared_command(tmp_path):
+    py = tmp_path / "python"
+    res = _serve("--model-path", "/m", "--port", "31000", "--device", "cpu", "--threads", "2", "--print",
+                 "--", "--log-level", "warning", MTEPO_SGLANG_PYTHON=str(py), TEPO_SGLANG_API_KEY="sekret")
+    assert res.returncode == 0, res.stderr
+    env_line, cmd_line = res.stdout.splitlines()
+    cfg = FleetConfig(model_path="/m", python=str(py), host="0.0.0.0", threads_per_server=2,
+                      extra_args=["--log-level", "warning"])
+    want, _ = server_command(cfg, 31000, "sekret")
+    assert shlex.split(cmd_line) == [a if a != "sekret" else "***" for a in want]
+    assert "SGLANG_USE_CPU_ENGINE=1" in env_line and "OMP_NUM_THREADS=2" in env_line
+
+
+def test_serve_cli_cuda_defaults(tmp_path):
+    res = _serve("--model-path", "/m", "--port", "1", "--tp", "4", "--print", MTEPO_SGLANG_PYTHON="/sg/python")
+    argv = shlex.split(res.stdout.splitlines()[1])
+    assert argv[0] == "/sg/python" and "--tp-size" in argv and argv[argv.index("--tp-size") + 1] == "4"
+    assert argv[argv.index("--mem-fraction-static") + 1] == "0.85" and "torch_native" not in argv
+
+
+def test_serve_cli_execs_sglang_python(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\necho "FAKE $SGLANG_USE_CPU_ENGINE $*"\n')
+    fake.chmod(0o755)
+    res = _serve("--model-path", "/m", "--port", "5", "--device", "cpu", MTEPO_SGLANG_PYTHON=str(fake))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("FAKE 1 -m sglang.launch_server --model-path /m --host 0.0.0.0 --port 5")
