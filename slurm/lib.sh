@@ -2,15 +2,22 @@
 # Shared shell functions of the Slurm launchers (slurm/<model>_tepo.sh source this file).
 #
 # One job = the Megatron actor on the first ACTOR nodes of the allocation + an SGLang fleet on the
-# next ROLLOUT nodes. tepo_main runs, in order:
+# next ROLLOUT nodes (or, with launch.rollout_nodes: 0 and launch.device: cpu, on the actor nodes
+# themselves: "colocated", the tiny CPU job of slurm/local_cpu_tepo.sh). tepo_main runs, in order:
 #   1. the fit check (tools/fit_check.py): per-GPU memory of the actor and the servers; a misfit
 #      stops the job before any srun, with the setting to change. It also writes the RunConfig the
 #      trainer reads ($RUN_DIR/run.yaml) and the FIT_* variables (node counts, SGLang TP, ...).
 #   2. the node split (tepo_split_nodes), NCCL settings (tepo_nccl_env);
 #   3. SGLang servers with srun on the rollout nodes (GPUS_PER_NODE / SGLANG_TP servers per node,
-#      one port each), then a wait for every /health;
+#      one port each), then a wait for every /health. Each server is
+#      `python -m megatron_tepo.rollout.serve` (the SGLang command line is built in Python, in
+#      megatron_tepo/rollout/sglang_fleet.py's server_command, shared with the SGLang fleet);
 #   4. the trainer: srun (one task per actor node) + torchrun, c10d rendezvous on the first actor
-#      node; the SGLang URLs are passed in TEPO_SGLANG_URLS.
+#      node (torchrun --standalone when there is one actor node); the SGLang URLs are passed in
+#      TEPO_SGLANG_URLS.
+# Devices (launch.device, FIT_DEVICE): cuda -> srun steps get --gpus-per-node, each server its
+# CUDA_VISIBLE_DEVICES; cpu -> no GPU arguments, every srun step gets --overlap so that the SGLang
+# step and the trainer step share the job's CPUs side by side, one OMP thread per process.
 # Preemption: the scripts carry `#SBATCH --requeue` and `#SBATCH --signal=B:USR1@120`; USR1 or
 # TERM reaches this batch shell, which stops the job steps and runs `scontrol requeue`. The
 # requeued job starts again from step 1 and the trainer resumes from the newest complete
@@ -24,9 +31,13 @@
 #   OUTPUT_DIR                  train.output_dir (checkpoints, metrics, logs)
 #   TEPO_NODELIST               space-separated host names instead of SLURM_JOB_NODELIST
 #   TEPO_PYTHON                 python with megatron_tepo (default: .venv/bin/python, else python3)
-#   TEPO_SRUN_GPU_ARGS          extra srun arguments per step (default --gpus-per-node=<gpus>)
+#   TEPO_SRUN_ARGS              srun arguments per step (default: --gpus-per-node=<gpus> on cuda,
+#                               --overlap on cpu)
+#   TEPO_SGLANG_API_KEY         if set, every server requires this API key (the trainer reads the same
+#                               variable); unset: no key (servers listen on the cluster network)
 #   TEPO_HEALTH_TIMEOUT         seconds to wait for the SGLang servers (default 1800)
-#   TEPO_RDZV_PORT              torchrun rendezvous port (default 29500)
+#   TEPO_RDZV_PORT              torchrun rendezvous port (default 29500; one actor node and unset:
+#                               torchrun --standalone picks a free one)
 #   TEPO_DRY_RUN=1              print the srun commands instead of running them
 # Extra arguments of the script are dotted RunConfig overrides (train.steps=10 ...).
 
@@ -66,13 +77,14 @@ tepo_hostnames() {
 }
 
 # tepo_split_nodes ACTOR_COUNT ROLLOUT_COUNT: set the arrays TEPO_ACTOR_HOSTS (the first
-# ACTOR_COUNT hosts) and TEPO_ROLLOUT_HOSTS (the next ROLLOUT_COUNT); fails when the allocation
-# has fewer hosts or a count is not a positive integer. Extra hosts stay unused (logged).
+# ACTOR_COUNT hosts) and TEPO_ROLLOUT_HOSTS (the next ROLLOUT_COUNT; ROLLOUT_COUNT 0: the actor
+# hosts themselves, colocated); fails when the allocation has fewer hosts or a count is not an
+# integer (>= 1 actor, >= 0 rollout). Extra hosts stay unused (logged).
 tepo_split_nodes() {
     local actor=$1 rollout=$2
     local -a hosts
     [[ "$actor" =~ ^[1-9][0-9]*$ ]] || { tepo_log "actor node count must be a positive integer, got '$actor'"; return 1; }
-    [[ "$rollout" =~ ^[1-9][0-9]*$ ]] || { tepo_log "rollout node count must be a positive integer, got '$rollout'"; return 1; }
+    [[ "$rollout" =~ ^(0|[1-9][0-9]*)$ ]] || { tepo_log "rollout node count must be a non-negative integer (0: colocated), got '$rollout'"; return 1; }
     mapfile -t hosts < <(tepo_hostnames) || return 1
     if (( ${#hosts[@]} == 0 )); then
         tepo_log "the node list is empty"
@@ -86,11 +98,21 @@ tepo_split_nodes() {
         tepo_log "${#hosts[@]} nodes allocated, $((actor + rollout)) used: ${hosts[*]:actor+rollout}"
     fi
     TEPO_ACTOR_HOSTS=("${hosts[@]:0:actor}")
-    TEPO_ROLLOUT_HOSTS=("${hosts[@]:actor:rollout}")
+    if ((rollout == 0)); then
+        TEPO_ROLLOUT_HOSTS=("${TEPO_ACTOR_HOSTS[@]}")
+    else
+        TEPO_ROLLOUT_HOSTS=("${hosts[@]:actor:rollout}")
+    fi
 }
 
-# NCCL / torch settings for the actor; values already in the environment win.
+# NCCL / torch settings for the actor; values already in the environment win. On CPU: one thread
+# per process and no visible GPU instead.
 tepo_nccl_env() {
+    if [[ "${FIT_DEVICE:-cuda}" == cpu ]]; then
+        export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
+        export CUDA_VISIBLE_DEVICES=""
+        return 0
+    fi
     export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
     export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
     export NCCL_ASYNC_ERROR_HANDLING=${NCCL_ASYNC_ERROR_HANDLING:-1}
@@ -124,12 +146,20 @@ tepo_fit_check() {
     source "$env_file"
 }
 
-tepo_srun_gpu_args() {
-    if [[ -n "${TEPO_SRUN_GPU_ARGS+set}" ]]; then
-        printf '%s\n' "$TEPO_SRUN_GPU_ARGS"
+# The srun arguments of every job step (see "Devices" at the top).
+tepo_srun_args() {
+    if [[ -n "${TEPO_SRUN_ARGS+set}" ]]; then
+        printf '%s\n' "$TEPO_SRUN_ARGS"
+    elif [[ "${FIT_DEVICE:-cuda}" == cpu ]]; then
+        printf '%s\n' "--overlap"
     else
         printf '%s\n' "--gpus-per-node=$FIT_GPUS_PER_NODE"
     fi
+}
+
+# A free TCP port on this host (launch.sglang.port: 0, one-node jobs).
+tepo_free_port() {
+    "$(tepo_python)" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
 }
 
 # tepo_run CMD...: run a command, or print it with TEPO_DRY_RUN=1.
@@ -143,29 +173,56 @@ tepo_run() {
     fi
 }
 
-# Start GPUS_PER_NODE / SGLANG_TP servers on every rollout node (one srun step per node, in the
-# background); fill TEPO_SGLANG_URLS (comma-separated) and TEPO_STEP_PIDS.
+# The serve command of one server (megatron_tepo.rollout.serve; the SGLang flags live in Python).
+# tepo_serve_cmd PORT: one shell-quoted command line.
+tepo_serve_cmd() {
+    local port=$1
+    local -a cmd=("$(tepo_python)" -m megatron_tepo.rollout.serve --model-path "$FIT_MODEL_PATH"
+        --port "$port" --host 0.0.0.0 --tp "$FIT_SGLANG_TP" --device "${FIT_DEVICE:-cuda}"
+        --mem-fraction-static "$FIT_SGLANG_MEM_FRACTION" --max-running-requests "$FIT_SGLANG_MAX_RUNNING")
+    if [[ "${FIT_DEVICE:-cuda}" == cpu ]]; then
+        cmd+=(--threads "${FIT_SGLANG_THREADS:-1}")
+    else
+        cmd+=(--context-length "$FIT_CONTEXT_LEN")
+    fi
+    if [[ "${FIT_SGLANG_MAX_TOTAL_TOKENS:-0}" != 0 ]]; then
+        cmd+=(--max-total-tokens "$FIT_SGLANG_MAX_TOTAL_TOKENS")
+    fi
+    printf '%q ' "${cmd[@]}"
+}
+
+# Start FIT_SERVERS_PER_NODE servers on every rollout node (one srun step per node, in the
+# background); fill TEPO_SGLANG_URLS (comma-separated) and TEPO_STEP_PIDS. On cuda server i of a
+# node gets GPUs i*TP .. i*TP+TP-1; ports FIT_SGLANG_PORT + i (0: free ports of this host).
 tepo_start_sglang() {
-    local host i port gpus first last
-    local -a urls=() gpu_args
-    read -r -a gpu_args <<<"$(tepo_srun_gpu_args)"
+    local host i port gpus first last base=$FIT_SGLANG_PORT
+    local -a urls=() srun_args
+    read -r -a srun_args <<<"$(tepo_srun_args)"
+    if [[ "$base" == 0 && "${TEPO_DRY_RUN:-0}" != 1 ]]; then
+        if (( ${#TEPO_ROLLOUT_HOSTS[@]} != 1 )) || [[ "${TEPO_ROLLOUT_HOSTS[0]}" != "$(hostname -s)" ]]; then
+            tepo_die "launch.sglang.port: 0 (free ports) needs the servers on this host, not ${TEPO_ROLLOUT_HOSTS[*]}"
+        fi
+    fi
     for host in "${TEPO_ROLLOUT_HOSTS[@]}"; do
         local script="set -e; "
         for ((i = 0; i < FIT_SERVERS_PER_NODE; i++)); do
-            port=$((FIT_SGLANG_PORT + i))
-            first=$((i * FIT_SGLANG_TP))
-            last=$((first + FIT_SGLANG_TP - 1))
-            gpus=$(seq -s, "$first" "$last")
-            script+="CUDA_VISIBLE_DEVICES=$gpus $(printf '%q' "$(tepo_python)") -m sglang.launch_server"
-            script+=" --model-path $(printf '%q' "$FIT_MODEL_PATH") --tp-size $FIT_SGLANG_TP --host 0.0.0.0"
-            script+=" --port $port --mem-fraction-static $FIT_SGLANG_MEM_FRACTION"
-            script+=" --max-running-requests $FIT_SGLANG_MAX_RUNNING --context-length $FIT_CONTEXT_LEN"
-            script+=" > $(printf '%q' "$LOG_DIR/sglang.$host.$i.log") 2>&1 & "
+            if [[ "$base" == 0 ]]; then
+                if [[ "${TEPO_DRY_RUN:-0}" == 1 ]]; then port=$((30000 + i)); else port=$(tepo_free_port); fi
+            else
+                port=$((base + i))
+            fi
+            if [[ "${FIT_DEVICE:-cuda}" != cpu ]]; then
+                first=$((i * FIT_SGLANG_TP))
+                last=$((first + FIT_SGLANG_TP - 1))
+                gpus=$(seq -s, "$first" "$last")
+                script+="CUDA_VISIBLE_DEVICES=$gpus "
+            fi
+            script+="$(tepo_serve_cmd "$port")> $(printf '%q' "$LOG_DIR/sglang.$host.$i.log") 2>&1 & "
             urls+=("http://$host:$port")
         done
         script+="wait"
-        tepo_log "SGLang on $host: $FIT_SERVERS_PER_NODE server(s), TP=$FIT_SGLANG_TP"
-        tepo_run srun --nodes=1 --ntasks=1 --nodelist="$host" "${gpu_args[@]}" --kill-on-bad-exit=1 \
+        tepo_log "SGLang on $host: $FIT_SERVERS_PER_NODE server(s), TP=$FIT_SGLANG_TP, device ${FIT_DEVICE:-cuda}"
+        tepo_run srun --nodes=1 --ntasks=1 --nodelist="$host" "${srun_args[@]}" --kill-on-bad-exit=1 \
             bash -c "$script" >>"$LOG_DIR/sglang.$host.srun.log" 2>&1 &
         TEPO_STEP_PIDS+=($!)
     done
@@ -193,24 +250,30 @@ tepo_wait_health() {
             kill -0 "$pid" 2>/dev/null || tepo_die "an SGLang srun step exited before it was healthy (logs: $LOG_DIR/sglang.*)"
         done
         ((SECONDS < deadline)) || tepo_die "SGLang not healthy after ${timeout}s: ${pending[*]} (logs: $LOG_DIR/sglang.*)"
-        sleep 10
+        sleep "${TEPO_HEALTH_POLL:-$([[ "${FIT_DEVICE:-cuda}" == cpu ]] && echo 1 || echo 10)}"
     done
     tepo_log "all ${#urls[@]} SGLang server(s) healthy"
 }
 
 # tepo_start_trainer [OVERRIDE...]: srun one task per actor node, each running torchrun with
-# GPUS_PER_NODE processes, c10d rendezvous on the first actor node; runs in the background.
+# GPUS_PER_NODE processes (CPU: processes), c10d rendezvous on the first actor node (one node
+# without TEPO_RDZV_PORT: --standalone, a free local port); runs in the background.
 tepo_start_trainer() {
-    local -a gpu_args
-    read -r -a gpu_args <<<"$(tepo_srun_gpu_args)"
+    local -a srun_args rdzv
+    read -r -a srun_args <<<"$(tepo_srun_args)"
     local head=${TEPO_ACTOR_HOSTS[0]} nodelist
     nodelist=$(IFS=,; printf '%s' "${TEPO_ACTOR_HOSTS[*]}")
-    tepo_log "trainer on ${#TEPO_ACTOR_HOSTS[@]} node(s) ($nodelist), rendezvous $head:${TEPO_RDZV_PORT:-29500}"
-    tepo_run srun --nodes="${#TEPO_ACTOR_HOSTS[@]}" --ntasks-per-node=1 --nodelist="$nodelist" "${gpu_args[@]}" \
+    if (( ${#TEPO_ACTOR_HOSTS[@]} == 1 )) && [[ -z "${TEPO_RDZV_PORT:-}" ]]; then
+        rdzv=(--standalone)
+        tepo_log "trainer on $head ($FIT_GPUS_PER_NODE processes, device ${FIT_DEVICE:-cuda}), standalone rendezvous"
+    else
+        rdzv=(--rdzv-backend=c10d --rdzv-endpoint="$head:${TEPO_RDZV_PORT:-29500}" --rdzv-id="${SLURM_JOB_ID:-tepo}")
+        tepo_log "trainer on ${#TEPO_ACTOR_HOSTS[@]} node(s) ($nodelist), rendezvous $head:${TEPO_RDZV_PORT:-29500}"
+    fi
+    tepo_run srun --nodes="${#TEPO_ACTOR_HOSTS[@]}" --ntasks-per-node=1 --nodelist="$nodelist" "${srun_args[@]}" \
         --kill-on-bad-exit=1 \
         "$(tepo_python)" -m torch.distributed.run --nnodes="${#TEPO_ACTOR_HOSTS[@]}" \
-        --nproc-per-node="$FIT_GPUS_PER_NODE" --rdzv-backend=c10d \
-        --rdzv-endpoint="$head:${TEPO_RDZV_PORT:-29500}" --rdzv-id="${SLURM_JOB_ID:-tepo}" \
+        --nproc-per-node="$FIT_GPUS_PER_NODE" "${rdzv[@]}" \
         "$TEPO_ROOT/tools/train.py" --config "$RUN_DIR/run.yaml" "$@" \
         >>"$LOG_DIR/trainer.log" 2>&1 &
     TEPO_TRAINER_PID=$!
@@ -253,7 +316,11 @@ tepo_main() {
     cp "$RUN_DIR/fit.log" "$LOG_DIR/fit.log"
     tepo_log "attempt $attempt; logs in $LOG_DIR; checkpoints in $FIT_OUTPUT_DIR (resume: newest complete one)"
     tepo_split_nodes "$FIT_ACTOR_NODES" "$FIT_ROLLOUT_NODES" || tepo_die "node split failed"
-    tepo_log "actor nodes: ${TEPO_ACTOR_HOSTS[*]}; rollout nodes: ${TEPO_ROLLOUT_HOSTS[*]}"
+    if ((FIT_ROLLOUT_NODES == 0)); then
+        tepo_log "actor nodes: ${TEPO_ACTOR_HOSTS[*]}; SGLang colocated on them"
+    else
+        tepo_log "actor nodes: ${TEPO_ACTOR_HOSTS[*]}; rollout nodes: ${TEPO_ROLLOUT_HOSTS[*]}"
+    fi
     tepo_nccl_env
     tepo_install_traps
     tepo_start_sglang

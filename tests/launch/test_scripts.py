@@ -72,11 +72,17 @@ def test_split_leaves_extra_nodes():
     (2, 2, "has 3 node(s) but ACTOR_NODES=2 + ROLLOUT_NODES=2"),
     (0, 1, "actor node count must be a positive integer"),
     ("x", 1, "actor node count must be a positive integer"),
-    (1, -1, "rollout node count must be a positive integer"),
+    (1, -1, "rollout node count must be a non-negative integer (0: colocated)"),
 ])
 def test_split_errors(actor, rollout, needle):
     res = _split(actor, rollout, {"TEPO_NODELIST": "a b c"})
     assert res.returncode == 3 and needle in res.stderr
+
+
+def test_split_colocated():
+    res = _split(2, 0, {"TEPO_NODELIST": "a b c"})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["A=a b", "R=a b"]
 
 
 def test_split_without_any_list():
@@ -112,9 +118,12 @@ def test_dry_run_qwen3_14b(tmp_path):
     assert "srun --nodes=2 --ntasks-per-node=1 --nodelist=n1\\,n2" in trainer
     assert "torch.distributed.run --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=n1:29500" in trainer
     assert f"--config {tmp_path}/run/run.yaml train.steps=3" in trainer
+    assert "--overlap" not in trainer
     sglang = (logs / "sglang.n3.srun.log").read_text()
-    assert "--nodelist=n3" in sglang and sglang.count("sglang.launch_server") == 4
-    assert "CUDA_VISIBLE_DEVICES=6\\,7" in sglang and "--tp-size\\ 2" in sglang
+    assert "--nodelist=n3" in sglang and "--gpus-per-node=8" in sglang and "--overlap" not in sglang
+    assert sglang.count("megatron_tepo.rollout.serve") == 4
+    assert "CUDA_VISIBLE_DEVICES=6\\,7" in sglang and "--tp\\ 2" in sglang and "--device\\ cuda" in sglang
+    assert "--context-length\\ 10240" in sglang
     assert "total 44.2 GiB of 80 GiB: fits" in (logs / "fit.log").read_text()
 
 
