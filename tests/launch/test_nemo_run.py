@@ -1,0 +1,221 @@
+"""tools/launch_nemo_run.py offline: the rendered sbatch script of the 4-node Qwen3-14B job (node
+split, srun lines, torchrun line, run config), the same script executed against stand-in
+`scontrol`/`srun` (the split evaluated to host names), and launches that fail before anything is
+rendered. The real submission on a local Slurm cluster is tests/slurm/test_nemo_run_local.py."""
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "launch_nemo_run.py"
+LAUNCH = ROOT / "examples" / "models" / "qwen3_14b.yaml"
+HOSTS = ["gpu01", "gpu02", "gpu03", "gpu04"]
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TEPO_", "NEMORUN_")) and k not in
+           ("MODEL_PATH", "TRAIN_FILES", "OUTPUT_DIR", "ACTOR_NODES", "ROLLOUT_NODES")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="200", **extra)
+    return env
+
+
+def _launch(tmp, *args):
+    return subprocess.run([sys.executable, str(TOOL), "--launch", str(LAUNCH), "--executor", "slurm",
+                           "--account", "acct_rl", "--partition", "gpu", "--nemorun-home", str(tmp / "nemorun"),
+                           *args], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("render")  # not ".../nemo_run*": nemo-run rewrites that
+    res = _launch(tmp, "--dryrun", "--monitor-interval", "1", f"train.output_dir={tmp / 'out'}")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    found = dict(re.findall(r"^(sbatch script|run config): (\S+)$", res.stdout, re.M))
+    script = Path(found["sbatch script"])
+    return {"tmp": tmp, "script": script, "text": script.read_text(), "run_config": Path(found["run config"]),
+            "stderr": res.stderr}
+
+
+def _sbatch_flags(text):
+    return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?$", text, re.M))
+
+
+def _sruns(text):
+    """The task srun lines (not nemo-run's `head_node_ip=$(srun ...)`), as argv lists."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("srun "):
+            line = re.sub(r"\s*&\s*pids\[\d+\]=\$!\s*$", "", line)
+            out.append(shlex.split(line))
+    return out
+
+
+def _step(argv, name):
+    """Split a task srun argv into (srun options, step options, command after `--`)."""
+    i = argv.index(name)
+    rest = argv[i + 1:]
+    j = rest.index("--")
+    return argv[:i], rest[:j], rest[j + 1:]
+
+
+def _opt(words, key):
+    """Value of `--key=V` or `--key V` in words."""
+    for k, w in enumerate(words):
+        if w == key:
+            return words[k + 1]
+        if w.startswith(key + "="):
+            return w.split("=", 1)[1]
+    raise AssertionError(f"{key} not in {words}")
+
+
+def test_sbatch_allocation(rendered):
+    flags = _sbatch_flags(rendered["text"])
+    assert flags["nodes"] == "4"  # 2 actor + 2 rollout nodes (examples/models/qwen3_14b.yaml)
+    assert flags["ntasks-per-node"] == "1"
+    assert flags["gpus-per-node"] == "8"
+    assert flags["account"] == "acct_rl" and flags["partition"] == "gpu"
+    assert "requeue" in flags and flags["signal"] == "B:USR1@120" and "exclusive" in flags
+
+
+def test_setup_splits_nodes_with_lib_sh(rendered):
+    text = rendered["text"]
+    assert f"export TEPO_ROOT={ROOT}" in text
+    assert 'source "$TEPO_ROOT/slurm/lib.sh"' in text
+    assert re.search(r"^tepo_split_nodes 2 2 \|\|", text, re.M)  # actor nodes first, then rollout
+    assert "tepo_nccl_env" in text and "tepo_on_preempt" in text
+    # the split comes before the srun lines that use it
+    assert text.index("tepo_split_nodes") < text.index("step-sglang") < text.index("step-trainer")
+
+
+def test_srun_lines_place_servers_and_trainer(rendered):
+    sruns = _sruns(rendered["text"])
+    assert len(sruns) == 2, sruns
+    sglang = [a for a in sruns if "step-sglang" in a]
+    trainer = [a for a in sruns if "step-trainer" in a]
+    assert len(sglang) == 1 and len(trainer) == 1
+
+    srun, step, server = _step(sglang[0], "step-sglang")
+    assert _opt(srun, "--nodes") == "2" and _opt(srun, "--ntasks-per-node") == "1"
+    assert _opt(srun, "--nodelist") == "$TEPO_ROLLOUT_NODELIST"
+    assert _opt(srun, "--gpus-per-node") == "8"
+    assert _opt(step, "--ports") == "30000,30001,30002,30003"  # 8 GPUs / sglang.tp 2 = 4 servers a node
+    assert _opt(step, "--gpus-per-server") == "2" and _opt(step, "--device") == "cuda"
+    assert server[1:3] == ["-m", "megatron_tepo.rollout.serve"]
+    assert _opt(server, "--tp") == "2" and _opt(server, "--port") == "{port}"
+    assert _opt(server, "--max-running-requests") == "64" and _opt(server, "--context-length") == "10240"
+
+    srun, step, torchrun = _step(trainer[0], "step-trainer")
+    assert _opt(srun, "--nodes") == "2" and _opt(srun, "--ntasks-per-node") == "1"
+    assert _opt(srun, "--nodelist") == "$TEPO_ACTOR_NODELIST"
+    assert _opt(srun, "--gpus-per-node") == "8"
+    assert _opt(step, "--done-file") == _opt(_step(sglang[0], "step-sglang")[1], "--done-file")
+    assert torchrun[1:3] == ["-m", "torch.distributed.run"]
+    assert _opt(torchrun, "--nnodes") == "2"
+    assert _opt(torchrun, "--nproc-per-node") == "8"
+    assert _opt(torchrun, "--rdzv-backend") == "c10d"
+    assert _opt(torchrun, "--rdzv-endpoint") == "$TEPO_RDZV_HOST:29500"
+    assert torchrun[torchrun.index("--rdzv-endpoint=$TEPO_RDZV_HOST:29500") + 2] == str(ROOT / "tools" / "train.py")
+    assert _opt(torchrun, "--config") == str(rendered["run_config"])
+
+
+def test_run_config_is_the_launch_files(rendered):
+    from megatron_tepo.config import load_config
+
+    path = rendered["run_config"]
+    assert path.is_file() and path.parent.parent.name == "nemo-run"
+    cfg = load_config(path)
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sequence_parallel) == (4, 1, True)
+    assert cfg.optim.use_distributed_optimizer and cfg.train.resume
+    assert cfg.train.output_dir == str(rendered["tmp"] / "out")
+    assert "total 44.2 GiB of 80 GiB: fits" in (path.parent / "fit.log").read_text()
+    assert "architecture" not in path.read_text() and "launch:" not in path.read_text()
+
+
+FAKE_SCONTROL = """#!/bin/bash
+# stand-in: `scontrol show hostnames LIST` prints the test's hosts
+if [[ "$1 $2" == "show hostnames" ]]; then printf '%s\\n' {hosts}; exit 0; fi
+echo "scontrol $*" >> "$FAKE_LOG.scontrol"
+"""
+FAKE_SRUN = """#!/usr/bin/env python3
+# stand-in: record argv and the TEPO_* environment; `hostname --ip-address` answers an address
+import json, os, sys
+if sys.argv[-2:] == ["hostname", "--ip-address"]:
+    print("10.0.0.1"); sys.exit(0)
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({{"argv": sys.argv[1:], "env": {{k: v for k, v in os.environ.items()
+                        if k.startswith("TEPO_")}}}}) + "\\n")
+"""
+
+
+def test_rendered_script_runs_the_split(rendered, tmp_path):
+    """Execute the rendered script with stand-in scontrol/srun: the split evaluates to host names."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(FAKE_SCONTROL.format(hosts=" ".join(HOSTS)))
+    (bin_dir / "srun").write_text(FAKE_SRUN.format())
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    log = tmp_path / "srun.jsonl"
+    env = _env(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(log), SLURM_JOB_ID="77",
+               SLURM_JOB_NODELIST="gpu[01-04]")
+    res = subprocess.run(["bash", str(rendered["script"])], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "job exited with code 0" in res.stdout
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 2
+    by_step = {("sglang" if "step-sglang" in c["argv"] else "trainer"): c for c in calls}
+    sg, tr = by_step["sglang"], by_step["trainer"]
+    assert _opt(sg["argv"], "--nodelist") == "gpu03,gpu04"
+    assert _opt(tr["argv"], "--nodelist") == "gpu01,gpu02"
+    _, step, torchrun = _step(tr["argv"], "step-trainer")
+    assert _opt(torchrun, "--rdzv-endpoint") == "gpu01:29500"
+    assert _opt(torchrun, "--rdzv-id") == "77"
+    urls = [f"http://{h}:{30000 + i}" for h in ("gpu03", "gpu04") for i in range(4)]
+    assert tr["env"]["TEPO_SGLANG_URLS"] == ",".join(urls)
+    assert tr["env"]["TEPO_RDZV_HOST"] == "gpu01"
+    assert _opt(step, "--done-file") == str(rendered["run_config"].parent / "done.77.0")
+    assert _opt(_step(sg["argv"], "step-sglang")[1], "--log-dir").endswith("/logs/nemo-run.77.0")
+
+
+def test_too_few_nodes_in_the_allocation_stops_the_script(rendered, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(FAKE_SCONTROL.format(hosts="gpu01 gpu02 gpu03"))
+    (bin_dir / "srun").write_text(FAKE_SRUN.format())
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    log = tmp_path / "srun.jsonl"
+    env = _env(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(log), SLURM_JOB_ID="78",
+               SLURM_JOB_NODELIST="gpu[01-03]")
+    res = subprocess.run(["bash", str(rendered["script"])], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=120)
+    assert res.returncode == 1
+    assert "has 3 node(s) but ACTOR_NODES=2 + ROLLOUT_NODES=2" in res.stderr
+    assert not log.exists()  # no task srun ran
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("launch.gpu_mem_gib=40", "raise parallel.tp or parallel.pp, or raise launch.actor_nodes"),
+    ("parallel.tp=3", "parallel.tp=3 does not divide num_attention_heads=40"),
+    ("launch.actor_nodes=0", "launch.actor_nodes: must be >= 1"),
+    ("launch.sglang.tp=3", "launch.sglang.tp: 3 must be >= 1 and divide launch.gpus_per_node"),
+])
+def test_bad_launch_fails_before_rendering(tmp_path, override, needle):
+    res = _launch(tmp_path, "--dryrun", f"train.output_dir={tmp_path / 'out'}", override)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "fit check FAILED" in res.stderr and needle in res.stderr
+    assert not (tmp_path / "nemorun").exists()  # no experiment, no sbatch script
+    assert not (tmp_path / "out").exists()  # no run config
+
+
+def test_slurm_needs_an_account(tmp_path):
+    res = subprocess.run([sys.executable, str(TOOL), "--launch", str(LAUNCH), "--dryrun"],
+                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)
+    assert res.returncode == 2 and "--account is required" in res.stderr

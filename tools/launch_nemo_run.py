@@ -1,0 +1,546 @@
+#!/usr/bin/env python
+"""The Slurm job of slurm/<model>_tepo.sh, launched through nemo-run (SlurmExecutor or LocalExecutor).
+
+    python tools/launch_nemo_run.py --launch examples/models/qwen3_14b.yaml --executor slurm \\
+        --account ACCT --partition PART [--time 48:00:00] [--dryrun] [--detach] [train.steps=500 ...]
+    python tools/launch_nemo_run.py --launch examples/models/tiny_cpu.yaml --executor local [...]
+
+What it does, in order (the same steps as slurm/lib.sh's ``tepo_main``, from the same sources):
+
+1. **Fit check, before anything is rendered**: :func:`megatron_tepo.launch.fit.load_launch` +
+   :func:`~megatron_tepo.launch.fit.check_fit` on the launch file and the overrides (the code
+   tools/fit_check.py runs). A misfit or an invalid layout exits with status 1 and the error
+   naming the setting; no nemo-run experiment is created. Node counts, GPUs per node, SGLang TP,
+   servers per node, ports and context length then come from
+   :func:`~megatron_tepo.launch.fit.shell_vars` (the ``FIT_*`` numbers of the sbatch path), and
+   :func:`~megatron_tepo.launch.fit.write_run_config` writes the trainer's RunConfig to
+   ``<train.output_dir>/launch/nemo-run/<experiment id>/run.yaml``. No arithmetic is repeated here.
+2. **One nemo-run experiment with one job of two tasks**, ``sglang`` and ``trainer``, run as a
+   group (``exp.add([sglang, trainer], executor=[...])``). With ``--executor slurm`` nemo-run
+   merges the two executors into ONE homogeneous allocation of ``actor_nodes + rollout_nodes``
+   nodes (one sbatch script) with one ``srun`` line per task, started side by side; its monitor
+   loop ends the job when the first step ends, with that step's exit status.
+   * Node split: the script's setup lines source slurm/lib.sh and call ``tepo_split_nodes A R``
+     (the sbatch path's function: the first A hosts are the actor, the next R the rollout fleet;
+     R = 0, CPU only: the servers share the actor hosts), then export ``TEPO_ACTOR_NODELIST``,
+     ``TEPO_ROLLOUT_NODELIST``, ``TEPO_RDZV_HOST`` (the first actor host), ``TEPO_SGLANG_PORTS``
+     (``sglang.port + i`` for i < servers per node; port 0: free ports of the batch host, one
+     server node only) and ``TEPO_SGLANG_URLS`` (``http://<rollout host>:<port>``), and apply
+     lib.sh's ``tepo_nccl_env`` and its preemption trap ``tepo_on_preempt`` (stop the steps,
+     ``scontrol requeue``; the script asks for ``--signal=B:USR1@120`` and ``--requeue``; the
+     trainer resumes from its newest checkpoint, ``train.resume: true``).
+   * ``sglang`` task: ``srun --nodes=R --ntasks-per-node=1 --nodelist=$TEPO_ROLLOUT_NODELIST``
+     running ``tools/launch_nemo_run.py step-sglang`` on every rollout node: one server per port,
+     each its own ``CUDA_VISIBLE_DEVICES`` slice of ``sglang.tp`` GPUs; the server command is
+     lib.sh's ``tepo_serve_cmd`` (``python -m megatron_tepo.rollout.serve`` ..., evaluated at
+     submission), logs in ``<output_dir>/logs/nemo-run.<job>.<restart>/sglang.<host>.<i>.log``.
+   * ``trainer`` task: ``srun --nodes=A --ntasks-per-node=1 --nodelist=$TEPO_ACTOR_NODELIST``
+     running ``step-trainer``, which waits for every server's ``/health`` and then runs the
+     torchrun line written out in the srun line: ``python -m torch.distributed.run --nnodes=A
+     --nproc-per-node=<gpus per node> --rdzv-backend=c10d --rdzv-endpoint=$TEPO_RDZV_HOST:29500
+     tools/train.py --config <run.yaml>`` (``--standalone`` for one actor node, as lib.sh does),
+     ``TEPO_SGLANG_URLS`` in its environment.
+   * GPUs: ``--gpus-per-node`` on both steps and ``--exclusive``; ``launch.device: cpu`` (the tiny
+     job of slurm/local_cpu_tepo.sh): no GPU flags, both steps ``srun --overlap`` (lib.sh's
+     ``tepo_srun_args``), one thread per process.
+   * End of the job: the trainer's node 0 writes its exit status to a "done" file in the run
+     directory; the ``sglang`` step then stops its servers and exits with that status, so the
+     job's status is the trainer's whichever step nemo-run's monitor loop sees end first. A
+     server that dies ends the ``sglang`` step with status 1, and so the job.
+   With ``--executor local`` the two tasks run as two local processes (LocalExecutor) with the
+   same step commands, literal ``127.0.0.1`` URLs and ports; it needs ``launch.actor_nodes: 1``
+   and at most one rollout node (both then run on this machine: meant for CPU layouts).
+
+Why this shape: nemo-run's heterogeneous jobs (``heterogeneous=True``) and its ``torchrun``
+launcher are per *job*, not per task -- a group shares the first executor's launcher, so the
+SGLang task would be wrapped in torchrun too -- and a het job asks for each component
+separately, which a one-node test cluster cannot give twice. One homogeneous allocation split by
+the same shell function as the sbatch path keeps the node split, both srun lines and the torchrun
+line readable in the rendered sbatch script, and runs unchanged on a one-node cluster.
+
+Left out: containers (pyxis) and code packaging -- the job runs the checkout this file is in
+(``nemo_run.Packager()``; the repository and its ``.venv`` must be on a file system the nodes
+share, as for the sbatch scripts) --, SSH tunnels (the launcher runs where ``sbatch`` works:
+``LocalTunnel``), and multi-node ``--executor local``. Paths holding ``/nemo_run`` are refused:
+nemo-run rewrites that string in non-container sbatch scripts.
+
+Environment, as in slurm/lib.sh: ``MODEL_PATH``, ``TRAIN_FILES``, ``OUTPUT_DIR``, ``ACTOR_NODES``,
+``ROLLOUT_NODES`` become overrides; ``TEPO_PYTHON`` is the python on the nodes (default: this
+checkout's ``.venv/bin/python``); ``NEMORUN_HOME`` (or ``--nemorun-home``) holds nemo-run's
+experiment folders (the rendered ``<job>_sbatch.sh`` and the per-task logs).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+EXIT_FIT = 1  # a misfit or a bad launch file: nothing rendered
+
+
+class Raw(str):
+    """A shell word that is written as is (it holds ``"$VAR"`` references), not quoted."""
+
+
+def sh(words: Sequence[str]) -> List[str]:
+    """Quote each word for the shell (nemo-run joins srun arguments with spaces), except Raw ones."""
+    return [str.__str__(w) if isinstance(w, Raw) else shlex.quote(str(w)) for w in words]
+
+
+def default_python() -> str:
+    """The python on the nodes: slurm/lib.sh's ``tepo_python`` rule."""
+    if os.environ.get("TEPO_PYTHON"):
+        return os.environ["TEPO_PYTHON"]
+    venv = ROOT / ".venv" / "bin" / "python"
+    return str(venv) if venv.exists() else "python3"
+
+
+def env_overrides(environ=os.environ) -> List[str]:
+    """slurm/lib.sh's environment settings (``tepo_fit_check``) as dotted overrides."""
+    out = []
+    for var, key in (("ACTOR_NODES", "launch.actor_nodes"), ("ROLLOUT_NODES", "launch.rollout_nodes"),
+                     ("MODEL_PATH", "model.path"), ("TRAIN_FILES", "data.train_files"),
+                     ("OUTPUT_DIR", "train.output_dir")):
+        if environ.get(var):
+            out.append(f"{key}={environ[var]}")
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------------------------
+# The plan: everything the job needs, from the fit check's numbers
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    name: str  # launch file stem, e.g. qwen3_14b
+    launch_file: Path
+    fit: Dict[str, str]  # megatron_tepo.launch.fit.shell_vars: the FIT_* values of slurm/lib.sh
+    report: str  # the fit check's arithmetic, for the log
+    spec: object = field(repr=False, default=None)
+
+    @property
+    def device(self) -> str:  # launch.device: cuda or cpu
+        return self.fit.get("FIT_DEVICE", "cuda")
+
+    @property
+    def actor_nodes(self) -> int:
+        return int(self.fit["FIT_ACTOR_NODES"])
+
+    @property
+    def rollout_nodes(self) -> int:  # 0: the servers share the actor nodes (colocated, CPU)
+        return int(self.fit["FIT_ROLLOUT_NODES"])
+
+    @property
+    def colocated(self) -> bool:
+        return self.rollout_nodes == 0
+
+    @property
+    def server_nodes(self) -> int:
+        return self.actor_nodes if self.colocated else self.rollout_nodes
+
+    @property
+    def total_nodes(self) -> int:
+        return self.actor_nodes + self.rollout_nodes
+
+    @property
+    def procs_per_node(self) -> int:  # GPUs per node; trainer processes per node on CPU
+        return int(self.fit["FIT_GPUS_PER_NODE"])
+
+    @property
+    def servers_per_node(self) -> int:
+        return int(self.fit["FIT_SERVERS_PER_NODE"])
+
+    @property
+    def first_port(self) -> int:  # 0: free ports of the batch host
+        return int(self.fit["FIT_SGLANG_PORT"])
+
+    @property
+    def output_dir(self) -> Path:
+        out = Path(self.fit["FIT_OUTPUT_DIR"])
+        return out if out.is_absolute() else ROOT / out
+
+
+def make_plan(launch_file: str, overrides: Sequence[str]) -> Plan:
+    """Load the launch file and run the fit check; raises ConfigError/FitError naming the setting."""
+    from megatron_tepo.launch.fit import check_fit, load_launch, shell_vars
+
+    spec = load_launch(launch_file, list(overrides))
+    report = check_fit(spec.shape(), spec.cfg, spec.launch)
+    fit = shell_vars(spec)
+    plan = Plan(Path(launch_file).stem, Path(spec.path), fit, report.render(), spec)
+    if plan.first_port == 0 and plan.server_nodes != 1:
+        raise ValueError(f"launch.sglang.port: 0 (free ports of the batch host) needs the servers on one "
+                         f"node, not {plan.server_nodes}; give launch.sglang.port a fixed port")
+    return plan
+
+
+def server_command(plan: Plan, python: str) -> List[str]:
+    """One SGLang server, ``{port}`` filled in per server by step-sglang: slurm/lib.sh's
+    ``tepo_serve_cmd`` (``python -m megatron_tepo.rollout.serve`` + the FIT_* flags), run here."""
+    env = {**os.environ, **plan.fit, "TEPO_PYTHON": python, "TEPO_ROOT": str(ROOT)}
+    res = subprocess.run(["bash", "-c", 'source "$TEPO_ROOT/slurm/lib.sh" && tepo_serve_cmd "{port}"'],
+                         env=env, capture_output=True, text=True, check=True)
+    return shlex.split(res.stdout)
+
+
+def step_commands(plan: Plan, run_dir: Path, python: str, *, slurm: bool, rdzv_port: int,
+                  health_timeout: float, ports: Sequence[int] = (), extra: Sequence[str] = ()
+                  ) -> Dict[str, List[str]]:
+    """The two tasks' command lines (shell words). ``slurm``: node names, the attempt and free ports
+    come from the variables the setup lines export; else (one machine) everything is literal."""
+    me = str(ROOT / "tools" / "launch_nemo_run.py")
+    if slurm:
+        attempt = '"${SLURM_JOB_ID:-0}.${SLURM_RESTART_COUNT:-0}"'
+        done = Raw(f"{shlex.quote(str(run_dir))}/done.{attempt}")
+        logs = Raw(f'{shlex.quote(str(plan.output_dir / "logs"))}/nemo-run.{attempt}')
+        port_list = Raw('"$TEPO_SGLANG_PORTS"') if plan.first_port == 0 else \
+            ",".join(str(plan.first_port + i) for i in range(plan.servers_per_node))
+        rdzv = [Raw(f'--rdzv-endpoint="$TEPO_RDZV_HOST":{rdzv_port}'), Raw('--rdzv-id="${SLURM_JOB_ID:-tepo}"')]
+    else:
+        done = str(run_dir / "done.local")
+        logs = str(plan.output_dir / "logs" / "nemo-run.local")
+        port_list = ",".join(str(p) for p in ports)
+        rdzv = [f"--rdzv-endpoint=127.0.0.1:{rdzv_port}", "--rdzv-id=tepo-local"]
+    if plan.actor_nodes == 1:  # slurm/lib.sh's rule: one actor node -> a free local port
+        rdzv = ["--standalone"]
+    else:
+        rdzv = ["--rdzv-backend=c10d", *rdzv]
+    sglang = [python, me, "step-sglang", "--ports", port_list, "--gpus-per-server", plan.fit["FIT_SGLANG_TP"],
+              "--device", plan.device, "--done-file", done, "--log-dir", logs, "--",
+              *server_command(plan, python)]
+    torchrun = [python, "-m", "torch.distributed.run", f"--nnodes={plan.actor_nodes}",
+                f"--nproc-per-node={plan.procs_per_node}", *rdzv,
+                str(ROOT / "tools" / "train.py"), "--config", str(run_dir / "run.yaml"), *extra]
+    trainer = [python, me, "step-trainer", "--health-timeout", f"{health_timeout:g}", "--done-file", done,
+               "--", *torchrun]
+    return {"sglang": sglang, "trainer": trainer}
+
+
+def setup_lines(plan: Plan, python: str) -> str:
+    """Shell lines run in the batch script before the srun lines: the node split by slurm/lib.sh's
+    ``tepo_split_nodes`` (rollout 0: the servers on the actor hosts), ports, URLs, env, traps."""
+    spn = plan.servers_per_node
+    if plan.first_port == 0:  # one server node (checked): free ports of the batch host
+        ports = f'$(for ((i = 0; i < {spn}; i++)); do tepo_free_port; done | paste -sd, -)'
+    else:
+        ports = ",".join(str(plan.first_port + i) for i in range(spn))
+    return "\n".join([
+        f"# megatron_tepo: {plan.launch_file.name}, fit check passed at submission",
+        f"export TEPO_ROOT={shlex.quote(str(ROOT))} TEPO_PYTHON={shlex.quote(python)} FIT_DEVICE={plan.device}",
+        'source "$TEPO_ROOT/slurm/lib.sh"',
+        f'tepo_split_nodes {plan.actor_nodes} {plan.rollout_nodes} || {{ echo "node split failed" >&2; exit 1; }}',
+        'TEPO_ACTOR_NODELIST=$(IFS=,; printf %s "${TEPO_ACTOR_HOSTS[*]}")',
+        'TEPO_ROLLOUT_NODELIST=$(IFS=,; printf %s "${TEPO_ROLLOUT_HOSTS[*]}")',
+        'TEPO_RDZV_HOST=${TEPO_ACTOR_HOSTS[0]}',
+        f"TEPO_SGLANG_PORTS={ports}",
+        'TEPO_SGLANG_URLS=$(for h in "${TEPO_ROLLOUT_HOSTS[@]}"; do IFS=, read -r -a ps <<<"$TEPO_SGLANG_PORTS"; '
+        'for p in "${ps[@]}"; do printf "http://%s:%s\\n" "$h" "$p"; done; done | paste -sd, -)',
+        'export TEPO_ACTOR_NODELIST TEPO_ROLLOUT_NODELIST TEPO_RDZV_HOST TEPO_SGLANG_PORTS TEPO_SGLANG_URLS',
+        'echo "actor nodes: $TEPO_ACTOR_NODELIST; rollout nodes: $TEPO_ROLLOUT_NODELIST; SGLang: $TEPO_SGLANG_URLS"',
+        "tepo_nccl_env",
+        "trap 'TEPO_STEP_PIDS=(\"${pids[@]}\"); tepo_on_preempt' USR1 TERM",
+    ])
+
+
+def srun_args(plan: Plan, role: str) -> List[str]:
+    nodes = plan.actor_nodes if role == "trainer" else plan.server_nodes
+    var = "TEPO_ACTOR_NODELIST" if role == "trainer" else "TEPO_ROLLOUT_NODELIST"
+    args = [f"--nodes={nodes}", "--ntasks-per-node=1", f'--nodelist="${var}"']
+    # slurm/lib.sh's tepo_srun_args: GPUs per node on cuda; on cpu the steps share the CPUs
+    args.append(f"--gpus-per-node={plan.procs_per_node}" if plan.device == "cuda" else "--overlap")
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# nemo-run
+# --------------------------------------------------------------------------------------------
+def build_experiment(plan: Plan, args, extra: Sequence[str]):
+    """Create the experiment and write the run config; returns (exp, run_dir, sbatch path, add):
+    ``add()`` adds the job (inside ``with exp:``, as nemo-run requires)."""
+    import nemo_run as run
+    from megatron_tepo.launch.fit import write_run_config
+
+    name = args.job_name or f"{plan.name}_tepo"
+    exp = run.Experiment(name, executor=None, log_level=args.log_level)
+    run_dir = plan.output_dir / "launch" / "nemo-run" / exp._id
+    write_run_config(plan.spec, run_dir / "run.yaml")
+    (run_dir / "fit.log").write_text(plan.report + "\n", encoding="utf-8")
+    python = args.python or default_python()
+    slurm = args.executor == "slurm"
+    ports = [] if slurm else ([free_port() for _ in range(plan.servers_per_node)] if plan.first_port == 0
+                              else [plan.first_port + i for i in range(plan.servers_per_node)])
+    cmds = step_commands(plan, run_dir, python, slurm=slurm, rdzv_port=args.rdzv_port if slurm else free_port(),
+                         health_timeout=args.health_timeout, ports=ports, extra=extra)
+    if slurm:  # nemo-run rewrites "/nemo_run" in a non-container sbatch script into the job folder
+        bad = [w for role in cmds for w in cmds[role] if "/nemo_run" in w]
+        if bad:
+            raise SystemExit(f"launch_nemo_run: a path contains '/nemo_run', which nemo-run rewrites in the "
+                             f"sbatch script: {bad[0]} (move the checkout or train.output_dir)")
+    quote = sh if slurm else list  # nemo-run joins a Slurm command with spaces; local runs argv as is
+    tasks = [run.Script(entrypoint=cmds[role][0], path=cmds[role][1], args=quote(cmds[role][2:]))
+             for role in ("sglang", "trainer")]
+    if slurm:
+        common = dict(
+            account=args.account, partition=args.partition, time=args.time, qos=args.qos,
+            nodes=plan.total_nodes, ntasks_per_node=1,
+            gpus_per_node=plan.procs_per_node if plan.device == "cuda" else None,
+            exclusive=True if plan.device == "cuda" else None, signal="B:USR1@120",
+            job_name_prefix=f"{name}.", tunnel=run.LocalTunnel(job_dir=""), packager=run.Packager(),
+            setup_lines=setup_lines(plan, python), wait_time_for_group_job=0,
+            monitor_group_job_wait_time=args.monitor_interval,
+            additional_parameters={"requeue": True}, retries=args.retries)
+        executors = [run.SlurmExecutor(**common, srun_args=srun_args(plan, role)) for role in ("sglang", "trainer")]
+    else:
+        env = {"TEPO_ROOT": str(ROOT), "TEPO_RDZV_HOST": "127.0.0.1",
+               "TEPO_SGLANG_URLS": ",".join(f"http://127.0.0.1:{p}" for p in ports)}
+        if plan.device == "cpu":  # slurm/lib.sh's tepo_nccl_env on CPU
+            env.update(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                       MKL_NUM_THREADS=os.environ.get("MKL_NUM_THREADS", "1"), CUDA_VISIBLE_DEVICES="")
+        executors = [run.LocalExecutor(env_vars=dict(env)) for _ in ("sglang", "trainer")]
+    sbatch = Path(exp._exp_dir) / f"{name}_sbatch.sh"
+    return exp, run_dir, sbatch, lambda: exp.add(tasks, executor=executors, name=name)
+
+
+# --------------------------------------------------------------------------------------------
+# The two steps (run on the nodes; no torch / nemo-run imports)
+# --------------------------------------------------------------------------------------------
+def _log(msg: str) -> None:
+    print(f"[tepo {time.strftime('%H:%M:%S')} {socket.gethostname()}] {msg}", file=sys.stderr, flush=True)
+
+
+def _write_done(path: str, rc: int) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + f".{os.getpid()}.tmp")
+    tmp.write_text(f"{rc}\n")
+    tmp.replace(p)
+
+
+def _stop(procs: Sequence[subprocess.Popen], grace: float = 20.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def step_sglang(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="launch_nemo_run.py step-sglang")
+    ap.add_argument("--ports", required=True, help="comma-separated: one server per port")
+    ap.add_argument("--gpus-per-server", type=int, required=True)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--done-file", required=True)
+    ap.add_argument("--log-dir", required=True)
+    ap.add_argument("--poll", type=float, default=2.0)
+    ap.add_argument("cmd", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    host = socket.gethostname()
+    log_dir = Path(a.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    os.chdir(ROOT)
+    procs, logs = [], []
+    stop = {"sig": None}
+
+    def on_signal(signum, _frame):
+        stop["sig"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for i, port in enumerate(int(p) for p in a.ports.split(",") if p):
+        env = dict(os.environ)
+        if a.device == "cuda":
+            first = i * a.gpus_per_server
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(first, first + a.gpus_per_server))
+        argv_i = [w.replace("{port}", str(port)) for w in cmd]
+        log = log_dir / f"sglang.{host}.{i}.log"
+        logs.append(log)
+        _log(f"server {i}: port {port}{' GPUs ' + env['CUDA_VISIBLE_DEVICES'] if a.device == 'cuda' else ''}: "
+             f"{shlex.join(argv_i)} > {log}")
+        with open(log, "ab") as f:
+            procs.append(subprocess.Popen(argv_i, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+    rc = 0
+    while True:
+        if stop["sig"] is not None:
+            _log(f"signal {stop['sig']}: stopping the servers")
+            rc = 128 + int(stop["sig"])
+            break
+        if Path(a.done_file).exists():
+            text = Path(a.done_file).read_text().strip()
+            rc = int(text) if text.lstrip("-").isdigit() else 1
+            _log(f"the trainer finished with status {rc}: stopping the servers")
+            break
+        dead = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() is not None]
+        if dead:
+            for i, code in dead:
+                tail = logs[i].read_text(errors="replace")[-2000:] if logs[i].exists() else ""
+                _log(f"server {i} exited with status {code}; log tail:\n{tail}")
+            rc = 1
+            break
+        time.sleep(a.poll)
+    _stop(procs)
+    return rc
+
+
+def wait_healthy(urls: Sequence[str], timeout: float, poll: float = 5.0) -> List[str]:
+    """Wait until every URL answers ``GET /health`` with 200; returns those that never did.
+    ``TEPO_SGLANG_API_KEY`` (the servers' key, slurm/lib.sh's variable) is sent when set."""
+    key = os.environ.get("TEPO_SGLANG_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    pending = list(urls)
+    deadline = time.monotonic() + timeout
+    while pending:
+        still = []
+        for url in pending:
+            try:
+                req = urllib.request.Request(url.rstrip("/") + "/health", headers=headers)
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    if r.status != 200:
+                        still.append(url)
+            except Exception:  # noqa: BLE001 - not up yet
+                still.append(url)
+        pending = still
+        if not pending or time.monotonic() > deadline:
+            break
+        time.sleep(poll)
+    return pending
+
+
+def step_trainer(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="launch_nemo_run.py step-trainer")
+    ap.add_argument("--health-timeout", type=float, default=1800.0)
+    ap.add_argument("--done-file", required=True)
+    ap.add_argument("--urls", default=None, help="comma-separated (default: $TEPO_SGLANG_URLS)")
+    ap.add_argument("cmd", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    node0 = os.environ.get("SLURM_NODEID", "0") == "0"
+    os.chdir(ROOT)
+    urls = [u for u in (a.urls or os.environ.get("TEPO_SGLANG_URLS", "")).split(",") if u]
+    _log(f"waiting for {len(urls)} SGLang server(s): {','.join(urls)}")
+    missing = wait_healthy(urls, a.health_timeout)
+    if missing:
+        _log(f"SGLang not healthy after {a.health_timeout:g}s: {','.join(missing)}")
+        rc = 1
+    else:
+        _log("all SGLang servers healthy; " + shlex.join(cmd))
+        proc = subprocess.Popen(cmd)
+        forward = lambda signum, _frame: proc.send_signal(signum)  # noqa: E731
+        signal.signal(signal.SIGTERM, forward)
+        signal.signal(signal.SIGINT, forward)
+        rc = proc.wait()
+        _log(f"trainer exited with status {rc}")
+    if node0:
+        _write_done(a.done_file, rc)
+    return rc
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--launch", required=True, help="launch file, e.g. examples/models/qwen3_14b.yaml")
+    ap.add_argument("--executor", choices=("slurm", "local"), default="slurm")
+    ap.add_argument("--account", default=None, help="Slurm account (required for --executor slurm)")
+    ap.add_argument("--partition", default=None)
+    ap.add_argument("--qos", default=None)
+    ap.add_argument("--time", default="48:00:00")
+    ap.add_argument("--job-name", default=None, help="default: <launch file stem>_tepo")
+    ap.add_argument("--dryrun", action="store_true", help="render (sbatch script) and stop")
+    ap.add_argument("--detach", action="store_true", help="submit and return without waiting")
+    ap.add_argument("--nemorun-home", default=None, help="nemo-run's home (default: $NEMORUN_HOME)")
+    ap.add_argument("--python", default=None, help="python on the nodes (default: $TEPO_PYTHON or .venv)")
+    ap.add_argument("--health-timeout", type=float, default=1800.0, help="seconds to wait for SGLang")
+    ap.add_argument("--rdzv-port", type=int, default=29500)
+    ap.add_argument("--monitor-interval", type=int, default=30,
+                    help="seconds between nemo-run's checks of the job steps")
+    ap.add_argument("--retries", type=int, default=0, help="requeues of a failed job (nemo-run retries)")
+    ap.add_argument("--log-level", default="WARN")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides: launch.actor_nodes=4 train.steps=10 ...")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["step-sglang"]:
+        return step_sglang(argv[1:])
+    if argv[:1] == ["step-trainer"]:
+        return step_trainer(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.executor == "slurm" and not args.account:
+        print("launch_nemo_run: --account is required with --executor slurm", file=sys.stderr)
+        return 2
+    from megatron_tepo.config import ConfigError
+    from megatron_tepo.launch.fit import FitError
+
+    try:
+        plan = make_plan(args.launch, env_overrides() + list(args.overrides))
+    except (ConfigError, FitError, NotImplementedError, ValueError) as exc:
+        print(f"fit check FAILED (nothing rendered or submitted): {exc}", file=sys.stderr)
+        return EXIT_FIT
+    if args.executor == "local" and (plan.actor_nodes != 1 or plan.rollout_nodes > 1):
+        print(f"launch_nemo_run: --executor local runs on this machine: needs launch.actor_nodes=1 and "
+              f"launch.rollout_nodes 0 or 1, not {plan.actor_nodes} and {plan.rollout_nodes}", file=sys.stderr)
+        return EXIT_FIT
+    print(plan.report, file=sys.stderr)
+    if args.nemorun_home:
+        os.environ["NEMORUN_HOME"] = str(Path(args.nemorun_home).resolve())
+    exp, run_dir, sbatch, add = build_experiment(plan, args, extra=())
+    print(f"run config: {run_dir / 'run.yaml'}")
+    with exp:
+        add()
+        if args.dryrun:
+            exp.dryrun(delete_exp_dir=False)
+            if args.executor == "slurm":
+                print(f"sbatch script: {sbatch}")
+            return 0
+        exp.run(detach=args.detach, tail_logs=False)
+        if args.detach:
+            print(f"submitted: experiment {exp._id} in {exp._exp_dir}")
+            return 0
+        states = job_states(exp)
+    print(f"experiment {exp._id}: {states}")
+    return 0 if states and all(s == "SUCCEEDED" for s in states.values()) else 1
+
+
+def job_states(exp) -> Dict[str, str]:
+    out = {}
+    for job in exp.jobs:
+        states = getattr(job, "states", None) or [getattr(job, "state", None)]
+        out[job.id] = ",".join(str(getattr(s, "name", s)) for s in states)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
