@@ -77,6 +77,18 @@ class RolloutConfig:
     max_new_tokens: int = 8192
     dynamic_sampling: bool = True  # DAPO: drop groups whose rewards are all equal, resample
     max_sampling_rounds: int = 4  # bound on over-sampling rounds per step
+    # Which engine generates. embedded: in-process HF model on global rank 0 (one machine).
+    # sglang: a fleet of SGLang servers, attached by URL (env TEPO_SGLANG_URLS, comma-separated,
+    # wins over sglang_urls; the Slurm launchers set it); weights pushed after every update.
+    engine: Literal["embedded", "sglang"] = "embedded"
+    sglang_urls: List[str] = field(default_factory=list)
+    request_timeout_s: float = 600.0  # one SGLang request
+    sync_mode: Literal["distributed", "tensor", "disk"] = "distributed"  # see rollout/weight_sync.py
+    sync_bucket_mb: int = 256  # weight-sync bucket: the sender's extra memory
+    sync_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the servers' dtype (bytes on the wire)
+    sync_dir: Optional[str] = None  # disk mode: a directory the servers see (shared file system)
+    drift_warn_mean: float = 0.05  # warn when engine vs actor log-probs differ more (mean |d|)
+    drift_warn_max: float = 1.0  # ... or at most (max |d|)
 
 
 @dataclass
@@ -142,8 +154,11 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    """math-verify on the last \\boxed{} of each response, in a process pool."""
+    """How responses are scored. math_verify: the last \\boxed{} of each response against the
+    answer with math-verify, in a process pool; exact_match: the decoded response, stripped, equals
+    the answer (toy tasks such as tools/make_tiny_model.py's)."""
 
+    kind: Literal["math_verify", "exact_match"] = "math_verify"
     workers: int = 2
     timeout_s: float = 5.0  # per answer; a time-out is reward 0 and is counted
 
@@ -443,3 +458,6 @@ def validate(cfg: RunConfig) -> None:
                           f"rollout.prompts_per_step ({r.prompts_per_step})")
     _positive(cfg.parallel, "parallel", ["tp", "pp", "ep"])
     _positive(cfg.reward, "reward", ["workers", "timeout_s"])
+    _positive(r, "rollout", ["request_timeout_s", "sync_bucket_mb", "drift_warn_mean", "drift_warn_max"])
+    if r.sync_mode == "disk" and r.engine == "sglang" and not r.sync_dir:
+        raise ConfigError("rollout.sync_dir: sync_mode 'disk' needs a directory the SGLang servers can read")

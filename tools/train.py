@@ -7,6 +7,7 @@
 See megatron_tepo/trainer/main.py for what it wires together and what it leaves out.
 """
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,9 @@ def cli(argv=None):
     args = ap.parse_args(argv)
     from megatron_tepo.trainer.main import main
 
-    print(main(args.config, args.overrides))
+    summary = main(args.config, args.overrides)
+    if os.environ.get("RANK", "0") == "0":
+        print(summary)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,8 @@ learns, sized for 2 CPU cores in a few minutes, not a benchmark.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -34,81 +32,11 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-PAD, EOS = 0, 1
-CHARS = "0123456789+="
-VOCAB = 16  # PAD, EOS, 12 characters, 2 spare (divisible by TP=2 and 4)
-
-
-def encode(text):
-    return [2 + CHARS.index(c) for c in text]
-
-
-def decode(ids):
-    out = []
-    for t in ids:
-        if t == EOS:
-            break
-        if 2 <= t < 2 + len(CHARS):
-            out.append(CHARS[t - 2])
-    return "".join(out)
-
-
-def problems(n, seed):
-    rng = random.Random(seed)
-    items = []
-    for _ in range(n):
-        a, b = rng.randrange(10, 100), rng.randrange(10, 100)
-        items.append((encode(f"{a}+{b}="), str(a + b)))
-    return items
-
-
-def reward_fn(responses, answers):
-    return [1.0 if decode(r) == a else 0.0 for r, a in zip(responses, answers)]
-
-
-def tiny_qwen3_config():
-    from transformers import Qwen3Config
-
-    return Qwen3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-                       tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
-
-
-def warm_up(cache_dir: Path, steps=300, batch=64, lr=3e-3, seed=0) -> Path:
-    """Supervised warm-up on addition (cached by its settings)."""
-    key = hashlib.sha1(json.dumps([steps, batch, lr, seed, VOCAB, CHARS, "v1"]).encode()).hexdigest()[:10]
-    out = cache_dir / f"sft-{key}"
-    if (out / "config.json").exists():
-        return out
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_qwen3_config())
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    rng = random.Random(seed)
-    t = time.time()
-    for step in range(steps):
-        rows = []
-        for _ in range(batch):
-            a, b = rng.randrange(10, 100), rng.randrange(10, 100)
-            rows.append(encode(f"{a}+{b}=") + encode(str(a + b)) + [EOS])
-        width = max(map(len, rows))
-        ids = torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
-        labels = ids.clone()
-        labels[:, :6] = -100  # learn the answer only
-        labels[ids == PAD] = -100
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    print(f"[warm-up] {steps} supervised steps in {time.time() - t:.0f}s, final loss {loss.item():.3f}")
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tmp.replace(out)
-    return out
+from addition import EOS, PAD, problems, reward_fn, warm_up  # noqa: E402
 
 
 def main(argv=None):

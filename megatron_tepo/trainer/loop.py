@@ -9,14 +9,21 @@ Checkpoints hold the actor (model, optimizer, LR schedule, RNG: ``MegatronActor.
 plus the loop's own state (step, prompt order and RNG, the engine's sampling RNG), written
 atomically; a resumed run continues exactly (tested with a SIGKILL).
 
-Left out for now (tracked on the trainer issue): the SGLang fleet as engine (the loop takes any :class:`~megatron_tepo.rollout.engine.RolloutEngine`), a
-reference policy for ``kl_target: ref``, and data-parallel splitting of the rollout batch.
+Several processes (torchrun: TP / PP / DP actor): global rank 0 is the *driver* (:class:`Driver`):
+it alone holds the rollout engine, generates, scores, evaluates and logs, and broadcasts each
+step's groups to the other ranks; every rank runs the actor's collectives (old log-probs, updates,
+the weight export, checkpoints). Data-parallel ranks each train on their share of every
+mini-batch (rows ``i % dp == dp_rank``); the loss normaliser is global (the actor's).
+
+Left out: a reference policy for ``kl_target: ref``; overlapping generation with training
+(generation and training alternate, as in the paper).
 """
 from __future__ import annotations
 
 import math
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
@@ -29,6 +36,11 @@ from megatron_tepo.algorithms import compute_group_advantages, filter_groups
 from megatron_tepo.algorithms.advantages import broadcast_to_tokens, gpg_correction
 from megatron_tepo.config import AlgorithmConfig, RunConfig
 from megatron_tepo.rollout.weight_sync import DriftCheck
+
+try:
+    import torch.distributed as dist
+except ImportError:  # pragma: no cover
+    dist = None
 
 RewardFn = Callable[[List[List[int]], List[str]], List[float]]
 
@@ -43,6 +55,96 @@ class Task:
     pad_token_id: int = 0
     eval_prompts: Optional[List[List[int]]] = None
     eval_answers: Optional[List[str]] = None
+
+
+class Driver:
+    """Global rank 0 drives the loop: it alone generates, scores, evaluates and logs; what it
+    computes reaches the other ranks as pickled objects over a gloo group of its own (the actor's
+    collectives keep theirs). In a one-process run everything is local."""
+
+    def __init__(self):
+        on = dist is not None and dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size() if on else 1
+        self.rank = dist.get_rank() if on else 0
+        self._group = dist.new_group(backend="gloo") if self.world > 1 else None
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def run(self, fn: Callable[[], object]):
+        """``fn()`` on the driver, its result on every rank. An exception on the driver is raised
+        there and, as a RuntimeError naming it, on every other rank (no rank is left waiting)."""
+        if self.world == 1:
+            return fn()
+        box, error = [None], None
+        if self.is_driver:
+            try:
+                box[0] = ("ok", fn())
+            except BaseException as exc:  # noqa: BLE001 -- re-raised below on every rank
+                error, box[0] = exc, ("error", f"{type(exc).__name__}: {exc}")
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        status, value = box[0]
+        if status == "error":
+            if error is not None:
+                raise error
+            raise RuntimeError(f"the driver (global rank 0) failed: {value}")
+        return value
+
+
+    def combine_drift(self, local: Dict[str, float], check: DriftCheck, dp_size: int) -> Dict[str, float]:
+        """Drift metrics over the rows of every data-parallel rank (token-weighted mean, max);
+        the driver warns over ``check``'s thresholds."""
+        p = check.prefix
+        t = torch.tensor([local[f"{p}_mean"] * local[f"{p}_tokens"], float(local[f"{p}_tokens"]), local[f"{p}_max"]],
+                         dtype=torch.float64)
+        dist.all_reduce(t[:2], group=self._group)
+        mx = t[2:].clone()
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=self._group)
+        mean = float(t[0] / t[1]) if t[1] > 0 else 0.0
+        tokens = int(t[1]) * dp_size // self.world  # each DP share is held by world / dp ranks (TP, PP)
+        if self.is_driver and (mean > check.mean_threshold or float(mx) > check.max_threshold):
+            warnings.warn(f"log-prob drift between rollout engine and actor: mean {mean:.4g} (threshold "
+                          f"{check.mean_threshold}), max {float(mx):.4g} (threshold {check.max_threshold}) "
+                          f"over {tokens} tokens", RuntimeWarning, stacklevel=2)
+        return {f"{p}_mean": mean, f"{p}_max": float(mx), f"{p}_tokens": tokens}
+
+
+class FollowerEngine:
+    """What a rank other than the driver holds in place of the rollout engine: it takes part in
+    the weight sync (the export is collective; with a fleet, ``weight_sync`` is a
+    :class:`~megatron_tepo.rollout.weight_sync.WeightSync` with ``is_sender=False``, so its export
+    calls match the sender's) and refuses to generate."""
+
+    def __init__(self, weight_sync=None):
+        self.weight_sync = weight_sync
+
+    def update_weights(self, named_tensors) -> None:
+        if self.weight_sync is not None:
+            self.weight_sync.push(named_tensors, flush_cache=False)
+        else:
+            for _ in named_tensors:
+                pass
+
+    def flush_cache(self) -> None:
+        pass
+
+    def generate(self, *args, **kwargs):
+        raise RuntimeError("only the driver (global rank 0) generates; this rank follows")
+
+    def close(self) -> None:
+        if self.weight_sync is not None and hasattr(self.weight_sync, "close"):
+            self.weight_sync.close()
+
+
+def data_parallel_coords(actor) -> tuple:
+    """(dp_rank, dp_size) of this process in the actor's layout."""
+    size = int(getattr(actor, "dp_size", 1) or 1)
+    if size == 1:
+        return 0, 1
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank(), size
 
 
 def loss_settings(alg: AlgorithmConfig, temperature: float) -> Dict:
@@ -105,9 +207,16 @@ def build_batch(prompts: List[List[int]], groups, advantages: torch.Tensor, pad_
 
 
 def sync_weights(actor, engine) -> float:
-    """Push the actor's weights (HF names, full tensors) into the engine; returns seconds."""
+    """Push the actor's weights (HF names, full tensors) into the engine; returns seconds.
+    Collective: the export gathers over the actor's groups, so ranks without an engine (not the
+    driver) drain it."""
     t = time.time()
-    engine.update_weights(actor.export_hf_state())
+    named = actor.export_hf_state()
+    if engine is None:
+        for _ in named:
+            pass
+        return time.time() - t
+    engine.update_weights(named)
     engine.flush_cache()
     return time.time() - t
 
@@ -149,7 +258,7 @@ def _restore_loop_state(state: Dict, rng: random.Random, order: List[int], engin
     version, internal, gauss = state["rng"]
     rng.setstate((version, tuple(internal), gauss))
     order[:] = state["order"]
-    if state.get("engine_rng") is not None:
+    if state.get("engine_rng") is not None and getattr(engine, "generator", None) is not None:
         engine.generator.set_state(torch.tensor(state["engine_rng"], dtype=torch.uint8))
     return int(state["step"])
 
@@ -162,14 +271,27 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
     ``train.eval_every`` steps (0: never) and its results join that step's metrics. With
     ``checkpoint_root``, a checkpoint is written every ``train.save_every`` steps, and with
     ``train.resume`` the run continues from the newest complete one there (partial ones are
-    ignored); ``extra_state`` (JSON) is saved with it and read back into the same dict."""
+    ignored); ``extra_state`` (JSON) is saved with it and read back into the same dict.
+
+    With several processes, call it on every rank: ``engine``, ``logger``, ``on_step`` and
+    ``eval_fn`` are used on the driver (global rank 0) only and may be None elsewhere; the returned
+    metrics are the same on every rank."""
     rng = random.Random(cfg.train.seed)
     order = list(range(len(task.train_prompts)))
     loss_cfg = loss_settings(cfg.algorithm, cfg.rollout.temperature)
     n = cfg.rollout.n_samples
     history = []
     extra = extra_state if extra_state is not None else {}
-    drift_check = DriftCheck(prefix="drift")
+    drift_check = DriftCheck(mean_threshold=cfg.rollout.drift_warn_mean, max_threshold=cfg.rollout.drift_warn_max,
+                             prefix="drift")
+    driver = Driver()
+    dp_rank, dp_size = data_parallel_coords(actor)
+    rows_per_mb = cfg.train.mini_batch_prompts * n
+    if rows_per_mb % dp_size:
+        raise ValueError(f"train.mini_batch_prompts x rollout.n_samples = {rows_per_mb} rows per update must be "
+                         f"divisible by the data-parallel size {dp_size}")
+    if not driver.is_driver:
+        logger = on_step = eval_fn = None
     start = 1
     latest = find_latest_checkpoint(checkpoint_root) if checkpoint_root and cfg.train.resume else None
     if latest is not None:
@@ -183,7 +305,8 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         t0 = time.time()
         rng.shuffle(order)
         # 1. generate -> reward -> dynamic sampling
-        prompts, groups, rewards, gen = generate_groups(engine, task, order[:cfg.rollout.prompts_per_step], cfg, rng)
+        prompts, groups, rewards, gen = driver.run(
+            lambda: generate_groups(engine, task, order[:cfg.rollout.prompts_per_step], cfg, rng))
         if not prompts:  # every group had equal rewards for max_sampling_rounds rounds
             metrics = {"skipped_step": 1.0, **gen}
             if logger is not None:
@@ -196,15 +319,23 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         if cfg.advantage.gpg_correction:
             adv = adv * gpg_correction(reward, n)
         batch = build_batch(prompts, groups, adv, task.pad_token_id)
+        response_length_mean = float(batch.response_mask.sum(1).mean())
+        if dp_size > 1:  # this rank's share of every mini-batch (rows_per_mb is a multiple of dp_size)
+            local = list(range(dp_rank, batch.batch_size, dp_size))
+            flat = [s for g in groups for s in g]
+            batch, groups = batch.select(local), [[flat[i]] for i in local]
         # 3. old log-probs and entropy from the actor (the rollout policy, recomputed)
         batch.old_log_probs, batch.old_entropy = actor.compute_log_probs(batch, cfg.rollout.temperature)
-        drift = _drift(batch, groups, drift_check)
+        if dp_size == 1:  # every rank holds every row
+            drift = _drift(batch, groups, drift_check if driver.is_driver else None)
+        else:
+            drift = driver.combine_drift(_drift(batch, groups, None), drift_check, dp_size)
         # 4. policy updates over mini-batches of prompts
-        rows_per_mb = cfg.train.mini_batch_prompts * n
+        local_rows_per_mb = rows_per_mb // dp_size
         updates = []
         for _ in range(cfg.train.epochs_per_step):
-            for start in range(0, batch.batch_size, rows_per_mb):
-                mb = batch.select(range(start, min(start + rows_per_mb, batch.batch_size)))
+            for first in range(0, batch.batch_size, local_rows_per_mb):
+                mb = batch.select(range(first, min(first + local_rows_per_mb, batch.batch_size)))
                 updates.append(policy_update(actor, mb, loss_cfg))
         # 5. weight sync to the rollout engine
         sync_s = sync_weights(actor, engine)
@@ -212,25 +343,27 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         metrics = {k: sum(u[k] for u in done) / len(done) for k in done[0] if isinstance(done[0][k], float)}
         metrics["skipped_update"] = float(sum(u["skipped_update"] for u in updates))
         metrics.update(gen, reward_mean=float(reward.mean()), sync_s=sync_s, step_s=time.time() - t0,
-                       response_length_mean=float(batch.response_mask.sum(1).mean()), **drift)
-        if eval_fn is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0:
-            metrics.update(eval_fn())
+                       response_length_mean=response_length_mean, **drift)
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+            metrics.update(driver.run(eval_fn or dict))
         if on_step is not None:
             on_step(step, metrics)
         if logger is not None:
             logger.log(step, metrics)
         if checkpoint_root and cfg.train.save_every and step % cfg.train.save_every == 0:
             actor.save_checkpoint(Path(checkpoint_root) / f"step_{step}", _loop_state(step, rng, order, engine, extra))
-            if cfg.train.keep_checkpoints:
+            if cfg.train.keep_checkpoints and driver.is_driver:
                 prune_checkpoints(checkpoint_root, cfg.train.keep_checkpoints)
         history.append(metrics)
     return history
 
 
-def _drift(batch: RolloutBatch, groups, check: DriftCheck) -> Dict[str, float]:
+def _drift(batch: RolloutBatch, groups, check: Optional[DriftCheck]) -> Dict[str, float]:
     """Engine vs actor log-probs of the same sampled tokens (mean / max |difference|; warns over
-    the check's thresholds)."""
+    the check's thresholds; ``check`` None: no warning, the raw numbers under the ``drift`` prefix).
+    ``groups``: lists of samples, one sample per row of ``batch``."""
     engine_lp = torch.zeros_like(batch.response_mask)
     for i, s in enumerate(s for g in groups for s in g):
         engine_lp[i, :len(s.log_probs)] = torch.tensor(s.log_probs)
-    return check(engine_lp, batch.old_log_probs, batch.response_mask)
+    return (check or DriftCheck(mean_threshold=math.inf, max_threshold=math.inf, prefix="drift"))(
+        engine_lp, batch.old_log_probs, batch.response_mask)

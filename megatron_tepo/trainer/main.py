@@ -1,26 +1,38 @@
 """Train on real prompt files: the run config's model, data and reward wired into the RL loop.
 
-``python tools/train.py --config METHOD.yaml --config MODEL.yaml [override ...]`` loads the HF
-checkpoint at ``model.path`` (weights + tokenizer) into the Megatron actor and the embedded rollout
-engine, reads ``data.train_files`` / ``data.eval_files`` through the tokenizer's chat template
+``python tools/train.py --config METHOD.yaml --config MODEL.yaml [override ...]`` (one process) or
+``torchrun --nproc-per-node N tools/train.py ...`` (a TP / PP / DP actor) loads the HF checkpoint at
+``model.path`` (weights + tokenizer) into the Megatron actor and the rollout engine
+(``rollout.engine``: ``embedded``, an in-process HF model, or ``sglang``, a fleet of SGLang servers
+attached by URL from ``TEPO_SGLANG_URLS`` / ``rollout.sglang_urls``, kept in sync after every update by
+``rollout.sync_mode``). Global rank 0 drives (generates, scores, evaluates, logs; see
+:class:`~megatron_tepo.trainer.loop.Driver`); every rank runs the actor. It reads ``data.train_files`` / ``data.eval_files`` through the tokenizer's chat template
 (over-long prompts dropped and counted; malformed rows an error naming file and line, or skipped
-and counted with ``data.on_bad_row: skip``), scores responses with math-verify in a process pool
-(``reward``), and runs :func:`megatron_tepo.trainer.loop.train` with checkpoints and resume under
+and counted with ``data.on_bad_row: skip``), scores responses (``reward.kind``: math-verify in a
+process pool, or exact match), and runs :func:`megatron_tepo.trainer.loop.train` with checkpoints and resume under
 ``train.output_dir``.
 
-Left out (next steps on the launcher issue): more than one process (a TP/PP actor needs the
-rollouts generated once and broadcast, and the SGLang fleet as engine), and a reference policy.
+Left out: a reference policy (``algorithm.kl_target: ref``) and launching SGLang servers from here
+(the Slurm launchers and tests start them; this attaches).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 from pathlib import Path
 from typing import List, Optional
+from urllib.parse import urlparse
 
 import torch
 
 from megatron_tepo.config import RunConfig, dump_config, load_config
+
+
+def exact_match_rewards(texts: List[str], answers: List[str]) -> List[float]:
+    """1 where the response text, stripped, equals the answer (``reward.kind: exact_match``)."""
+    return [1.0 if t.strip() == str(a).strip() else 0.0 for t, a in zip(texts, answers)]
 
 
 def build_task(cfg: RunConfig, tokenizer, pool):
@@ -39,7 +51,12 @@ def build_task(cfg: RunConfig, tokenizer, pool):
     counters = {"reward_timeouts": 0, "reward_errors": 0, "reward_no_answer": 0}
 
     def reward_fn(responses: List[List[int]], answers: List[str]) -> List[float]:
-        res = pool.score([tokenizer.decode(r, skip_special_tokens=True) for r in responses], answers)
+        texts = [tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+        if cfg.reward.kind == "exact_match":
+            return exact_match_rewards(texts, answers)
+        if pool is None:
+            raise RuntimeError("reward: math-verify scoring runs on the driver (global rank 0) only")
+        res = pool.score(texts, answers)
         counters["reward_timeouts"] += res.num_timeouts
         counters["reward_errors"] += res.num_errors
         counters["reward_no_answer"] += res.num_no_answer
@@ -55,14 +72,69 @@ def build_task(cfg: RunConfig, tokenizer, pool):
     return task, counters, data_stats
 
 
-def build_actor_and_engine(cfg: RunConfig, model_dir: str, pad_token_id: int):
-    """The Megatron actor and the embedded rollout engine, both loaded from the HF checkpoint
-    ``model_dir`` with ``cfg``'s layout, optimizer and seed (one process; starts its gloo world)."""
-    from transformers import AutoModelForCausalLM
+def sglang_urls(cfg: RunConfig) -> List[str]:
+    """The SGLang servers to attach to: env ``TEPO_SGLANG_URLS`` (comma-separated; set by the Slurm
+    launchers) if set, else ``rollout.sglang_urls``."""
+    env = os.environ.get("TEPO_SGLANG_URLS", "").strip()
+    urls = [u.strip() for u in env.split(",") if u.strip()] if env else list(cfg.rollout.sglang_urls)
+    if not urls:
+        raise ValueError("rollout.engine is 'sglang' but no server is given: set TEPO_SGLANG_URLS "
+                         "(comma-separated URLs) or rollout.sglang_urls")
+    for u in urls:
+        if urlparse(u).scheme not in ("http", "https") or not urlparse(u).hostname:
+            raise ValueError(f"rollout.sglang_urls / TEPO_SGLANG_URLS: {u!r} is not an http(s) URL")
+    return urls
 
+
+def sync_master_address(urls: List[str]) -> str:
+    """The address the servers reach this (sender) process at for ``sync_mode: distributed``:
+    loopback when every server is local, else this host's address."""
+    if all(urlparse(u).hostname in ("127.0.0.1", "localhost") for u in urls):
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _weight_sync(cfg: RunConfig, fleet, urls: List[str], is_sender: bool):
+    from megatron_tepo.rollout.weight_sync import WeightSync
+
+    r = cfg.rollout
+    return WeightSync(fleet, mode=r.sync_mode, bucket_bytes=r.sync_bucket_mb << 20,
+                      wire_dtype=getattr(torch, r.sync_dtype), shared_dir=r.sync_dir,
+                      master_address=sync_master_address(urls), is_sender=is_sender)
+
+
+def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool = True):
+    """The rollout engine of ``rollout.engine`` on the driver; a
+    :class:`~megatron_tepo.trainer.loop.FollowerEngine` (weight-sync side only) on other ranks."""
+    from megatron_tepo.trainer.loop import FollowerEngine
+
+    if not driver:
+        return FollowerEngine(_weight_sync(cfg, None, sglang_urls(cfg), False)
+                              if cfg.rollout.engine == "sglang" else None)
+    if cfg.rollout.engine == "embedded":
+        from transformers import AutoModelForCausalLM
+
+        from megatron_tepo.rollout.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                              seed=cfg.train.seed, pad_token_id=pad_token_id)
+    from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet
+
+    r = cfg.rollout
+    urls = sglang_urls(cfg)
+    keys = [os.environ.get("TEPO_SGLANG_API_KEY") or None] * len(urls)
+    fleet = SGLangFleet(FleetConfig(urls=urls, api_keys=keys, request_timeout=r.request_timeout_s,
+                                    step_timeout=max(r.request_timeout_s, 600.0)))
+    fleet.weight_sync = _weight_sync(cfg, fleet, urls, True)
+    return fleet
+
+
+def build_actor_and_engine(cfg: RunConfig, model_dir: str, pad_token_id: int):
+    """The Megatron actor (every rank) and the rollout engine (the driver, global rank 0; a
+    follower that only takes part in the weight sync on the others), both loaded from the HF checkpoint ``model_dir`` with ``cfg``'s layout, optimizer
+    and seed. Outside torchrun it starts a one-process gloo world."""
     from megatron_tepo.actor import MegatronActor, ParallelLayout
     from megatron_tepo.actor.parallel import single_process_env
-    from megatron_tepo.rollout.embedded import EmbeddedEngine
 
     single_process_env()
     updates_per_step = cfg.train.epochs_per_step * (cfg.rollout.prompts_per_step // cfg.train.mini_batch_prompts)
@@ -70,16 +142,15 @@ def build_actor_and_engine(cfg: RunConfig, model_dir: str, pad_token_id: int):
                           layout=ParallelLayout(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep),
                           optim=cfg.optim, max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
                           seed=cfg.train.seed, total_steps=cfg.train.steps * updates_per_step)
-    engine = EmbeddedEngine(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                            seed=cfg.train.seed, pad_token_id=pad_token_id)
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    engine = build_engine(cfg, model_dir, pad_token_id, driver=rank == 0)
     return actor, engine
 
 
 def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict:
     cfg = load_config(config_files, overrides)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise NotImplementedError("tools/train.py runs in one process for now (WORLD_SIZE > 1 needs rollouts "
-                                  "broadcast across ranks; see the module docstring)")
     if not cfg.model.path:
         raise ValueError("model.path: the Hugging Face checkpoint to train is not set")
     from transformers import AutoTokenizer
@@ -88,14 +159,26 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
     from megatron_tepo.rewards import MathRewardPool
     from megatron_tepo.trainer.loop import evaluate, train
 
+    from megatron_tepo.actor.checkpointing import find_latest_checkpoint
+
+    driver = int(os.environ.get("RANK", "0")) == 0
+    if cfg.rollout.engine == "sglang" and driver:
+        sglang_urls(cfg)  # fail before the actor is built
     out = Path(cfg.train.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    dump_config(cfg, out / "config.yaml")
+    ckpt_root = out / "checkpoints"
+    if driver:
+        out.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, out / "config.yaml")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     torch.manual_seed(cfg.train.seed)
-    with MathRewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+    scoring = driver and cfg.reward.kind == "math_verify"
+    with (MathRewardPool(cfg.reward.workers, cfg.reward.timeout_s) if scoring else contextlib.nullcontext()) as pool:
         task, counters, data_stats = build_task(cfg, tokenizer, pool)
         actor, engine = build_actor_and_engine(cfg, cfg.model.path, task.pad_token_id)
+        latest = find_latest_checkpoint(ckpt_root) if cfg.train.resume else None
+        if driver:
+            print(f"[train] world {int(os.environ.get('WORLD_SIZE', '1'))}, engine {cfg.rollout.engine}, "
+                  + (f"resumed from {latest}" if latest else "starting at step 1"), flush=True)
 
         def eval_fn():
             if not task.eval_prompts:
@@ -109,10 +192,22 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
             print(f"[step {step}/{cfg.train.steps}] reward {metrics['reward_mean']:.3f} "
                   f"loss {metrics.get('loss', float('nan')):.4f} grad_norm {metrics.get('grad_norm', 0):.3f}", flush=True)
 
-        logger = MetricsLogger(out / "metrics.jsonl")
-        history = train(cfg, actor, engine, task, logger=logger, on_step=on_step, eval_fn=eval_fn,
-                        checkpoint_root=out / "checkpoints")
-        logger.close()
-    summary = {**data_stats, **counters, "steps_run": len(history)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        logger = MetricsLogger(out / "metrics.jsonl") if driver else None
+        try:
+            history = train(cfg, actor, engine, task, logger=logger, on_step=on_step, eval_fn=eval_fn,
+                            checkpoint_root=ckpt_root)
+        finally:
+            if logger is not None:
+                logger.close()
+            if engine is not None:
+                engine.close()
+    summary = {**data_stats, **counters, "steps_run": len(history),
+               "resumed_from": str(latest) if latest else None}
+    if driver:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
     return summary
