@@ -26,9 +26,10 @@ What it does, in order (the same steps as slurm/lib.sh's ``tepo_main``, from the
      ``TEPO_ROLLOUT_NODELIST``, ``TEPO_RDZV_HOST`` (the first actor host), ``TEPO_SGLANG_PORTS``
      (``sglang.port + i`` for i < servers per node; port 0: free ports of the batch host, one
      server node only) and ``TEPO_SGLANG_URLS`` (``http://<rollout host>:<port>``), and apply
-     lib.sh's ``tepo_nccl_env`` and its preemption trap ``tepo_on_preempt`` (stop the steps,
-     ``scontrol requeue``; the script asks for ``--signal=B:USR1@120`` and ``--requeue``; the
-     trainer resumes from its newest checkpoint, ``train.resume: true``).
+     lib.sh's ``tepo_nccl_env`` and, on USR1 only, its ``tepo_on_preempt`` (stop the steps,
+     ``scontrol requeue``; the script asks for ``--signal=B:USR1@120`` before the time limit and
+     ``--requeue``, so a preempted job is requeued by Slurm; a TERM is ``scancel`` and ends the
+     job; the trainer resumes from its newest checkpoint, ``train.resume: true``).
    * ``sglang`` task: ``srun --nodes=R --ntasks-per-node=1 --nodelist=$TEPO_ROLLOUT_NODELIST``
      running ``tools/launch_nemo_run.py step-sglang`` on every rollout node: one server per port,
      each its own ``CUDA_VISIBLE_DEVICES`` slice of ``sglang.tp`` GPUs; the server command is
@@ -255,7 +256,9 @@ def setup_lines(plan: Plan, python: str) -> str:
         'export TEPO_ACTOR_NODELIST TEPO_ROLLOUT_NODELIST TEPO_RDZV_HOST TEPO_SGLANG_PORTS TEPO_SGLANG_URLS',
         'echo "actor nodes: $TEPO_ACTOR_NODELIST; rollout nodes: $TEPO_ROLLOUT_NODELIST; SGLang: $TEPO_SGLANG_URLS"',
         "tepo_nccl_env",
-        "trap 'TEPO_STEP_PIDS=(\"${pids[@]}\"); tepo_on_preempt' USR1 TERM",
+        # USR1 only (--signal=B:USR1@120, before the time limit): a TERM is scancel, not a requeue;
+        # preemption requeues through Slurm itself (--requeue)
+        "trap 'TEPO_STEP_PIDS=(\"${pids[@]}\"); tepo_on_preempt' USR1",
     ])
 
 
@@ -526,6 +529,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"sbatch script: {sbatch}")
             return 0
         exp.run(detach=args.detach, tail_logs=False)
+        if args.executor == "slurm":
+            for job in exp.jobs:
+                for handle in getattr(job, "handles", None) or [getattr(job, "handle", "")]:
+                    if handle:
+                        print(f"slurm job: {handle.rstrip('/').rsplit('/', 1)[-1]}", flush=True)
         if args.detach:
             print(f"submitted: experiment {exp._id} in {exp._exp_dir}")
             return 0
