@@ -436,6 +436,9 @@ class MegatronActor:
 
         return load_actor_checkpoint(self, directory, model_only=model_only)
 
-    def export_hf_state(self, what: str = "param"):
-        """This pipeline stage's parameters (or grads) as HF ``(name, full tensor)``; TP-collective."""
-        return export_hf_state(self.model, self.family_cfg, what=what, tp_group=self.tp_group)
+    def export_hf_state(self, what: str = "param", dtype=None):
+        """This pipeline stage's parameters (or grads) as HF ``(name, full tensor)``, every MoE
+        expert included for params; collective over TP (and EP). ``dtype`` casts before the
+        gather. A lazy :class:`~megatron_tepo.models.HFExport`: the weight sync reads it as
+        buckets gathered to its sender only (``flat_buckets``)."""
+        return export_hf_state(self.model, self.family_cfg, what=what, tp_group=self.tp_group, dtype=dtype)

@@ -390,3 +390,70 @@ def convert_megatron_to_hf(megatron_iter: Iterable[Tuple[str, torch.Tensor]], cf
         group = fused[suffix]
         for hf_suffix, part in zip(group.hf, _split(group, tensor, cfg)):
             yield prefix + hf_suffix, part
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout of the HF tensors inside a Megatron tensor (for the bucketed export)
+# ---------------------------------------------------------------------------------------------
+RowRanges = Tuple[Tuple[int, int], ...]
+
+
+def _runs(rows: torch.Tensor) -> RowRanges:
+    """Consecutive runs ``[(a, b), ...]`` of an index vector."""
+    rows = rows.reshape(-1).tolist()
+    out, start = [], rows[0]
+    for prev, cur in zip(rows, rows[1:]):
+        if cur != prev + 1:
+            out.append((start, prev + 1))
+            start = cur
+    out.append((start, rows[-1] + 1))
+    return tuple(out)
+
+
+_RANGES_CACHE: Dict[Tuple, Tuple[RowRanges, ...]] = {}
+
+
+def fused_row_ranges(group: FusedGroup, rows: int, cfg: GPTFamilyConfig) -> Tuple[RowRanges, ...]:
+    """For each HF tensor of a fused group, the rows of the full Megatron tensor it is made of, as
+    dim-0 ranges in order. Derived by running :func:`_split` -- the very function
+    :func:`convert_megatron_to_hf` uses -- on a row-index column, so the two cannot disagree."""
+    key = (group.kind, rows, cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim)
+    if key not in _RANGES_CACHE:
+        parts = _split(group, torch.arange(rows).reshape(rows, 1), cfg)
+        _RANGES_CACHE[key] = tuple(_runs(p) for p in parts)
+    return _RANGES_CACHE[key]
+
+
+class MegatronToHFLayout:
+    """Where the HF tensors of one Megatron tensor are, without touching data.
+
+    ``layout(name, full_shape)`` -> list of ``(hf name, row ranges)``, where ``row ranges`` is None
+    for a one-to-one rename (the HF tensor is the whole tensor, same shape) or the dim-0 ranges of
+    the full tensor that the HF tensor concatenates (fused QKV / gate-up); ``[]`` for a tensor the
+    HF model does not have (the tied ``output_layer.weight``). Same names and errors as
+    :func:`convert_megatron_to_hf`, and the tensors it implies are bit for bit the ones that
+    function yields (tests/megatron/test_export_layout.py).
+    """
+
+    def __init__(self, cfg: GPTFamilyConfig, mapping: LayerMapping):
+        self.cfg = cfg
+        self.top = {v: k for k, v in global_renames(cfg).items()}
+        self.renames = {v: k for k, v in mapping.renames.items()}
+        self.fused = {g.megatron: g for g in mapping.fused}
+
+    def __call__(self, name: str, shape) -> list:
+        cfg = self.cfg
+        if name in self.top:
+            return [(self.top[name], None)]
+        if cfg.tie_word_embeddings and name == "output_layer.weight":
+            return []
+        m = _MG_LAYER.match(name)
+        if m is None or (m.group(2) not in self.renames and m.group(2) not in self.fused):
+            raise ValueError(f"Megatron tensor {name!r} has no HF counterpart in the {cfg.family} "
+                             f"mapping (spec={cfg.spec})")
+        prefix, suffix = f"model.layers.{m.group(1)}.", m.group(2)
+        if suffix in self.renames:
+            return [(prefix + self.renames[suffix], None)]
+        group = self.fused[suffix]
+        ranges = fused_row_ranges(group, int(shape[0]), cfg)
+        return [(prefix + h, r) for h, r in zip(group.hf, ranges)]

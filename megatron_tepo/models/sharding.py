@@ -1,6 +1,6 @@
 """Generic TP/PP placement of full tensors onto Megatron parameters, and back.
 
-Nothing here knows a parameter by name: the tensor-parallel split of each parameter is read from
+Nothing here knows a parameter by name (the HF layout comes in as a function): the tensor-parallel split of each parameter is read from
 its own megatron metadata (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``, as
 set by ``ColumnParallelLinear`` / ``RowParallelLinear`` / ``VocabParallelEmbedding``), and the
 pipeline placement from each layer's global ``layer_number`` (so ``decoder.layers.{j}`` of a stage
@@ -11,18 +11,23 @@ is global layer ``layer_number - 1``).
 * :func:`global_named_parameters` -- a chunk's parameters under *global* Megatron names.
 * :func:`load_megatron_state_into` / :func:`gather_full_tensors` -- fill this rank's shards from
   full tensors (every parameter checked filled), and all-gather full tensors (params or grads)
-  over the TP group.
+  over the TP group, one collective per tensor, Megatron names (this rank's experts only).
+* :func:`iter_flat_buckets` -- the export in HF layout as :class:`FlatBucket` s: one collective
+  per bucket (cast to the wire dtype first), the HF tensors copied once from the received shards
+  into the bucket's flat buffer; all-gathered, or gathered to one rank (every pipeline stage's
+  buckets reach it); MoE experts collected from every expert-parallel rank.
 
 Expert parameters (megatron's ``allreduce=False``) are split over the expert-tensor-parallel
 group, and their local expert index is mapped to the global one through the MoE layer's
-``local_expert_indices``; a rank only loads / reports the experts it holds.
+``local_expert_indices``; a rank only loads the experts it holds.
 
-Left out: gathering experts across expert-parallel ranks (each rank reports its own), virtual
-pipeline stages beyond plain chunk lists, FSDP/DTensor parameters.
+Left out: virtual pipeline stages beyond plain chunk lists, FSDP/DTensor parameters.
 """
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
@@ -197,3 +202,340 @@ def gather_full_tensors(model_chunks: List[torch.nn.Module], what: str = "param"
             shards = [torch.empty_like(local) for _ in range(size)]
             dist.all_gather(shards, local.contiguous(), group=group)
             yield gname, unshard_tensors(shards, part[0], part[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Bucketed export: one collective per bucket, straight into a flat buffer
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class FlatBucket:
+    """Tensors back to back in one uint8 buffer (SGLang's ``flattened_bucket`` layout: no padding,
+    each tensor at ``offsets[i]``)."""
+
+    names: List[str]
+    dtypes: List[torch.dtype]
+    shapes: List[Tuple[int, ...]]
+    offsets: List[int]
+    flat: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel()
+
+    def tensor(self, i: int) -> torch.Tensor:
+        n = math.prod(self.shapes[i]) * self.dtypes[i].itemsize
+        return self.flat[self.offsets[i]:self.offsets[i] + n].view(self.dtypes[i]).view(self.shapes[i])
+
+    def named_tensors(self) -> List[Tuple[str, torch.Tensor]]:
+        """Views into ``flat`` (valid while the buffer is; see ``reuse`` of :func:`iter_flat_buckets`)."""
+        return [(n, self.tensor(i)) for i, n in enumerate(self.names)]
+
+
+@dataclass
+class _Item:
+    lname: str
+    chunk: int
+    local: torch.Tensor  # this rank's shard (param.shape), source dtype
+    wire: torch.dtype
+    part: Optional[Tuple[int, int]]  # (dim, stride) when split over a group of size > 1
+    group: object
+    size: int
+    full_shape: Tuple[int, ...]
+    layout: list  # [(hf name, row ranges | None)] of THIS rank's global name
+    expert: bool
+
+    @property
+    def local_bytes(self) -> int:
+        return self.local.numel() * self.wire.itemsize
+
+    @property
+    def full_bytes(self) -> int:
+        return math.prod(self.full_shape) * self.wire.itemsize
+
+
+class _Buffers:
+    """uint8 scratch buffers by role; with ``reuse`` one allocation per role (grown when needed),
+    so a push touches fresh pages once instead of once per bucket."""
+
+    def __init__(self, reuse: bool):
+        self.reuse, self.held = reuse, {}
+
+    def get(self, role: str, nbytes: int) -> torch.Tensor:
+        if not self.reuse:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        buf = self.held.get(role)
+        if buf is None or buf.numel() < nbytes:
+            self.held.pop(role, None)
+            buf = self.held[role] = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes]
+
+
+def _ranks(group) -> List[int]:
+    return dist.get_process_group_ranks(group)
+
+
+def _write_item(out: torch.Tensor, it: _Item, shards: List[torch.Tensor], layout: list,
+                names: list, dtypes: list, shapes: list, offsets: list) -> None:
+    """Unshard ``shards`` (every rank's shard in rank order, or ``[full]``) and write the HF
+    tensors of ``layout`` at the end of ``offsets`` in ``out``: each piece copied once, cast on the
+    way when the shard is not in the wire dtype."""
+    dim, stride = it.part if it.part is not None and len(shards) > 1 else (0, 1)
+    c = shards[0].shape[dim] // stride
+    pieces = [s.narrow(dim, j * c, c) for j in range(stride) for s in shards] if stride > 1 else list(shards)
+    off = offsets[-1] + math.prod(shapes[-1]) * dtypes[-1].itemsize if offsets else 0
+    for hf_name, ranges in layout:
+        if ranges is None:
+            shape = tuple(it.full_shape)
+            view = out[off:off + math.prod(shape) * it.wire.itemsize].view(it.wire).view(shape)
+            pos = 0
+            for p in pieces:
+                view.narrow(dim, pos, p.shape[dim]).copy_(p)
+                pos += p.shape[dim]
+        else:
+            src = pieces
+            if dim != 0:  # no family fuses along a TP-split dim 1; correct, not fast
+                src = [torch.cat(pieces, dim=dim)]
+            starts, pos = [], 0
+            for p in src:
+                starts.append(pos)
+                pos += p.shape[0]
+            rows = sum(b - a for a, b in ranges)
+            shape = (rows, *it.full_shape[1:])
+            view = out[off:off + math.prod(shape) * it.wire.itemsize].view(it.wire).view(shape)
+            at = 0
+            for a, b in ranges:
+                for p, ps in zip(src, starts):
+                    lo, hi = max(a, ps), min(b, ps + p.shape[0])
+                    if lo < hi:
+                        view[at:at + hi - lo].copy_(p[lo - ps:hi - ps])
+                        at += hi - lo
+        names.append(hf_name)
+        dtypes.append(it.wire)
+        shapes.append(shape)
+        offsets.append(off)
+        off += math.prod(shape) * it.wire.itemsize
+
+
+def iter_flat_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_bytes: int,
+                      dtype: Optional[torch.dtype] = None, what: str = "param", dst: Optional[int] = None,
+                      tp_group=None, all_experts: bool = True, reuse: bool = False
+                      ) -> Iterator[FlatBucket]:
+    """This rank's stage as buckets of HF tensors in flat buffers: the bucketed form of
+    ``megatron_to_hf(gather_full_tensors(...))``, bit for bit the same tensors (cast to ``dtype``).
+
+    ``layout_fn(global megatron name, full shape)``: :class:`..common.MegatronToHFLayout`.
+    Per bucket (at most ``bucket_bytes`` of HF tensors; one tensor larger than that goes alone):
+    each rank casts its shards to ``dtype`` (floating tensors; None keeps the source dtype) into
+    one send buffer, ONE collective over the (expert-)tensor-parallel group moves them, and the
+    HF tensors (fused QKV / gate-up split, row-parallel shards interleaved) are copied once from
+    the received shards into the bucket's flat buffer. Expert parameters with expert parallelism:
+    each EP rank assembles its own experts and one more collective over the EP group collects
+    every rank's, so the bucket holds every expert under its global index (``all_experts``;
+    False: each rank its own, e.g. for per-rank gradient checks).
+
+    ``dst``: None -- all-gathers, every rank gets every bucket. A global rank -- gathers to it:
+    only ``dst`` yields buckets; the other ranks send their shards (and yield nothing), and ranks
+    whose groups do not contain ``dst`` (data-parallel replicas, other pipeline stages) do
+    nothing. Collective: every rank of the groups involved must iterate it to the end.
+    ``reuse``: the yielded bucket's buffer is overwritten by the next one (for consumers done
+    with a bucket before asking for the next); otherwise each bucket owns its buffer.
+
+    Pipeline parallelism: with ``dst=None`` each rank gets its own stage's buckets. With a
+    ``dst``, every stage's buckets reach ``dst``: each stage builds its buckets on its member of
+    ``dst``'s pipeline group, which sends them to ``dst`` one by one (point to point); ``dst``
+    yields its own stage's, then the next stages' in order. This needs every rank of the world to
+    iterate (one small object all-gather finds the stages' members).
+    """
+    if what not in ("param", "grad"):
+        raise ValueError(f"what must be 'param' or 'grad', got {what!r}")
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    from megatron.core import parallel_state
+
+    kw = dict(dtype=dtype, what=what, tp_group=tp_group, all_experts=all_experts, reuse=reuse)
+    pp_group = parallel_state.get_pipeline_model_parallel_group(check_initialized=False)
+    if dst is None or pp_group is None or dist.get_world_size(pp_group) == 1:
+        yield from _iter_stage_buckets(model_chunks, layout_fn, bucket_bytes, dst=dst, **kw)
+        return
+    me, stages = dist.get_rank(), _ranks(pp_group)
+    infos = [None] * dist.get_world_size()
+    dist.all_gather_object(infos, (me, stages.index(me), dst in stages))
+    rep = next(r for r, stage, in_dst_pipeline in infos if in_dst_pipeline and stage == stages.index(me))
+    if me == dst:
+        yield from _iter_stage_buckets(model_chunks, layout_fn, bucket_bytes, dst=dst, **kw)
+        bufs = _Buffers(reuse)
+        for src in stages:
+            if src == dst:
+                continue
+            while True:
+                header = [None]
+                dist.recv_object_list(header, src=src, group=pp_group)
+                if header[0] is None:
+                    break
+                names, dtypes, shapes, offsets, nbytes = header[0]
+                flat = bufs.get("out", nbytes)
+                dist.recv(flat, src=src, group=pp_group)
+                yield FlatBucket(names, dtypes, shapes, offsets, flat)
+    elif me == rep:  # this stage's member of dst's pipeline group: build here, send to dst
+        for b in _iter_stage_buckets(model_chunks, layout_fn, bucket_bytes, dst=rep, **kw):
+            dist.send_object_list([(b.names, b.dtypes, b.shapes, b.offsets, b.nbytes)], dst=dst, group=pp_group)
+            dist.send(b.flat, dst=dst, group=pp_group)
+        dist.send_object_list([None], dst=dst, group=pp_group)
+    else:
+        for _ in _iter_stage_buckets(model_chunks, layout_fn, bucket_bytes, dst=rep, **kw):
+            pass
+
+
+def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_bytes: int,
+                        dtype: Optional[torch.dtype], what: str, dst: Optional[int], tp_group,
+                        all_experts: bool, reuse: bool) -> Iterator[FlatBucket]:
+    """:func:`iter_flat_buckets` within one pipeline stage (``dst`` in this stage or None)."""
+    from megatron.core import parallel_state
+
+    groups = _groups(tp_group)
+    ep_group = parallel_state.get_expert_model_parallel_group(check_initialized=False) if all_experts else None
+    ep = dist.get_world_size(ep_group) if ep_group is not None else 1
+    me = dist.get_rank()
+    gather_mode = dst is not None
+
+    items: List[_Item] = []
+    chunk_offsets = []
+    for ci, chunk in enumerate(model_chunks):
+        inner = unwrap_model(chunk)
+        offsets, experts = layer_offsets(inner), expert_indices(inner)
+        chunk_offsets.append(offsets)
+        for lname, param in inner.named_parameters():
+            gname = to_global_name(lname, offsets, experts)
+            local = param.detach() if what == "param" else _grad_of(param)
+            if local is None:
+                raise ValueError(f"{gname!r} has no gradient")
+            local = local.detach().reshape(param.shape)
+            expert = is_expert_param(param)
+            group = _group_for(param, groups)
+            size = dist.get_world_size(group)
+            part = tp_partition(param) if size > 1 else None
+            full = list(param.shape)
+            if part is not None:
+                full[part[0]] *= size
+            layout = layout_fn(gname, full)
+            if not layout:
+                continue
+            wire = dtype if (dtype is not None and local.is_floating_point()) else local.dtype
+            items.append(_Item(lname, ci, local, wire, part, group, size, tuple(full), layout, expert))
+
+    ep_stage = ep > 1 and any(it.expert for it in items)
+    # who takes part, per kind (the same answer on every member of each group involved)
+    dense_tp = groups[0]
+    if not gather_mode:
+        need = {False: True, True: True}
+    else:
+        dense_n = dist.get_world_size(dense_tp)
+        need_dense = dst in _ranks(dense_tp) if dense_n > 1 else me == dst
+        if ep_stage:
+            # an expert-TP all-gather involves ranks of other EP groups: all of them take part
+            need_exp = dist.get_world_size(groups[1]) > 1 or dst in _ranks(ep_group)
+        else:
+            etp = groups[1]
+            need_exp = dst in _ranks(etp) if dist.get_world_size(etp) > 1 else me == dst
+        need = {False: need_dense, True: need_exp}
+    # every EP rank's expert indices (to name the experts the EP collective brings)
+    stage2 = ep_stage and (not gather_mode or dst in _ranks(ep_group))
+    ep_maps = None
+    if stage2:
+        mine = [expert_indices(unwrap_model(c)) for c in model_chunks]
+        ep_maps = [None] * ep
+        dist.all_gather_object(ep_maps, mine, group=ep_group)
+
+    # buckets: planned over ALL items (same boundaries on every rank of a stage), kinds never mixed
+    plan: List[List[_Item]] = []
+    cur, size_b = [], 0
+    for it in items:
+        nb = it.full_bytes * (ep if (it.expert and ep_stage) else 1)
+        if cur and (cur[0].expert != it.expert or size_b + nb > bucket_bytes or size_b % it.wire.itemsize):
+            plan.append(cur)
+            cur, size_b = [], 0
+        cur.append(it)
+        size_b += nb
+    if cur:
+        plan.append(cur)
+
+    bufs = _Buffers(reuse)
+    for bucket in plan:
+        kind = bucket[0].expert
+        if not need[kind]:
+            continue
+        group, size = bucket[0].group, bucket[0].size
+        split = [it for it in bucket if it.part is not None]
+        # who builds the bucket's HF tensors: everyone (all-gather), dst, or every EP rank (its own
+        # experts, before the EP collective)
+        assemble = not gather_mode or me == dst or (kind and ep_stage)
+        shards_of = {}
+        if split:  # stage 1: the shards of the split tensors, one collective over the (E)TP group
+            total = sum(it.local_bytes for it in split)
+            send = bufs.get("send", total)
+            o = 0
+            for it in split:
+                send[o:o + it.local_bytes].view(it.wire).view(it.local.shape).copy_(it.local)
+                o += it.local_bytes
+            to_all = not gather_mode or (kind and ep_stage)  # experts: every EP rank assembles its own
+            if to_all:
+                recv = bufs.get("recv", total * size)
+                dist.all_gather(list(recv.view(size, total)), send, group=group)
+            else:
+                recv = bufs.get("recv", total * size) if assemble else None
+                dist.gather(send, list(recv.view(size, total)) if assemble else None, dst=dst, group=group)
+            if assemble:
+                rows = recv.view(size, total)
+                o = 0
+                for it in split:
+                    shards_of[id(it)] = [rows[r, o:o + it.local_bytes].view(it.wire).view(it.local.shape)
+                                         for r in range(size)]
+                    o += it.local_bytes
+        if not assemble:
+            continue
+        per_rank = sum(sum(math.prod(_hf_shape(it, r)) for _, r in it.layout) * it.wire.itemsize
+                       for it in bucket)
+        names, dtypes, shapes, offs = [], [], [], []
+        if kind and ep_stage:
+            out = bufs.get("local_out", per_rank)
+        else:
+            out = bufs.get("out", per_rank)
+        for it in bucket:
+            _write_item(out, it, shards_of.get(id(it), [it.local]), it.layout, names, dtypes, shapes, offs)
+        if not (kind and ep_stage):
+            yield FlatBucket(names, dtypes, shapes, offs, out)
+            continue
+        # stage 2: every EP rank's assembled experts, one collective over the EP group
+        if not stage2:
+            continue
+        receive = not gather_mode or me == dst
+        final = bufs.get("out", per_rank * ep) if receive else None
+        slots = list(final.view(ep, per_rank)) if receive else None
+        if gather_mode:
+            dist.gather(out, slots, dst=dst, group=ep_group)
+        else:
+            dist.all_gather(slots, out, group=ep_group)
+        if not receive:
+            continue
+        all_names, all_dtypes, all_shapes, all_offs = [], [], [], []
+        for k in range(ep):
+            all_names += _names_for(bucket, ep_maps[k], chunk_offsets, layout_fn)
+            all_dtypes += dtypes
+            all_shapes += shapes
+            all_offs += [k * per_rank + o for o in offs]
+        yield FlatBucket(all_names, all_dtypes, all_shapes, all_offs, final)
+
+
+def _hf_shape(it: _Item, ranges) -> Tuple[int, ...]:
+    if ranges is None:
+        return tuple(it.full_shape)
+    return (sum(b - a for a, b in ranges), *it.full_shape[1:])
+
+
+def _names_for(bucket: List[_Item], maps, chunk_offsets, layout_fn) -> List[str]:
+    """The HF names of ``bucket``'s tensors on the EP rank whose expert indices are ``maps``."""
+    names = []
+    for it in bucket:
+        gname = to_global_name(it.lname, chunk_offsets[it.chunk], maps[it.chunk])
+        names += [n for n, _ in layout_fn(gname, it.full_shape)]
+    return names
