@@ -1,12 +1,21 @@
 """Megatron -> rollout engine weight sync, bucketed, in three modes; and the log-prob drift check.
 
-Input: an iterator of ``(HF name, full tensor)`` -- :meth:`MegatronActor.export_hf_state` /
-:func:`megatron_tepo.models.export_hf_state`, which gathers TP shards and maps Megatron names and
-fused layouts to Hugging Face through the project's one mapping module. That export is collective
-over the TP group, so every rank must drain the iterator; only the *sender* (global rank 0 by
-default) talks to the servers. Tensors are grouped into buckets of at most ``bucket_bytes`` (a
-tensor larger than that travels alone) and each bucket is pushed before the next is built, so the
-sender's extra memory is one bucket (plus the tensor the export is producing).
+Input: :meth:`MegatronActor.export_hf_state` (a lazy :class:`~megatron_tepo.models.HFExport`), or
+any iterator of ``(HF name, full tensor)``. Only the *sender* (global rank 0 by default,
+``sender_rank``) talks to the servers; every rank of the actor calls :meth:`WeightSync.push`, the
+others just drain the export, which is collective.
+
+With the actor's export the sync asks it for flat buckets (``HFExport.flat_buckets``): per bucket
+of at most ``bucket_bytes`` each TP rank casts its shards to ``wire_dtype`` (before any
+collective: half the bytes of an fp32 actor for a bf16 server), one ``gather`` over the TP group
+brings them to the sender only (MoE with expert parallelism: one more over the EP group, so every
+expert is sent under its global index), and the HF tensors -- fused QKV / gate-up split,
+row-parallel shards interleaved -- are copied once from the received shards into the bucket's
+flat buffer, which is what goes on the wire (no flatten copy). The buffers are reused from one
+bucket to the next and freed at the end of the push, so the sender's extra memory is about
+``(2 + 1/tp)`` buckets (send shards, received shards, the flat bucket), not the model; the
+export's bucket boundaries never split a tensor (one larger than ``bucket_bytes`` goes alone).
+Any other stream is cast and flattened here into one reused buffer.
 
 Modes (SGLang 0.5.23 HTTP API; every weight load sits inside ``/begin_weight_update`` ...
 ``/end_weight_update``):
@@ -14,19 +23,27 @@ Modes (SGLang 0.5.23 HTTP API; every weight load sits inside ``/begin_weight_upd
 ``distributed``  a process group between the sender (rank 0) and every server's TP workers
                  (``/init_weights_update_group``; gloo on CPU, nccl on GPU); per bucket one
                  ``/update_weights_from_distributed`` with ``load_format="flattened_bucket"`` and
-                 one broadcast of the bucket's bytes.
-``tensor``       per bucket ``/update_weights_from_tensor`` with the tensors serialised by
-                 ``ForkingPickler`` (shared memory: the engine must be on the same host).
+                 one broadcast of the bucket's bytes. The request is answered once the servers
+                 have loaded the bucket; the sender does not wait for that before building the
+                 next bucket (it joins the request before sending the next one), so the servers'
+                 load overlaps the next gather.
+``tensor``       per bucket ``/update_weights_from_tensor`` with ``load_format="flattened_bucket"``:
+                 the bucket copied into one shared-memory buffer, serialised by ``ForkingPickler`` with its layout (the engine must be on the same
+                 host).
 ``disk``         per bucket one safetensors file in ``shared_dir`` (a file system the servers
-                 see), then one ``/update_weights_from_disk``.
+                 see; the flat bucket is written as the file's data section as it is), then one
+                 ``/update_weights_from_disk``.
 """
 from __future__ import annotations
 
 import base64
 import io
+import json
 import logging
+import math
 import os
 import shutil
+import struct
 import tempfile
 import threading
 import time
@@ -36,6 +53,8 @@ from datetime import timedelta
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
+
+from megatron_tepo.models.sharding import FlatBucket
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +93,44 @@ def iter_buckets(named_tensors: NamedTensors, bucket_bytes: int,
         yield bucket
 
 
-def flatten_bucket(bucket: List[Tuple[str, torch.Tensor]]) -> torch.Tensor:
-    """The bytes of the bucket's tensors back to back (SGLang's ``flattened_bucket`` layout)."""
+def flatten_bucket(bucket: List[Tuple[str, torch.Tensor]], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The bytes of the bucket's tensors back to back (SGLang's ``flattened_bucket`` layout), in
+    ``out[:total]`` when given (a reused uint8 buffer at least that large)."""
     total = sum(tensor_bytes(t) for _, t in bucket)
-    flat = torch.empty(total, dtype=torch.uint8, device=bucket[0][1].device)
+    flat = torch.empty(total, dtype=torch.uint8, device=bucket[0][1].device) if out is None else out[:total]
     off = 0
     for _, t in bucket:
         nb = tensor_bytes(t)
         flat[off:off + nb].copy_(t.reshape(-1).view(torch.uint8))
         off += nb
     return flat
+
+
+def to_flat_bucket(bucket: List[Tuple[str, torch.Tensor]], out: Optional[torch.Tensor] = None) -> FlatBucket:
+    offsets, off = [], 0
+    for _, t in bucket:
+        offsets.append(off)
+        off += tensor_bytes(t)
+    return FlatBucket([n for n, _ in bucket], [t.dtype for _, t in bucket], [tuple(t.shape) for _, t in bucket],
+                      offsets, flatten_bucket(bucket, out))
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(bucket: FlatBucket, path: str) -> None:
+    """The bucket as one safetensors file: a JSON header, then the flat buffer as it is (the
+    format's data section is exactly tensors back to back), so no per-tensor copy is made."""
+    header = {n: {"dtype": _SAFETENSORS_DTYPES[d], "shape": list(s), "data_offsets": [o, o + math.prod(s) * d.itemsize]}
+              for n, d, s, o in zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.offsets)}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        f.write(memoryview(bucket.flat.numpy()))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -119,10 +166,10 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     return pg
 
 
-def _default_is_sender() -> bool:
+def _dist_rank() -> Optional[int]:
     import torch.distributed as dist
 
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
 @dataclass
@@ -133,6 +180,8 @@ class SyncStats:
     buckets: int = 0
     seconds: float = 0.0
     peak_bucket_bytes: int = 0
+    export_seconds: float = 0.0  # of ``seconds``: waiting for the export to produce the buckets
+    bucketed_export: bool = False  # True: the export's own flat buckets (gathered to the sender)
 
     @property
     def bytes_per_s(self) -> float:
@@ -144,25 +193,33 @@ class WeightSync:
 
     ``target``: an :class:`~megatron_tepo.rollout.sglang_fleet.SGLangFleet` (or anything with
     ``alive_servers()``). ``wire_dtype``: cast before sending (e.g. ``torch.bfloat16`` for a bf16
-    server; halves the bytes of a float32 actor); ``None`` sends as exported.
+    server; halves the bytes of a float32 actor); ``None`` sends as exported. ``sender_rank``:
+    the global rank that talks to the servers (``is_sender`` defaults to being it; when
+    torch.distributed is up the two must agree, since the bucketed export gathers to that rank).
     """
 
     def __init__(self, target, mode: str = "distributed", bucket_bytes: int = 256 << 20,
                  wire_dtype: Optional[torch.dtype] = None, backend: Optional[str] = None,
                  master_address: str = "127.0.0.1", master_port: Optional[int] = None,
                  shared_dir: Optional[str] = None, is_sender: Optional[bool] = None,
-                 timeout: float = 600.0, group_name: str = "mtepo_weight_sync"):
+                 timeout: float = 600.0, group_name: str = "mtepo_weight_sync", sender_rank: int = 0):
         if mode not in MODES:
             raise ValueError(f"unknown weight sync mode {mode!r}; choose one of {MODES}")
         self.target, self.mode, self.bucket_bytes, self.wire_dtype = target, mode, bucket_bytes, wire_dtype
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.master_address, self.master_port = master_address, master_port
         self.shared_dir = shared_dir
-        self.is_sender = _default_is_sender() if is_sender is None else is_sender
+        rank = _dist_rank()
+        self.sender_rank = sender_rank
+        self.is_sender = (rank is None or rank == sender_rank) if is_sender is None else bool(is_sender)
+        if rank is not None and self.is_sender != (rank == sender_rank):
+            raise ValueError(f"weight sync: is_sender={self.is_sender} on global rank {rank} but "
+                             f"sender_rank={sender_rank} (pass sender_rank=<the sending rank>)")
         self.timeout = timeout
         self.group_name = group_name
         self._pg = None
         self._pg_servers: Tuple[str, ...] = ()
+        self._pending = None
         self._version = 0
         self.last_stats: Optional[SyncStats] = None
 
@@ -244,36 +301,63 @@ class WeightSync:
             pass
         self._pg, self._pg_servers = None, ()
 
-    def _push_distributed(self, bucket, servers) -> None:
-        payload = {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
-                   "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
+    def _push_distributed(self, bucket: FlatBucket, servers) -> None:
+        """One request + one broadcast. The request is not waited for here: the servers load the
+        bucket while the sender builds the next one; :meth:`_wait_pending` joins it before the next
+        request (the servers take them in order) and at the end of the push."""
+        self._wait_pending()
+        payload = {"names": list(bucket.names), "dtypes": [dtype_name(d) for d in bucket.dtypes],
+                   "shapes": [list(sh) for sh in bucket.shapes], "group_name": self.group_name,
                    "load_format": "flattened_bucket", "flush_cache": False}
-        flat = flatten_bucket(bucket)
         threads, errors = self._start_all("/update_weights_from_distributed", payload, servers)
-        torch.distributed.broadcast(flat, src=0, group=self._pg)
-        self._join(threads, errors, "/update_weights_from_distributed")
+        self._pending = (threads, errors)
+        torch.distributed.broadcast(bucket.flat, src=0, group=self._pg)
+
+    def _wait_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._join(*pending, "/update_weights_from_distributed")
 
     # ------------------------------------------------------------------ tensor
-    def _push_tensor(self, bucket, servers) -> None:
+    def _push_tensor(self, bucket: FlatBucket, servers) -> None:
+        """The bucket's bytes in one shared-memory buffer and its layout,
+        ``load_format="flattened_bucket"``; all servers load it concurrently."""
         from multiprocessing.reduction import ForkingPickler
+        from types import SimpleNamespace
 
         import torch.multiprocessing  # noqa: F401 -- registers the tensor reductions
 
+        # (SimpleNamespace: a type SGLang's restricted unpickler admits, read by attribute)
+        meta = [SimpleNamespace(name=n, shape=tuple(sh), dtype=d, start_idx=o, numel=math.prod(sh) * d.itemsize,
+                                end_idx=o + math.prod(sh) * d.itemsize)
+                for n, d, sh, o in zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.offsets)]
         # file_system: the tensor's shared memory is named, so an unrelated process can map it
+        # (both for allocating it and for pickling its handle)
         old = torch.multiprocessing.get_sharing_strategy()
         torch.multiprocessing.set_sharing_strategy("file_system")
         try:
-            shared = [(n, t.clone().share_memory_()) for n, t in bucket]
+            # (one per bucket: a reused one is unlinked once the server lets go of its mapping)
+            shm = torch.empty(bucket.nbytes, dtype=torch.uint8).share_memory_()
+            shm.copy_(bucket.flat)
             buf = io.BytesIO()
-            ForkingPickler(buf).dump(shared)
+            ForkingPickler(buf).dump({"flattened_tensor": shm, "metadata": meta})
             data = base64.b64encode(buf.getvalue()).decode()
         finally:
             torch.multiprocessing.set_sharing_strategy(old)
+        threads, errs = [], []
         for s in servers:
             tp = int(getattr(s, "tp_size", 1))
-            self._post_all("/update_weights_from_tensor",
-                           {"serialized_named_tensors": [data] * tp, "flush_cache": False}, [s])
-        del shared
+            th, err = self._start_all("/update_weights_from_tensor",
+                                      {"serialized_named_tensors": [data] * tp, "load_format": "flattened_bucket",
+                                       "flush_cache": False}, [s])
+            threads += th
+            errs.append(err)
+        for t in threads:
+            t.join()
+        del shm
+        errors = {k: v for e in errs for k, v in e.items()}
+        if errors:
+            raise RuntimeError(f"weight sync /update_weights_from_tensor failed: {errors}")
 
     # ------------------------------------------------------------------ disk
     def _disk_dir(self) -> str:
@@ -284,11 +368,40 @@ class WeightSync:
         return path
 
     # ------------------------------------------------------------------ public
+    def _buckets(self, named_tensors, stats: SyncStats) -> Iterator[FlatBucket]:
+        """The stream as flat buckets. An export that can bucket itself (``flat_buckets``, e.g.
+        :class:`~megatron_tepo.models.HFExport`) is asked for buckets gathered to the sender, cast
+        to the wire dtype before its collectives, in reused buffers; any other stream of
+        ``(name, tensor)`` is cast and flattened here into one reused buffer."""
+        flat_buckets = getattr(named_tensors, "flat_buckets", None)
+        if callable(flat_buckets):
+            stats.bucketed_export = True
+            dst = self.sender_rank if _dist_rank() is not None else None
+            return flat_buckets(self.bucket_bytes, dtype=self.wire_dtype, dst=dst, reuse=True)
+
+        def flatten_each():
+            out = None
+            for bucket in iter_buckets(named_tensors, self.bucket_bytes, self.wire_dtype,
+                                       align=self.mode == "distributed"):
+                total = sum(tensor_bytes(t) for _, t in bucket)
+                if out is None or out.numel() < total:
+                    out = None
+                    out = torch.empty(max(total, min(self.bucket_bytes, 1 << 30)), dtype=torch.uint8)
+                fb = to_flat_bucket(bucket, out)
+                del bucket
+                yield fb
+        return flatten_each()
+
     def push(self, named_tensors: NamedTensors, flush_cache: bool = True) -> SyncStats:
-        """Send the stream to every live server; on non-sender ranks just drain it (collective)."""
+        """Send the stream to every live server; on non-sender ranks just drain it (collective).
+
+        Takes ``actor.export_hf_state()`` (bucketed, gathered to the sender only) or any iterable
+        of ``(HF name, tensor)``."""
         stats = SyncStats(self.mode)
         if not self.is_sender:
-            for _ in named_tensors:
+            it = self._buckets(named_tensors, stats) if callable(getattr(named_tensors, "flat_buckets", None)) \
+                else named_tensors
+            for _ in it:
                 pass
             return stats
         t0 = time.perf_counter()
@@ -301,25 +414,34 @@ class WeightSync:
         if self.mode != "disk":
             self._post_all("/begin_weight_update", {}, servers)
         try:
-            for bucket in iter_buckets(named_tensors, self.bucket_bytes, self.wire_dtype,
-                                       align=self.mode == "distributed"):
-                nbytes = sum(tensor_bytes(t) for _, t in bucket)
+            buckets = self._buckets(named_tensors, stats)
+            while True:
+                t = time.perf_counter()
+                bucket = next(buckets, None)
+                stats.export_seconds += time.perf_counter() - t
+                if bucket is None:
+                    break
                 if self.mode == "distributed":
                     self._push_distributed(bucket, servers)
                 elif self.mode == "tensor":
                     self._push_tensor(bucket, servers)
                 else:
-                    from safetensors.torch import save_file
-
                     path = os.path.join(disk_dir, f"model-{len(files):05d}.safetensors")
-                    save_file(dict(bucket), path)
+                    write_safetensors(bucket, path)
                     files.append(path)
-                stats.bytes += nbytes
-                stats.tensors += len(bucket)
+                stats.bytes += bucket.nbytes
+                stats.tensors += len(bucket.names)
                 stats.buckets += 1
-                stats.peak_bucket_bytes = max(stats.peak_bucket_bytes, nbytes)
+                stats.peak_bucket_bytes = max(stats.peak_bucket_bytes, bucket.nbytes)
                 del bucket
+            if self.mode == "distributed":
+                self._wait_pending()
         finally:
+            if self._pending is not None:  # an error after a bucket was sent
+                try:
+                    self._wait_pending()
+                except Exception as e:  # noqa: BLE001 -- the first error is the one raised
+                    log.warning("weight sync: %s", e)
             if self.mode != "disk":
                 self._post_all("/end_weight_update", {}, servers)
         if self.mode == "disk":
