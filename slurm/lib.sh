@@ -18,8 +18,10 @@
 # Devices (launch.device, FIT_DEVICE): cuda -> srun steps get --gpus-per-node, each server its
 # CUDA_VISIBLE_DEVICES; cpu -> no GPU arguments, every srun step gets --overlap so that the SGLang
 # step and the trainer step share the job's CPUs side by side, one OMP thread per process.
-# Preemption: the scripts carry `#SBATCH --requeue` and `#SBATCH --signal=B:USR1@120`; USR1 or
-# TERM reaches this batch shell, which stops the job steps and runs `scontrol requeue`. The
+# Preemption: the scripts carry `#SBATCH --requeue` and `#SBATCH --signal=B:USR1@120`; USR1
+# (the time limit is near, or a site's preemption notice) reaches this batch shell, which stops the
+# job steps and runs `scontrol requeue`. TERM (scancel, or Slurm's own preemption, which requeues a
+# --requeue job by itself) only stops the steps: a cancelled job is not resubmitted. The
 # requeued job starts again from step 1 and the trainer resumes from the newest complete
 # checkpoint in train.output_dir (train.resume: true), which must be on a shared file system.
 # Logs: $OUTPUT_DIR/logs/<job id>.<restart count>/{fit.log, sglang.<node>.<i>.log, trainer.log}.
@@ -217,10 +219,12 @@ tepo_start_sglang() {
                 gpus=$(seq -s, "$first" "$last")
                 script+="CUDA_VISIBLE_DEVICES=$gpus "
             fi
-            script+="$(tepo_serve_cmd "$port")> $(printf '%q' "$LOG_DIR/sglang.$host.$i.log") 2>&1 & "
+            script+="$(tepo_serve_cmd "$port")> $(printf '%q' "$LOG_DIR/sglang.$host.$i.log") 2>&1 & p$i=\$!; "
             urls+=("http://$host:$port")
         done
-        script+="wait"
+        for ((i = 0; i < FIT_SERVERS_PER_NODE; i++)); do
+            script+="wait \$p$i; "  # set -e: the step ends with the first server's failure
+        done
         tepo_log "SGLang on $host: $FIT_SERVERS_PER_NODE server(s), TP=$FIT_SGLANG_TP, device ${FIT_DEVICE:-cuda}"
         tepo_run srun --nodes=1 --ntasks=1 --nodelist="$host" "${srun_args[@]}" --kill-on-bad-exit=1 \
             bash -c "$script" >>"$LOG_DIR/sglang.$host.srun.log" 2>&1 &
@@ -287,7 +291,7 @@ tepo_stop_steps() {
     done
 }
 
-# Preemption / time limit: USR1 (sent 120 s before the end by --signal=B:USR1@120) or TERM.
+# Preemption / time limit: USR1 (sent 120 s before the end by --signal=B:USR1@120).
 tepo_on_preempt() {
     tepo_log "signal received: stopping the job steps and requeueing job ${SLURM_JOB_ID:-?}"
     tepo_stop_steps
@@ -297,8 +301,16 @@ tepo_on_preempt() {
     exit 0
 }
 
+# TERM: scancel (or Slurm's preemption): stop the steps, no requeue.
+tepo_on_term() {
+    tepo_log "TERM received: stopping the job steps (no requeue)"
+    tepo_stop_steps
+    exit 143
+}
+
 tepo_install_traps() {
-    trap tepo_on_preempt USR1 TERM
+    trap tepo_on_preempt USR1
+    trap tepo_on_term TERM
     trap tepo_stop_steps EXIT
 }
 

@@ -39,7 +39,7 @@ def test_shellcheck(script):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-@pytest.mark.parametrize("script", MODEL_SCRIPTS)
+@pytest.mark.parametrize("script", MODEL_SCRIPTS + ["local_cpu_tepo.sh"])
 def test_model_scripts_source_lib_and_requeue(script):
     text = (ROOT / "slurm" / script).read_text()
     assert 'source "$TEPO_ROOT/slurm/lib.sh"' in text and "tepo_main " in text
@@ -134,3 +134,23 @@ def test_misfit_stops_before_srun(tmp_path):
     assert res.returncode == 1
     assert "actor does not fit" in res.stderr and "nothing was started" in res.stderr
     assert not (tmp_path / "out" / "logs").exists()
+
+
+def test_dry_run_local_cpu(tmp_path):
+    """The tiny CPU job: colocated server, --overlap steps, no GPU arguments, torchrun --standalone."""
+    env = dict(_dry_env(tmp_path, MODEL_PATH=str(tmp_path / "model")), TEPO_NODELIST="cpu1")
+    res = subprocess.run(["bash", str(ROOT / "slurm" / "local_cpu_tepo.sh"), "train.steps=2"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "actor nodes: cpu1; SGLang colocated on them" in res.stderr
+    assert "memory: not checked (launch.device: cpu" in res.stderr
+    logs = next((tmp_path / "out" / "logs").iterdir())
+    trainer = (logs / "trainer.log").read_text()
+    assert "srun --nodes=1 --ntasks-per-node=1 --nodelist=cpu1 --overlap --kill-on-bad-exit=1" in trainer
+    assert "--nproc-per-node=2 --standalone" in trainer and "gpus-per-node" not in trainer
+    sglang = (logs / "sglang.cpu1.srun.log").read_text()
+    assert "--nodelist=cpu1 --overlap" in sglang and "gpus-per-node" not in sglang
+    assert sglang.count("megatron_tepo.rollout.serve") == 1 and "--device\\ cpu" in sglang
+    assert "CUDA_VISIBLE_DEVICES" not in sglang and "--context-length" not in sglang
+    run = (tmp_path / "run" / "run.yaml").read_text()
+    assert "engine: sglang" in run and f"path: {tmp_path / 'model'}" in run and "steps: 2" in run
