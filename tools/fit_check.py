@@ -8,7 +8,9 @@
 Prints the per-GPU arithmetic (actor: weights, grads, optimizer, activations, logits, reserve;
 SGLang servers: weights + KV cache); on a misfit prints the error naming the setting to change.
 ``--write-run-config`` writes the RunConfig file the trainer is started with; ``--print-shell``
-prints ``FIT_*=value`` lines for slurm/lib.sh (on stdout; the report then goes to stderr).
+prints ``FIT_*=value`` lines for slurm/lib.sh (on stdout; the report then goes to stderr). A launch
+file with ``launch.device: cpu`` (examples/models/tiny_cpu.yaml) gets no GPU arithmetic, only the
+layout rules, and still writes the run config and the FIT_* lines.
 See megatron_tepo/launch/fit.py for the formulas.
 """
 import argparse
