@@ -254,11 +254,12 @@ class _Item:
 
 
 class _Buffers:
-    """uint8 scratch buffers by role; with ``reuse`` one allocation per role (grown when needed),
-    so a push touches fresh pages once instead of once per bucket."""
+    """uint8 scratch buffers by role; with ``reuse`` one allocation per role, sized up front from
+    ``caps`` (the largest use the plan makes of it), so a push touches fresh pages once instead of
+    once per bucket and never holds an outgrown buffer next to its replacement."""
 
-    def __init__(self, reuse: bool):
-        self.reuse, self.held = reuse, {}
+    def __init__(self, reuse: bool, caps: Optional[Dict[str, int]] = None):
+        self.reuse, self.held, self.caps = reuse, {}, caps or {}
 
     def get(self, role: str, nbytes: int) -> torch.Tensor:
         if not self.reuse:
@@ -266,7 +267,8 @@ class _Buffers:
         buf = self.held.get(role)
         if buf is None or buf.numel() < nbytes:
             self.held.pop(role, None)
-            buf = self.held[role] = torch.empty(nbytes, dtype=torch.uint8)
+            del buf
+            buf = self.held[role] = torch.empty(max(nbytes, self.caps.get(role, 0)), dtype=torch.uint8)
         return buf[:nbytes]
 
 
@@ -373,6 +375,7 @@ def iter_flat_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_byt
                 if header[0] is None:
                     break
                 names, dtypes, shapes, offsets, nbytes = header[0]
+                flat = None
                 flat = bufs.get("out", nbytes)
                 dist.recv(flat, src=src, group=pp_group)
                 yield FlatBucket(names, dtypes, shapes, offsets, flat)
@@ -459,11 +462,22 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
     if cur:
         plan.append(cur)
 
-    bufs = _Buffers(reuse)
+    caps: Dict[str, int] = {}
+    for bucket in plan:
+        if need[bucket[0].expert]:
+            send = sum(it.local_bytes for it in bucket if it.part is not None)
+            out = _out_bytes(bucket)
+            roles = {"send": send, "recv": send * bucket[0].size}
+            roles.update({"local_out": out, "out": out * ep} if bucket[0].expert and ep_stage else {"out": out})
+            for role, n in roles.items():
+                caps[role] = max(caps.get(role, 0), n)
+    bufs = _Buffers(reuse, caps)
+    send = recv = rows = out = final = slots = None
     for bucket in plan:
         kind = bucket[0].expert
         if not need[kind]:
             continue
+        send = recv = rows = out = final = slots = None  # (the last bucket's views)
         group, size = bucket[0].group, bucket[0].size
         split = [it for it in bucket if it.part is not None]
         # who builds the bucket's HF tensors: everyone (all-gather), dst, or every EP rank (its own
@@ -493,8 +507,7 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
                     o += it.local_bytes
         if not assemble:
             continue
-        per_rank = sum(sum(math.prod(_hf_shape(it, r)) for _, r in it.layout) * it.wire.itemsize
-                       for it in bucket)
+        per_rank = _out_bytes(bucket)
         names, dtypes, shapes, offs = [], [], [], []
         if kind and ep_stage:
             out = bufs.get("local_out", per_rank)
@@ -524,6 +537,11 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
             all_shapes += shapes
             all_offs += [k * per_rank + o for o in offs]
         yield FlatBucket(all_names, all_dtypes, all_shapes, all_offs, final)
+
+
+def _out_bytes(bucket: List[_Item]) -> int:
+    """Bytes of the HF tensors one rank assembles for ``bucket``."""
+    return sum(sum(math.prod(_hf_shape(it, r)) for _, r in it.layout) * it.wire.itemsize for it in bucket)
 
 
 def _hf_shape(it: _Item, ranges) -> Tuple[int, ...]:
