@@ -12,17 +12,22 @@ CPU server (bf16, started here from the SGLang venv of ``tools/install_sglang_cp
 mode (``distributed``: gloo broadcast of flattened buckets; ``tensor``: shared-memory handles over
 HTTP; ``disk``: safetensors files + ``/update_weights_from_disk``) and bucket size. Per push:
 
-* end to end: ``SyncStats.seconds``, from before the first tensor is gathered (the export is lazy:
-  TP all-gather + HF mapping happen inside the sync) to the server's answer to
-  ``/end_weight_update`` (disk: to ``/update_weights_from_disk``); bytes are the wire bytes
-  (floating tensors cast to ``--wire-dtype``, bf16 by default = the server's dtype);
-* the part of it rank 0 spent in the export iterator (gather) and inside the per-bucket push calls
-  (distributed: HTTP request + broadcast + waiting for the server to load the bucket; tensor:
+* end to end: ``SyncStats.seconds`` of ``WeightSync.push(actor.export_hf_state())``, from before
+  the first bucket is gathered (the export is lazy: the bf16 cast, one gather per bucket to rank
+  0 and the HF mapping happen inside the sync) to the server's answer to ``/end_weight_update``
+  (disk: to ``/update_weights_from_disk``); bytes are the wire bytes (floating tensors cast to
+  ``--wire-dtype``, bf16 by default = the server's dtype);
+* the part of it rank 0 waited for the export to produce a bucket (``SyncStats.export_seconds``)
+  and spent inside the per-bucket push calls (distributed: joining the previous bucket's request
+  -- the server loads a bucket while the next is gathered -- + HTTP request + broadcast; tensor:
   copy to shared memory + pickle + HTTP + server load);
-* sender-only: the same export -> cast -> bucket -> flatten pipeline with no server at all (median
-  of ``--baseline-repeats`` passes);
+* pre-exported push: the same buckets exported beforehand and pushed again -- the transport and
+  the server alone, the ceiling for end to end;
+* sender only: the bucketed export gathered to rank 0 with no server at all, and the per-tensor
+  path it replaced (an all-gather per tensor, HF mapping, cast, flatten copy), medians of
+  ``--baseline-repeats`` passes;
 * the sender's peak RSS above its RSS just before the push (sampled every 2 ms; target: about one
-  bucket, not the model).
+  bucket, not the model), also as a multiple of the largest bucket.
 
 Plain copies of the same total bytes in the same bucket sizes, on the same machine:
 ``memcpy`` = a torch copy between two preallocated in-process buffers (hot memory: a ceiling, not a
@@ -141,6 +146,7 @@ def main():
     total = res["wire_bytes"]
     base = {int(k): v for k, v in res["baselines"].items()}
     sender = {int(k): v for k, v in res["sender_only"].items()}
+    legacy = {int(k): v for k, v in res["sender_only_per_tensor"].items()}
     rows = []
     for mode in a.modes:
         for mib in a.bucket_mib:
@@ -148,6 +154,7 @@ def main():
             if not runs:
                 continue
             s = med([r["seconds"] for r in runs])
+            pre = [r["seconds"] for r in res["server_only"] if r["mode"] == mode and r["bucket_mib"] == mib]
             row = {"mode": mode, "bucket_mib": mib, "bytes": runs[0]["bytes"], "buckets": runs[0]["buckets"],
                    "e2e_s": s, "e2e_MBps": runs[0]["bytes"] / s / 1e6,
                    "gather_s": med([r["gather_s"] for r in runs]), "push_s": med([r["push_s"] for r in runs]),
@@ -155,31 +162,38 @@ def main():
                    "sender_only_MBps": sender[mib]["bytes"] / sender[mib]["seconds"] / 1e6,
                    "memcpy_MBps": total / base[mib]["memcpy_s"] / 1e6,
                    "gloo_MBps": total / base[mib]["gloo_bcast_s"] / 1e6,
+                   "sender_only_per_tensor_s": legacy[mib]["seconds"],
                    "rss_delta_MiB": max(r["rss_delta"] for r in runs) / MiB,
                    "sender_only_rss_delta_MiB": sender[mib]["rss_delta"] / MiB,
                    "peak_bucket_MiB": runs[0]["peak_bucket_bytes"] / MiB, "e2e_all_s": [r["seconds"] for r in runs]}
             row["vs_memcpy"] = row["e2e_MBps"] / row["memcpy_MBps"]
             row["vs_gloo"] = row["e2e_MBps"] / row["gloo_MBps"]
+            row["rss_delta_buckets"] = row["rss_delta_MiB"] / row["peak_bucket_MiB"]
+            row["server_only_s"] = med(pre)
+            row["server_only_vs_gloo"] = (total / row["server_only_s"] / 1e6) / row["gloo_MBps"]
             rows.append(row)
 
     out = {"params": n, "wire_bytes": total, "tensors": res["tensors"], "wire_dtype": a.wire_dtype,
            "model": {k: getattr(a, k) for k in ("hidden", "layers", "intermediate", "heads", "kv_heads",
                                                 "head_dim", "vocab")},
            "loadavg_before": load0, "loadavg_after": load1, "worker_wall_s": wall,
-           "build_actor_s": res["build_actor_s"], "baselines": base, "sender_only": sender, "rows": rows,
+           "build_actor_s": res["build_actor_s"], "baselines": base, "sender_only": sender,
+           "sender_only_per_tensor": legacy, "server_only": res["server_only"], "rows": rows,
            "runs": res["runs"]}
     print(f"\nmodel: {n or '?'} parameters, {res['tensors']} HF tensors, {total / 1e6:.1f} MB on the wire "
           f"({a.wire_dtype}); TP=2 actor -> 1 SGLang CPU server; median of {a.repeats} pushes; "
           f"load average {load0[0]:.1f} before / {load1[0]:.1f} after\n")
-    print("| mode | bucket | buckets | end to end (s) | MB/s | gather (s) | push calls (s) | sender only (s) | "
-          "memcpy MB/s | gloo bcast MB/s | e2e / memcpy | e2e / gloo | sender peak RSS delta (MiB) | "
-          "largest bucket (MiB) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| mode | bucket | buckets | end to end (s) | MB/s | export wait (s) | push calls (s) | "
+          "pre-exported push (s) | sender only (s) | sender only, per-tensor path (s) | memcpy MB/s | "
+          "gloo bcast MB/s | e2e / memcpy | e2e / gloo | pre-exported / gloo | sender peak RSS delta (MiB) | "
+          "largest bucket (MiB) | RSS delta / bucket |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['bucket_mib']} MiB | {r['buckets']} | {r['e2e_s']:.2f} | {r['e2e_MBps']:.0f} | "
-              f"{r['gather_s']:.2f} | {r['push_s']:.2f} | {r['sender_only_s']:.2f} | {r['memcpy_MBps']:.0f} | "
-              f"{r['gloo_MBps']:.0f} | {r['vs_memcpy']:.3f}x | {r['vs_gloo']:.2f}x | {r['rss_delta_MiB']:.0f} | "
-              f"{r['peak_bucket_MiB']:.0f} |")
+              f"{r['gather_s']:.2f} | {r['push_s']:.2f} | {r['server_only_s']:.2f} | {r['sender_only_s']:.2f} | "
+              f"{r['sender_only_per_tensor_s']:.2f} | {r['memcpy_MBps']:.0f} | "
+              f"{r['gloo_MBps']:.0f} | {r['vs_memcpy']:.3f}x | {r['vs_gloo']:.2f}x | {r['server_only_vs_gloo']:.2f}x | "
+              f"{r['rss_delta_MiB']:.0f} | {r['peak_bucket_MiB']:.0f} | {r['rss_delta_buckets']:.1f}x |")
     if a.json:
         text = json.dumps(out, indent=1)
         if a.json == "-":

@@ -10,13 +10,18 @@ Per bucket size, two plain copies of the same total bytes in the same bucket siz
     local processes (loopback TCP, the transport of ``distributed`` on CPU), timed on rank 0 from
     a barrier to a barrier after the last broadcast.
 Per mode and bucket size: one warm-up push (it creates the ``distributed`` update group), then
-``repeats`` timed pushes. For each: end to end (``SyncStats.seconds``: from before the first
-tensor is gathered to the servers' answer to ``/end_weight_update``, or to
-``/update_weights_from_disk`` in disk mode; no ``/flush_cache``), the time rank 0 spent inside the
-export iterator (TP gather + HF mapping), the time inside the per-bucket push calls, and the
-sender's peak RSS above its RSS just before the push (sampled every 2 ms by a thread). A
-``sender-only`` pass per bucket size (median of ``baseline_repeats``) runs the same export -> cast -> bucket -> flatten pipeline
-with no server (what the sender costs by itself).
+``repeats`` timed pushes of ``actor.export_hf_state("param")`` (the bucketed export: bf16 cast
+before one gather per bucket to rank 0). For each: end to end (``SyncStats.seconds``: from before
+the first bucket is gathered to the servers' answer to ``/end_weight_update``, or to
+``/update_weights_from_disk`` in disk mode; no ``/flush_cache``), the time rank 0 waited for the
+export to produce buckets (``SyncStats.export_seconds``), the time inside the per-bucket push
+calls, and the sender's peak RSS above its RSS just before the push (sampled every 2 ms by a
+thread). Two ``sender-only`` passes per bucket size (median of ``baseline_repeats``), no server:
+the bucketed export gathered to rank 0 as the sync consumes it, and the per-tensor path it
+replaced (``megatron_to_hf(gather_full_tensors(...))``: an all-gather per tensor, then the cast
+and the flatten copy), for comparison. And per mode and bucket size, ``repeats`` pushes of the
+same buckets exported beforehand (``server_only``): the transport and the server by themselves,
+the ceiling of the end-to-end figure.
 """
 import gc
 import json
@@ -66,21 +71,14 @@ class RssPeak:
         self.delta = self.peak - self.base
 
 
-class Timed:
-    """Wraps an iterator; ``seconds`` is the time spent producing its items."""
+class Precomputed:
+    """Buckets exported beforehand, handed to ``WeightSync.push`` as if they were the export."""
 
-    def __init__(self, it):
-        self.it, self.seconds = iter(it), 0.0
+    def __init__(self, buckets):
+        self.buckets = buckets
 
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        t = time.perf_counter()
-        try:
-            return next(self.it)
-        finally:
-            self.seconds += time.perf_counter() - t
+    def flat_buckets(self, *args, **kwargs):
+        return iter(self.buckets)
 
 
 def chunks(total: int, bucket: int):
@@ -93,6 +91,8 @@ def main():
     from megatron_tepo.actor.actor import MegatronActor
     from megatron_tepo.actor.parallel import ParallelLayout
     from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet
+    from megatron_tepo.models import megatron_to_hf
+    from megatron_tepo.models.sharding import gather_full_tensors
     from megatron_tepo.rollout.weight_sync import WeightSync, flatten_bucket, iter_buckets, tensor_bytes
 
     class TimedSync(WeightSync):
@@ -115,13 +115,21 @@ def main():
     build_s = time.perf_counter() - t0
     fleet = SGLangFleet(FleetConfig(urls=args["urls"], api_keys=args["keys"], request_timeout=600)) \
         if rank == 0 else None
-    res = {"build_actor_s": build_s, "baselines": {}, "sender_only": {}, "runs": [], "rss_after_build": rss()}
+    res = {"build_actor_s": build_s, "baselines": {}, "sender_only": {}, "runs": [], "server_only": [],
+           "rss_after_build": rss()}
 
     # the model's wire bytes and tensor count (one export pass, also a warm-up of the gather)
     total, ntensors = 0, 0
-    for _, t in actor.export_hf_state("param"):
-        total += t.numel() * (wire.itemsize if t.is_floating_point() else t.element_size())
-        ntensors += 1
+    for b in actor.export_hf_state("param").flat_buckets(64 * MiB, dtype=wire, dst=0, reuse=True):
+        total += b.nbytes
+        ntensors += len(b.names)
+    if rank == 0:
+        with torch.no_grad():  # the count travels to rank 1 (the copies below need it)
+            tot = torch.tensor([total, ntensors])
+    else:
+        tot = torch.zeros(2, dtype=torch.int64)
+    dist.broadcast(tot, src=0)
+    total, ntensors = int(tot[0]), int(tot[1])
     res["wire_bytes"], res["tensors"] = total, ntensors
     gloo = dist.new_group(backend="gloo")
 
@@ -156,22 +164,36 @@ def main():
         if rank == 0:
             res["baselines"][mib]["gloo_bcast_s"] = sorted(times)[len(times) // 2]
         del buf
-        # ---- the sender alone: export (TP gather, HF mapping) -> cast -> buckets -> flatten, no server
-        secs, deltas = [], []
-        for _ in range(args["baseline_repeats"]):
-            dist.barrier()
-            with RssPeak() as mem:
-                t = time.perf_counter()
-                nb = 0
-                for bucket in iter_buckets(actor.export_hf_state("param"), bb, wire, align=True):
-                    flat = flatten_bucket(bucket) if rank == 0 else None
-                    nb += sum(tensor_bytes(x) for _, x in bucket)
-                    del bucket, flat
-                secs.append(time.perf_counter() - t)
-            deltas.append(mem.delta)
-        if rank == 0:
-            res["sender_only"][mib] = {"seconds": sorted(secs)[len(secs) // 2], "all_s": secs, "bytes": nb,
-                                       "rss_delta": max(deltas)}
+        # ---- the sender alone, no server: (a) the bucketed export gathered to rank 0 (what the
+        # sync runs); (b) the per-tensor path it replaced: all-gather per tensor, HF mapping, cast,
+        # bucket, flatten copy
+        def bucketed():
+            nb = 0
+            for b in actor.export_hf_state("param").flat_buckets(bb, dtype=wire, dst=0, reuse=True):
+                nb += b.nbytes
+            return nb
+
+        def per_tensor():
+            nb = 0
+            for bucket in iter_buckets(megatron_to_hf(gather_full_tensors(actor.model), actor.family_cfg),
+                                       bb, wire, align=True):
+                flat = flatten_bucket(bucket) if rank == 0 else None
+                nb += sum(tensor_bytes(x) for _, x in bucket)
+                del bucket, flat
+            return nb
+
+        for key, fn in (("sender_only", bucketed), ("sender_only_per_tensor", per_tensor)):
+            secs, deltas = [], []
+            for _ in range(args["baseline_repeats"]):
+                dist.barrier()
+                with RssPeak() as mem:
+                    t = time.perf_counter()
+                    nb = fn()
+                    secs.append(time.perf_counter() - t)
+                deltas.append(mem.delta)
+            if rank == 0:
+                res.setdefault(key, {})[mib] = {"seconds": sorted(secs)[len(secs) // 2], "all_s": secs,
+                                                "bytes": nb, "rss_delta": max(deltas)}
 
     for mode in args["modes"]:
         for mib in args["bucket_mib"]:
@@ -182,18 +204,27 @@ def main():
                 for rep in range(1 + args["repeats"]):
                     dist.barrier()
                     ws.push_s = 0.0
-                    it = Timed(actor.export_hf_state("param"))
                     with RssPeak() as mem:
-                        stats = ws.push(it, flush_cache=False)
+                        stats = ws.push(actor.export_hf_state("param"), flush_cache=False)
                     if rank == 0 and rep > 0:
+                        assert stats.bucketed_export
                         res["runs"].append({"mode": mode, "bucket_mib": mib, "rep": rep, "seconds": stats.seconds,
                                             "bytes": stats.bytes, "buckets": stats.buckets,
-                                            "tensors": stats.tensors, "gather_s": it.seconds,
+                                            "tensors": stats.tensors, "gather_s": stats.export_seconds,
                                             "push_s": ws.push_s, "rss_delta": mem.delta,
                                             "peak_bucket_bytes": stats.peak_bucket_bytes})
                         print(f"[rank0] {mode} {mib} MiB rep {rep}: {stats.seconds:.2f} s "
-                              f"{stats.bytes / stats.seconds / 1e6:.0f} MB/s gather {it.seconds:.2f} s "
+                              f"{stats.bytes / stats.seconds / 1e6:.0f} MB/s gather {stats.export_seconds:.2f} s "
                               f"rss +{mem.delta / MiB:.0f} MiB", flush=True)
+                # the same buckets, exported once beforehand: the transport and the server alone
+                dist.barrier()
+                ready = list(actor.export_hf_state("param").flat_buckets(mib * MiB, dtype=wire, dst=0))
+                if rank == 0:
+                    for rep in range(args["repeats"]):
+                        stats = ws.push(Precomputed(ready), flush_cache=False)
+                        res["server_only"].append({"mode": mode, "bucket_mib": mib, "seconds": stats.seconds,
+                                                   "bytes": stats.bytes})
+                del ready
             finally:
                 ws.close()
     dist.barrier()
