@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--mem-fraction-static", type=float, default=None,
-                    help="default: 0.85 on cuda, 0.05 on cpu")
+                    help="default: 0.85 on cuda, 0.5 on cpu (the KV pool is capped by --max-total-tokens)")
     ap.add_argument("--max-running-requests", type=int, default=None)
     ap.add_argument("--context-length", type=int, default=None)
     ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool in tokens (CPU default 4096)")
@@ -73,7 +73,7 @@ def command(args: argparse.Namespace):
         model_path=args.model_path, host=args.host, python=find_sglang_python(args.python),
         dtype=args.dtype, device=args.device, tp=args.tp,
         mem_fraction_static=args.mem_fraction_static if args.mem_fraction_static is not None
-        else (0.05 if cpu else 0.85),
+        else (0.5 if cpu else 0.85),
         max_total_tokens=args.max_total_tokens if args.max_total_tokens is not None else (4096 if cpu else None),
         max_running_requests=args.max_running_requests, context_length=args.context_length,
         skip_warmup=not args.warmup, extra_args=extra, threads_per_server=args.threads)

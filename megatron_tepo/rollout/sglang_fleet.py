@@ -68,7 +68,10 @@ class FleetConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"                  # cpu or cuda
     tp: int = 1                          # GPUs per server (--tp-size)
-    mem_fraction_static: float = 0.05
+    # CPU: SGLang budgets this fraction of the machine's memory and counts what other processes
+    # allocate while it loads as weights; 0.05 failed on a busy machine. The KV pool itself stays
+    # capped by max_total_tokens.
+    mem_fraction_static: float = 0.5
     max_total_tokens: Optional[int] = 4096
     max_running_requests: Optional[int] = None  # None: SGLang's default
     context_length: Optional[int] = None        # None: the model's

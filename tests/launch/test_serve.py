@@ -22,7 +22,7 @@ def test_cpu_command_and_env():
     argv, env = server_command(cfg, 1234, "key", base_env=base)
     assert argv[:3] == ["/py", "-m", "sglang.launch_server"]
     assert argv[3:] == ["--model-path", "/m", "--host", "127.0.0.1", "--port", "1234", "--api-key", "key",
-                        "--dtype", "bfloat16", "--device", "cpu", "--mem-fraction-static", "0.05",
+                        "--dtype", "bfloat16", "--device", "cpu", "--mem-fraction-static", "0.5",
                         "--skip-server-warmup", "--max-total-tokens", "4096", *CPU_FLAGS]
     assert env == {"KEEP": "k", "OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3", "SGLANG_USE_CPU_ENGINE": "1",
                    "CUDA_VISIBLE_DEVICES": "", "X": "1"}
