@@ -6,12 +6,16 @@
 Started as a plain script it first checks the input (architecture known, TP/PP/EP valid for the
 model, every HF tensor present with the shape config.json implies -- headers only, nothing
 created), then re-launches itself under torchrun with tp*pp*ep local gloo processes (one
-thread each); already under torchrun it just runs. Each rank reads, with safe_open, only the HF
-tensors of its own pipeline stage, layer by layer, and fills its TP shard through
-megatron_tepo.models (the one HF<->Megatron mapping); the result is a torch_dist checkpoint from
-``GPTModel.sharded_state_dict()``, loadable at any other TP/PP, plus ``hf_source/`` (config,
-generation config, tokenizer) and ``megatron_tepo_checkpoint.json`` so that
-tools/convert_megatron_to_hf.py needs nothing else. Progress is printed per layer on rank 0.
+thread each); already under torchrun it just runs. Each rank streams: it reads only the HF
+tensors of its own pipeline stage (and experts), layer by layer, maps them through
+megatron_tepo.models (the one HF<->Megatron mapping) and writes each piece of its shard as soon
+as it is cut, into a torch_dist checkpoint laid out by ``GPTModel.sharded_state_dict()`` of an
+untouched model skeleton -- the same keys and bytes as megatron-core's own save, loadable at any
+other TP/PP -- plus ``hf_source/`` (config, generation config, tokenizer) and
+``megatron_tepo_checkpoint.json`` so that tools/convert_megatron_to_hf.py needs nothing else.
+Peak memory per rank is the process baseline (~0.4 GiB of imports) plus about one layer or the
+largest single tensor (embedding / lm_head), not the model: 0.30x of a 1.9 GiB model at TP=1
+(docs/BENCHMARKS.md). Progress is printed per layer on rank 0.
 The output appears only when complete (written to ``<out>.tmp-<pid>``, then renamed; removed on
 any error); an existing --out is refused unless --force.
 

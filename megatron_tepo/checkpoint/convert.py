@@ -4,20 +4,35 @@ The name/tensor mapping is NOT here: it is :mod:`megatron_tepo.models` (``hf_to_
 ``megatron_to_hf`` / ``load_hf_weights_into``'s TP/PP placement). This module only moves tensors
 between files and models, streaming, and guards the output directory.
 
-HF -> Megatron (:func:`convert_hf_to_megatron`), run on ``tp*pp*ep`` ranks (gloo):
+HF -> Megatron (:func:`convert_hf_to_megatron`), run on ``tp*pp*ep`` ranks (gloo), streaming:
   1. every rank checks the input before anything is created: family known (else the error names
      the architecture), layout valid (TP dividing heads etc., named), every HF tensor present with
      the shape ``config.json`` implies and none unexpected (named) -- from safetensors headers only;
-  2. each rank builds its pipeline stage of the ``GPTModel`` (no random init) and streams the HF
-     tensors in layer order through ``models.hf_to_megatron``: tensors of its own stage are read
-     with ``safe_open``, the others pass as ``meta`` stand-ins (shape only, no data read), so the
-     mapping still sees -- and checks -- every tensor exactly once while the rank's peak stays at
-     its shard plus one layer; ``models``' placement then fills and checks every local parameter;
-  3. ``dist_checkpointing.save(model.sharded_state_dict())`` (torch_dist) -- loadable at any TP/PP;
+  2. each rank builds its pipeline stage of the ``GPTModel`` as a skeleton (no init: its
+     ``torch.empty`` storage is never touched, so not resident) only for megatron's own
+     ``sharded_state_dict()``: the key, global shape/offset, local shape and replica id of every
+     piece it saves (TP splits, fused QKV rows, the gate/up halves of ``linear_fc1``, stacked
+     layers, experts);
+  3. ``dist_checkpointing.save`` with :class:`~.dist_writer.StreamingTorchDistSave` (torch_dist,
+     the same format, keys and bytes as megatron's own strategy writes -- tested): the writer walks
+     the rank's pieces in layer order and each piece is cut, when it is written, from the full
+     Megatron tensor that ``models.hf_to_megatron`` produced from the HF stream; a full tensor is
+     dropped once its last piece is written. HF tensors of other stages / experts pass as ``meta``
+     stand-ins (shape only, nothing read), so the mapping still sees -- and checks -- every
+     tensor exactly once; tensors it only renames (embedding, norms, ``o_proj``, ``down_proj``,
+     ``lm_head``) are read (plain positioned file reads, no mmap) only when written, the fused
+     q/k/v and gate/up pieces as the layer streams. Peak per rank: the process baseline
+     (torch + megatron-core + transformers, ~0.4 GiB) plus about one layer, or the largest single
+     tensor (embedding / ``lm_head``) while it is written -- 0.30x of a 1.9 GiB model at TP=1
+     (docs/BENCHMARKS.md); every piece of the rank written and every HF tensor consumed is checked
+     at the end;
   4. sidecars: ``megatron_tepo_checkpoint.json`` (family, dtype, saved layout, HF tensor names /
      dtypes / shapes) and ``hf_source/`` (config, generation config, tokenizer files).
   Output goes to ``<out>.tmp-<pid>`` and is renamed to ``<out>`` only when complete; any error on
-  any rank removes it. An existing ``<out>`` is refused unless ``force``.
+  any rank removes it. An existing ``<out>`` is refused unless ``force``. ``streaming=False``
+  keeps the whole-model reference path (fill an initialised model through ``models``' TP/PP
+  placement, then megatron-core's own ``dist_checkpointing.save``; ~2.2x the model at TP=1):
+  the tests compare both outputs item by item.
 
 Megatron -> HF (:func:`convert_megatron_to_hf`), one process, streaming: the TP=PP=EP=1 model is
 built without init (its ``torch.empty`` storage stays untouched, so not resident) only to get
@@ -46,7 +61,11 @@ at (tests/checkpoint/test_convert_roundtrip.py::test_qwen3_moe_ep2_and_ep1).
 
 Left out: grouped-GEMM expert layouts, virtual pipeline stages, the Transformer-Engine spec on
 export (the checkpoint keys are the same for both specs; export builds the local spec),
-optimizer state.
+optimizer state. On import, a TP rank reads the whole HF tensor of a layer and keeps its slice
+(no partial reads of row ranges), and with tied embeddings at PP>1 megatron's model init
+all-reduces the embedding between the first and last stage, which makes that tensor resident
+on both; a tied checkpoint that also stores ``lm_head.weight`` holds both copies until the
+mapping has compared them at the end.
 """
 from __future__ import annotations
 
@@ -206,10 +225,11 @@ _HF_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 
 
 def _needed_by_stage(family_cfg, layers: set, first: bool, last: bool, tied_alias: bool,
-                     experts: Optional[set] = None):
+                     experts: Optional[set] = None, tied_output: bool = True):
     """Which HF names this rank must really read (the rest pass as meta stand-ins). ``experts``:
-    the global expert indices this rank holds (expert parallelism); None = all."""
-    tied = family_cfg.tie_word_embeddings
+    the global expert indices this rank holds (expert parallelism); None = all. ``tied_output``:
+    the last stage fills its tied ``output_layer`` copy from the embedding."""
+    tied = family_cfg.tie_word_embeddings and tied_output
 
     def needed(name: str) -> bool:
         layer = hf_layer_index(name)
@@ -227,7 +247,11 @@ def _needed_by_stage(family_cfg, layers: set, first: bool, last: bool, tied_alia
     return needed
 
 
-def _hf_stream(ckpt: LazyHFCheckpoint, needed, num_layers: int, progress: bool, stats: dict):
+def _hf_stream(ckpt: LazyHFCheckpoint, needed, num_layers: int, progress: bool, stats: dict,
+               deferred: Optional["_DeferredReads"] = None):
+    """HF ``(name, tensor)`` in streaming order: read when ``needed``, else a meta stand-in. With
+    ``deferred``, a needed tensor that the mapping only renames is handed on as a registered
+    stand-in and read when the writer reaches it (:class:`_DeferredReads`)."""
     current, t0 = None, time.time()
     for name in streaming_order(ckpt.names()):
         layer = hf_layer_index(name)
@@ -236,9 +260,51 @@ def _hf_stream(ckpt: LazyHFCheckpoint, needed, num_layers: int, progress: bool, 
             _log(f"layer {layer + 1}/{num_layers} ({time.time() - t0:.1f}s)", progress)
         if needed(name):
             stats["read"] += 1
-            yield name, ckpt.get(name)
+            if deferred is not None and name in deferred.names:
+                yield name, deferred.stand_in(name)
+            else:
+                yield name, ckpt.get(name)
         else:
             yield name, ckpt.meta_tensor(name)
+
+
+class _DeferredReads:
+    """HF tensors the mapping hands on unchanged (pure renames: embedding, norms, ``o_proj``,
+    ``down_proj``, ``lm_head``, ...), found by a dry run of the mapping over meta stand-ins
+    (which also runs its name checks before anything is written). In the real pass they travel
+    through the mapping as registered meta stand-ins and :meth:`materialize` reads them when the
+    writer needs them -- so the mapping, which keeps a reference to the embedding for its
+    tied-alias check, holds no data, and such a tensor lives only while its pieces are written.
+    Fused pieces (q/k/v, gate/up) are read as they stream, since the mapping concatenates them.
+    With a stored tied ``lm_head`` both it and the embedding are read up front: the mapping
+    compares them at the end."""
+
+    def __init__(self, ckpt: LazyHFCheckpoint, family_cfg):
+        self.ckpt = ckpt
+        stand_ins = {n: ckpt.meta_tensor(n) for n in ckpt.names()}
+        tied_alias = family_cfg.tie_word_embeddings and "lm_head.weight" in ckpt
+        order = [n for n in streaming_order(ckpt.names()) if not (tied_alias and n == "lm_head.weight")]
+        by_id = {id(t): n for n, t in stand_ins.items()}
+        self.names: set = set()
+        for _, out in hf_to_megatron(((n, stand_ins[n]) for n in order), family_cfg):
+            n = by_id.get(id(out))
+            if n is not None and stand_ins[n] is out:
+                self.names.add(n)
+        if tied_alias:
+            self.names -= {"model.embed_tokens.weight", "lm_head.weight"}
+        self._pending: dict = {}
+
+    def stand_in(self, name: str) -> torch.Tensor:
+        t = self.ckpt.meta_tensor(name)
+        self._pending[id(t)] = (t, name)  # kept alive: its id stays unique until materialised
+        return t
+
+    def materialize(self, tensor: torch.Tensor) -> torch.Tensor:
+        hit = self._pending.get(id(tensor))
+        if hit is None or hit[0] is not tensor:
+            return tensor
+        del self._pending[id(tensor)]
+        return self.ckpt.get(hit[1])
 
 
 def _params_dtype(ckpt: LazyHFCheckpoint) -> torch.dtype:
@@ -247,11 +313,14 @@ def _params_dtype(ckpt: LazyHFCheckpoint) -> torch.dtype:
 
 
 def convert_hf_to_megatron(hf_dir, out_dir, tp: int = 1, pp: int = 1, ep: int = 1, force: bool = False,
-                           progress: bool = True) -> Path:
+                           progress: bool = True, streaming: bool = True) -> Path:
     """Write ``hf_dir`` (safetensors) as a megatron-core torch_dist checkpoint at ``out_dir``.
 
     Collective over the default process group, whose size must be ``tp*pp*ep`` (a 1-process gloo
-    group is started when none exists). See the module docstring."""
+    group is started when none exists). See the module docstring. ``streaming=False`` is the
+    whole-model reference path (fill an initialised model, megatron's own
+    ``dist_checkpointing.save``): same checkpoint, ~2.3x the rank's share of the model in
+    memory; the tests compare the two."""
     ensure_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(out_dir).absolute()
@@ -274,27 +343,13 @@ def convert_hf_to_megatron(hf_dir, out_dir, tp: int = 1, pp: int = 1, ep: int = 
         if world > 1:
             dist.barrier()
         _agree(initialize_parallel, ParallelLayout(tp=tp, pp=pp, ep=ep), family_cfg, backend="gloo")
-        from megatron.core import dist_checkpointing
-        from megatron.core import parallel_state as ps
-
         params_dtype = _params_dtype(ckpt)
-        model = _agree(build_gpt_model, family_cfg, params_dtype)
-        layers = set(layer_offsets(model).values())
-        held = expert_indices(model)
-        experts = {e for es in held.values() for e in es} if held else None
-        tied_alias = family_cfg.tie_word_embeddings and "lm_head.weight" in ckpt
-        needed = _needed_by_stage(family_cfg, layers, ps.is_pipeline_first_stage(),
-                                  ps.is_pipeline_last_stage(), tied_alias, experts)
-        stats = {"read": 0}
         _log(f"{family_cfg.family}: {family_cfg.num_layers} layers, {len(ckpt.names())} HF tensors, "
-             f"tp={tp} pp={pp} ep={ep}, dtype {dtype_name(params_dtype)} -> {out}", progress)
-        _agree(lambda: load_megatron_state_into(
-            [model], hf_to_megatron(_hf_stream(ckpt, needed, family_cfg.num_layers, progress, stats), family_cfg),
-            family_cfg.tie_word_embeddings))
+             f"tp={tp} pp={pp} ep={ep}, dtype {dtype_name(params_dtype)}"
+             f"{'' if streaming else ', whole-model reference path'} -> {out}", progress)
+        save = _save_streaming if streaming else _save_from_filled_model
+        save(tmp, family_cfg, ckpt, params_dtype, progress)
         ckpt.close()
-        _log(f"read and placed in {time.time() - t_start:.1f}s; saving torch_dist checkpoint", progress)
-        dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
-        del model
         if rank == 0:
             _agree(_write_sidecars, tmp, hf_dir, family_cfg, ckpt, params_dtype, tp, pp, ep)
         else:
@@ -311,6 +366,77 @@ def convert_hf_to_megatron(hf_dir, out_dir, tp: int = 1, pp: int = 1, ep: int = 
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _stage_reads(model, family_cfg, ckpt: LazyHFCheckpoint, tied_output_read: bool):
+    """``needed(hf_name)`` for this rank's stage / experts (see :func:`_needed_by_stage`)."""
+    from megatron.core import parallel_state as ps
+
+    layers = set(layer_offsets(model).values())
+    held = expert_indices(model)
+    experts = {e for es in held.values() for e in es} if held else None
+    tied_alias = family_cfg.tie_word_embeddings and "lm_head.weight" in ckpt
+    last = ps.is_pipeline_last_stage()
+    return _needed_by_stage(family_cfg, layers, ps.is_pipeline_first_stage(), last, tied_alias, experts,
+                            tied_output=tied_output_read)
+
+
+last_import_stats: dict = {}  # this rank's last streaming import: bytes written, most full-tensor bytes held
+
+
+def _save_streaming(tmp: Path, family_cfg, ckpt: LazyHFCheckpoint, params_dtype, progress: bool) -> None:
+    """The rank's skeleton model gives the checkpoint's structure; the HF tensors stream through
+    the mapping into :class:`~.dist_writer.StreamingTorchDistSave`, piece by piece in layer
+    order (module docstring)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    from megatron_tepo.models.sharding import global_named_parameters
+
+    from .dist_writer import ShardSource, StreamingTorchDistSave
+
+    t0 = time.time()
+    model = _agree(build_gpt_model, family_cfg, params_dtype, initialize=False)
+    # The last stage's tied output_layer copy is a non-main replica of the embedding (the first
+    # stage writes it), so that stage never needs the HF embedding's data.
+    needed = _stage_reads(model, family_cfg, ckpt, tied_output_read=False)
+
+    def make_source():
+        sharded = model.sharded_state_dict()
+        apply_factories(sharded)
+        sts = [v for v in nested_values(sharded) if isinstance(v, ShardedTensor)]
+        stats = {"read": 0}
+        deferred = _DeferredReads(ckpt, family_cfg)
+        stream = hf_to_megatron(_hf_stream(ckpt, needed, family_cfg.num_layers, progress, stats, deferred),
+                                family_cfg)
+        return sharded, ShardSource(sts, list(global_named_parameters(model)), stream, params_dtype,
+                                    tied=family_cfg.tie_word_embeddings, materialize=deferred.materialize,
+                                    on_release=_trim_heap)
+
+    sharded, source = _agree(make_source)
+    _agree(dist_checkpointing.save, sharded, str(tmp), sharded_strategy=StreamingTorchDistSave(source))
+    _agree(source.finish)
+    last_import_stats.clear()
+    last_import_stats.update(bytes_written=source.bytes_written, peak_cached_bytes=source.peak_cached_bytes)
+    _log(f"streamed and saved in {time.time() - t0:.1f}s (rank 0: {source.bytes_written / 2**20:.0f} MiB "
+         f"written, at most {source.peak_cached_bytes / 2**20:.0f} MiB of full tensors held)", progress)
+
+
+def _save_from_filled_model(tmp: Path, family_cfg, ckpt: LazyHFCheckpoint, params_dtype, progress: bool) -> None:
+    """Reference path: fill the rank's initialised stage through ``models``' TP/PP placement
+    (``load_megatron_state_into``), then megatron-core's own ``dist_checkpointing.save``."""
+    from megatron.core import dist_checkpointing
+
+    t0 = time.time()
+    model = _agree(build_gpt_model, family_cfg, params_dtype)
+    needed = _stage_reads(model, family_cfg, ckpt, tied_output_read=True)
+    stats = {"read": 0}
+    _agree(lambda: load_megatron_state_into(
+        [model], hf_to_megatron(_hf_stream(ckpt, needed, family_cfg.num_layers, progress, stats), family_cfg),
+        family_cfg.tie_word_embeddings))
+    _log(f"read and placed in {time.time() - t0:.1f}s; saving torch_dist checkpoint", progress)
+    dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
 
 
 def _write_sidecars(tmp: Path, hf_dir, family_cfg, ckpt: LazyHFCheckpoint, params_dtype, tp, pp, ep):

@@ -1,8 +1,9 @@
 """torchrun worker for tests/checkpoint: convert / load / compare, results via write_result.
 
-    convert_worker.py import  ROOT TP PP VARIANT[,VARIANT..] [--logits] [--ep N]
-        ROOT/hf-<v> -> ROOT/mg-<v>-tp{TP}pp{PP}[ep{N}]; with --logits also build the model at
-        TP/PP/EP, load the checkpoint and compare logits with the HF model.
+    convert_worker.py import  ROOT TP PP VARIANT[,VARIANT..] [--logits] [--ep N] [--reference]
+        ROOT/hf-<v> -> ROOT/mg-<v>-tp{TP}pp{PP}[ep{N}] (streaming; reports the rank's import stats);
+        with --logits also build the model at TP/PP/EP, load the checkpoint and compare logits with
+        the HF model; with --reference also write ROOT/mg-<v>-...-ref by the whole-model path.
     convert_worker.py logits  CKPT HFDIR TP PP [EP]  load CKPT at TP/PP/EP, compare logits with HFDIR
     convert_worker.py roundtrip ROOT VARIANT[,..]  (1 process) hf -> megatron (TP=1) -> hf, torch.equal
     convert_worker.py export  ROOT SUFFIX VARIANT[,..] (1 process) ROOT/mg-<v>-SUFFIX -> hf, torch.equal
@@ -100,8 +101,14 @@ def main():
         for v in variants:
             ckpt = root / (f"mg-{v}-tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else ""))
             convert_hf_to_megatron(root / f"hf-{v}", ckpt, tp=tp, pp=pp, ep=ep, progress=False)
+            from megatron_tepo.checkpoint import convert as convert_module
+
+            res[v] = {"import_stats": dict(convert_module.last_import_stats)}
+            if "--reference" in rest:
+                convert_hf_to_megatron(root / f"hf-{v}", ckpt.with_name(ckpt.name + "-ref"), tp=tp, pp=pp,
+                                       ep=ep, progress=False, streaming=False)
             if "--logits" in rest:
-                res[v] = compare_logits(ckpt, root / f"hf-{v}", tp, pp, ep)
+                res[v].update(compare_logits(ckpt, root / f"hf-{v}", tp, pp, ep))
     elif mode == "logits":
         res = compare_logits(rest[0], rest[1], int(rest[2]), int(rest[3]),
                              int(rest[4]) if len(rest) > 4 else 1)
