@@ -529,25 +529,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"sbatch script: {sbatch}")
             return 0
         exp.run(detach=args.detach, tail_logs=False)
-        if args.executor == "slurm":
-            for job in exp.jobs:
-                for handle in getattr(job, "handles", None) or [getattr(job, "handle", "")]:
-                    if handle:
-                        print(f"slurm job: {handle.rstrip('/').rsplit('/', 1)[-1]}", flush=True)
-        if args.detach:
-            print(f"submitted: experiment {exp._id} in {exp._exp_dir}")
-            return 0
-        states = job_states(exp)
-    print(f"experiment {exp._id}: {states}")
-    return 0 if states and all(s == "SUCCEEDED" for s in states.values()) else 1
+        status = exp.status(return_dict=True) if args.detach else wait_terminal(exp, args.monitor_interval)
+    for info in status.values():
+        if args.executor == "slurm" and info.get("job_id"):
+            print(f"slurm job: {info['job_id']}", flush=True)
+    if args.detach:
+        print(f"submitted: experiment {exp._id} in {exp._exp_dir}")
+        return 0
+    states = {name: getattr(info.get("status"), "name", str(info.get("status"))) for name, info in status.items()}
+    print(f"experiment {exp._id}: " + ", ".join(f"{k} {v}" for k, v in states.items()))
+    return 0 if states and all(v == "SUCCEEDED" for v in states.values()) else 1
 
 
-def job_states(exp) -> Dict[str, str]:
-    out = {}
-    for job in exp.jobs:
-        states = getattr(job, "states", None) or [getattr(job, "state", None)]
-        out[job.id] = ",".join(str(getattr(s, "name", s)) for s in states)
-    return out
+def wait_terminal(exp, poll: float) -> dict:
+    """``exp.status`` until every job is SUCCEEDED, FAILED or CANCELLED. nemo-run's own wait gives up
+    with UNKNOWN when ``sacct`` does not list a fresh job within ~10 polls (slurmdbd lags under
+    load) and then returns while the job still runs; this keeps polling (the job's time limit
+    bounds it)."""
+    from torchx.specs.api import is_terminal
+
+    while True:
+        status = exp.status(return_dict=True) or {}
+        if status and all(info.get("status") is not None and is_terminal(info["status"])
+                          for info in status.values()):
+            return status
+        time.sleep(max(1.0, poll))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ def test_tiny_cpu_job_runs_through_nemo_run_slurm_executor(tmp_path):
         [sys.executable, str(TOOL), "--launch", str(ROOT / "examples" / "models" / "tiny_cpu.yaml"),
          "--executor", "slurm", "--account", "local", "--partition", "local", "--time", "00:30:00",
          "--monitor-interval", "3", "--health-timeout", "600", "--nemorun-home", str(tmp_path / "home"),
+         "--python", sys.executable,  # the nodes' python: this one (the project venv)
          f"model.path={tiny / 'model'}", f"data.train_files=[{tiny / 'train.jsonl'}]",
          f"train.output_dir={out}", f"train.steps={STEPS}"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
