@@ -126,7 +126,11 @@ class EmbeddedEngine(RolloutEngine):
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Copy every tensor into the model; the stream must cover every parameter (a partial
+        update -- e.g. one pipeline stage only -- is an error naming what is missing)."""
+        seen = set()
         for name, tensor in named_tensors:
+            seen.add(name)
             param = self._params.get(name)
             if param is None:
                 raise KeyError(f"EmbeddedEngine.update_weights: unknown parameter {name!r} "
@@ -134,6 +138,10 @@ class EmbeddedEngine(RolloutEngine):
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(param.shape)}")
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+        missing = sorted(set(self._params) - seen)
+        if missing:
+            raise ValueError(f"EmbeddedEngine.update_weights: {len(missing)} of {len(self._params)} parameters "
+                             f"were not in the stream (the engine now mixes old and new weights), e.g. {missing[:4]}")
 
     def flush_cache(self) -> None:
         pass  # the KV cache lives only inside one generate() call

@@ -212,6 +212,10 @@ def sync_weights(actor, engine) -> float:
     driver) drain it."""
     t = time.time()
     named = actor.export_hf_state()
+    if getattr(engine, "weight_sync", None) is None and callable(getattr(named, "flat_buckets", None)):
+        # a plain consumer (the embedded engine, a follower): every pipeline stage's tensors are
+        # gathered to the driver (a WeightSync does this itself, to its sender)
+        named = (nt for bucket in named.flat_buckets(dst=0) for nt in bucket.named_tensors())
     if engine is None:
         for _ in named:
             pass

@@ -125,6 +125,10 @@ def test_update_weights_from_hf_stream(model):
         eng.update_weights([("model.nope.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match="shape"):
         eng.update_weights([("lm_head.weight", torch.zeros(3, 3))])
+    # a stream missing parameters (e.g. one pipeline stage only) is an error naming them
+    partial = [(n, t.clone()) for n, t in other.state_dict().items() if ".layers.1." not in n]
+    with pytest.raises(ValueError, match=r"parameters were not in the stream.*layers\.1\."):
+        eng.update_weights(partial)
 
 
 def test_bad_arguments(model):

@@ -1,5 +1,5 @@
 """tools/train.py under torchrun: rank 0 drives (generates, scores, logs) and broadcasts; every rank
-runs the actor. The same run at TP=2 and at DP=2 reproduces the one-process run; with a real SGLang
+runs the actor. The same run at TP=2, DP=2 and PP=2 reproduces the one-process run (the engine on rank 0 gets every pipeline stage's weights: drift stays ~1e-6); with a real SGLang
 server as the engine (marker sglang) a TP=2 run syncs weights every step and resumes."""
 import json
 import os
@@ -47,7 +47,7 @@ def _single(tiny, out, *extra):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.tp=1"], ids=["tp2", "dp2"])
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.tp=1", "parallel.pp=2"], ids=["tp2", "dp2", "pp2"])
 def test_two_processes_match_one(tiny, tmp_path, layout):
     ref = _single(tiny, tmp_path / "one", "train.steps=2")
     torchrun(REPO / "tools/train.py", 2, *_args(tiny, tmp_path / "two", "train.steps=2", layout), tmp_path=tmp_path)
@@ -59,6 +59,7 @@ def test_two_processes_match_one(tiny, tmp_path, layout):
         # the actor's numbers agree to fp32 noise (TP splits the matmuls; DP splits the rows)
         for key in ("loss", "entropy", "grad_norm", "approx_kl"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+        assert b["drift_max"] < 1e-4  # the fp32 engine holds exactly the actor's weights after each sync
     from megatron_tepo.actor.checkpointing import find_latest_checkpoint
 
     assert find_latest_checkpoint(tmp_path / "two" / "checkpoints").name == "step_2"
