@@ -299,12 +299,38 @@ class _DeferredReads:
         self._pending[id(t)] = (t, name)  # kept alive: its id stays unique until materialised
         return t
 
-    def materialize(self, tensor: torch.Tensor) -> torch.Tensor:
+    def materialize(self, tensor: torch.Tensor):
+        """A registered stand-in -> :class:`_DeferredTensor` (read when indexed); else ``tensor``."""
         hit = self._pending.get(id(tensor))
         if hit is None or hit[0] is not tensor:
             return tensor
         del self._pending[id(tensor)]
-        return self.ckpt.get(hit[1])
+        return _DeferredTensor(self.ckpt, hit[1])
+
+
+class _DeferredTensor:
+    """An HF tensor read only when a piece of it is asked for (``t[index]``): a dim-0 range with
+    the other dims whole -- a TP rank's rows of the embedding / ``lm_head`` / a column-parallel
+    weight -- is read alone (a contiguous byte range); any other region reads the whole tensor
+    and slices it."""
+
+    is_meta = False
+    held_bytes = 0  # holds no data
+
+    def __init__(self, ckpt: LazyHFCheckpoint, name: str):
+        self.ckpt, self.name = ckpt, name
+        self.shape = torch.Size(ckpt.shape(name))
+        self.dtype = ckpt.dtype(name)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        index = tuple(index)
+        rest_whole = all(sl.start in (0, None) and sl.stop in (d, None) and sl.step in (1, None)
+                         for sl, d in zip(index[1:], self.shape[1:]))
+        if self.shape and index and rest_whole and index[0].step in (1, None):
+            first = index[0]
+            return self.ckpt.get(self.name, rows=(first.start or 0,
+                                                  self.shape[0] if first.stop is None else first.stop))
+        return self.ckpt.get(self.name)[index]
 
 
 def _params_dtype(ckpt: LazyHFCheckpoint) -> torch.dtype:

@@ -59,6 +59,11 @@ def order_key(name: str) -> Tuple[int, int]:
     return (2, 0)
 
 
+def _held_bytes(t) -> int:
+    held = getattr(t, "held_bytes", None)
+    return t.numel() * t.element_size() if held is None else held
+
+
 class ShardSource:
     """The data of every main-replica ``ShardedTensor`` of one rank, produced on demand.
 
@@ -67,7 +72,8 @@ class ShardSource:
     ``tensors``: the ``(global name, full tensor)`` stream. ``dtype``: the dtype written.
     ``tied``: tied embeddings (the last stage's ``output_layer.weight`` is the embedding).
     ``materialize``: applied to a streamed tensor this rank needs before use (turns a deferred
-    stand-in into data); ``on_release``: called after a full tensor is dropped (heap trim)."""
+    stand-in into something indexable that reads on ``[index]``, with ``shape``, ``is_meta`` and
+    ``held_bytes``); ``on_release``: called after a full tensor is dropped (heap trim)."""
 
     def __init__(self, sharded_tensors, named_params, tensors: Iterable[Tuple[str, torch.Tensor]],
                  dtype: torch.dtype, tied: bool = False,
@@ -143,7 +149,7 @@ class ShardSource:
                     raise ValueError(f"{got!r}: full tensor {tuple(tensor.shape)}, the model's "
                                      f"checkpoint tensor needs {self.expected_shape[got]}")
                 self._cache[got] = tensor
-                cached = sum(t.numel() * t.element_size() for t in self._cache.values())
+                cached = sum(_held_bytes(t) for t in self._cache.values())
                 self.peak_cached_bytes = max(self.peak_cached_bytes, cached)
         return self._cache[name]
 

@@ -121,9 +121,10 @@ class LazyHFCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._meta
 
-    def get(self, name: str) -> torch.Tensor:
-        """Read one tensor: its bytes straight from the file into a fresh tensor (safetensors
-        stores raw little-endian data, so this is bit for bit what ``safe_open`` returns)."""
+    def get(self, name: str, rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+        """Read one tensor -- or only its rows ``[a, b)`` along dim 0, a contiguous byte range --
+        straight from the file into a fresh tensor (safetensors stores raw little-endian data,
+        so this is bit for bit what ``safe_open`` returns)."""
         if sys.byteorder != "little":
             raise RuntimeError("LazyHFCheckpoint.get reads raw little-endian safetensors data: "
                                "big-endian hosts are not supported")
@@ -132,10 +133,15 @@ class LazyHFCheckpoint:
         numel = 1
         for d in shape:
             numel *= int(d)
-        itemsize = torch.empty((), dtype=dt).element_size()
-        if end - start != numel * itemsize:
+        if end - start != numel * dt.itemsize:
             raise ValueError(f"HF tensor {name!r} in {self._file_of[name].name}: {end - start} data "
                              f"bytes for shape {shape} and dtype {dtype_name(dt)}")
+        if rows is not None:
+            a, b = int(rows[0]), int(rows[1])
+            if not shape or not 0 <= a <= b <= shape[0]:
+                raise ValueError(f"HF tensor {name!r} of shape {shape}: no rows [{a}, {b})")
+            row_bytes = (end - start) // shape[0] if shape[0] else 0
+            start, end, shape = start + a * row_bytes, start + b * row_bytes, (b - a,) + tuple(shape[1:])
         raw = torch.empty(end - start, dtype=torch.uint8)
         if end > start:
             fh = self._handles.get(self._file_of[name])
