@@ -4,8 +4,8 @@
 # One job = the Megatron actor on the first ACTOR nodes of the allocation + an SGLang fleet on the
 # next ROLLOUT nodes (or, with launch.rollout_nodes: 0 and launch.device: cpu, on the actor nodes
 # themselves: "colocated", the tiny CPU job of slurm/local_cpu_tepo.sh). tepo_main runs, in order:
-#   1. the fit check (tools/fit_check.py): per-GPU memory of the actor and the servers; a misfit
-#      stops the job before any srun, with the setting to change. It also writes the RunConfig the
+#   1. the fit check (tools/fit_check.py): per-GPU memory of the actor and the servers (CPU: the
+#      layout rules only); a misfit stops the job before any srun, with the setting to change. It also writes the RunConfig the
 #      trainer reads ($RUN_DIR/run.yaml) and the FIT_* variables (node counts, SGLang TP, ...).
 #   2. the node split (tepo_split_nodes), NCCL settings (tepo_nccl_env);
 #   3. SGLang servers with srun on the rollout nodes (GPUS_PER_NODE / SGLANG_TP servers per node,
@@ -35,6 +35,8 @@
 #   TEPO_PYTHON                 python with megatron_tepo (default: .venv/bin/python, else python3)
 #   TEPO_SRUN_ARGS              srun arguments per step (default: --gpus-per-node=<gpus> on cuda,
 #                               --overlap on cpu)
+#   MTEPO_SGLANG_PYTHON         the python with sglang (default .venv-sglang/bin/python, else TEPO_PYTHON
+#                               if it imports sglang); read by megatron_tepo.rollout.serve
 #   TEPO_SGLANG_API_KEY         if set, every server requires this API key (the trainer reads the same
 #                               variable); unset: no key (servers listen on the cluster network)
 #   TEPO_HEALTH_TIMEOUT         seconds to wait for the SGLang servers (default 1800)
