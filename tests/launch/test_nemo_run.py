@@ -8,6 +8,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ def _env(**extra):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "TEPO_", "NEMORUN_")) and k not in
            ("MODEL_PATH", "TRAIN_FILES", "OUTPUT_DIR", "ACTOR_NODES", "ROLLOUT_NODES")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="200", **extra)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **extra})
     return env
 
 
@@ -219,3 +220,96 @@ def test_slurm_needs_an_account(tmp_path):
     res = subprocess.run([sys.executable, str(TOOL), "--launch", str(LAUNCH), "--dryrun"],
                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)
     assert res.returncode == 2 and "--account is required" in res.stderr
+
+
+def test_local_executor_dryrun_renders_both_tasks(tmp_path):
+    res = subprocess.run([sys.executable, str(TOOL), "--launch", str(ROOT / "examples" / "models" / "tiny_cpu.yaml"),
+                          "--executor", "local", "--dryrun", "--nemorun-home", str(tmp_path / "home"),
+                          f"train.output_dir={tmp_path / 'out'}"],
+                         capture_output=True, text=True, env=_env(COLUMNS="400"), cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout
+    for word in ("'step-sglang'", "'step-trainer'", "'megatron_tepo.rollout.serve'", "'torch.distributed.run'",
+                 "'--nproc-per-node=2'", "'--standalone'", "'--device'", "'cpu'"):
+        assert word in out, word
+
+
+def test_local_executor_refuses_a_multi_node_layout(tmp_path):
+    res = subprocess.run([sys.executable, str(TOOL), "--launch", str(LAUNCH), "--executor", "local", "--dryrun",
+                          "--nemorun-home", str(tmp_path / "home"), f"train.output_dir={tmp_path / 'out'}"],
+                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert res.returncode == 1 and "needs launch.actor_nodes=1" in res.stderr
+    assert not (tmp_path / "home").exists()
+
+
+# ---- the two steps' end-of-job protocol (what runs on the nodes), with stand-in commands ----
+def _health_server():
+    import http.server
+    import threading
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def _step_cmd(*args):
+    return [sys.executable, str(TOOL), *args]
+
+
+def test_step_trainer_waits_for_health_and_records_its_status(tmp_path):
+    srv = _health_server()
+    done = tmp_path / "done.1.0"
+    try:
+        res = subprocess.run(_step_cmd("step-trainer", "--urls", f"http://127.0.0.1:{srv.server_port}",
+                                       "--health-timeout", "30", "--done-file", str(done), "--",
+                                       sys.executable, "-c", "raise SystemExit(3)"),
+                             capture_output=True, text=True, env=_env(), timeout=120)
+    finally:
+        srv.shutdown()
+    assert res.returncode == 3, res.stderr
+    assert done.read_text().strip() == "3"
+    assert "all SGLang servers healthy" in res.stderr
+
+
+def test_step_trainer_gives_up_on_unhealthy_servers(tmp_path):
+    done = tmp_path / "done"
+    res = subprocess.run(_step_cmd("step-trainer", "--urls", "http://127.0.0.1:9", "--health-timeout", "1",
+                                   "--done-file", str(done), "--", sys.executable, "-c", "print('ran')"),
+                         capture_output=True, text=True, env=_env(), timeout=120)
+    assert res.returncode == 1 and "not healthy after 1s" in res.stderr and "ran" not in res.stdout
+    assert done.read_text().strip() == "1"  # the servers' step stops too
+
+
+def test_step_sglang_stops_with_the_trainers_status(tmp_path):
+    done = tmp_path / "done"
+    proc = subprocess.Popen(_step_cmd("step-sglang", "--ports", "40001,40002", "--gpus-per-server", "1",
+                                      "--device", "cpu", "--done-file", str(done), "--log-dir", str(tmp_path / "logs"),
+                                      "--poll", "0.2", "--", sys.executable, "-c",
+                                      "import sys, time; print('port', sys.argv[1], flush=True); time.sleep(600)",
+                                      "{port}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    time.sleep(3)
+    assert proc.poll() is None  # the stand-in servers keep running
+    done.write_text("5\n")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 5, err
+    logs = sorted((tmp_path / "logs").glob("sglang.*.log"))
+    assert [p.read_text().strip() for p in logs] == ["port 40001", "port 40002"]
+
+
+def test_step_sglang_fails_when_a_server_dies(tmp_path):
+    res = subprocess.run(_step_cmd("step-sglang", "--ports", "40003", "--gpus-per-server", "1", "--device", "cpu",
+                                   "--done-file", str(tmp_path / "done"), "--log-dir", str(tmp_path / "logs"),
+                                   "--poll", "0.2", "--", sys.executable, "-c",
+                                   "import sys; print('boom', flush=True); sys.exit(2)", "{port}"),
+                         capture_output=True, text=True, env=_env(), timeout=120)
+    assert res.returncode == 1
+    assert "server 0 exited with status 2" in res.stderr and "boom" in res.stderr
