@@ -6,7 +6,6 @@ checkpoint. The offline rendering tests are tests/launch/test_nemo_run.py."""
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 import time
@@ -14,32 +13,19 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slurm, pytest.mark.sglang, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "launch_nemo_run.py"
 STEPS = 3  # train.steps of examples/models/tiny_cpu.yaml (given again below: the test relies on it)
 
 
-def _slurm_conf() -> str:
-    """SLURM_CONF of the running cluster (tools/test.sh starts it), else start it (idempotent)."""
-    conf = os.environ.get("SLURM_CONF")
-    if conf and Path(conf).is_file():
-        return conf
-    res = subprocess.run(["bash", str(ROOT / "tools" / "slurm_cluster.sh"), "start"], capture_output=True,
-                         text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
-    m = re.fullmatch(r"export SLURM_CONF=(\S+)", res.stdout.strip().splitlines()[-1])
-    assert m, res.stdout[-2000:]
-    return shlex.split(m.group(1))[0]
-
-
 def _tail(path: Path, n: int = 4000) -> str:
     return f"--- {path}\n" + (path.read_text(errors="replace")[-n:] if path.is_file() else "(missing)")
 
 
-def test_tiny_cpu_job_runs_through_nemo_run_slurm_executor(tmp_path):
-    conf = _slurm_conf()
+def test_tiny_cpu_job_runs_through_nemo_run_slurm_executor(slurm_cluster, tmp_path):
+    conf = slurm_cluster  # SLURM_CONF of the running cluster (tests/slurm/conftest.py)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "TEPO_", "NEMORUN_")) and k not in
            ("MODEL_PATH", "TRAIN_FILES", "OUTPUT_DIR", "ACTOR_NODES", "ROLLOUT_NODES")}
@@ -52,15 +38,20 @@ def test_tiny_cpu_job_runs_through_nemo_run_slurm_executor(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
 
     out = tmp_path / "out"
+    name = f"nemo_run_test_{os.getpid()}"
     t0 = time.monotonic()
-    res = subprocess.run(
-        [sys.executable, str(TOOL), "--launch", str(ROOT / "examples" / "models" / "tiny_cpu.yaml"),
-         "--executor", "slurm", "--account", "local", "--partition", "local", "--time", "00:30:00",
-         "--monitor-interval", "3", "--health-timeout", "600", "--nemorun-home", str(tmp_path / "home"),
-         "--python", sys.executable,  # the nodes' python: this one (the project venv)
-         f"model.path={tiny / 'model'}", f"data.train_files=[{tiny / 'train.jsonl'}]",
-         f"train.output_dir={out}", f"train.steps={STEPS}"],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    cmd = [sys.executable, str(TOOL), "--launch", str(ROOT / "examples" / "models" / "tiny_cpu.yaml"),
+           "--executor", "slurm", "--account", "local", "--partition", "local", "--time", "00:20:00",
+           "--job-name", name, "--monitor-interval", "3", "--health-timeout", "600",
+           "--nemorun-home", str(tmp_path / "home"),
+           "--python", sys.executable,  # the nodes' python: this one (the project venv)
+           f"model.path={tiny / 'model'}", f"data.train_files=[{tiny / 'train.jsonl'}]",
+           f"train.output_dir={out}", f"train.steps={STEPS}"]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["scancel", f"--name={name}.{name}-0"], env=env, capture_output=True)
+        raise
     wall = time.monotonic() - t0
     logs = sorted((tmp_path / "home").rglob("*.out")) + sorted(out.rglob("sglang.*.log"))
     detail = res.stdout[-3000:] + res.stderr[-3000:] + "\n".join(_tail(p) for p in logs)
