@@ -59,7 +59,7 @@ def test_tiny_cpu_job_runs_through_nemo_run_slurm_executor(slurm_cluster, tmp_pa
     m = re.search(r"^slurm job: (\d+)$", res.stdout, re.M)
     assert m, detail
     job = m.group(1)
-    assert re.search(rf"^experiment \S+: .*SUCCEEDED", res.stdout, re.M), detail
+    assert re.search(r"^experiment \S+: .*SUCCEEDED", res.stdout, re.M), detail
 
     # sacct's view of the batch job (what nemo-run polled)
     acct = subprocess.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", "State,ExitCode,Elapsed"],
