@@ -38,7 +38,7 @@ def test_tiny_cpu_job_runs_through_nemo_run_slurm_executor(slurm_cluster, tmp_pa
     assert res.returncode == 0, res.stderr[-3000:]
 
     out = tmp_path / "out"
-    name = f"nemo_run_test_{os.getpid()}"
+    name = f"tepo_nr_{os.getpid()}"  # not "nemo_run...": nemo-run rewrites "/nemo_run" in paths
     t0 = time.monotonic()
     cmd = [sys.executable, str(TOOL), "--launch", str(ROOT / "examples" / "models" / "tiny_cpu.yaml"),
            "--executor", "slurm", "--account", "local", "--partition", "local", "--time", "00:20:00",
