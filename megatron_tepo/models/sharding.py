@@ -328,7 +328,8 @@ def iter_flat_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_byt
     ``layout_fn(global megatron name, full shape)``: :class:`..common.MegatronToHFLayout`.
     Per bucket (at most ``bucket_bytes`` of HF tensors; one tensor larger than that goes alone):
     each rank casts its shards to ``dtype`` (floating tensors; None keeps the source dtype) into
-    one send buffer, ONE collective over the (expert-)tensor-parallel group moves them, and the
+    one send buffer (``dst``: straight into its receive row), ONE collective over the
+    (expert-)tensor-parallel group moves them (to ``dst``: point-to-point sends), and the
     HF tensors (fused QKV / gate-up split, row-parallel shards interleaved) are copied once from
     the received shards into the bucket's flat buffer. Expert parameters with expert parallelism:
     each EP rank assembles its own experts and one more collective over the EP group collects
@@ -486,20 +487,27 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
         shards_of = {}
         if split:  # stage 1: the shards of the split tensors, one collective over the (E)TP group
             total = sum(it.local_bytes for it in split)
-            send = bufs.get("send", total)
+            to_all = not gather_mode or (kind and ep_stage)  # experts: every EP rank assembles its own
+            ranks = _ranks(group)
+            if not to_all and me == dst:  # dst casts its own shards straight into its receive row
+                recv = bufs.get("recv", total * size)
+                rows = recv.view(size, total)
+                send = rows[ranks.index(me)]
+            else:
+                send = bufs.get("send", total)
             o = 0
             for it in split:
                 send[o:o + it.local_bytes].view(it.wire).view(it.local.shape).copy_(it.local)
                 o += it.local_bytes
-            to_all = not gather_mode or (kind and ep_stage)  # experts: every EP rank assembles its own
             if to_all:
                 recv = bufs.get("recv", total * size)
-                dist.all_gather(list(recv.view(size, total)), send, group=group)
-            else:
-                recv = bufs.get("recv", total * size) if assemble else None
-                dist.gather(send, list(recv.view(size, total)) if assemble else None, dst=dst, group=group)
-            if assemble:
                 rows = recv.view(size, total)
+                dist.all_gather(list(rows), send, group=group)
+            else:
+                # point to point rather than gloo's gather, which stages everything in a fresh
+                # flat buffer on dst and copies it again
+                _gather_into(send, rows if me == dst else None, ranks, dst, group)
+            if assemble:
                 o = 0
                 for it in split:
                     shards_of[id(it)] = [rows[r, o:o + it.local_bytes].view(it.wire).view(it.local.shape)
@@ -509,7 +517,11 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
             continue
         per_rank = _out_bytes(bucket)
         names, dtypes, shapes, offs = [], [], [], []
-        if kind and ep_stage:
+        if kind and ep_stage and gather_mode and me == dst:  # assemble straight into its slot
+            final = bufs.get("out", per_rank * ep)
+            slots = final.view(ep, per_rank)
+            out = slots[_ranks(ep_group).index(me)]
+        elif kind and ep_stage:
             out = bufs.get("local_out", per_rank)
         else:
             out = bufs.get("out", per_rank)
@@ -522,12 +534,11 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
         if not stage2:
             continue
         receive = not gather_mode or me == dst
-        final = bufs.get("out", per_rank * ep) if receive else None
-        slots = list(final.view(ep, per_rank)) if receive else None
         if gather_mode:
-            dist.gather(out, slots, dst=dst, group=ep_group)
+            _gather_into(out, slots if receive else None, _ranks(ep_group), dst, ep_group)
         else:
-            dist.all_gather(slots, out, group=ep_group)
+            final = bufs.get("out", per_rank * ep)
+            dist.all_gather(list(final.view(ep, per_rank)), out, group=ep_group)
         if not receive:
             continue
         all_names, all_dtypes, all_shapes, all_offs = [], [], [], []
@@ -537,6 +548,17 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
             all_shapes += shapes
             all_offs += [k * per_rank + o for o in offs]
         yield FlatBucket(all_names, all_dtypes, all_shapes, all_offs, final)
+
+
+def _gather_into(send: torch.Tensor, rows: Optional[torch.Tensor], ranks: List[int], dst: int, group) -> None:
+    """Gather to ``dst``: every other rank sends ``send``; ``dst`` (whose own row is already in
+    place) receives each rank's straight into its row of ``rows``."""
+    if dist.get_rank() != dst:
+        dist.send(send, dst=dst, group=group)
+        return
+    works = [dist.irecv(rows[i], src=r, group=group) for i, r in enumerate(ranks) if r != dst]
+    for w in works:
+        w.wait()
 
 
 def _out_bytes(bucket: List[_Item]) -> int:
