@@ -6,15 +6,18 @@ any iterator of ``(HF name, full tensor)``. Only the *sender* (global rank 0 by 
 others just drain the export, which is collective.
 
 With the actor's export the sync asks it for flat buckets (``HFExport.flat_buckets``): per bucket
-of at most ``bucket_bytes`` each TP rank casts its shards to ``wire_dtype`` (before any
-collective: half the bytes of an fp32 actor for a bf16 server), one ``gather`` over the TP group
-brings them to the sender only (MoE with expert parallelism: one more over the EP group, so every
-expert is sent under its global index), and the HF tensors -- fused QKV / gate-up split,
-row-parallel shards interleaved -- are copied once from the received shards into the bucket's
-flat buffer, which is what goes on the wire (no flatten copy). The buffers are reused from one
-bucket to the next and freed at the end of the push, so the sender's extra memory is about
-``(2 + 1/tp)`` buckets (send shards, received shards, the flat bucket), not the model; the
-export's bucket boundaries never split a tensor (one larger than ``bucket_bytes`` goes alone).
+of at most ``bucket_bytes`` each TP rank casts its shards to ``wire_dtype`` (before anything
+moves: half the bytes of an fp32 actor for a bf16 server), the other TP ranks send theirs point
+to point into the sender's receive buffer (the sender casts its own in place; MoE with expert
+parallelism: each EP rank's experts follow the same way, so every expert is sent under its global
+index; PP > 1: each stage's buckets are built on the stage and sent on to the sender), and the
+HF tensors -- fused QKV / gate-up split, row-parallel shards interleaved -- are copied once from
+the received shards into the bucket's flat buffer, which is what goes on the wire (no flatten
+copy). The buffers are reused from one bucket to the next and freed at the end of the push, so
+the sender's extra memory is about two buckets (received shards + the flat bucket; ``tensor``
+mode adds its shared-memory copy), not the model; bucket boundaries never split a tensor (one
+larger than ``bucket_bytes`` goes alone). Every rank must call :meth:`WeightSync.push` -- a rank
+that iterated the export itself would all-gather while the sender gathers, and hang.
 Any other stream is cast and flattened here into one reused buffer.
 
 Modes (SGLang 0.5.23 HTTP API; every weight load sits inside ``/begin_weight_update`` ...
