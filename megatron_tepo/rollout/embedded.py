@@ -138,7 +138,8 @@ class EmbeddedEngine(RolloutEngine):
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(param.shape)}")
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
-        missing = sorted(set(self._params) - seen)
+        covered = {self._params[n].data_ptr() for n in seen if n in self._params}  # tied weights share storage
+        missing = sorted(n for n, p in self._params.items() if n not in seen and p.data_ptr() not in covered)
         if missing:
             raise ValueError(f"EmbeddedEngine.update_weights: {len(missing)} of {len(self._params)} parameters "
                              f"were not in the stream (the engine now mixes old and new weights), e.g. {missing[:4]}")

@@ -129,6 +129,11 @@ def test_update_weights_from_hf_stream(model):
     partial = [(n, t.clone()) for n, t in other.state_dict().items() if ".layers.1." not in n]
     with pytest.raises(ValueError, match=r"parameters were not in the stream.*layers\.1\."):
         eng.update_weights(partial)
+    # a tied model: the embedding alone covers lm_head (they share storage)
+    tied = EmbeddedEngine(tiny_qwen3(seed=0, tie_word_embeddings=True), seed=3)
+    tied.update_weights((n, t.clone()) for n, t in tiny_qwen3(seed=9, tie_word_embeddings=True).state_dict().items()
+                        if n != "lm_head.weight")
+    assert torch.equal(tied.model.lm_head.weight, tied.model.model.embed_tokens.weight)
 
 
 def test_bad_arguments(model):
