@@ -474,7 +474,7 @@ class DriftCheck:
     max_threshold: float = 1.0
     prefix: str = "rollout/logprob_drift"
 
-    def __call__(self, engine_log_probs, actor_log_probs, mask=None) -> Dict[str, float]:
+    def __call__(self, engine_log_probs, actor_log_probs, mask=None, warn: bool = True) -> Dict[str, float]:
         e = _as_flat(engine_log_probs)
         a = _as_flat(actor_log_probs)
         if e.shape != a.shape:
@@ -483,16 +483,19 @@ class DriftCheck:
         if mask is not None:
             diff = diff[_as_flat(mask).bool()]
         if diff.numel() == 0:
-            return {f"{self.prefix}_mean": 0.0, f"{self.prefix}_max": 0.0, f"{self.prefix}_tokens": 0}
-        metrics = {f"{self.prefix}_mean": float(diff.mean()), f"{self.prefix}_max": float(diff.max()),
-                   f"{self.prefix}_tokens": int(diff.numel())}
-        if metrics[f"{self.prefix}_mean"] > self.mean_threshold or metrics[f"{self.prefix}_max"] > self.max_threshold:
-            msg = (f"log-prob drift between rollout engine and actor: mean {metrics[f'{self.prefix}_mean']:.4g} "
-                   f"(threshold {self.mean_threshold}), max {metrics[f'{self.prefix}_max']:.4g} "
-                   f"(threshold {self.max_threshold}) over {metrics[f'{self.prefix}_tokens']} tokens")
-            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            return self.report(0.0, 0.0, 0, warn=False)
+        return self.report(float(diff.mean()), float(diff.max()), int(diff.numel()), warn=warn)
+
+    def report(self, mean: float, max_: float, tokens: int, warn: bool = True) -> Dict[str, float]:
+        """The metrics for drift already measured (e.g. combined over ranks); warns (``warn``)
+        when the mean or the max is over its threshold."""
+        if warn and (mean > self.mean_threshold or max_ > self.max_threshold):
+            msg = (f"log-prob drift between rollout engine and actor: mean {mean:.4g} "
+                   f"(threshold {self.mean_threshold}), max {max_:.4g} "
+                   f"(threshold {self.max_threshold}) over {tokens} tokens")
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
             log.warning(msg)
-        return metrics
+        return {f"{self.prefix}_mean": mean, f"{self.prefix}_max": max_, f"{self.prefix}_tokens": tokens}
 
 
 def _as_flat(x) -> torch.Tensor:

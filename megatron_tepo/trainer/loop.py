@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import random
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
@@ -91,7 +90,6 @@ class Driver:
             raise RuntimeError(f"the driver (global rank 0) failed: {value}")
         return value
 
-
     def combine_drift(self, local: Dict[str, float], check: DriftCheck, dp_size: int) -> Dict[str, float]:
         """Drift metrics over the rows of every data-parallel rank (token-weighted mean, max);
         the driver warns over ``check``'s thresholds."""
@@ -103,11 +101,7 @@ class Driver:
         dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=self._group)
         mean = float(t[0] / t[1]) if t[1] > 0 else 0.0
         tokens = int(t[1]) * dp_size // self.world  # each DP share is held by world / dp ranks (TP, PP)
-        if self.is_driver and (mean > check.mean_threshold or float(mx) > check.max_threshold):
-            warnings.warn(f"log-prob drift between rollout engine and actor: mean {mean:.4g} (threshold "
-                          f"{check.mean_threshold}), max {float(mx):.4g} (threshold {check.max_threshold}) "
-                          f"over {tokens} tokens", RuntimeWarning, stacklevel=2)
-        return {f"{p}_mean": mean, f"{p}_max": float(mx), f"{p}_tokens": tokens}
+        return check.report(mean, float(mx), tokens, warn=self.is_driver)
 
 
 class FollowerEngine:
@@ -208,18 +202,14 @@ def build_batch(prompts: List[List[int]], groups, advantages: torch.Tensor, pad_
 
 def sync_weights(actor, engine) -> float:
     """Push the actor's weights (HF names, full tensors) into the engine; returns seconds.
-    Collective: the export gathers over the actor's groups, so ranks without an engine (not the
-    driver) drain it."""
+    Collective: the export gathers over the actor's groups, so every rank calls it; ranks other
+    than the driver pass a :class:`FollowerEngine`."""
     t = time.time()
     named = actor.export_hf_state()
     if getattr(engine, "weight_sync", None) is None and callable(getattr(named, "flat_buckets", None)):
         # a plain consumer (the embedded engine, a follower): every pipeline stage's tensors are
         # gathered to the driver (a WeightSync does this itself, to its sender)
         named = (nt for bucket in named.flat_buckets(dst=0) for nt in bucket.named_tensors())
-    if engine is None:
-        for _ in named:
-            pass
-        return time.time() - t
     engine.update_weights(named)
     engine.flush_cache()
     return time.time() - t
@@ -296,6 +286,7 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
                          f"divisible by the data-parallel size {dp_size}")
     if not driver.is_driver:
         logger = on_step = eval_fn = None
+        engine = engine if engine is not None else FollowerEngine()
     start = 1
     latest = find_latest_checkpoint(checkpoint_root) if checkpoint_root and cfg.train.resume else None
     if latest is not None:
@@ -331,9 +322,9 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         # 3. old log-probs and entropy from the actor (the rollout policy, recomputed)
         batch.old_log_probs, batch.old_entropy = actor.compute_log_probs(batch, cfg.rollout.temperature)
         if dp_size == 1:  # every rank holds every row
-            drift = _drift(batch, groups, drift_check if driver.is_driver else None)
+            drift = _drift(batch, groups, drift_check, warn=driver.is_driver)
         else:
-            drift = driver.combine_drift(_drift(batch, groups, None), drift_check, dp_size)
+            drift = driver.combine_drift(_drift(batch, groups, drift_check, warn=False), drift_check, dp_size)
         # 4. policy updates over mini-batches of prompts
         local_rows_per_mb = rows_per_mb // dp_size
         updates = []
@@ -362,12 +353,10 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
     return history
 
 
-def _drift(batch: RolloutBatch, groups, check: Optional[DriftCheck]) -> Dict[str, float]:
+def _drift(batch: RolloutBatch, groups, check: DriftCheck, warn: bool) -> Dict[str, float]:
     """Engine vs actor log-probs of the same sampled tokens (mean / max |difference|; warns over
-    the check's thresholds; ``check`` None: no warning, the raw numbers under the ``drift`` prefix).
-    ``groups``: lists of samples, one sample per row of ``batch``."""
+    the check's thresholds when ``warn``). ``groups``: lists of samples, one per row of ``batch``."""
     engine_lp = torch.zeros_like(batch.response_mask)
     for i, s in enumerate(s for g in groups for s in g):
         engine_lp[i, :len(s.log_probs)] = torch.tensor(s.log_probs)
-    return (check or DriftCheck(mean_threshold=math.inf, max_threshold=math.inf, prefix="drift"))(
-        engine_lp, batch.old_log_probs, batch.response_mask)
+    return check(engine_lp, batch.old_log_probs, batch.response_mask, warn=warn)
