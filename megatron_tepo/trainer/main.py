@@ -131,8 +131,9 @@ def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool
 
 def build_actor_and_engine(cfg: RunConfig, model_dir: str, pad_token_id: int):
     """The Megatron actor (every rank) and the rollout engine (the driver, global rank 0; a
-    follower that only takes part in the weight sync on the others), both loaded from the HF checkpoint ``model_dir`` with ``cfg``'s layout, optimizer
-    and seed. Outside torchrun it starts a one-process gloo world."""
+    follower that only takes part in the weight sync on the others), both loaded from the HF
+    checkpoint ``model_dir`` with ``cfg``'s layout, optimizer and seed. Outside torchrun it starts
+    a one-process gloo world."""
     from megatron_tepo.actor import MegatronActor, ParallelLayout
     from megatron_tepo.actor.parallel import single_process_env
 
