@@ -23,11 +23,14 @@ HTTP; ``disk``: safetensors files + ``/update_weights_from_disk``) and bucket si
   copy to shared memory + pickle + HTTP + server load);
 * pre-exported push: the same buckets exported beforehand and pushed again -- the transport and
   the server alone, the ceiling for end to end;
-* sender only: the bucketed export gathered to rank 0 with no server at all, and the per-tensor
-  path it replaced (an all-gather per tensor, HF mapping, cast, flatten copy), medians of
-  ``--baseline-repeats`` passes;
-* the sender's peak RSS above its RSS just before the push (sampled every 2 ms; target: about one
-  bucket, not the model), also as a multiple of the largest bucket.
+* sender only: the bucketed export gathered to rank 0 with no server at all (with the buffers
+  kept from the previous pass, as the sync keeps them from push to push; and with cold buffers,
+  allocated per pass), and the per-tensor path it replaced (an all-gather per tensor, HF mapping,
+  cast, flatten copy), medians of ``--baseline-repeats`` passes;
+* the sender's memory: the buffers the sync holds between pushes (``ExportBuffers``, on rank 0:
+  target about one bucket, not the model), also as a multiple of the largest bucket; and its
+  peak RSS above its RSS just before the push (sampled every 2 ms), for the warm-up push (which
+  allocates the kept buffers) and for the timed ones.
 
 Plain copies of the same total bytes in the same bucket sizes, on the same machine:
 ``memcpy`` = a torch copy between two preallocated in-process buffers (hot memory: a ceiling, not a
@@ -146,6 +149,7 @@ def main():
     total = res["wire_bytes"]
     base = {int(k): v for k, v in res["baselines"].items()}
     sender = {int(k): v for k, v in res["sender_only"].items()}
+    res["sender_only_cold"] = {int(k): v for k, v in res["sender_only_cold"].items()}
     legacy = {int(k): v for k, v in res["sender_only_per_tensor"].items()}
     rows = []
     for mode in a.modes:
@@ -164,11 +168,15 @@ def main():
                    "gloo_MBps": total / base[mib]["gloo_bcast_s"] / 1e6,
                    "sender_only_per_tensor_s": legacy[mib]["seconds"],
                    "rss_delta_MiB": max(r["rss_delta"] for r in runs) / MiB,
+                   "first_push_rss_delta_MiB": runs[0]["first_push_rss_delta"] / MiB,
+                   "held_MiB": max(r["held_bytes"] for r in runs) / MiB,
+                   "sender_only_cold_s": res["sender_only_cold"][mib]["seconds"],
                    "sender_only_rss_delta_MiB": sender[mib]["rss_delta"] / MiB,
                    "peak_bucket_MiB": runs[0]["peak_bucket_bytes"] / MiB, "e2e_all_s": [r["seconds"] for r in runs]}
             row["vs_memcpy"] = row["e2e_MBps"] / row["memcpy_MBps"]
             row["vs_gloo"] = row["e2e_MBps"] / row["gloo_MBps"]
             row["rss_delta_buckets"] = row["rss_delta_MiB"] / row["peak_bucket_MiB"]
+            row["held_buckets"] = row["held_MiB"] / row["peak_bucket_MiB"]
             row["server_only_s"] = med(pre)
             row["server_only_vs_gloo"] = (total / row["server_only_s"] / 1e6) / row["gloo_MBps"]
             rows.append(row)
@@ -184,16 +192,18 @@ def main():
           f"({a.wire_dtype}); TP=2 actor -> 1 SGLang CPU server; median of {a.repeats} pushes; "
           f"load average {load0[0]:.1f} before / {load1[0]:.1f} after\n")
     print("| mode | bucket | buckets | end to end (s) | MB/s | export wait (s) | push calls (s) | "
-          "pre-exported push (s) | sender only (s) | sender only, per-tensor path (s) | memcpy MB/s | "
-          "gloo bcast MB/s | e2e / memcpy | e2e / gloo | pre-exported / gloo | sender peak RSS delta (MiB) | "
-          "largest bucket (MiB) | RSS delta / bucket |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "pre-exported push (s) | sender only (s) | sender only, cold buffers (s) | "
+          "sender only, per-tensor path (s) | memcpy MB/s | "
+          "gloo bcast MB/s | e2e / memcpy | e2e / gloo | pre-exported / gloo | sender buffers held (MiB) | "
+          "largest bucket (MiB) | held / bucket | first push RSS delta (MiB) | later pushes RSS delta (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['bucket_mib']} MiB | {r['buckets']} | {r['e2e_s']:.2f} | {r['e2e_MBps']:.0f} | "
               f"{r['gather_s']:.2f} | {r['push_s']:.2f} | {r['server_only_s']:.2f} | {r['sender_only_s']:.2f} | "
-              f"{r['sender_only_per_tensor_s']:.2f} | {r['memcpy_MBps']:.0f} | "
+              f"{r['sender_only_cold_s']:.2f} | {r['sender_only_per_tensor_s']:.2f} | {r['memcpy_MBps']:.0f} | "
               f"{r['gloo_MBps']:.0f} | {r['vs_memcpy']:.3f}x | {r['vs_gloo']:.2f}x | {r['server_only_vs_gloo']:.2f}x | "
-              f"{r['rss_delta_MiB']:.0f} | {r['peak_bucket_MiB']:.0f} | {r['rss_delta_buckets']:.1f}x |")
+              f"{r['held_MiB']:.0f} | {r['peak_bucket_MiB']:.0f} | {r['held_buckets']:.1f}x | "
+              f"{r['first_push_rss_delta_MiB']:.0f} | {r['rss_delta_MiB']:.0f} |")
     if a.json:
         text = json.dumps(out, indent=1)
         if a.json == "-":

@@ -16,9 +16,11 @@ the first bucket is gathered to the servers' answer to ``/end_weight_update``, o
 ``/update_weights_from_disk`` in disk mode; no ``/flush_cache``), the time rank 0 waited for the
 export to produce buckets (``SyncStats.export_seconds``), the time inside the per-bucket push
 calls, and the sender's peak RSS above its RSS just before the push (sampled every 2 ms by a
-thread). Two ``sender-only`` passes per bucket size (median of ``baseline_repeats``), no server:
-the bucketed export gathered to rank 0 as the sync consumes it, and the per-tensor path it
-replaced (``megatron_to_hf(gather_full_tensors(...))``: an all-gather per tensor, then the cast
+thread; after the warm-up push it is ~0, since the sync keeps its buffers: the buffers it holds
+are reported, and the warm-up push's RSS delta). ``sender-only`` passes per bucket size (median of
+``baseline_repeats``), no server: the bucketed export gathered to rank 0 as the sync consumes it
+(buffers kept from the previous pass, as the sync keeps them; and ``cold``, allocated per pass),
+and the per-tensor path it replaced (``megatron_to_hf(gather_full_tensors(...))``: an all-gather per tensor, then the cast
 and the flatten copy), for comparison. And per mode and bucket size, ``repeats`` pushes of the
 same buckets exported beforehand (``server_only``): the transport and the server by themselves,
 the ceiling of the end-to-end figure.
@@ -92,7 +94,7 @@ def main():
     from megatron_tepo.actor.parallel import ParallelLayout
     from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet
     from megatron_tepo.models import megatron_to_hf
-    from megatron_tepo.models.sharding import gather_full_tensors
+    from megatron_tepo.models.sharding import ExportBuffers, gather_full_tensors
     from megatron_tepo.rollout.weight_sync import WeightSync, flatten_bucket, iter_buckets, tensor_bytes
 
     class TimedSync(WeightSync):
@@ -167,11 +169,17 @@ def main():
         # ---- the sender alone, no server: (a) the bucketed export gathered to rank 0 (what the
         # sync runs); (b) the per-tensor path it replaced: all-gather per tensor, HF mapping, cast,
         # bucket, flatten copy
-        def bucketed():
+        keep = ExportBuffers()  # kept across the passes, as WeightSync keeps them across pushes
+
+        def bucketed(buffers=keep):
             nb = 0
-            for b in actor.export_hf_state("param").flat_buckets(bb, dtype=wire, dst=0, reuse=True):
+            for b in actor.export_hf_state("param").flat_buckets(bb, dtype=wire, dst=0, reuse=True,
+                                                                 buffers=buffers):
                 nb += b.nbytes
             return nb
+
+        def bucketed_cold():
+            return bucketed(None)
 
         def per_tensor():
             nb = 0
@@ -182,7 +190,9 @@ def main():
                 del bucket, flat
             return nb
 
-        for key, fn in (("sender_only", bucketed), ("sender_only_per_tensor", per_tensor)):
+        bucketed()  # fills ``keep``
+        for key, fn in (("sender_only", bucketed), ("sender_only_cold", bucketed_cold),
+                        ("sender_only_per_tensor", per_tensor)):
             secs, deltas = [], []
             for _ in range(args["baseline_repeats"]):
                 dist.barrier()
@@ -194,6 +204,7 @@ def main():
             if rank == 0:
                 res.setdefault(key, {})[mib] = {"seconds": sorted(secs)[len(secs) // 2], "all_s": secs,
                                                 "bytes": nb, "rss_delta": max(deltas)}
+        keep.close()
 
     for mode in args["modes"]:
         for mib in args["bucket_mib"]:
@@ -206,12 +217,16 @@ def main():
                     ws.push_s = 0.0
                     with RssPeak() as mem:
                         stats = ws.push(actor.export_hf_state("param"), flush_cache=False)
+                    if rep == 0:
+                        first_delta = mem.delta
                     if rank == 0 and rep > 0:
                         assert stats.bucketed_export
                         res["runs"].append({"mode": mode, "bucket_mib": mib, "rep": rep, "seconds": stats.seconds,
                                             "bytes": stats.bytes, "buckets": stats.buckets,
                                             "tensors": stats.tensors, "gather_s": stats.export_seconds,
                                             "push_s": ws.push_s, "rss_delta": mem.delta,
+                                            "first_push_rss_delta": first_delta,
+                                            "held_bytes": ws._export_buffers.nbytes,
                                             "peak_bucket_bytes": stats.peak_bucket_bytes})
                         print(f"[rank0] {mode} {mib} MiB rep {rep}: {stats.seconds:.2f} s "
                               f"{stats.bytes / stats.seconds / 1e6:.0f} MB/s gather {stats.export_seconds:.2f} s "

@@ -84,7 +84,8 @@ class RolloutConfig:
     sglang_urls: List[str] = field(default_factory=list)
     request_timeout_s: float = 600.0  # one SGLang request
     sync_mode: Literal["distributed", "tensor", "disk"] = "distributed"  # see rollout/weight_sync.py
-    sync_bucket_mb: int = 256  # weight-sync bucket: the sender's extra memory
+    sync_bucket_mb: int = 256  # weight-sync bucket: the sender's extra memory is about two
+    sync_keep_buffers: bool = True  # hold them between syncs (no re-allocation per push)
     sync_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the servers' dtype (bytes on the wire)
     sync_dir: Optional[str] = None  # disk mode: a directory the servers see (shared file system)
     drift_warn_mean: float = 0.05  # warn when engine vs actor log-probs differ more (mean |d|)

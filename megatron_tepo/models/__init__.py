@@ -25,13 +25,13 @@ import torch
 from . import llama, qwen2, qwen3, qwen3_moe
 from .common import (GPTFamilyConfig, LayerMapping, MegatronToHFLayout, convert_hf_to_megatron,
                      convert_megatron_to_hf)
-from .sharding import FlatBucket, gather_full_tensors, iter_flat_buckets, load_megatron_state_into
+from .sharding import ExportBuffers, FlatBucket, gather_full_tensors, iter_flat_buckets, load_megatron_state_into
 
 FAMILIES: Dict[str, ModuleType] = {m.FAMILY: m for m in (llama, qwen2, qwen3, qwen3_moe)}
 
 __all__ = ["FAMILIES", "GPTFamilyConfig", "resolve_family", "family_config_from_hf",
            "layer_mapping", "hf_to_megatron", "megatron_to_hf", "load_hf_weights_into",
-           "export_hf_state", "HFExport", "FlatBucket", "gather_full_tensors"]
+           "export_hf_state", "HFExport", "FlatBucket", "ExportBuffers", "gather_full_tensors"]
 
 
 def _field(hf_config, name):
@@ -128,12 +128,14 @@ class HFExport:
         self.all_experts = (what == "param") if all_experts is None else all_experts
 
     def flat_buckets(self, bucket_bytes: Optional[int] = None, dtype: Optional[torch.dtype] = None,
-                     dst: Optional[int] = None, reuse: bool = False) -> Iterator[FlatBucket]:
+                     dst: Optional[int] = None, reuse: bool = False,
+                     buffers: Optional[ExportBuffers] = None) -> Iterator[FlatBucket]:
         """Buckets of at most ``bucket_bytes`` (default: the export's); ``dtype`` overrides the
-        export's; ``dst`` / ``reuse`` as in :func:`.sharding.iter_flat_buckets`."""
+        export's; ``dst`` / ``reuse`` / ``buffers`` as in :func:`.sharding.iter_flat_buckets`."""
         return iter_flat_buckets(self.model_chunks, MegatronToHFLayout(self.family_cfg, layer_mapping(self.family_cfg)),
                                  bucket_bytes or self.bucket_bytes, dtype=dtype or self.dtype, what=self.what,
-                                 dst=dst, tp_group=self.tp_group, all_experts=self.all_experts, reuse=reuse)
+                                 dst=dst, tp_group=self.tp_group, all_experts=self.all_experts, reuse=reuse,
+                                 buffers=buffers)
 
     def __iter__(self) -> Iterator[Tuple[str, torch.Tensor]]:
         for bucket in self.flat_buckets():

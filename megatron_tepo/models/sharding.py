@@ -26,7 +26,9 @@ Left out: virtual pipeline stages beyond plain chunk lists, FSDP/DTensor paramet
 from __future__ import annotations
 
 import math
+import os
 import re
+import socket
 from dataclasses import dataclass
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -253,23 +255,97 @@ class _Item:
         return math.prod(self.full_shape) * self.wire.itemsize
 
 
+class ExportBuffers:
+    """Scratch memory of :func:`iter_flat_buckets` that outlives one export: pass the same object
+    to every ``iter_flat_buckets(..., reuse=True, buffers=...)`` call (the weight sync keeps one
+    per :class:`~megatron_tepo.rollout.weight_sync.WeightSync`) and the buckets' buffers are
+    allocated, and page-faulted, once instead of at every push -- on CPU a fresh 64-256 MiB buffer
+    costs about as much to fault in as to fill. Cost: the memory stays held between exports
+    (about two buckets per rank); :meth:`close` frees it. Holds the shared-memory buckets of
+    co-located TP ranks too (see :func:`iter_flat_buckets`)."""
+
+    def __init__(self):
+        self.held: Dict[object, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self.held.values())
+
+    def close(self) -> None:
+        self.held.clear()
+
+
 class _Buffers:
     """uint8 scratch buffers by role; with ``reuse`` one allocation per role, sized up front from
     ``caps`` (the largest use the plan makes of it), so a push touches fresh pages once instead of
-    once per bucket and never holds an outgrown buffer next to its replacement."""
+    once per bucket and never holds an outgrown buffer next to its replacement; with ``keep`` (an
+    :class:`ExportBuffers`) the allocations outlive the export. On ``device`` (the parameters')."""
 
-    def __init__(self, reuse: bool, caps: Optional[Dict[str, int]] = None):
-        self.reuse, self.held, self.caps = reuse, {}, caps or {}
+    def __init__(self, reuse: bool, caps: Optional[Dict[str, int]] = None, device=None,
+                 keep: Optional[ExportBuffers] = None):
+        self.reuse, self.caps, self.device = reuse, caps or {}, device
+        self.held = keep.held if (keep is not None and reuse) else {}
 
     def get(self, role: str, nbytes: int) -> torch.Tensor:
         if not self.reuse:
-            return torch.empty(nbytes, dtype=torch.uint8)
-        buf = self.held.get(role)
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        key = (role, str(self.device))
+        buf = self.held.get(key)
         if buf is None or buf.numel() < nbytes:
-            self.held.pop(role, None)
+            self.held.pop(key, None)
             del buf
-            buf = self.held[role] = torch.empty(max(nbytes, self.caps.get(role, 0)), dtype=torch.uint8)
+            buf = self.held[key] = torch.empty(max(nbytes, self.caps.get(role, 0)), dtype=torch.uint8,
+                                               device=self.device)
         return buf[:nbytes]
+
+    def shared(self, role: str, nbytes: int, group, dst: int) -> torch.Tensor:
+        """A buffer mapped by every rank of ``group`` (all on this host; collective when it has to
+        be created or grown): ``dst`` creates a file in /dev/shm, every rank maps it, then it is
+        unlinked (the mappings stay; nothing is left behind if a rank dies later)."""
+        key = ("shared", role, tuple(_ranks(group)))
+        buf = self.held.get(key)
+        if buf is None or buf.numel() < nbytes:
+            self.held.pop(key, None)
+            del buf
+            n = max(nbytes, self.caps.get("shared", 0))
+            path = [None]
+            if dist.get_rank() == dst:
+                import uuid
+
+                path[0] = f"{_SHM_DIR}/mtepo-export-{os.getpid()}-{uuid.uuid4().hex}"
+                fd = os.open(path[0], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                try:
+                    os.ftruncate(fd, n)
+                finally:
+                    os.close(fd)
+            try:
+                dist.broadcast_object_list(path, src=dst, group=group)
+                buf = self.held[key] = torch.from_file(path[0], shared=True, size=n, dtype=torch.uint8)
+                dist.barrier(group=group)
+            finally:
+                if dist.get_rank() == dst:
+                    os.unlink(path[0])
+        return buf[:nbytes]
+
+
+_SHM_DIR = "/dev/shm"
+
+
+def _colocated(group, dst: int, need: int, device) -> bool:
+    """Whether the TP ranks of ``group`` can assemble buckets straight into shared memory: CPU
+    tensors, every rank on ``dst``'s host, room for ``need`` bytes in /dev/shm (checked on every
+    rank), and not turned off (``MTEPO_EXPORT_SHM=0``). The same answer on every rank (one small
+    object all-gather)."""
+    ok = (torch.device(device).type == "cpu" and os.environ.get("MTEPO_EXPORT_SHM", "1") != "0"
+          and os.path.isdir(_SHM_DIR))
+    free = 0
+    if ok:
+        st = os.statvfs(_SHM_DIR)
+        free = st.f_bavail * st.f_frsize
+    info = [None] * dist.get_world_size(group)
+    dist.all_gather_object(info, (ok, socket.gethostname(), free), group=group)
+    return all(o for o, _, _ in info) and len({h for _, h, _ in info}) == 1 and \
+        min(f for _, _, f in info) >= need + (64 << 20)
 
 
 def _ranks(group) -> List[int]:
@@ -277,26 +353,32 @@ def _ranks(group) -> List[int]:
 
 
 def _write_item(out: torch.Tensor, it: _Item, shards: List[torch.Tensor], layout: list,
-                names: list, dtypes: list, shapes: list, offsets: list) -> None:
+                names: list, dtypes: list, shapes: list, offsets: list, owner: Optional[int] = None) -> None:
     """Unshard ``shards`` (every rank's shard in rank order, or ``[full]``) and write the HF
     tensors of ``layout`` at the end of ``offsets`` in ``out``: each piece copied once, cast on the
-    way when the shard is not in the wire dtype."""
+    way when the shard is not in the wire dtype. ``owner``: write only the pieces of
+    ``shards[owner]`` (the others may be meta tensors of the right shape; -1: none), for ranks
+    that fill a shared bucket together; the names and offsets are recorded all the same."""
     dim, stride = it.part if it.part is not None and len(shards) > 1 else (0, 1)
     c = shards[0].shape[dim] // stride
     pieces = [s.narrow(dim, j * c, c) for j in range(stride) for s in shards] if stride > 1 else list(shards)
+    mine = [owner is None or i % len(shards) == owner for i in range(len(pieces))]
     off = offsets[-1] + math.prod(shapes[-1]) * dtypes[-1].itemsize if offsets else 0
     for hf_name, ranges in layout:
         if ranges is None:
             shape = tuple(it.full_shape)
             view = out[off:off + math.prod(shape) * it.wire.itemsize].view(it.wire).view(shape)
             pos = 0
-            for p in pieces:
-                view.narrow(dim, pos, p.shape[dim]).copy_(p)
+            for p, m in zip(pieces, mine):
+                if m:
+                    view.narrow(dim, pos, p.shape[dim]).copy_(p)
                 pos += p.shape[dim]
         else:
-            src = pieces
+            src, src_mine = pieces, mine
             if dim != 0:  # no family fuses along a TP-split dim 1; correct, not fast
-                src = [torch.cat(pieces, dim=dim)]
+                if owner is not None:
+                    raise AssertionError("shared-memory buckets take no row ranges of dim-1 splits")
+                src, src_mine = [torch.cat(pieces, dim=dim)], [True]
             starts, pos = [], 0
             for p in src:
                 starts.append(pos)
@@ -306,10 +388,11 @@ def _write_item(out: torch.Tensor, it: _Item, shards: List[torch.Tensor], layout
             view = out[off:off + math.prod(shape) * it.wire.itemsize].view(it.wire).view(shape)
             at = 0
             for a, b in ranges:
-                for p, ps in zip(src, starts):
+                for p, ps, m in zip(src, starts, src_mine):
                     lo, hi = max(a, ps), min(b, ps + p.shape[0])
                     if lo < hi:
-                        view[at:at + hi - lo].copy_(p[lo - ps:hi - ps])
+                        if m:
+                            view[at:at + hi - lo].copy_(p[lo - ps:hi - ps])
                         at += hi - lo
         names.append(hf_name)
         dtypes.append(it.wire)
@@ -320,8 +403,8 @@ def _write_item(out: torch.Tensor, it: _Item, shards: List[torch.Tensor], layout
 
 def iter_flat_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_bytes: int,
                       dtype: Optional[torch.dtype] = None, what: str = "param", dst: Optional[int] = None,
-                      tp_group=None, all_experts: bool = True, reuse: bool = False
-                      ) -> Iterator[FlatBucket]:
+                      tp_group=None, all_experts: bool = True, reuse: bool = False,
+                      buffers: Optional[ExportBuffers] = None) -> Iterator[FlatBucket]:
     """This rank's stage as buckets of HF tensors in flat buffers: the bucketed form of
     ``megatron_to_hf(gather_full_tensors(...))``, bit for bit the same tensors (cast to ``dtype``).
 
@@ -342,6 +425,14 @@ def iter_flat_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_byt
     nothing. Collective: every rank of the groups involved must iterate it to the end.
     ``reuse``: the yielded bucket's buffer is overwritten by the next one (for consumers done
     with a bucket before asking for the next); otherwise each bucket owns its buffer.
+    ``buffers`` (with ``reuse``): an :class:`ExportBuffers` that keeps the buffers for the next
+    export. Buffers live on the parameters' device.
+
+    Co-located CPU ranks (gathering to ``dst``, every rank of the TP group on ``dst``'s host, CPU
+    tensors, room in /dev/shm; ``MTEPO_EXPORT_SHM=0`` turns it off): the bucket is a shared-memory
+    buffer, two alternating per export, and each TP rank casts its own shards straight into their
+    places in the HF tensors -- no point-to-point transfer over loopback TCP and no second copy on
+    ``dst``; one barrier per bucket. GPU ranks use the collective path (NCCL moves the shards).
 
     Pipeline parallelism: with ``dst=None`` each rank gets its own stage's buckets. With a
     ``dst``, every stage's buckets reach ``dst``: each stage builds its buckets on its member of
@@ -355,7 +446,7 @@ def iter_flat_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_byt
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     from megatron.core import parallel_state
 
-    kw = dict(dtype=dtype, what=what, tp_group=tp_group, all_experts=all_experts, reuse=reuse)
+    kw = dict(dtype=dtype, what=what, tp_group=tp_group, all_experts=all_experts, reuse=reuse, keep=buffers)
     pp_group = parallel_state.get_pipeline_model_parallel_group(check_initialized=False)
     if dst is None or pp_group is None or dist.get_world_size(pp_group) == 1:
         yield from _iter_stage_buckets(model_chunks, layout_fn, bucket_bytes, dst=dst, **kw)
@@ -366,7 +457,7 @@ def iter_flat_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_byt
     rep = next(r for r, stage, in_dst_pipeline in infos if in_dst_pipeline and stage == stages.index(me))
     if me == dst:
         yield from _iter_stage_buckets(model_chunks, layout_fn, bucket_bytes, dst=dst, **kw)
-        bufs = _Buffers(reuse)
+        bufs = _Buffers(reuse, device=_device_of(model_chunks), keep=buffers)
         for src in stages:
             if src == dst:
                 continue
@@ -392,7 +483,8 @@ def iter_flat_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_byt
 
 def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_bytes: int,
                         dtype: Optional[torch.dtype], what: str, dst: Optional[int], tp_group,
-                        all_experts: bool, reuse: bool) -> Iterator[FlatBucket]:
+                        all_experts: bool, reuse: bool, keep: Optional[ExportBuffers] = None
+                        ) -> Iterator[FlatBucket]:
     """:func:`iter_flat_buckets` within one pipeline stage (``dst`` in this stage or None)."""
     from megatron.core import parallel_state
 
@@ -463,8 +555,24 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
     if cur:
         plan.append(cur)
 
+    device = _device_of(model_chunks)
+    # co-located CPU ranks: dense buckets assembled in shared memory by every TP rank (see the
+    # docstring of iter_flat_buckets); only buckets whose items unshard along dim 0 or need no
+    # row ranges (every family here; the fallback is the collective path)
+    shm_ok = [not bucket[0].expert and bucket[0].size > 1 and all(
+        it.part is None or it.part[0] == 0 or all(r is None for _, r in it.layout) for it in bucket)
+        for bucket in plan]
     caps: Dict[str, int] = {}
-    for bucket in plan:
+    shm_cap = max((_out_bytes(b) for b, ok in zip(plan, shm_ok) if ok), default=0)
+    use_shm = False
+    if gather_mode and reuse and need[False] and shm_cap:
+        held = sum(t.numel() for k, t in (keep.held.items() if keep is not None else ())
+                   if k[0] == "shared")
+        use_shm = _colocated(dense_tp, dst, max(0, 2 * shm_cap - held), device)
+    for bucket, ok in zip(plan, shm_ok):
+        if ok and use_shm:
+            caps["shared"] = max(caps.get("shared", 0), _out_bytes(bucket))
+            continue
         if need[bucket[0].expert]:
             send = sum(it.local_bytes for it in bucket if it.part is not None)
             out = _out_bytes(bucket)
@@ -472,11 +580,30 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
             roles.update({"local_out": out, "out": out * ep} if bucket[0].expert and ep_stage else {"out": out})
             for role, n in roles.items():
                 caps[role] = max(caps.get(role, 0), n)
-    bufs = _Buffers(reuse, caps)
+    bufs = _Buffers(reuse, caps, device, keep)
     send = recv = rows = out = final = slots = None
-    for bucket in plan:
+    n_shared = 0
+    for bucket, ok in zip(plan, shm_ok):
         kind = bucket[0].expert
         if not need[kind]:
+            continue
+        if ok and use_shm:
+            send = recv = rows = out = final = slots = None
+            group = bucket[0].group
+            idx = _ranks(group).index(me)
+            out = bufs.shared(f"out{n_shared % 2}", _out_bytes(bucket), group, dst)
+            n_shared += 1
+            names, dtypes, shapes, offs = [], [], [], []
+            for it in bucket:
+                if it.part is None:  # replicated: dst writes it
+                    _write_item(out, it, [it.local], it.layout, names, dtypes, shapes, offs,
+                                owner=0 if me == dst else -1)
+                else:
+                    shards = [it.local if r == idx else it.local.to("meta") for r in range(it.size)]
+                    _write_item(out, it, shards, it.layout, names, dtypes, shapes, offs, owner=idx)
+            dist.barrier(group=group)  # every rank's part is in place
+            if me == dst:
+                yield FlatBucket(names, dtypes, shapes, offs, out)
             continue
         send = recv = rows = out = final = slots = None  # (the last bucket's views)
         group, size = bucket[0].group, bucket[0].size
@@ -548,6 +675,15 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
             all_shapes += shapes
             all_offs += [k * per_rank + o for o in offs]
         yield FlatBucket(all_names, all_dtypes, all_shapes, all_offs, final)
+    if n_shared:  # dst asked past its last bucket: done with the shared buffers, which the next
+        dist.barrier(group=dense_tp)  # export on the other ranks may start writing again
+
+
+def _device_of(model_chunks) -> torch.device:
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            return p.device
+    return torch.device("cpu")
 
 
 def _gather_into(send: torch.Tensor, rows: Optional[torch.Tensor], ranks: List[int], dst: int, group) -> None:

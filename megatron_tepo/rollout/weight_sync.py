@@ -13,10 +13,12 @@ parallelism: each EP rank's experts follow the same way, so every expert is sent
 index; PP > 1: each stage's buckets are built on the stage and sent on to the sender), and the
 HF tensors -- fused QKV / gate-up split, row-parallel shards interleaved -- are copied once from
 the received shards into the bucket's flat buffer, which is what goes on the wire (no flatten
-copy). The buffers are reused from one bucket to the next and freed at the end of the push, so
-the sender's extra memory is about two buckets (received shards + the flat bucket; ``tensor``
-mode adds its shared-memory copy), not the model; bucket boundaries never split a tensor (one
-larger than ``bucket_bytes`` goes alone). Every rank must call :meth:`WeightSync.push` -- a rank
+copy). TP ranks on the sender's host, on CPU, skip the transfer: each casts its shards straight
+into a shared-memory bucket. The buffers are reused from one bucket to the next and kept from one
+push to the next (``keep_buffers``), so the sender's extra memory is about two buckets (received
+shards + the flat bucket, or two alternating shared buckets; ``tensor`` mode adds its
+shared-memory copy), not the model; bucket boundaries never split a tensor (one larger than
+``bucket_bytes`` goes alone). Every rank must call :meth:`WeightSync.push` -- a rank
 that iterated the export itself would all-gather while the sender gathers, and hang.
 Any other stream is cast and flattened here into one reused buffer.
 
@@ -28,8 +30,9 @@ Modes (SGLang 0.5.23 HTTP API; every weight load sits inside ``/begin_weight_upd
                  ``/update_weights_from_distributed`` with ``load_format="flattened_bucket"`` and
                  one broadcast of the bucket's bytes. The request is answered once the servers
                  have loaded the bucket; the sender does not wait for that before building the
-                 next bucket (it joins the request before sending the next one), so the servers'
-                 load overlaps the next gather.
+                 next bucket (it joins request k after sending request k+1 and its bytes), so the
+                 servers' load overlaps the next gather and no request waits for the answer to
+                 the previous one.
 ``tensor``       per bucket ``/update_weights_from_tensor`` with ``load_format="flattened_bucket"``:
                  the bucket copied into one shared-memory buffer, serialised by ``ForkingPickler`` with its layout (the engine must be on the same
                  host).
@@ -57,7 +60,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron_tepo.models.sharding import FlatBucket
+from megatron_tepo.models.sharding import ExportBuffers, FlatBucket
 
 log = logging.getLogger(__name__)
 
@@ -199,13 +202,17 @@ class WeightSync:
     server; halves the bytes of a float32 actor); ``None`` sends as exported. ``sender_rank``:
     the global rank that talks to the servers (``is_sender`` defaults to being it; when
     torch.distributed is up the two must agree, since the bucketed export gathers to that rank).
+    ``keep_buffers``: keep the export's bucket buffers from one push to the next (about two buckets
+    per rank, held between pushes; on CPU faulting fresh buffers in costs about as much as filling
+    them); False frees them after every push.
     """
 
     def __init__(self, target, mode: str = "distributed", bucket_bytes: int = 256 << 20,
                  wire_dtype: Optional[torch.dtype] = None, backend: Optional[str] = None,
                  master_address: str = "127.0.0.1", master_port: Optional[int] = None,
                  shared_dir: Optional[str] = None, is_sender: Optional[bool] = None,
-                 timeout: float = 600.0, group_name: str = "mtepo_weight_sync", sender_rank: int = 0):
+                 timeout: float = 600.0, group_name: str = "mtepo_weight_sync", sender_rank: int = 0,
+                 keep_buffers: bool = True):
         if mode not in MODES:
             raise ValueError(f"unknown weight sync mode {mode!r}; choose one of {MODES}")
         self.target, self.mode, self.bucket_bytes, self.wire_dtype = target, mode, bucket_bytes, wire_dtype
@@ -225,6 +232,8 @@ class WeightSync:
         self._pending = None
         self._version = 0
         self.last_stats: Optional[SyncStats] = None
+        # the export's bucket buffers, kept from one push to the next (see ExportBuffers)
+        self._export_buffers = ExportBuffers() if keep_buffers else None
 
     # ------------------------------------------------------------------ helpers
     def _servers(self):
@@ -305,16 +314,17 @@ class WeightSync:
         self._pg, self._pg_servers = None, ()
 
     def _push_distributed(self, bucket: FlatBucket, servers) -> None:
-        """One request + one broadcast. The request is not waited for here: the servers load the
-        bucket while the sender builds the next one; :meth:`_wait_pending` joins it before the next
-        request (the servers take them in order) and at the end of the push."""
-        self._wait_pending()
+        """One request + one broadcast. The sender does not wait for the servers to load the
+        bucket: it builds the next one meanwhile, and sends the next request before joining this
+        one (at most two in flight). The order is safe: once the broadcast of bucket k returned,
+        each server's request k holds its update lock, so request k+1 queues behind it."""
         payload = {"names": list(bucket.names), "dtypes": [dtype_name(d) for d in bucket.dtypes],
                    "shapes": [list(sh) for sh in bucket.shapes], "group_name": self.group_name,
                    "load_format": "flattened_bucket", "flush_cache": False}
         threads, errors = self._start_all("/update_weights_from_distributed", payload, servers)
-        self._pending = (threads, errors)
         torch.distributed.broadcast(bucket.flat, src=0, group=self._pg)
+        self._wait_pending()  # request k-1: answered by now (its servers moved on to bucket k)
+        self._pending = (threads, errors)
 
     def _wait_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -380,7 +390,8 @@ class WeightSync:
         if callable(flat_buckets):
             stats.bucketed_export = True
             dst = self.sender_rank if _dist_rank() is not None else None
-            return flat_buckets(self.bucket_bytes, dtype=self.wire_dtype, dst=dst, reuse=True)
+            kw = {"buffers": self._export_buffers} if self._export_buffers is not None else {}
+            return flat_buckets(self.bucket_bytes, dtype=self.wire_dtype, dst=dst, reuse=True, **kw)
 
         def flatten_each():
             out = None
@@ -464,6 +475,8 @@ class WeightSync:
     def close(self) -> None:
         if self.mode == "distributed":
             self._destroy_group()
+        if self._export_buffers is not None:
+            self._export_buffers.close()
 
 
 # ---------------------------------------------------------------------- drift check

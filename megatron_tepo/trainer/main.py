@@ -100,7 +100,8 @@ def _weight_sync(cfg: RunConfig, fleet, urls: List[str], is_sender: bool):
     r = cfg.rollout
     return WeightSync(fleet, mode=r.sync_mode, bucket_bytes=r.sync_bucket_mb << 20,
                       wire_dtype=getattr(torch, r.sync_dtype), shared_dir=r.sync_dir,
-                      master_address=sync_master_address(urls), is_sender=is_sender)
+                      master_address=sync_master_address(urls), is_sender=is_sender,
+                      keep_buffers=r.sync_keep_buffers)
 
 
 def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool = True):

@@ -3,7 +3,9 @@ the HF model, bit for bit, under torchrun (gloo): TP=2 dense families (fused QKV
 bias, gate-up, row-parallel shards, tied and untied embeddings); Qwen3-MoE at EP=2, where each
 rank holds 2 of the 4 experts and the export must still hold every expert under its global index
 (model.layers.L.mlp.experts.E.*); PP=2 and TP=2 x PP=2, where the stream gathered to rank 0 must
-hold every stage. See workers/export_worker.py."""
+hold every stage. At TP=2 the gathered stream is checked both ways: TP ranks casting their shards
+straight into shared-memory buckets, and the point-to-point gather (MTEPO_EXPORT_SHM=0). See
+workers/export_worker.py."""
 import json
 from pathlib import Path
 
@@ -26,6 +28,10 @@ def _check(per_rank):
                 assert c["buckets"][str(1 << 10)] > c["buckets"][str(64 << 20)] >= 1
             else:
                 assert set(c["buckets"].values()) == {0}
+            # TP ranks on one host fill shared-memory buckets (two, alternating, kept across the
+            # exports), unless MTEPO_EXPORT_SHM=0; without TP there is nothing to share
+            tp = c["case"]["tp"]
+            assert c["shared_buffers"] == {"1": 2 if tp > 1 else 0, "0": 0}, (rank, c["case"])
 
 
 @pytest.mark.distributed

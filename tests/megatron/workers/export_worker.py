@@ -4,7 +4,8 @@ argv[1]: JSON list of cases ``{"family", "tie", "tp", "pp", "ep"}``. Every rank 
 tiny HF model (random weights, randomised norms/biases) and loads it into the actor. Per case and
 rank it records, for several bucket sizes and both forms of the export (iterated on every rank:
 its pipeline stage; ``flat_buckets`` gathered to global rank 0: the whole model), whether the
-exported stream equals the HF state dict bit for bit (names, dtypes, shapes, values) -- with
+exported stream equals the HF state dict bit for bit (gathered: with TP ranks filling
+shared-memory buckets and with the point-to-point gather, buffers kept across the exports) (names, dtypes, shapes, values) -- with
 every MoE expert under its global index -- and whether it equals the per-tensor reference
 ``megatron_to_hf(gather_full_tensors(...))`` (for the tensors the reference has). Also: the bf16
 export (cast before the gather) equals the fp32 export cast afterwards, bit for bit.
@@ -35,7 +36,7 @@ def run_case(case):
     from megatron_tepo.actor.actor import MegatronActor
     from megatron_tepo.actor.parallel import ParallelLayout
     from megatron_tepo.models import export_hf_state, megatron_to_hf
-    from megatron_tepo.models.sharding import gather_full_tensors
+    from megatron_tepo.models.sharding import ExportBuffers, gather_full_tensors
 
     hf_cfg = tiny_hf_config(case["family"], tie=case["tie"])
     model = make_hf_model(hf_cfg, seed=3)
@@ -50,22 +51,33 @@ def run_case(case):
     stage_want = want if case.get("pp", 1) == 1 else {n: want[n] for n in ref}
     out["ref_experts"] = sorted(n for n in ref if ".mlp.experts." in n)
     out["hf_experts"] = sorted(n for n in want if ".mlp.experts." in n)
+    keep = {"1": ExportBuffers(), "0": ExportBuffers()}  # kept across the bucket sizes below
     for bb in (1 << 10, 40 << 10, 64 << 20):  # one tensor per bucket, a few per bucket, all in one
         it = {n: t.clone() for n, t in export_hf_state(actor.model, actor.family_cfg,
                                                         tp_group=actor.tp_group, bucket_bytes=bb)}
         out["checks"][f"iter_{bb}"] = diff(it, stage_want)
         out["checks"][f"iter_{bb}_vs_ref"] = diff({n: it[n] for n in ref if n in it}, ref)
-        got, nbuckets = {}, 0
-        for b in actor.export_hf_state().flat_buckets(bucket_bytes=bb, dst=0, reuse=True):
-            nbuckets += 1
-            got.update({n: t.clone() for n, t in b.named_tensors()})
-        if rank == 0:
-            out["checks"][f"dst0_{bb}"] = diff(got, want)
-        else:
-            out["dst0_nonroot_yielded"] = out.get("dst0_nonroot_yielded", 0) + len(got)
-        out.setdefault("buckets", {})[bb] = nbuckets
+        for shm in ("1", "0"):  # TP ranks filling shared-memory buckets / point-to-point gather
+            os.environ["MTEPO_EXPORT_SHM"] = shm
+            got, nbuckets = {}, 0
+            for b in actor.export_hf_state().flat_buckets(bucket_bytes=bb, dst=0, reuse=True, buffers=keep[shm]):
+                nbuckets += 1
+                got.update({n: t.clone() for n, t in b.named_tensors()})
+            if rank == 0:
+                out["checks"][f"dst0_{bb}_shm{shm}"] = diff(got, want)
+            else:
+                out["dst0_nonroot_yielded"] = out.get("dst0_nonroot_yielded", 0) + len(got)
+            out.setdefault("buckets", {})[bb] = nbuckets
+    # the buffers kept across the exports above: which path ran
+    out["shared_buffers"] = {shm: sum(k[0] == "shared" for k in keep[shm].held) for shm in keep}
+    os.environ["MTEPO_EXPORT_SHM"] = "1"
     bf = {n: t.clone() for n, t in actor.export_hf_state(dtype=torch.bfloat16)}
     out["checks"]["bf16"] = diff(bf, {n: t.to(torch.bfloat16) for n, t in stage_want.items()})
+    got = {}  # bf16 gathered to rank 0 (co-located TP ranks: cast straight into shared memory)
+    for b in actor.export_hf_state(dtype=torch.bfloat16).flat_buckets(dst=0, reuse=True, buffers=keep["1"]):
+        got.update({n: t.clone() for n, t in b.named_tensors()})
+    if rank == 0:
+        out["checks"]["bf16_dst0"] = diff(got, {n: t.to(torch.bfloat16) for n, t in want.items()})
     return out
 
 
