@@ -10,8 +10,10 @@
 #   3. its requirements, read from the wheel's METADATA, minus the CUDA-only ones (DENY below),
 #      with torch held by a constraint; torchvision --no-deps (the PyPI build is a CUDA build, so
 #      its compiled ops do not load: see megatron_tepo/rollout/sglang_cpu/mtepo_sglang_cpu.py);
-#   4. a .pth file in the venv that puts megatron_tepo/rollout/sglang_cpu on sys.path and loads
-#      the work-arounds: the torchvision fake-op guard and a stand-in `sgl_kernel` module.
+#   4. sglang-router==$ROUTER_VERSION (the fleet's dispatcher for two or more servers);
+#   5. a .pth file in the venv that puts megatron_tepo/rollout/sglang_cpu on sys.path and loads
+#      the patches: the torchvision fake-op guard, the kept receive buffer of weight updates, and
+#      a stand-in `sgl_kernel` module.
 #
 # Default target: a SEPARATE venv <repo>/.venv-sglang, because sglang pins transformers==5.19.0
 # and the project's venv uses another version. The server runs there; the project's code and tests
@@ -25,6 +27,7 @@ venv="${1:-${MTEPO_SGLANG_VENV:-$repo/.venv-sglang}}"
 SGLANG_VERSION="${MTEPO_SGLANG_VERSION:-0.5.23}"
 TORCH_VERSION="${MTEPO_TORCH_VERSION:-2.13.0}"
 TORCHVISION_VERSION="${MTEPO_TORCHVISION_VERSION:-0.28.0}"   # the release paired with torch 2.13
+ROUTER_VERSION="${MTEPO_SGLANG_ROUTER_VERSION:-0.3.2}"       # sglang-router (a Rust binary + launcher)
 PYTHON="${MTEPO_SGLANG_BASE_PYTHON:-python3}"
 shim_dir="$repo/megatron_tepo/rollout/sglang_cpu"
 
@@ -38,7 +41,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 py="$venv/bin/python"
 stamp="$venv/.mtepo-sglang-installed"
-want="sglang=$SGLANG_VERSION torch=$TORCH_VERSION tv=$TORCHVISION_VERSION script=$(sha1sum < "${BASH_SOURCE[0]}" | cut -c1-12)"
+want="sglang=$SGLANG_VERSION torch=$TORCH_VERSION tv=$TORCHVISION_VERSION router=$ROUTER_VERSION script=$(sha1sum < "${BASH_SOURCE[0]}" | cut -c1-12)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" == "$want" ]; then
   echo "$py"; exit 0
 fi
@@ -65,11 +68,13 @@ for line in requires("sglang") or []:
     print(str(r).split(";")[0].strip())
 PY
 "${pip[@]}" -r "$work/reqs.txt" >&2
+# sglang-router: the fleet puts it in front of two or more servers when it is importable
+"${pip[@]}" "sglang-router==$ROUTER_VERSION" >&2
 # The work-arounds, loaded at start-up of every python of this venv (they act only when needed).
 site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 printf '%s\nimport mtepo_sglang_cpu\n' "$shim_dir" > "$site/mtepo_sglang_cpu.pth"
 # Smoke test: the server's modules import.
-SGLANG_USE_CPU_ENGINE=1 "$py" -c "import sglang.launch_server, sglang.srt.utils, torchvision, sgl_kernel" >&2
+SGLANG_USE_CPU_ENGINE=1 "$py" -c "import sglang.launch_server, sglang.srt.utils, torchvision, sgl_kernel, sglang_router.launch_router" >&2
 t1=$(date +%s)
 echo "install_sglang_cpu.sh: sglang $SGLANG_VERSION in $venv in $((t1 - t0)) s, $(du -sh "$venv" | cut -f1)" >&2
 echo "$want" > "$stamp"

@@ -3,11 +3,16 @@
 Servers are either started here as subprocesses (``python -m sglang.launch_server`` of the SGLang
 venv, each with its own random API key, bound to ``FleetConfig.host`` -- loopback by default -- on
 a free port) or attached to by URL (with their API key). A step's requests (one per prompt group)
-are spread over the healthy servers, least-loaded first (fewest requests in flight). A request
-that fails (connection refused or reset, time-out, HTTP 5xx) is moved to another server; the server
-it failed on is health-checked and dropped from the rotation if it does not answer. When no server
-is left -- or the step's deadline passes -- :class:`FleetError` names every server and its last
-error.
+are spread over the healthy servers: by sglang-router where it is installed (``FleetConfig.router``;
+``auto``: when the SGLang python imports ``sglang_router`` and there are two servers or more), a
+router process started here on loopback that holds the servers' API key and checks it on every
+request; least-loaded first (fewest requests in flight) otherwise. A request that fails (connection
+refused or reset, time-out, HTTP 5xx) -- through the router, after the router's own retries on its
+other workers -- is moved to another server directly; the server it failed on is health-checked
+and dropped from the rotation if it does not answer (a dead router is dropped the same way). When
+no server is left -- or the step's deadline passes -- :class:`FleetError` names every server and
+its last error. Weight updates and cache flushes go to every server directly, never through the
+router.
 
 SGLang on CPU: ``tools/install_sglang_cpu.sh`` builds the venv whose python starts the servers
 (``FleetConfig.python``, default ``$MTEPO_SGLANG_PYTHON`` or ``<repo>/.venv-sglang/bin/python``).
@@ -86,6 +91,10 @@ class FleetConfig:
     health_timeout: float = 5.0
     max_concurrency: int = 64            # requests in flight over the whole fleet
     log_dir: Optional[str] = None
+    # sglang-router in front of the servers: "auto" (when cfg.python imports sglang_router and
+    # there are >= 2 servers), "sglang_router" (required), "none" (least-loaded dispatch here)
+    router: str = "auto"
+    router_policy: str = "cache_aware"   # sglang-router's --policy
 
 
 class SGLangServer:
@@ -185,8 +194,9 @@ def server_command(cfg: FleetConfig, port: int, api_key: Optional[str] = None,
     return cmd, env
 
 
-def launch_server(cfg: FleetConfig, index: int = 0) -> SGLangServer:
-    """Start one server subprocess (own session, own API key, free port) and return it unready."""
+def launch_server(cfg: FleetConfig, index: int = 0, api_key: Optional[str] = None) -> SGLangServer:
+    """Start one server subprocess (own session, free port; its own random API key unless one is
+    given -- servers behind one router share the router's) and return it unready."""
     if not cfg.model_path:
         raise ValueError("FleetConfig.model_path is needed to launch SGLang servers")
     if not Path(cfg.python).exists():
@@ -194,7 +204,7 @@ def launch_server(cfg: FleetConfig, index: int = 0) -> SGLangServer:
             f"SGLang python {cfg.python} not found: run `bash tools/install_sglang_cpu.sh` "
             "(or set MTEPO_SGLANG_PYTHON / FleetConfig.python)")
     port = free_port(cfg.host)
-    key = secrets.token_hex(16)
+    key = api_key or secrets.token_hex(16)
     cmd, env = server_command(cfg, port, key)
     log_dir = Path(cfg.log_dir or os.environ.get("TMPDIR", "/tmp"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -255,6 +265,83 @@ def stop_server(s: SGLangServer, grace: float = 10.0) -> None:
     s.alive = False
 
 
+ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
+_router_installed: Dict[str, bool] = {}
+
+
+def router_installed(python: str) -> bool:
+    """Whether ``python`` (the SGLang venv's) can import sglang_router (asked once per python)."""
+    if python not in _router_installed:
+        ok = Path(python).exists()
+        if ok:
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+            try:
+                ok = subprocess.run([python, "-c", "import sglang_router.launch_router"], env=env,
+                                    capture_output=True, timeout=120).returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                ok = False
+        _router_installed[python] = ok
+    return _router_installed[python]
+
+
+def use_router(cfg: FleetConfig, n_servers: int) -> bool:
+    """Resolve ``cfg.router`` for a fleet of ``n_servers``; errors name the setting."""
+    if cfg.router not in ("auto", "sglang_router", "none"):
+        raise ValueError(f"FleetConfig.router: expected auto, sglang_router or none, found {cfg.router!r}")
+    if cfg.router_policy not in ROUTER_POLICIES:
+        raise ValueError(f"FleetConfig.router_policy: expected one of {ROUTER_POLICIES}, found {cfg.router_policy!r}")
+    if cfg.router == "none":
+        return False
+    if cfg.router == "auto":
+        return n_servers >= 2 and router_installed(cfg.python)
+    if not router_installed(cfg.python):
+        raise FleetError(f"FleetConfig.router=sglang_router but {cfg.python} cannot import sglang_router: "
+                         "`bash tools/install_sglang_cpu.sh` installs it (or pip install sglang-router)")
+    return True
+
+
+def launch_router(cfg: FleetConfig, servers: List[SGLangServer]) -> SGLangServer:
+    """Start sglang-router on loopback in front of ``servers`` (one API key, which the router
+    passes to them and checks on every request), and wait until it has registered every one."""
+    keys = {s.api_key for s in servers}
+    if len(keys) != 1:
+        raise FleetError("sglang-router needs one API key for all servers; these have different keys: "
+                         + ", ".join(s.url for s in servers))
+    key = keys.pop()
+    port = free_port("127.0.0.1")
+    cmd = [cfg.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+           "--worker-urls", *[s.url for s in servers], "--policy", cfg.router_policy,
+           "--request-timeout-secs", str(int(max(cfg.request_timeout, 1))), "--log-level", "warn"]
+    if key:
+        cmd += ["--api-key", key]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    log_dir = Path(cfg.log_dir or os.environ.get("TMPDIR", "/tmp"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = str(log_dir / f"sglang_router_{port}.log")
+    with open(log_path, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    router = SGLangServer(f"http://127.0.0.1:{port}", key, proc, log_path)
+    deadline = time.monotonic() + cfg.startup_timeout
+    try:
+        while True:  # healthy first, then every worker registered (it checks their /health)
+            if proc.poll() is not None:
+                raise FleetError(f"sglang-router exited with code {proc.returncode} while starting; "
+                                 f"log {log_path}:\n{_log_tail(log_path)}")
+            try:
+                r = requests.get(router.url + "/workers", headers=router.headers(), timeout=2.0)
+                if r.status_code == 200 and int(r.json().get("total", 0)) >= len(servers):
+                    return router
+            except (requests.RequestException, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise FleetError(f"sglang-router did not register {len(servers)} servers within "
+                                 f"{cfg.startup_timeout:.0f} s; log {log_path}:\n{_log_tail(log_path, 1500)}")
+            time.sleep(0.25)
+    except BaseException:
+        stop_server(router)
+        raise
+
+
 def parse_generate_output(out: dict) -> Sample:
     meta = out.get("meta_info", {})
     fr = meta.get("finish_reason") or {}
@@ -275,17 +362,30 @@ class SGLangFleet(RolloutEngine):
         self.cfg = cfg
         self.servers: List[SGLangServer] = []
         self._lock = threading.Lock()
+        self.router: Optional[SGLangServer] = None
         keys = list(cfg.api_keys) + [None] * (len(cfg.urls) - len(cfg.api_keys))
         self.servers += [SGLangServer(u, k) for u, k in zip(cfg.urls, keys)]
+        routed = use_router(cfg, len(self.servers) + cfg.num_servers)
+        if routed and len(set(keys)) > 1:
+            if cfg.router == "sglang_router":
+                raise ValueError("FleetConfig.api_keys: sglang-router needs one API key for all servers")
+            log.warning("SGLang fleet: the attached servers have different API keys; least-loaded "
+                        "dispatch instead of sglang-router")
+            routed = False
+        # servers behind one router share its key (the attached servers' one, or a new one)
+        shared_key = (keys[0] if keys else secrets.token_hex(16)) if routed else None
         try:
-            launched = [launch_server(cfg, i) for i in range(cfg.num_servers)]
+            launched = [launch_server(cfg, i, shared_key) for i in range(cfg.num_servers)]
             self.servers += launched
             wait_ready(self.servers, cfg.startup_timeout)
+            if not self.servers:
+                raise ValueError("FleetConfig names no server: set num_servers or urls")
+            if routed:
+                self.router = launch_router(cfg, self.servers)
         except BaseException:
             self.close()
             raise
-        if not self.servers:
-            raise ValueError("FleetConfig names no server: set num_servers or urls")
+        self.routed = 0  # requests answered through the router
         self.weight_sync = weight_sync
 
     # ------------------------------------------------------------------ dispatch
@@ -293,7 +393,10 @@ class SGLangFleet(RolloutEngine):
         return [s for s in self.servers if s.alive]
 
     def _describe_all(self) -> str:
-        return "; ".join(s.describe() for s in self.servers)
+        out = "; ".join(s.describe() for s in self.servers)
+        if self.router is not None:
+            out += f"; sglang-router {self.router.describe()}"
+        return out
 
     def _pick(self, exclude: set) -> Optional[SGLangServer]:
         with self._lock:
@@ -317,6 +420,23 @@ class SGLangFleet(RolloutEngine):
         """Send one request, moving it to another server on failure, until the deadline."""
         tried: set = set()
         errors: List[str] = []
+        router = self.router
+        if router is not None and router.alive and self.alive_servers():
+            try:
+                out = router.post(path, payload, timeout=min(self.cfg.request_timeout,
+                                                              max(deadline - time.monotonic(), 0.1)))
+                result = parse(out)
+                with self._lock:
+                    self.routed += 1
+                return result
+            except RequestFailed as e:  # the router retried its other workers already
+                errors.append(f"via sglang-router: {e}")
+                if not e.retryable:
+                    raise FleetError(f"request rejected by sglang-router {router.url}: {e}") from e
+                self._mark_failed(router, e)
+                for s in self.alive_servers():  # which server failed it? drop the dead ones
+                    if not s.healthy(min(self.cfg.health_timeout, max(deadline - time.monotonic(), 0.5))):
+                        self._mark_failed(s, RequestFailed(f"{s.url}: no answer to /health", server_dead=True))
         for attempt in range(self.cfg.max_attempts):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -363,7 +483,18 @@ class SGLangFleet(RolloutEngine):
                     results[futs[f]] = f.result()  # raises FleetError of that request
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+        if self.router is not None:
+            self._check_routed_servers()
         return results
+
+    def _check_routed_servers(self) -> None:
+        """Behind the router a dead server goes unnoticed here (the router retries on the others),
+        but the weight sync talks to every live server: after each routed step, drop those that
+        do not answer /health."""
+        for s in self.alive_servers():
+            if not s.healthy(self.cfg.health_timeout):
+                self._mark_failed(s, RequestFailed(f"{s.url}: no answer to /health after a routed step",
+                                                   server_dead=True))
 
     # ------------------------------------------------------------------ RolloutEngine
     def generate(self, prompts: List[List[int]], n: int = 1, temperature: float = 1.0,
@@ -438,5 +569,8 @@ class SGLangFleet(RolloutEngine):
         ws, self.weight_sync = getattr(self, "weight_sync", None), None
         if ws is not None and hasattr(ws, "close"):
             ws.close()
+        router, self.router = getattr(self, "router", None), None
+        if router is not None:
+            stop_server(router)
         for s in self.servers:
             stop_server(s)

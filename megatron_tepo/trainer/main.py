@@ -125,7 +125,7 @@ def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool
     urls = sglang_urls(cfg)
     keys = [os.environ.get("TEPO_SGLANG_API_KEY") or None] * len(urls)
     fleet = SGLangFleet(FleetConfig(urls=urls, api_keys=keys, request_timeout=r.request_timeout_s,
-                                    step_timeout=max(r.request_timeout_s, 600.0)))
+                                    step_timeout=max(r.request_timeout_s, 600.0), router=r.router))
     fleet.weight_sync = _weight_sync(cfg, fleet, urls, True)
     return fleet
 

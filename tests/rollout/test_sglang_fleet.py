@@ -31,7 +31,7 @@ def model_dir(tmp_path_factory):
 def fleet(sglang_python, model_dir, tmp_path_factory):
     cfg = FleetConfig(model_path=model_dir, num_servers=2, python=sglang_python,
                       log_dir=str(tmp_path_factory.mktemp("sglang_logs")), request_timeout=60,
-                      step_timeout=120, startup_timeout=240)
+                      step_timeout=120, startup_timeout=240, router="none")  # test_sglang_router.py: routed
     f = SGLangFleet(cfg)
     yield f
     f.close()
