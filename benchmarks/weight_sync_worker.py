@@ -3,7 +3,8 @@
 argv[1]: JSON {"model_dir", "urls", "keys", "modes", "bucket_mib", "repeats", "wire_dtype",
 "shared_dir", "baseline_repeats"}. Rank 0 writes its measurements with ``write_result``.
 
-Per bucket size, two plain copies of the same total bytes in the same bucket sizes:
+Per bucket size, two plain copies of the same total bytes in the same bucket sizes (the gloo one
+is also run right before every timed push, for a paired ratio):
   * ``memcpy``: rank 0 copies a bucket-sized uint8 tensor into a preallocated one, until the
     model's wire bytes are copied (in-process, hot memory);
   * ``gloo``: rank 0 broadcasts bucket-sized uint8 tensors to rank 1 over a gloo group of the two
@@ -134,6 +135,19 @@ def main():
     total, ntensors = int(tot[0]), int(tot[1])
     res["wire_bytes"], res["tensors"] = total, ntensors
     gloo = dist.new_group(backend="gloo")
+    gloo_buf = torch.ones(total, dtype=torch.uint8)  # (every bucket size's copies: distinct memory)
+    dist.broadcast(gloo_buf[:1024], src=0, group=gloo)
+
+    def gloo_copy(sizes):
+        """Seconds of a gloo broadcast of ``sizes`` bytes, rank 0 -> rank 1, barrier to barrier."""
+        dist.barrier(group=gloo)
+        t = time.perf_counter()
+        o = 0
+        for n in sizes:
+            dist.broadcast(gloo_buf[o:o + n], src=0, group=gloo)
+            o += n
+        dist.barrier(group=gloo)
+        return time.perf_counter() - t
 
     for mib in args["bucket_mib"]:
         bb = mib * MiB
@@ -153,19 +167,9 @@ def main():
             res["baselines"].setdefault(mib, {})["memcpy_s"] = sorted(best)[len(best) // 2]
             del src, dst
         # ---- plain copy 2: gloo broadcast rank 0 -> rank 1 (two local processes)
-        buf = torch.ones(min(bb, total), dtype=torch.uint8)
-        dist.broadcast(buf[:1024], src=0, group=gloo)
-        times = []
-        for _ in range(args["baseline_repeats"]):
-            dist.barrier(group=gloo)
-            t = time.perf_counter()
-            for n in sizes:
-                dist.broadcast(buf[:n], src=0, group=gloo)
-            dist.barrier(group=gloo)
-            times.append(time.perf_counter() - t)
+        times = [gloo_copy(sizes) for _ in range(args["baseline_repeats"])]
         if rank == 0:
             res["baselines"][mib]["gloo_bcast_s"] = sorted(times)[len(times) // 2]
-        del buf
         # ---- the sender alone, no server: (a) the bucketed export gathered to rank 0 (what the
         # sync runs); (b) the per-tensor path it replaced: all-gather per tensor, HF mapping, cast,
         # bucket, flatten copy
@@ -213,6 +217,8 @@ def main():
                            shared_dir=args["shared_dir"], is_sender=rank == 0, timeout=600)
             try:
                 for rep in range(1 + args["repeats"]):
+                    # the plain copy right before each push, so the two see the same machine
+                    gloo_s = gloo_copy(chunks(total, mib * MiB))
                     dist.barrier()
                     ws.push_s = 0.0
                     with RssPeak() as mem:
@@ -224,7 +230,7 @@ def main():
                         res["runs"].append({"mode": mode, "bucket_mib": mib, "rep": rep, "seconds": stats.seconds,
                                             "bytes": stats.bytes, "buckets": stats.buckets,
                                             "tensors": stats.tensors, "gather_s": stats.export_seconds,
-                                            "push_s": ws.push_s, "rss_delta": mem.delta,
+                                            "push_s": ws.push_s, "rss_delta": mem.delta, "gloo_s": gloo_s,
                                             "first_push_rss_delta": first_delta,
                                             "held_bytes": ws._export_buffers.nbytes,
                                             "peak_bucket_bytes": stats.peak_bucket_bytes})

@@ -29,8 +29,8 @@ import math
 import os
 import re
 import socket
-from dataclasses import dataclass
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -219,6 +219,10 @@ class FlatBucket:
     shapes: List[Tuple[int, ...]]
     offsets: List[int]
     flat: torch.Tensor
+    # Set by a consumer that still reads ``flat`` after asking for the next bucket (e.g. an
+    # asynchronous send): :func:`iter_flat_buckets` calls it before it writes this buffer again,
+    # or lets another rank write it, and before it finishes.
+    release: Optional[Callable[[], None]] = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -253,6 +257,24 @@ class _Item:
     @property
     def full_bytes(self) -> int:
         return math.prod(self.full_shape) * self.wire.itemsize
+
+
+class _Handoff:
+    """The bucket last handed to the consumer: :meth:`settle` waits until the consumer let go of
+    it (its ``release``) -- before the buffer is written again, and at the end of the export."""
+
+    def __init__(self):
+        self.prev: Optional[FlatBucket] = None
+
+    def give(self, bucket: FlatBucket) -> FlatBucket:
+        self.prev = bucket
+        return bucket
+
+    def settle(self) -> None:
+        b, self.prev = self.prev, None
+        if b is not None and b.release is not None:
+            release, b.release = b.release, None
+            release()
 
 
 class ExportBuffers:
@@ -424,7 +446,9 @@ def iter_flat_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_byt
     whose groups do not contain ``dst`` (data-parallel replicas, other pipeline stages) do
     nothing. Collective: every rank of the groups involved must iterate it to the end.
     ``reuse``: the yielded bucket's buffer is overwritten by the next one (for consumers done
-    with a bucket before asking for the next); otherwise each bucket owns its buffer.
+    with a bucket before asking for the next, or that set its ``release``: it is called before
+    the buffer is written again, so a send of bucket k can run while bucket k+1 is built);
+    otherwise each bucket owns its buffer.
     ``buffers`` (with ``reuse``): an :class:`ExportBuffers` that keeps the buffers for the next
     export. Buffers live on the parameters' device.
 
@@ -444,9 +468,21 @@ def iter_flat_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_byt
         raise ValueError(f"what must be 'param' or 'grad', got {what!r}")
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    handoff = _Handoff()
+    kw = dict(dtype=dtype, what=what, tp_group=tp_group, all_experts=all_experts, reuse=reuse, keep=buffers,
+              handoff=handoff)
+    try:
+        yield from _iter_pipeline_buckets(model_chunks, layout_fn, bucket_bytes, dst, kw)
+    finally:
+        handoff.settle()
+
+
+def _iter_pipeline_buckets(model_chunks, layout_fn, bucket_bytes: int, dst: Optional[int], kw: dict
+                           ) -> Iterator[FlatBucket]:
+    """:func:`iter_flat_buckets` across pipeline stages."""
     from megatron.core import parallel_state
 
-    kw = dict(dtype=dtype, what=what, tp_group=tp_group, all_experts=all_experts, reuse=reuse, keep=buffers)
+    handoff, reuse, buffers = kw["handoff"], kw["reuse"], kw["keep"]
     pp_group = parallel_state.get_pipeline_model_parallel_group(check_initialized=False)
     if dst is None or pp_group is None or dist.get_world_size(pp_group) == 1:
         yield from _iter_stage_buckets(model_chunks, layout_fn, bucket_bytes, dst=dst, **kw)
@@ -468,9 +504,10 @@ def iter_flat_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_byt
                     break
                 names, dtypes, shapes, offsets, nbytes = header[0]
                 flat = None
+                handoff.settle()
                 flat = bufs.get("out", nbytes)
                 dist.recv(flat, src=src, group=pp_group)
-                yield FlatBucket(names, dtypes, shapes, offsets, flat)
+                yield handoff.give(FlatBucket(names, dtypes, shapes, offsets, flat))
     elif me == rep:  # this stage's member of dst's pipeline group: build here, send to dst
         for b in _iter_stage_buckets(model_chunks, layout_fn, bucket_bytes, dst=rep, **kw):
             dist.send_object_list([(b.names, b.dtypes, b.shapes, b.offsets, b.nbytes)], dst=dst, group=pp_group)
@@ -483,10 +520,12 @@ def iter_flat_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_byt
 
 def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_bytes: int,
                         dtype: Optional[torch.dtype], what: str, dst: Optional[int], tp_group,
-                        all_experts: bool, reuse: bool, keep: Optional[ExportBuffers] = None
-                        ) -> Iterator[FlatBucket]:
+                        all_experts: bool, reuse: bool, keep: Optional[ExportBuffers] = None,
+                        handoff: Optional[_Handoff] = None) -> Iterator[FlatBucket]:
     """:func:`iter_flat_buckets` within one pipeline stage (``dst`` in this stage or None)."""
     from megatron.core import parallel_state
+
+    handoff = handoff or _Handoff()
 
     groups = _groups(tp_group)
     ep_group = parallel_state.get_expert_model_parallel_group(check_initialized=False) if all_experts else None
@@ -601,9 +640,11 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
                 else:
                     shards = [it.local if r == idx else it.local.to("meta") for r in range(it.size)]
                     _write_item(out, it, shards, it.layout, names, dtypes, shapes, offs, owner=idx)
+            # the other ranks write bucket k+2 into bucket k's buffer once past this barrier
+            handoff.settle()
             dist.barrier(group=group)  # every rank's part is in place
             if me == dst:
-                yield FlatBucket(names, dtypes, shapes, offs, out)
+                yield handoff.give(FlatBucket(names, dtypes, shapes, offs, out))
             continue
         send = recv = rows = out = final = slots = None  # (the last bucket's views)
         group, size = bucket[0].group, bucket[0].size
@@ -644,6 +685,7 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
             continue
         per_rank = _out_bytes(bucket)
         names, dtypes, shapes, offs = [], [], [], []
+        handoff.settle()  # the consumer is done with the previous bucket's buffer
         if kind and ep_stage and gather_mode and me == dst:  # assemble straight into its slot
             final = bufs.get("out", per_rank * ep)
             slots = final.view(ep, per_rank)
@@ -655,7 +697,7 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
         for it in bucket:
             _write_item(out, it, shards_of.get(id(it), [it.local]), it.layout, names, dtypes, shapes, offs)
         if not (kind and ep_stage):
-            yield FlatBucket(names, dtypes, shapes, offs, out)
+            yield handoff.give(FlatBucket(names, dtypes, shapes, offs, out))
             continue
         # stage 2: every EP rank's assembled experts, one collective over the EP group
         if not stage2:
@@ -674,7 +716,8 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
             all_dtypes += dtypes
             all_shapes += shapes
             all_offs += [k * per_rank + o for o in offs]
-        yield FlatBucket(all_names, all_dtypes, all_shapes, all_offs, final)
+        yield handoff.give(FlatBucket(all_names, all_dtypes, all_shapes, all_offs, final))
+    handoff.settle()
     if n_shared:  # dst asked past its last bucket: done with the shared buffers, which the next
         dist.barrier(group=dense_tp)  # export on the other ranks may start writing again
 

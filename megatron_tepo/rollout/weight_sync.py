@@ -230,6 +230,7 @@ class WeightSync:
         self._pg = None
         self._pg_servers: Tuple[str, ...] = ()
         self._pending = None
+        self._bcast = None  # the last bucket's broadcast, until it completes
         self._version = 0
         self.last_stats: Optional[SyncStats] = None
         # the export's bucket buffers, kept from one push to the next (see ExportBuffers)
@@ -314,17 +315,26 @@ class WeightSync:
         self._pg, self._pg_servers = None, ()
 
     def _push_distributed(self, bucket: FlatBucket, servers) -> None:
-        """One request + one broadcast. The sender does not wait for the servers to load the
-        bucket: it builds the next one meanwhile, and sends the next request before joining this
-        one (at most two in flight). The order is safe: once the broadcast of bucket k returned,
-        each server's request k holds its update lock, so request k+1 queues behind it."""
+        """One request + one asynchronous broadcast. The sender waits neither for the bytes to
+        leave nor for the servers to load them: it builds the next bucket meanwhile (the bucket's
+        ``release`` makes the export wait for the broadcast before it reuses the buffer), and it
+        sends the next request before joining this one (at most two in flight). The order is
+        safe: request k+1 goes out only once the broadcast of bucket k completed, when each
+        server's request k holds its update lock, so request k+1 queues behind it."""
+        self._wait_broadcast()
         payload = {"names": list(bucket.names), "dtypes": [dtype_name(d) for d in bucket.dtypes],
                    "shapes": [list(sh) for sh in bucket.shapes], "group_name": self.group_name,
                    "load_format": "flattened_bucket", "flush_cache": False}
         threads, errors = self._start_all("/update_weights_from_distributed", payload, servers)
-        torch.distributed.broadcast(bucket.flat, src=0, group=self._pg)
+        self._bcast = torch.distributed.broadcast(bucket.flat, src=0, group=self._pg, async_op=True)
+        bucket.release = self._wait_broadcast
         self._wait_pending()  # request k-1: answered by now (its servers moved on to bucket k)
         self._pending = (threads, errors)
+
+    def _wait_broadcast(self) -> None:
+        work, self._bcast = self._bcast, None
+        if work is not None:
+            work.wait()
 
     def _wait_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -385,7 +395,9 @@ class WeightSync:
         """The stream as flat buckets. An export that can bucket itself (``flat_buckets``, e.g.
         :class:`~megatron_tepo.models.HFExport`) is asked for buckets gathered to the sender, cast
         to the wire dtype before its collectives, in reused buffers; any other stream of
-        ``(name, tensor)`` is cast and flattened here into one reused buffer."""
+        ``(name, tensor)`` is cast and flattened here into one reused buffer. A bucket may still be
+        on the wire when the next is asked for: its ``release`` (set by the push) must be called
+        before its buffer is written again (``iter_flat_buckets`` does)."""
         flat_buckets = getattr(named_tensors, "flat_buckets", None)
         if callable(flat_buckets):
             stats.bucketed_export = True
@@ -394,9 +406,11 @@ class WeightSync:
             return flat_buckets(self.bucket_bytes, dtype=self.wire_dtype, dst=dst, reuse=True, **kw)
 
         def flatten_each():
-            out = None
+            out = fb = None
             for bucket in iter_buckets(named_tensors, self.bucket_bytes, self.wire_dtype,
                                        align=self.mode == "distributed"):
+                if fb is not None and fb.release is not None:  # the previous bucket's send
+                    fb.release()
                 total = sum(tensor_bytes(t) for _, t in bucket)
                 if out is None or out.numel() < total:
                     out = None
@@ -425,14 +439,17 @@ class WeightSync:
         files: List[str] = []
         if self.mode == "distributed":
             self._ensure_group(servers)
-        if self.mode != "disk":
-            self._post_all("/begin_weight_update", {}, servers)
+        # the servers begin the update while the first bucket is exported
+        begun = self._start_all("/begin_weight_update", {}, servers) if self.mode != "disk" else None
         try:
             buckets = self._buckets(named_tensors, stats)
             while True:
                 t = time.perf_counter()
                 bucket = next(buckets, None)
                 stats.export_seconds += time.perf_counter() - t
+                if begun is not None:
+                    begun, pending = None, begun
+                    self._join(*pending, "/begin_weight_update")
                 if bucket is None:
                     break
                 if self.mode == "distributed":
@@ -449,11 +466,13 @@ class WeightSync:
                 stats.peak_bucket_bytes = max(stats.peak_bucket_bytes, bucket.nbytes)
                 del bucket
             if self.mode == "distributed":
+                self._wait_broadcast()
                 self._wait_pending()
         finally:
-            if self._pending is not None:  # an error after a bucket was sent
+            for wait in (lambda: self._join(*begun, "/begin_weight_update") if begun else None,
+                         self._wait_broadcast, self._wait_pending):  # after an error
                 try:
-                    self._wait_pending()
+                    wait()
                 except Exception as e:  # noqa: BLE001 -- the first error is the one raised
                     log.warning("weight sync: %s", e)
             if self.mode != "disk":

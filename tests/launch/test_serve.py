@@ -13,7 +13,8 @@ from megatron_tepo.rollout.sglang_fleet import FleetConfig, server_command
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_FLAGS = ["--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-             "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+             "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
+             "--sleep-on-idle"]
 
 
 def test_cpu_command_and_env():

@@ -26,6 +26,8 @@ def _check(per_rank):
             assert c.get("dst0_nonroot_yielded", 0) == 0, (rank, c["case"])
             if rank == 0:  # only the destination yields buckets
                 assert c["buckets"][str(1 << 10)] > c["buckets"][str(64 << 20)] >= 1
+                # every bucket released once, the last at the end of the export
+                assert all(n_rel == n and n >= 1 for n_rel, n in c["released"].values()), c["released"]
             else:
                 assert set(c["buckets"].values()) == {0}
             # TP ranks on one host fill shared-memory buckets (two, alternating, kept across the

@@ -5,7 +5,8 @@ tiny HF model (random weights, randomised norms/biases) and loads it into the ac
 rank it records, for several bucket sizes and both forms of the export (iterated on every rank:
 its pipeline stage; ``flat_buckets`` gathered to global rank 0: the whole model), whether the
 exported stream equals the HF state dict bit for bit (gathered: with TP ranks filling
-shared-memory buckets and with the point-to-point gather, buffers kept across the exports) (names, dtypes, shapes, values) -- with
+shared-memory buckets and with the point-to-point gather, buffers kept across the exports; and
+read late, by a consumer that sets each bucket's ``release`` and copies it only when released) (names, dtypes, shapes, values) -- with
 every MoE expert under its global index -- and whether it equals the per-tensor reference
 ``megatron_to_hf(gather_full_tensors(...))`` (for the tensors the reference has). Also: the bf16
 export (cast before the gather) equals the fp32 export cast afterwards, bit for bit.
@@ -68,6 +69,23 @@ def run_case(case):
             else:
                 out["dst0_nonroot_yielded"] = out.get("dst0_nonroot_yielded", 0) + len(got)
             out.setdefault("buckets", {})[bb] = nbuckets
+            # a consumer still reading bucket k after asking for k+1 (an asynchronous send): it
+            # sets ``release``, which the export must call before that buffer is written again
+            late, released = {}, []
+
+            def release_of(b):
+                def release():
+                    released.append(len(b.names))
+                    late.update({n: t.clone() for n, t in b.named_tensors()})
+                return release
+
+            n = 0
+            for b in actor.export_hf_state().flat_buckets(bucket_bytes=bb, dst=0, reuse=True, buffers=keep[shm]):
+                b.release = release_of(b)
+                n += 1
+            if rank == 0:
+                out["checks"][f"late_{bb}_shm{shm}"] = diff(late, want)
+                out.setdefault("released", {})[f"{bb}_shm{shm}"] = [len(released), n]
     # the buffers kept across the exports above: which path ran
     out["shared_buffers"] = {shm: sum(k[0] == "shared" for k in keep[shm].held) for shm in keep}
     os.environ["MTEPO_EXPORT_SHM"] = "1"
