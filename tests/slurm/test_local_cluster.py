@@ -46,6 +46,12 @@ def _run(out: Path, steps: int, sglang_python: str):
     return job, logs, stdout, trainer
 
 
+def _node_cpus_allocated() -> int:
+    """CPUs allocated on the one-node test cluster (``scontrol show node``'s CPUAlloc)."""
+    out = subprocess.run(["scontrol", "show", "node"], capture_output=True, text=True, timeout=30).stdout
+    return sum(int(tok.split("=", 1)[1]) for tok in out.split() if tok.startswith("CPUAlloc="))
+
+
 def _metrics(out: Path):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -97,6 +103,13 @@ def test_preemption_requeues_and_reruns(slurm_cluster, tmp_path):
     while job_state(job) not in ("PENDING", "RUNNING", "COMPLETED"):
         assert time.monotonic() < deadline, f"job {job} not requeued: {sacct(job)}"
         time.sleep(0.5)
+    # ... but only once the first attempt's allocation is gone: released while slurmctld still
+    # revokes its credential, the new attempt is killed ("Killing non-startable batch JobId=..:
+    # Job credential revoked") and the job ends FAILED -- a race of this test, not of lib.sh
+    while _node_cpus_allocated() and job_state(job) == "PENDING":
+        assert time.monotonic() < deadline, f"job {job}: the first attempt's allocation stays"
+        time.sleep(0.5)
+    time.sleep(1.0)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True, timeout=30)
     assert wait_job(job, timeout=180) == "COMPLETED"
     states = [row[1] for row in sacct(job) if row[0] == job]
