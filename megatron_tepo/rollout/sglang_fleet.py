@@ -437,9 +437,9 @@ class SGLangFleet(RolloutEngine):
                 if not e.retryable:
                     raise FleetError(f"request rejected by sglang-router {router.url}: {e}") from e
                 self._mark_failed(router, e)
-                for s in self.alive_servers():  # which server failed it? drop the dead ones
-                    if not s.healthy(min(self.cfg.health_timeout, max(deadline - time.monotonic(), 0.5))):
-                        self._mark_failed(s, RequestFailed(f"{s.url}: no answer to /health", server_dead=True))
+                # which server failed it? drop the dead ones
+                self._drop_unhealthy("no answer to /health",
+                                     min(self.cfg.health_timeout, max(deadline - time.monotonic(), 0.5)))
         for attempt in range(self.cfg.max_attempts):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -487,17 +487,16 @@ class SGLangFleet(RolloutEngine):
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         if self.router is not None:
-            self._check_routed_servers()
+            # behind the router a dead server goes unnoticed here (the router retries on the
+            # others), but the weight sync talks to every live server
+            self._drop_unhealthy("no answer to /health after a routed step", self.cfg.health_timeout)
         return results
 
-    def _check_routed_servers(self) -> None:
-        """Behind the router a dead server goes unnoticed here (the router retries on the others),
-        but the weight sync talks to every live server: after each routed step, drop those that
-        do not answer /health."""
+    def _drop_unhealthy(self, why: str, timeout: float) -> None:
+        """Drop from the fleet every live server that does not answer /health within ``timeout``."""
         for s in self.alive_servers():
-            if not s.healthy(self.cfg.health_timeout):
-                self._mark_failed(s, RequestFailed(f"{s.url}: no answer to /health after a routed step",
-                                                   server_dead=True))
+            if not s.healthy(timeout):
+                self._mark_failed(s, RequestFailed(f"{s.url}: {why}", server_dead=True))
 
     # ------------------------------------------------------------------ RolloutEngine
     def generate(self, prompts: List[List[int]], n: int = 1, temperature: float = 1.0,

@@ -1,10 +1,18 @@
-"""A tiny Qwen3 (2 layers, hidden 64) for the rollout tests; token ids only, no tokenizer."""
+"""A tiny Qwen3 (2 layers, hidden 64) for the rollout tests (token ids only, no tokenizer), and the
+fault steps the fleet tests share (a server killed mid-step, every server hung)."""
 from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
+import time
 
+import pytest
 import torch
+
+from megatron_tepo.rollout.engine import FINISH_LENGTH
+from megatron_tepo.rollout.sglang_fleet import FleetError
 
 VOCAB = 256
 
@@ -51,3 +59,56 @@ def hf_response_log_probs(model, seq, prompt_len, temperature=1.0):
         ids = torch.tensor([seq])
         logits = model(input_ids=ids).logits[0, prompt_len - 1:-1].float()
         return torch.log_softmax(logits / temperature, -1).gather(-1, ids[0, prompt_len:, None]).squeeze(-1)
+
+
+# ---------------------------------------------------------------- fault steps of the fleet tests
+def kill_during_step(fleet, victim, wait_for_victim, join_timeout: float = 180.0) -> None:
+    """Run one step (12 prompt groups of 2 samples x 160 tokens) in a thread, wait with
+    ``wait_for_victim(thread)`` until ``victim`` should hold some of its requests, SIGKILL the
+    victim by its pid, and check that the step still completed with nothing lost."""
+    prompts = [[i + 3, i + 4, i + 5] for i in range(12)]
+    result, errors = {}, []
+
+    def step():
+        try:
+            result["groups"] = fleet.generate(prompts, n=2, temperature=1.0, max_new_tokens=160)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=step)
+    t.start()
+    wait_for_victim(t)
+    os.kill(victim.pid, signal.SIGKILL)
+    t.join(timeout=join_timeout)
+    assert not t.is_alive() and not errors, errors
+    groups = result["groups"]
+    assert len(groups) == len(prompts)
+    for g in groups:  # nothing lost: every request answered in full
+        assert len(g) == 2 and all(len(s.token_ids) == 160 and s.finish_reason == FINISH_LENGTH for s in g)
+
+
+def error_with_all_servers_hung(fleet, **timeouts) -> str:
+    """SIGSTOP every live server (hung, not dead: only the time-outs can tell), with the fleet's
+    ``timeouts`` (``step_timeout`` 15 s and ``request_timeout`` 5 s unless given); one step must
+    raise FleetError within the step time-out + 6 s, naming every server. The hung servers are
+    killed afterwards. Returns the error's message."""
+    timeouts = {"step_timeout": 15.0, "request_timeout": 5.0, **timeouts}
+    for k, v in timeouts.items():
+        setattr(fleet.cfg, k, v)
+    hung = [s for s in fleet.servers if s.alive]
+    for s in hung:
+        os.kill(s.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(FleetError) as exc:
+            fleet.generate([[1, 2, 3]], n=1, max_new_tokens=4)
+        elapsed = time.monotonic() - t0
+    finally:
+        for s in hung:
+            os.kill(s.pid, signal.SIGKILL)
+            os.kill(s.pid, signal.SIGCONT)
+    assert elapsed < timeouts["step_timeout"] + 6.0, elapsed
+    msg = str(exc.value)
+    for s in fleet.servers:
+        assert s.url in msg
+    return msg

@@ -6,7 +6,6 @@ own (patched) ``WeightUpdater._receive_bucketed_weights_from_distributed`` and l
 ``load_weights_from_distributed`` into a small model, twice with a well-behaved loader (copies),
 then with one that keeps the received tensor as its parameter. Prints one JSON line (rank 1)."""
 import json
-import os
 import sys
 
 import torch

@@ -1,9 +1,6 @@
 """A fleet of REAL SGLang CPU servers (tiny local Qwen3): groups, weight sync in three modes,
 a server killed mid-step, and every server gone. Two servers are started once for the module; the
 fault tests come last because they destroy them."""
-import os
-import signal
-import threading
 import time
 
 import pytest
@@ -12,7 +9,8 @@ import torch
 from megatron_tepo.rollout.engine import FINISH_LENGTH, FINISH_STOP
 from megatron_tepo.rollout.sglang_fleet import FleetConfig, FleetError, SGLangFleet
 from megatron_tepo.rollout.weight_sync import DriftCheck, WeightSync
-from tests.rollout.helpers import VOCAB, hf_response_log_probs, save_tiny_qwen3, tiny_qwen3
+from tests.rollout.helpers import (VOCAB, error_with_all_servers_hung, hf_response_log_probs,
+                                   kill_during_step, save_tiny_qwen3, tiny_qwen3)
 
 pytestmark = pytest.mark.sglang
 SCALE = 0.07  # weights small enough that a bf16 server is within 2e-2 of float32 (bf16 error grows with the logits)
@@ -139,50 +137,20 @@ def test_weight_sync_from_tp2_actor(fleet, model_dir, tmp_path):
 # ---------------------------------------------------------------- faults (destroy the fleet: last)
 def test_server_killed_mid_step(fleet):
     victim = fleet.servers[0]
-    prompts = [[i + 3, i + 4, i + 5] for i in range(12)]
-    result, errors = {}, []
 
-    def step():
-        try:
-            result["groups"] = fleet.generate(prompts, n=2, temperature=1.0, max_new_tokens=160)
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
+    def wait_for_victim(step):  # kill the victim while it holds requests (a loaded CI machine
+        deadline = time.monotonic() + 60  # can be slow to start)
+        while victim.inflight == 0 and step.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert victim.inflight > 0, "no request reached the victim while the step ran"
 
-    t = threading.Thread(target=step)
-    t.start()
-    deadline = time.monotonic() + 60  # kill the victim while it holds requests (a loaded CI machine
-    while victim.inflight == 0 and t.is_alive() and time.monotonic() < deadline:  # can be slow to start)
-        time.sleep(0.005)
-    assert victim.inflight > 0, "no request reached the victim while the step ran"
-    os.kill(victim.pid, signal.SIGKILL)
-    t.join(timeout=180)
-    assert not t.is_alive() and not errors, errors
-    groups = result["groups"]
-    assert len(groups) == len(prompts)
-    for g in groups:  # nothing lost: every request answered in full
-        assert len(g) == 2 and all(len(s.token_ids) == 160 and s.finish_reason == FINISH_LENGTH for s in g)
+    kill_during_step(fleet, victim, wait_for_victim, join_timeout=180)
     assert not victim.alive and fleet.servers[1].alive
     assert "connection" in (victim.last_error or "").lower()
 
 
 def test_all_servers_gone_clear_error_within_timeout(fleet):
-    hung = [s for s in fleet.servers if s.alive]  # whatever the previous test left alive
-    fleet.cfg.step_timeout, fleet.cfg.request_timeout = 15.0, 5.0
-    for s in hung:
-        os.kill(s.pid, signal.SIGSTOP)  # hung, not dead: only the time-outs can tell
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(FleetError) as exc:
-            fleet.generate([[1, 2, 3]], n=1, max_new_tokens=4)
-        elapsed = time.monotonic() - t0
-    finally:
-        for s in hung:
-            os.kill(s.pid, signal.SIGKILL)
-            os.kill(s.pid, signal.SIGCONT)
-    assert elapsed < 15.0 + 6.0, elapsed
-    msg = str(exc.value)
-    for s in fleet.servers:
-        assert s.url in msg
+    error_with_all_servers_hung(fleet)  # whatever the previous test left alive
     t0 = time.monotonic()
     with pytest.raises(FleetError, match="no SGLang server is left"):
         fleet.generate([[1, 2, 3]], n=1, max_new_tokens=4)

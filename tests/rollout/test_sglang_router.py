@@ -3,18 +3,14 @@ REAL SGLang CPU servers: requests go through the router, which spreads them over
 checks the API key; a server killed in the middle of a step costs nothing and is dropped from the
 fleet; every server gone gives a clear error within the step time-out. Config errors without
 servers. The fault tests come last because they destroy the servers."""
-import os
-import signal
 import sys
-import threading
 import time
 
 import pytest
 import requests
 
-from megatron_tepo.rollout.engine import FINISH_LENGTH
 from megatron_tepo.rollout.sglang_fleet import FleetConfig, FleetError, SGLangFleet, use_router
-from tests.rollout.helpers import save_tiny_qwen3
+from tests.rollout.helpers import error_with_all_servers_hung, kill_during_step, save_tiny_qwen3
 
 pytestmark = pytest.mark.sglang
 
@@ -67,47 +63,16 @@ def test_groups_go_through_the_router_to_both_servers(fleet):
 
 def test_routed_server_killed_mid_step(fleet):
     victim = fleet.servers[0]
-    prompts = [[i + 3, i + 4, i + 5] for i in range(12)]
-    result, errors = {}, []
 
-    def step():
-        try:
-            result["groups"] = fleet.generate(prompts, n=2, temperature=1.0, max_new_tokens=160)
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
+    def wait_for_victim(step):
+        time.sleep(1.5)  # round robin: the victim holds half of the step's requests by now
+        assert step.is_alive(), "the step ended before the victim could be killed"
 
-    t = threading.Thread(target=step)
-    t.start()
-    time.sleep(1.5)  # round robin: the victim holds half of the step's requests by now
-    assert t.is_alive(), "the step ended before the victim could be killed"
-    os.kill(victim.pid, signal.SIGKILL)
-    t.join(timeout=240)
-    assert not t.is_alive() and not errors, errors
-    groups = result["groups"]
-    assert len(groups) == len(prompts)
-    for g in groups:  # nothing lost: every request answered in full
-        assert len(g) == 2 and all(len(s.token_ids) == 160 and s.finish_reason == FINISH_LENGTH for s in g)
+    kill_during_step(fleet, victim, wait_for_victim, join_timeout=240)
     # dropped after the step (the weight sync must not push to it)
     assert not victim.alive and fleet.servers[1].alive
     assert [s.url for s in fleet.alive_servers()] == [fleet.servers[1].url]
 
 
 def test_routed_all_servers_gone_clear_error_within_timeout(fleet):
-    hung = [s for s in fleet.servers if s.alive]
-    fleet.cfg.step_timeout, fleet.cfg.request_timeout, fleet.cfg.health_timeout = 15.0, 5.0, 2.0
-    for s in hung:
-        os.kill(s.pid, signal.SIGSTOP)
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(FleetError) as exc:
-            fleet.generate([[1, 2, 3]], n=1, max_new_tokens=4)
-        elapsed = time.monotonic() - t0
-    finally:
-        for s in hung:
-            os.kill(s.pid, signal.SIGKILL)
-            os.kill(s.pid, signal.SIGCONT)
-    assert elapsed < 15.0 + 6.0, elapsed
-    msg = str(exc.value)
-    for s in fleet.servers:
-        assert s.url in msg
-    assert "sglang-router" in msg
+    assert "sglang-router" in error_with_all_servers_hung(fleet, health_timeout=2.0)
