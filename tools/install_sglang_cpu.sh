@@ -12,7 +12,8 @@
 #      its compiled ops do not load: see megatron_tepo/rollout/sglang_cpu/mtepo_sglang_cpu.py);
 #   4. sglang-router==$ROUTER_VERSION (the fleet's dispatcher for two or more servers);
 #   5. a .pth file in the venv that puts megatron_tepo/rollout/sglang_cpu on sys.path and loads
-#      the patches: the torchvision fake-op guard, the kept receive buffer of weight updates, and
+#      the patches: the torchvision fake-op guard, the kept receive buffer of weight updates and
+#      the receive straight into the parameters (a bucket layout whose loaders only copy), and
 #      a stand-in `sgl_kernel` module.
 #
 # Default target: a SEPARATE venv <repo>/.venv-sglang, because sglang pins transformers==5.19.0

@@ -4,7 +4,14 @@
 Rank 0 broadcasts flattened buckets as the weight sync does; rank 1 receives them with SGLang's
 own (patched) ``WeightUpdater._receive_bucketed_weights_from_distributed`` and loads them with its
 ``load_weights_from_distributed`` into a small model, twice with a well-behaved loader (copies),
-then with one that keeps the received tensor as its parameter. Prints one JSON line (rank 1)."""
+then with one that keeps the received tensor as its parameter. Prints one JSON line (rank 1).
+
+argv[3] == "direct": patch 3 instead (received straight into the parameters): a model with a fused
+``qkv`` parameter loaded by narrow + copy, a plain one, and a loader that scales (never eligible);
+the same layout pushed again goes into the parameters, another runner (a draft) still loads from
+the received views, a layout in another order stays on the normal path, a replaced parameter
+sends its layout back to be traced again, a new bucket size moves the parameters again, and a
+parameter another tensor views is never moved -- every load bit for bit."""
 import json
 import sys
 
@@ -53,13 +60,88 @@ class Runner:  # the fields of SGLang's WeightUpdater the two patched methods us
         pass
 
 
+class Fused(torch.nn.Module):
+    """q/k/v go into one ``qkv`` parameter (SGLang's QKVParallelLinear does narrow + copy_)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(24, 8, dtype=torch.bfloat16), requires_grad=False)
+        self.n = torch.nn.Parameter(torch.zeros(8), requires_grad=False)
+        self.s = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16), requires_grad=False)
+        self.c = torch.nn.Parameter(torch.zeros(8, 8, dtype=torch.bfloat16), requires_grad=False)
+        self.c_t = self.c.data.t()  # a derived view kept by the module: c must never move
+
+    def load_weights(self, named):
+        for name, t in named:
+            if name in "qkv":
+                self.qkv.data.narrow(0, "qkv".index(name) * 8, 8).copy_(t)
+            elif name == "c":
+                self.c.data.copy_(t)
+            elif name == "s":
+                self.s.data.copy_(t * 2)  # not a plain copy: its layout is never received directly
+            else:
+                self.n.data.copy_(t)
+
+    def expected(self, name):
+        return self.qkv[8 * "qkv".index(name):][:8] if name in "qkv" else getattr(self, name)
+
+
+def direct_buckets():
+    g = torch.Generator().manual_seed(1)
+
+    def layout(names):
+        return [(n, torch.randn(*{"n": (8,), "s": (4, 8)}.get(n, (8, 8)), generator=g)
+                 .to(torch.float32 if n == "n" else torch.bfloat16)) for n in names]
+
+    # L1 x3 (traced + moved, then direct twice), L2 x2 (scaled: never), L3 (q/k/v order swapped:
+    # qkv is not one run of it), L1 after a parameter was replaced x2 (traced again, then direct),
+    # L4 x2 (a new bucket size: qkv moves again, L1's plan goes; then direct), L5 x2 (its parameter
+    # has a view kept elsewhere: never moved), L6 x2 (n, left behind in L1's tensor: moves too)
+    return [layout("qkvn"), layout("qkvn"), layout("qkvn"), layout("s"), layout("s"),
+            layout("kqv"), layout("qkvn"), layout("qkvn"), layout("qkv"), layout("qkv"), layout("c"),
+            layout("c"), layout("n"), layout("n")]
+
+
+def direct_main(group):
+    from mtepo_sglang_cpu import _plans
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    model, draft = Fused(), Fused()
+    runner, draft_runner = Runner(group, model), Runner(group, draft)
+    out = {"patched": bool(getattr(WeightUpdater, "_mtepo_direct_receive", False)), "steps": []}
+    for i, bucket in enumerate(direct_buckets()):
+        if i == 6:  # a parameter replaced (as a reload would): L1's plan no longer holds
+            model.n = torch.nn.Parameter(torch.zeros(8), requires_grad=False)
+        got = WeightUpdater._receive_bucketed_weights_from_distributed(
+            runner, names=[n for n, _ in bucket], dtypes=[str(t.dtype).split(".")[1] for _, t in bucket],
+            shapes=[list(t.shape) for _, t in bucket], group_name="g")
+        qkv = model.qkv.data_ptr(), model.qkv.data_ptr() + model.qkv.nbytes
+        ok, _ = WeightUpdater.load_weights_from_distributed(runner, got)
+        ok_draft, _ = WeightUpdater.load_weights_from_distributed(draft_runner, got)
+        scale = 2 if bucket[0][0] == "s" else 1
+        out["steps"].append({
+            "names": "".join(n for n, _ in bucket), "direct": bool(getattr(got, "direct", False)),
+            "in_params": all(qkv[0] <= t.data_ptr() < qkv[1] for n, t in got if n in "qkv")
+            and model.qkv.data_ptr() == qkv[0],
+            "loaded": ok and all(torch.equal(model.expected(n), t * scale) for n, t in bucket),
+            "view_current": torch.equal(model.c_t, model.c.t()) and model.c_t.data_ptr() == model.c.data_ptr(),
+            "draft_loaded": ok_draft and all(torch.equal(draft.expected(n), t * scale) for n, t in bucket),
+            "plans": sum(p is not None for p in _plans.get(model, {}).values())})
+    print(json.dumps(out))
+
+
 def main():
     rank = int(sys.argv[1])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", world_size=2, rank=rank)
     group = dist.new_group([0, 1], backend="gloo")
+    scenario = sys.argv[3] if len(sys.argv) > 3 else "buffer"
     if rank == 0:
-        for bucket in buckets():
+        for bucket in (direct_buckets() if scenario == "direct" else buckets()):
             dist.broadcast(flat(bucket), src=0, group=group)
+        dist.barrier()
+        return
+    if scenario == "direct":
+        direct_main(group)
         dist.barrier()
         return
     from mtepo_sglang_cpu import _recv_buffers

@@ -2,6 +2,7 @@
 a server killed mid-step, and every server gone. Two servers are started once for the module; the
 fault tests come last because they destroy them."""
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,8 +80,13 @@ def test_weight_sync_modes_single_process(fleet, mode, tmp_path):
     new = tiny_qwen3(seed=seed, scale=SCALE)
     ref = hf_response_log_probs(new, SEQ, PROMPT_LEN)
     before = [torch.tensor(x) for x in fleet.score([SEQ] * 2, [PROMPT_LEN] * 2)]
-    ws = WeightSync(fleet, mode=mode, bucket_bytes=100_000, shared_dir=str(tmp_path))
+    # distributed: bf16 on the wire, as the trainer sends (rollout.sync_dtype), and a first push of
+    # other weights: the second is received straight into the parameters (CPU server patch 3)
+    wire = torch.bfloat16 if mode == "distributed" else None
+    ws = WeightSync(fleet, mode=mode, bucket_bytes=100_000, shared_dir=str(tmp_path), wire_dtype=wire)
     try:
+        if mode == "distributed":
+            ws.push(tiny_qwen3(seed=seed + 100, scale=SCALE).state_dict().items())
         stats = ws.push(new.state_dict().items())
     finally:
         ws.close()
@@ -98,6 +104,8 @@ def test_weight_sync_modes_single_process(fleet, mode, tmp_path):
                                    "return_logprob": True, "logprob_start_len": PROMPT_LEN - 1})
         lp = torch.tensor([t[0] for t in out["meta_info"]["input_token_logprobs"][1:]])
         assert float((lp - ref).abs().max()) < 2e-2
+        if mode == "distributed":  # ... and the second push went straight into its parameters
+            assert "received straight into the parameters" in Path(s.log_path).read_text()
 
 
 def test_drift_check_warns():

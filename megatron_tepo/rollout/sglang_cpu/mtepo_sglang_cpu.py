@@ -28,6 +28,29 @@ every load we check that no parameter or buffer of the model points into the rec
 if one does (a loader that kept the tensor itself) the buffer is handed over to the model and the
 next bucket gets a new one -- correctness never depends on the loaders. ``MTEPO_SGLANG_RECV_BUFFER=0``
 turns the patch off. Not applied with CUDA (GPU memory is the scarce resource there).
+
+Patch 3 -- receive straight into the parameters (CPU engine only, with patch 2's receive).
+After a received bucket was loaded, its memory still has to be copied into the parameters: for the
+221 MB of the weight-sync benchmark that load took 20-40 ms of a 0.15-0.2 s push on 2 cores. The
+first time a bucket layout (its names, dtypes and shapes, exactly as the request gives them) is
+loaded, the load runs under a ``TorchFunctionMode`` that records what the loaders do. When all
+they did was view the received bytes and the parameters and ``copy_`` contiguous received bytes
+into contiguous parameter memory of the same dtype, every parameter they wrote is covered
+exactly by those copies at one fixed offset in the bucket, and nothing else holds the
+parameters' memory (no other parameter, buffer or cached view: the storage's use count), the
+layout gets a plan: one bucket-sized tensor, into which those parameters are moved (``param.data``
+becomes a view of it at their offset in the bucket). From then on a bucket of that layout is
+broadcast into that tensor, which *is* the load; ``load_weights`` is not called for it (another
+runner, e.g. a draft model, still loads from its views). A loader that does anything else (a
+``fill_``, an ``item``, a cast, a new tensor, a write into a tied weight) leaves its layout on the
+normal path for good. A new layout (another bucket size) may take parameters an earlier plan
+moved: they move again and the earlier plan is dropped. A plan whose parameters were replaced
+(by a loader, a quantization repack) is dropped and its layout is traced again.
+Bytes of a bucket no parameter takes (a tensor the loader skips) are received into the plan's
+tensor and unused. Difference from the normal path: a broadcast that fails half-way has already
+overwritten part of the parameters (the normal path would only fail in the load; SGLang then
+says "the weights are partially updated" either way). ``MTEPO_SGLANG_DIRECT_RECEIVE=0`` turns it
+off.
 """
 from __future__ import annotations
 
@@ -36,6 +59,7 @@ import importlib.util
 import logging
 import os
 import sys
+import weakref
 
 log = logging.getLogger("mtepo_sglang_cpu")
 
@@ -89,9 +113,165 @@ def _points_into(model, buf) -> bool:
     return False
 
 
+# ---------------------------------------------------------------- patch 3: receive into the parameters
+# Tensor methods / torch functions a loader may call on the traced path: metadata reads and views
+# (each checked to alias its input: a ``to``/``contiguous``/``reshape`` that copies disqualifies).
+_VIEW_OPS = frozenset({
+    "__get__", "size", "dim", "numel", "stride", "storage_offset", "data_ptr", "is_contiguous",
+    "element_size", "__len__", "narrow", "view", "reshape", "__getitem__", "chunk", "split", "t",
+    "transpose", "select", "squeeze", "unsqueeze", "flatten", "contiguous", "to", "detach",
+    "view_as", "reshape_as",
+})
+_plans = weakref.WeakKeyDictionary()  # model -> {layout key: _Plan or None (not eligible)}
+_flats = weakref.WeakKeyDictionary()  # model -> {storage ptr: a plan tensor that parameters live in}
+
+
+def _storage_ptr(t) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _aliases(out, base) -> bool:
+    import torch
+
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return all(not isinstance(o, torch.Tensor) or _storage_ptr(o) == _storage_ptr(base) for o in outs)
+
+
+def _make_trace_mode(lo: int, hi: int):
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class _Trace(TorchFunctionMode):
+        """Records ``copy_`` out of the received bytes [lo, hi); anything else but a view spoils."""
+
+        def __init__(self):
+            super().__init__()
+            self.copies = []  # (destination view, byte offset in the bucket, nbytes)
+            self.spoiled = None
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if self.spoiled is None:
+                name = getattr(func, "__name__", repr(func))
+                if name == "copy_":
+                    dst, src = args[0], args[1] if len(args) > 1 else None
+                    if (len(args) == 2 and not kwargs and isinstance(src, torch.Tensor)
+                            and src.dtype == dst.dtype and src.shape == dst.shape
+                            and src.is_contiguous() and dst.is_contiguous()
+                            and lo <= src.data_ptr() and src.data_ptr() + src.nbytes <= hi):
+                        self.copies.append((dst, src.data_ptr() - lo, src.nbytes))
+                    else:
+                        self.spoiled = "copy_ not from contiguous received bytes of the same dtype"
+                elif name == "fill_" and args[0].numel() == 0:
+                    pass  # the vocab padding of an embedding that has none
+                elif name not in _VIEW_OPS:
+                    self.spoiled = name
+                elif args and isinstance(args[0], torch.Tensor) and not _aliases(out, args[0]):
+                    self.spoiled = f"{name} made a copy"
+            return out
+
+    return _Trace()
+
+
+class _Plan:
+    """A bucket layout whose parameters live in ``flat`` at fixed offsets."""
+
+    def __init__(self, flat, entries):
+        self.flat, self.entries = flat, entries  # entries: [(param, byte offset in flat)]
+
+    def valid(self, model) -> bool:
+        base = self.flat.data_ptr()
+        live = {id(p) for p in model.parameters()}
+        return all(id(p) in live and p.data_ptr() == base + off for p, off in self.entries)
+
+
+def _plan_from_trace(model, trace, nbytes: int, device, plans: dict):
+    """The plan the traced load allows, with its parameters moved into it; or None (and why).
+
+    A parameter may come from its own memory or from the tensor of an earlier plan (a new bucket
+    size): that plan then no longer holds and is dropped by :func:`_forget_stale`."""
+    import torch
+
+    if trace.spoiled is not None:
+        return None, f"the loader called {trace.spoiled}"
+    if not trace.copies:
+        return None, "the loader copied nothing"
+    ours = _flats.setdefault(model, {})
+    params = {}
+    for p in model.parameters():
+        params.setdefault(_storage_ptr(p), []).append(p)
+    others = {_storage_ptr(b) for b in model.buffers() if b.numel()}
+    spans, per_param = [], {}
+    for dst, off, n in trace.copies:
+        sp = _storage_ptr(dst)
+        owners = [p for p in params.get(sp, ()) if p.data_ptr() <= dst.data_ptr() < p.data_ptr() + p.nbytes]
+        if len(owners) != 1 or sp in others or (sp not in ours and len(params[sp]) != 1):
+            return None, "a copy went to memory that is not exactly one parameter's"
+        p = owners[0]
+        per_param.setdefault(id(p), (p, []))[1].append((dst.data_ptr() - p.data_ptr(), off, n))
+        spans.append((off, off + n))
+    spans.sort()
+    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+        return None, "received bytes were copied twice"
+    entries = []
+    for p, parts in per_param.values():
+        if _storage_ptr(p) not in ours and (p.storage_offset() or p.untyped_storage().nbytes() != p.nbytes):
+            return None, "a parameter does not own its memory"
+        shifts = {off - at for at, off, _ in parts}
+        if len(shifts) != 1 or sum(n for *_, n in parts) != p.nbytes or not p.is_contiguous():
+            return None, "a parameter is not one contiguous run of the bucket"
+        shift = shifts.pop()
+        if shift < 0 or shift + p.nbytes > nbytes or shift % p.element_size():
+            return None, "a parameter does not fit the bucket"
+        entries.append((p, shift))
+    del trace.copies[:], dst, owners  # drop the views before counting who else holds the memory
+    probe = torch.empty(1)
+    alone = torch._C._storage_Use_Count(probe.untyped_storage()._cdata)
+    for sp in {_storage_ptr(p) for p, _ in entries}:
+        # the parameters living there, those an earlier plan moved there (maybe replaced since)
+        # and that plan's tensor: nobody else may hold it
+        known = {id(t) for t in params[sp]}
+        if sp in ours:
+            known |= {id(t) for pl in plans.values() if pl is not None and _storage_ptr(pl.flat) == sp
+                      for t, _ in pl.entries} | {id(ours[sp])}
+        if torch._C._storage_Use_Count(params[sp][0].untyped_storage()._cdata) != alone - 1 + len(known):
+            return None, "something besides the parameters holds their memory"
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for p, shift in entries:
+        view = flat[shift:shift + p.nbytes].view(p.dtype).view(p.shape)
+        view.copy_(p.data)
+        p.data = view
+    ours[_storage_ptr(flat)] = flat
+    return _Plan(flat, entries), None
+
+
+def _forget_stale(model, plans: dict) -> None:
+    """Drop the plans whose parameters moved or were replaced, and the plan tensors no parameter
+    lives in any more."""
+    for k in [k for k, v in plans.items() if v is not None and not v.valid(model)]:
+        del plans[k]
+    live = {_storage_ptr(p) for p in model.parameters()}
+    flats = _flats.get(model, {})
+    for sp in [sp for sp in flats if sp not in live]:
+        del flats[sp]
+
+
+class _Received(list):
+    """The (name, tensor) list of one received bucket, with what the load needs to know."""
+
+    def __init__(self, tensors, *, model, key, flat, direct):
+        super().__init__(tensors)
+        self.model, self.key, self.flat, self.direct = model, key, flat, direct
+
+
 def _exec_weight_updater(inner, module):
     inner.exec_module(module)
-    if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1" or os.environ.get("MTEPO_SGLANG_RECV_BUFFER", "1") == "0":
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
+        return
+    keep_buffer = os.environ.get("MTEPO_SGLANG_RECV_BUFFER", "1") != "0"
+    direct = os.environ.get("MTEPO_SGLANG_DIRECT_RECEIVE", "1") != "0"
+    if not (keep_buffer or direct):
         return
     import torch
 
@@ -99,26 +279,71 @@ def _exec_weight_updater(inner, module):
     bucket_cls = module.FlattenedTensorBucket
     orig_load = cls.load_weights_from_distributed
 
+    def _updates_allowed(self, model) -> bool:
+        try:
+            self._assert_weight_cache_inactive("update_weights_from_distributed")
+        except Exception:
+            return False
+        return module._unsupported_derived_weight_cache_error(model) is None
+
     def _receive_bucketed_weights_from_distributed(self, *, names, dtypes, shapes, group_name):
         empty = bucket_cls.empty(names, dtypes, shapes, "meta")  # the layout checks, no memory
+        meta = empty.get_metadata()
         nbytes = empty.get_flattened_tensor().numel()
-        flat = _recv_buffer(nbytes, self.device)[:nbytes]
-        torch.distributed.broadcast(flat, src=0, group=self._model_update_group[group_name])
-        return bucket_cls(flattened_tensor=flat, metadata=empty.get_metadata()).reconstruct_tensors()
+        group = self._model_update_group[group_name]
+        model = self.get_model()
+        key = tuple((m.name, str(m.dtype), tuple(m.shape)) for m in meta)
+        plans = _plans.setdefault(model, {}) if direct else {}
+        plan = plans.get(key)
+        if plan is not None and plan.valid(model) and _updates_allowed(self, model):
+            torch.distributed.broadcast(plan.flat, src=0, group=group)
+            tensors = bucket_cls(flattened_tensor=plan.flat, metadata=meta).reconstruct_tensors()
+            return _Received(tensors, model=model, key=key, flat=plan.flat, direct=True)
+        if keep_buffer:
+            flat = _recv_buffer(nbytes, self.device)[:nbytes]
+        else:
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        torch.distributed.broadcast(flat, src=0, group=group)
+        tensors = bucket_cls(flattened_tensor=flat, metadata=meta).reconstruct_tensors()
+        return _Received(tensors, model=model, key=key, flat=flat, direct=False)
 
     def load_weights_from_distributed(self, named_tensors):
+        model = self.get_model()
+        own = isinstance(named_tensors, _Received) and named_tensors.model is model
+        if own and named_tensors.direct:  # the broadcast wrote the parameters themselves
+            return True, "Succeeded to update parameter online."
+        trace = None
+        plans = _plans.get(model, {})
+        if own and direct and (named_tensors.key not in plans or (  # new, or its plan no longer holds
+                plans[named_tensors.key] is not None and not plans[named_tensors.key].valid(model))):
+            lo = named_tensors.flat.data_ptr()
+            trace = _make_trace_mode(lo, lo + named_tensors.flat.numel())
         try:
-            return orig_load(self, named_tensors)
+            if trace is None:
+                ok, msg = orig_load(self, named_tensors)
+            else:
+                with trace:
+                    ok, msg = orig_load(self, named_tensors)
         finally:
             buf = _recv_buffers.get(str(self.device))
-            if buf is not None and _points_into(self.get_model(), buf):
+            if buf is not None and _points_into(model, buf):
                 log.warning("mtepo: a weight loader kept a received tensor; the receive buffer is "
                             "left to the model and the next bucket gets a new one")
                 _recv_buffers.pop(str(self.device), None)
+        if trace is not None and ok:
+            plans = _plans.setdefault(model, {})
+            plan, why = _plan_from_trace(model, trace, named_tensors.flat.numel(), self.device, plans)
+            plans[named_tensors.key] = plan
+            _forget_stale(model, plans)
+            print(f"mtepo_sglang_cpu: a bucket of {len(named_tensors)} tensors will be received "
+                  + ("straight into the parameters" if plan else f"and loaded ({why})"),
+                  file=sys.stderr, flush=True)
+        return ok, msg
 
     cls._receive_bucketed_weights_from_distributed = _receive_bucketed_weights_from_distributed
     cls.load_weights_from_distributed = load_weights_from_distributed
-    cls._mtepo_recv_buffer = True
+    cls._mtepo_recv_buffer = keep_buffer
+    cls._mtepo_direct_receive = direct
 
 
 _PATCHES = {
