@@ -103,7 +103,7 @@ def direct_buckets():
 
 
 def direct_main(group):
-    from mtepo_sglang_cpu import _plans
+    from mtepo_sglang_cpu import _plans, _recv_buffers
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
     model, draft = Fused(), Fused()
@@ -126,7 +126,8 @@ def direct_main(group):
             "loaded": ok and all(torch.equal(model.expected(n), t * scale) for n, t in bucket),
             "view_current": torch.equal(model.c_t, model.c.t()) and model.c_t.data_ptr() == model.c.data_ptr(),
             "draft_loaded": ok_draft and all(torch.equal(draft.expected(n), t * scale) for n, t in bucket),
-            "plans": sum(p is not None for p in _plans.get(model, {}).values())})
+            "plans": sum(p is not None for p in _plans.get(model, {}).values()),
+            "buffer_held": _recv_buffers.get("cpu") is not None})
     print(json.dumps(out))
 
 

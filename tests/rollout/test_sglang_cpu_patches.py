@@ -32,7 +32,7 @@ def _run(sglang_python, env_extra, scenario="buffer"):
 @pytest.mark.sglang
 @pytest.mark.timeout(300)
 def test_receive_buffer_reused_exact_and_given_up_when_kept(sglang_python):
-    out = _run(sglang_python, {})
+    out = _run(sglang_python, {"MTEPO_SGLANG_DIRECT_RECEIVE": "0"})  # patch 2 alone (3: below)
     assert out["patched"]
     steps = out["steps"]
     assert all(s["exact"] and s["loaded"] for s in steps), steps
@@ -49,7 +49,7 @@ def test_receive_buffer_reused_exact_and_given_up_when_kept(sglang_python):
 @pytest.mark.sglang
 @pytest.mark.timeout(300)
 def test_receive_buffer_patch_off_switch(sglang_python):
-    out = _run(sglang_python, {"MTEPO_SGLANG_RECV_BUFFER": "0"})
+    out = _run(sglang_python, {"MTEPO_SGLANG_RECV_BUFFER": "0"})  # patch 3 on: fresh receives
     assert not out["patched"]
     assert all(s["exact"] and s["loaded"] for s in out["steps"])
     assert {s["buffer_ptr"] for s in out["steps"]} == {None}
@@ -75,6 +75,9 @@ def test_direct_receive_into_parameters(sglang_python):
     assert all(s["view_current"] for s in steps)  # c stayed where its view is
     # L4's plan took qkv from L1's, which was dropped; then n got its own
     assert [s["plans"] for s in steps] == [1] * 12 + [2, 2]
+    # the receive buffer is let go while every layout seen goes in directly; kept once one was refused
+    assert [s["buffer_held"] for s in steps[:4]] == [True, False, False, True]
+    assert all(s["buffer_held"] for s in steps[4:])
 
 
 @pytest.mark.sglang

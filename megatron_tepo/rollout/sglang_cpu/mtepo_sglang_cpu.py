@@ -47,7 +47,8 @@ normal path for good. A new layout (another bucket size) may take parameters an 
 moved: they move again and the earlier plan is dropped. A plan whose parameters were replaced
 (by a loader, a quantization repack) is dropped and its layout is traced again.
 Bytes of a bucket no parameter takes (a tensor the loader skips) are received into the plan's
-tensor and unused. Difference from the normal path: a broadcast that fails half-way has already
+tensor and unused. Once a bucket goes in directly and no layout seen so far was refused, patch 2's
+receive buffer is let go (a refused layout keeps it, so that it is not allocated at every push). Difference from the normal path: a broadcast that fails half-way has already
 overwritten part of the parameters (the normal path would only fail in the load; SGLang then
 says "the weights are partially updated" either way). ``MTEPO_SGLANG_DIRECT_RECEIVE=0`` turns it
 off.
@@ -296,6 +297,8 @@ def _exec_weight_updater(inner, module):
         plans = _plans.setdefault(model, {}) if direct else {}
         plan = plans.get(key)
         if plan is not None and plan.valid(model) and _updates_allowed(self, model):
+            if None not in plans.values():  # every layout seen goes in directly: no buffer needed
+                _recv_buffers.pop(str(self.device), None)
             torch.distributed.broadcast(plan.flat, src=0, group=group)
             tensors = bucket_cls(flattened_tensor=plan.flat, metadata=meta).reconstruct_tensors()
             return _Received(tensors, model=model, key=key, flat=plan.flat, direct=True)
