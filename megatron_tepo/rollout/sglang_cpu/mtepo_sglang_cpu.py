@@ -196,6 +196,8 @@ def _plan_from_trace(model, trace, nbytes: int, device, plans: dict):
 
     if trace.spoiled is not None:
         return None, f"the loader called {trace.spoiled}"
+    if not hasattr(torch._C, "_storage_Use_Count"):  # a private torch API: without it, no proof
+        return None, "this torch cannot count a storage's users"
     if not trace.copies:
         return None, "the loader copied nothing"
     ours = _flats.setdefault(model, {})
@@ -335,7 +337,10 @@ def _exec_weight_updater(inner, module):
                 _recv_buffers.pop(str(self.device), None)
         if trace is not None and ok:
             plans = _plans.setdefault(model, {})
-            plan, why = _plan_from_trace(model, trace, named_tensors.flat.numel(), self.device, plans)
+            try:
+                plan, why = _plan_from_trace(model, trace, named_tensors.flat.numel(), self.device, plans)
+            except Exception as e:  # noqa: BLE001 -- the load succeeded; only the fast path is lost
+                plan, why = None, f"planning failed: {e!r}"
             plans[named_tensors.key] = plan
             _forget_stale(model, plans)
             print(f"mtepo_sglang_cpu: a bucket of {len(named_tensors)} tensors will be received "
