@@ -259,9 +259,10 @@ class _Item:
         return math.prod(self.full_shape) * self.wire.itemsize
 
 
-class _Handoff:
-    """The bucket last handed to the consumer: :meth:`settle` waits until the consumer let go of
-    it (its ``release``) -- before the buffer is written again, and at the end of the export."""
+class BucketHandoff:
+    """The bucket last handed to the consumer of a reused buffer (:func:`iter_flat_buckets`, the
+    weight sync's own flattening): :meth:`settle` waits until the consumer let go of it (its
+    ``release``) -- before the buffer is written again, and at the end of the export."""
 
     def __init__(self):
         self.prev: Optional[FlatBucket] = None
@@ -468,7 +469,7 @@ def iter_flat_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_byt
         raise ValueError(f"what must be 'param' or 'grad', got {what!r}")
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    handoff = _Handoff()
+    handoff = BucketHandoff()
     kw = dict(dtype=dtype, what=what, tp_group=tp_group, all_experts=all_experts, reuse=reuse, keep=buffers,
               handoff=handoff)
     try:
@@ -521,11 +522,11 @@ def _iter_pipeline_buckets(model_chunks, layout_fn, bucket_bytes: int, dst: Opti
 def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_bytes: int,
                         dtype: Optional[torch.dtype], what: str, dst: Optional[int], tp_group,
                         all_experts: bool, reuse: bool, keep: Optional[ExportBuffers] = None,
-                        handoff: Optional[_Handoff] = None) -> Iterator[FlatBucket]:
+                        handoff: Optional[BucketHandoff] = None) -> Iterator[FlatBucket]:
     """:func:`iter_flat_buckets` within one pipeline stage (``dst`` in this stage or None)."""
     from megatron.core import parallel_state
 
-    handoff = handoff or _Handoff()
+    handoff = handoff or BucketHandoff()
 
     groups = _groups(tp_group)
     ep_group = parallel_state.get_expert_model_parallel_group(check_initialized=False) if all_experts else None

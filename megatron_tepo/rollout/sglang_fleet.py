@@ -2,8 +2,8 @@
 
 Servers are either started here as subprocesses (``python -m sglang.launch_server`` of the SGLang
 venv, each with a random API key -- its own, or one shared by the servers behind a router --
-bound to ``FleetConfig.host`` -- loopback by default -- on a free port) or attached to by URL (with their API key). A step's requests (one per prompt group)
-are spread over the healthy servers: by sglang-router where it is installed (``FleetConfig.router``;
+bound to ``FleetConfig.host`` -- loopback by default -- on a free port) or attached to by URL
+(with their API key). A step's requests (one per prompt group) are spread over the healthy servers: by sglang-router where it is installed (``FleetConfig.router``;
 ``auto``: when the SGLang python imports ``sglang_router`` and there are two servers or more), a
 router process started here on loopback that holds the servers' API key and checks it on every
 request; least-loaded first (fewest requests in flight) otherwise. A request that fails (connection

@@ -60,7 +60,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron_tepo.models.sharding import ExportBuffers, FlatBucket
+from megatron_tepo.models.sharding import BucketHandoff, ExportBuffers, FlatBucket
 
 log = logging.getLogger(__name__)
 
@@ -397,7 +397,7 @@ class WeightSync:
         to the wire dtype before its collectives, in reused buffers; any other stream of
         ``(name, tensor)`` is cast and flattened here into one reused buffer. A bucket may still be
         on the wire when the next is asked for: its ``release`` (set by the push) must be called
-        before its buffer is written again (``iter_flat_buckets`` does)."""
+        before its buffer is written again (both paths do, with a ``BucketHandoff``)."""
         flat_buckets = getattr(named_tensors, "flat_buckets", None)
         if callable(flat_buckets):
             stats.bucketed_export = True
@@ -406,18 +406,17 @@ class WeightSync:
             return flat_buckets(self.bucket_bytes, dtype=self.wire_dtype, dst=dst, reuse=True, **kw)
 
         def flatten_each():
-            out = fb = None
+            out, handoff = None, BucketHandoff()
             for bucket in iter_buckets(named_tensors, self.bucket_bytes, self.wire_dtype,
                                        align=self.mode == "distributed"):
-                if fb is not None and fb.release is not None:  # the previous bucket's send
-                    fb.release()
+                handoff.settle()  # the previous bucket's send is done with ``out``
                 total = sum(tensor_bytes(t) for _, t in bucket)
                 if out is None or out.numel() < total:
                     out = None
                     out = torch.empty(max(total, min(self.bucket_bytes, 1 << 30)), dtype=torch.uint8)
                 fb = to_flat_bucket(bucket, out)
                 del bucket
-                yield fb
+                yield handoff.give(fb)
         return flatten_each()
 
     def push(self, named_tensors: NamedTensors, flush_cache: bool = True) -> SyncStats:

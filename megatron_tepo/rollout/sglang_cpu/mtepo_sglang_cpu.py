@@ -48,10 +48,10 @@ moved: they move again and the earlier plan is dropped. A plan whose parameters 
 (by a loader, a quantization repack) is dropped and its layout is traced again.
 Bytes of a bucket no parameter takes (a tensor the loader skips) are received into the plan's
 tensor and unused. Once a bucket goes in directly and no layout seen so far was refused, patch 2's
-receive buffer is let go (a refused layout keeps it, so that it is not allocated at every push). Difference from the normal path: a broadcast that fails half-way has already
-overwritten part of the parameters (the normal path would only fail in the load; SGLang then
-says "the weights are partially updated" either way). ``MTEPO_SGLANG_DIRECT_RECEIVE=0`` turns it
-off.
+receive buffer is let go (a refused layout keeps it, so that it is not allocated at every push).
+Difference from the normal path: a broadcast that fails half-way has already overwritten part of
+the parameters (the normal path would only fail in the load; SGLang then says "the weights are
+partially updated" either way). ``MTEPO_SGLANG_DIRECT_RECEIVE=0`` turns it off.
 """
 from __future__ import annotations
 
@@ -261,11 +261,13 @@ def _forget_stale(model, plans: dict) -> None:
 
 
 class _Received(list):
-    """The (name, tensor) list of one received bucket, with what the load needs to know."""
+    """The (name, tensor) list of one received bucket, with what the load needs to know: whether
+    the broadcast wrote ``model``'s parameters itself (``direct``), or else whether this load is
+    to be traced for a plan (``trace``: a layout not seen yet, or whose plan no longer holds)."""
 
-    def __init__(self, tensors, *, model, key, flat, direct):
+    def __init__(self, tensors, *, model, key, flat, direct=False, trace=False):
         super().__init__(tensors)
-        self.model, self.key, self.flat, self.direct = model, key, flat, direct
+        self.model, self.key, self.flat, self.direct, self.trace = model, key, flat, direct, trace
 
 
 def _exec_weight_updater(inner, module):
@@ -298,7 +300,8 @@ def _exec_weight_updater(inner, module):
         key = tuple((m.name, str(m.dtype), tuple(m.shape)) for m in meta)
         plans = _plans.setdefault(model, {}) if direct else {}
         plan = plans.get(key)
-        if plan is not None and plan.valid(model) and _updates_allowed(self, model):
+        stale = plan is not None and not plan.valid(model)
+        if plan is not None and not stale and _updates_allowed(self, model):
             if None not in plans.values():  # every layout seen goes in directly: no buffer needed
                 _recv_buffers.pop(str(self.device), None)
             torch.distributed.broadcast(plan.flat, src=0, group=group)
@@ -310,7 +313,7 @@ def _exec_weight_updater(inner, module):
             flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         torch.distributed.broadcast(flat, src=0, group=group)
         tensors = bucket_cls(flattened_tensor=flat, metadata=meta).reconstruct_tensors()
-        return _Received(tensors, model=model, key=key, flat=flat, direct=False)
+        return _Received(tensors, model=model, key=key, flat=flat, trace=direct and (key not in plans or stale))
 
     def load_weights_from_distributed(self, named_tensors):
         model = self.get_model()
@@ -318,9 +321,7 @@ def _exec_weight_updater(inner, module):
         if own and named_tensors.direct:  # the broadcast wrote the parameters themselves
             return True, "Succeeded to update parameter online."
         trace = None
-        plans = _plans.get(model, {})
-        if own and direct and (named_tensors.key not in plans or (  # new, or its plan no longer holds
-                plans[named_tensors.key] is not None and not plans[named_tensors.key].valid(model))):
+        if own and named_tensors.trace:
             lo = named_tensors.flat.data_ptr()
             trace = _make_trace_mode(lo, lo + named_tensors.flat.numel())
         try:
