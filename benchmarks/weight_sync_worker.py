@@ -113,7 +113,8 @@ def main():
 
     wire = {"bf16": torch.bfloat16, "fp32": torch.float32}[args["wire_dtype"]]
     t0 = time.perf_counter()
-    actor = MegatronActor(args["model_dir"], hf_weights=args["model_dir"], layout=ParallelLayout(tp=2, pp=1))
+    actor = MegatronActor(args["model_dir"], hf_weights=args["model_dir"], layout=ParallelLayout(tp=2, pp=1),
+                          precision="fp32")
     rank = dist.get_rank()
     build_s = time.perf_counter() - t0
     fleet = SGLangFleet(FleetConfig(urls=args["urls"], api_keys=args["keys"], request_timeout=600)) \

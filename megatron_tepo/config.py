@@ -28,7 +28,8 @@ import yaml
 
 __all__ = [
     "ConfigError", "RunConfig", "AlgorithmConfig", "AdvantageConfig", "RolloutConfig",
-    "OptimConfig", "TrainConfig", "ParallelConfig", "ModelConfig", "DataConfig", "RewardConfig", "load_config",
+    "OptimConfig", "TrainConfig", "ParallelConfig", "ActorConfig", "ModelConfig", "DataConfig", "RewardConfig",
+    "load_config",
     "from_dict", "to_dict", "apply_overrides", "dump_config", "validate",
 ]
 
@@ -122,7 +123,6 @@ class TrainConfig:
     steps: int = 100  # rollout steps
     mini_batch_prompts: int = 16  # prompts per policy update
     epochs_per_step: int = 2  # passes over a step's responses (64 / 16 x 2 = 8 updates)
-    max_tokens_per_micro_batch: int = 16384
     seed: int = 1
     save_every: int = 0  # checkpoint every N rollout steps (0: never)
     keep_checkpoints: int = 0  # keep the newest N complete checkpoints (0: all)
@@ -133,16 +133,53 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
+    """Process-group sizes of the actor; data parallelism fills the rest of the world."""
+
     tp: int = 1
     pp: int = 1
     ep: int = 1
+
+
+@dataclass
+class ActorConfig:
+    """How the Megatron actor computes: the one home of these settings. The trainer, the main job,
+    the Slurm / nemo-run launchers and the fit check all read this section, and
+    ``MegatronActor`` takes the same names as keyword arguments.
+
+    * ``precision``: ``bf16`` -- bf16 parameters and compute, fp32 main parameters and Adam
+      states in the optimizer, gradients reduced in fp32 (megatron's mixed precision);
+      ``fp32`` -- everything fp32 (the tiny CPU job and the exactness tests). Log-probs, entropy
+      and the loss are fp32 either way.
+    * ``attention``: ``te`` -- Transformer Engine's layer spec; ``sdpa`` -- megatron's local
+      spec with ``torch.nn.functional.scaled_dot_product_attention`` as the core attention
+      (flash / memory-efficient kernels on GPU, no ``[s, s]`` scores); ``unfused`` --
+      megatron's local ``DotProductAttention`` (materialises the scores); ``auto`` -- te when
+      Transformer Engine imports, sdpa otherwise.
+    * ``recompute``: megatron's activation recompute; ``full`` re-runs blocks of
+      ``recompute_num_layers`` layers (``recompute_method: uniform``), ``selective`` the core
+      attention only.
+    * ``pack_sequences``: micro-batches are sequences laid end to end (THD, no padding), up to
+      ``max_tokens_per_micro_batch`` tokens; positions restart and attention never crosses two
+      sequences. ``false``: rows padded to the micro-batch's longest (``rows x longest <= budget``).
+    * ``sequence_parallel``: megatron's sequence parallelism (needs TP > 1 and Transformer Engine).
+    * ``fusions``: megatron's fusions that work without Transformer Engine (bias + SwiGLU,
+      bias + dropout + add; with TE also the fused RoPE and gradient-accumulation fusion);
+      ``auto`` -- on with CUDA, off on CPU.
+    """
+
+    precision: Literal["bf16", "fp32"] = "bf16"
+    attention: Literal["auto", "te", "sdpa", "unfused"] = "auto"
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_num_layers: int = 1
+    pack_sequences: bool = True
     sequence_parallel: bool = False
+    max_tokens_per_micro_batch: int = 16384
+    fusions: Literal["auto", "on", "off"] = "auto"
 
 
 @dataclass
 class ModelConfig:
     path: str = ""  # Hugging Face checkpoint directory (config.json, weights, tokenizer)
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
 
 
 @dataclass
@@ -174,6 +211,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -322,6 +360,14 @@ def _coerce(value: Any, tp: Any, path: str, where: Dict[str, str]) -> Any:
     raise ConfigError(f"{path}: unsupported schema type {tp!r}")  # pragma: no cover - schema bug
 
 
+#: Keys that moved to another section: the error says where they live now.
+MOVED_KEYS = {
+    "parallel.sequence_parallel": "actor.sequence_parallel",
+    "train.max_tokens_per_micro_batch": "actor.max_tokens_per_micro_batch",
+    "model.dtype": "actor.precision (bf16 or fp32)",
+}
+
+
 def _build(cls: type, data: Dict[str, Any], prefix: str, where: Dict[str, str]) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -329,6 +375,9 @@ def _build(cls: type, data: Dict[str, Any], prefix: str, where: Dict[str, str]) 
         if key not in names:
             path = f"{prefix}.{key}" if prefix else key
             loc = f" ({where[path]})" if path in where else ""
+            if path in MOVED_KEYS:
+                raise ConfigError(f"{path}{loc}: moved to {MOVED_KEYS[path]} (the 'actor' section holds "
+                                  f"every setting of how the actor computes)")
             close = difflib.get_close_matches(key, names, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             section = f"section '{prefix}'" if prefix else "the top level"
@@ -454,12 +503,20 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.lr_decay_steps: must exceed optim.lr_warmup_steps "
                           f"({o.lr_warmup_steps}), got {o.lr_decay_steps}")
     t = cfg.train
-    _positive(t, "train", ["steps", "mini_batch_prompts", "epochs_per_step", "max_tokens_per_micro_batch"])
+    _positive(t, "train", ["steps", "mini_batch_prompts", "epochs_per_step"])
     _positive(t, "train", ["save_every", "eval_every", "keep_checkpoints"], allow_zero=True)
     if r.prompts_per_step % t.mini_batch_prompts:
         raise ConfigError(f"train.mini_batch_prompts: {t.mini_batch_prompts} must divide "
                           f"rollout.prompts_per_step ({r.prompts_per_step})")
     _positive(cfg.parallel, "parallel", ["tp", "pp", "ep"])
+    a = cfg.actor
+    _positive(a, "actor", ["max_tokens_per_micro_batch", "recompute_num_layers"])
+    if a.pack_sequences and a.attention == "unfused":
+        raise ConfigError("actor.pack_sequences: packing needs actor.attention sdpa, te or auto (megatron's "
+                          "unfused attention cannot keep packed sequences apart); set actor.pack_sequences: false "
+                          "to use it")
+    if a.sequence_parallel and cfg.parallel.tp == 1:
+        raise ConfigError("actor.sequence_parallel: needs parallel.tp > 1")
     _positive(cfg.reward, "reward", ["workers", "timeout_s"])
     _positive(r, "rollout", ["request_timeout_s", "sync_bucket_mb", "drift_warn_mean", "drift_warn_max"])
     if r.sync_mode == "disk" and r.engine == "sglang" and not r.sync_dir:

@@ -2,12 +2,29 @@
 
 :class:`MegatronActor` builds a megatron ``GPTModel`` (one chunk per pipeline stage) from a Hugging
 Face config (+ optional HF weights), wraps it in megatron DDP, and owns megatron's optimizer
-(Adam, fp32, optionally the distributed optimizer) and LR schedule.
+(Adam, optionally the distributed optimizer) and LR schedule. How it computes is one
+:class:`~megatron_tepo.config.ActorConfig` (the run config's ``actor`` section, or the same names
+as keyword arguments): precision, attention, recompute, sequence packing, sequence parallelism,
+the micro-batch token budget, fusions (see :mod:`megatron_tepo.megatron.gpt`).
 
 * :meth:`MegatronActor.compute_log_probs` -- under ``no_grad``, through megatron's pipeline schedule
   (``forward_only``): per-response-token log-probs and entropies ``[B, R]`` of this DP rank's
   batch, returned on every rank of the model replica (broadcast from the last pipeline stage).
 * :meth:`MegatronActor.train_step` = :meth:`forward_backward` + :meth:`optimizer_step`.
+
+Precision. ``bf16`` is megatron's mixed precision: the model in ``Float16Module`` with bf16
+parameters and compute, the optimizer (plain or distributed) keeping fp32 main parameters and
+Adam states, gradients accumulated and reduced in fp32 (``grad_reduce_in_fp32``). The logits stay
+bf16 (``fp32_output=False``: no fp32 copy of the ``[tokens, V/tp]`` logits); the vocab-parallel op
+computes log-probs and entropy in fp32 from them, and the loss is fp32. ``fp32``: everything fp32.
+
+Micro-batches (:mod:`megatron_tepo.actor.micro_batch`). With ``pack_sequences`` the rows are laid
+end to end (THD) up to ``max_tokens_per_micro_batch`` tokens, first-fit decreasing; megatron gets
+``packed_seq_params`` (``cu_seqlens``), so RoPE positions restart in every sequence and the core
+attention (the sdpa one, or Transformer Engine's) never attends across two sequences. Without it,
+rows are right-padded to the micro-batch's longest. Log-probs and entropy are computed once for
+every position of the micro-batch and gathered into ``[B, R]``, so packing changes neither the
+per-token outputs nor the loss.
 
 Exact gradient bookkeeping. ``compute_policy_loss`` receives ``normalizer`` = the count of the
 WHOLE mini-batch (summed over micro-batches and all-reduced over DP ranks), so each micro-batch
@@ -23,17 +40,13 @@ Vocabulary: the HF vocab size must be divisible by TP (checked before any proces
 the embedding/output rows are not padded, so the vocab-parallel shard of rank r is exactly token
 ids ``[r*V/tp, (r+1)*V/tp)``.
 
-Runtime flags forced for CPU (and harmless on GPU): ``use_cpu_initialization`` (identical init for
-every TP size), no gradient-accumulation / rope / layer-norm / softmax / bias fusions, an
-explicit causal attention mask, ``variable_seq_lengths`` when PP > 1 (token-budget micro-batches
-have varying shapes).
-
-Left out: virtual pipeline stages, context parallelism, sequence packing (THD), bf16/fp16 mixed
-precision, MoE with PP > 1 on CPU. Checkpoints: :meth:`MegatronActor.save_checkpoint` /
-:meth:`MegatronActor.load_checkpoint` (see :mod:`megatron_tepo.actor.checkpointing`).
+Left out: virtual pipeline stages, context parallelism, fp16 (loss scaling), MoE with PP > 1 on
+CPU. Checkpoints: :meth:`MegatronActor.save_checkpoint` / :meth:`MegatronActor.load_checkpoint`
+(see :mod:`megatron_tepo.actor.checkpointing`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -45,10 +58,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_tepo.actor.batch import RolloutBatch
-from megatron_tepo.config import OptimConfig
-from megatron_tepo.megatron.gpt import build_gpt_chunk, transformer_config
-from megatron_tepo.actor.batching import equalize_micro_batch_count, plan_micro_batches
-from megatron_tepo.actor.parallel import ParallelLayout, initialize_parallel
+from megatron_tepo.actor.batching import equalize_micro_batch_count, plan_micro_batches, plan_packed_micro_batches
+from megatron_tepo.actor.micro_batch import MicroBatch, build_micro_batch
+from megatron_tepo.actor.parallel import ParallelLayout, initialize_parallel, validate_layout
+from megatron_tepo.config import ActorConfig, OptimConfig
+from megatron_tepo.megatron.gpt import build_gpt_chunk, family_spec, resolve_actor_config, transformer_config
 from megatron_tepo.models import (
     GPTFamilyConfig,
     export_hf_state,
@@ -56,7 +70,7 @@ from megatron_tepo.models import (
     load_hf_weights_into,
 )
 
-__all__ = ["OptimConfig", "MegatronActor", "build_lr_scheduler", "response_log_probs", "SUMMED_METRICS"]
+__all__ = ["OptimConfig", "ActorConfig", "MegatronActor", "plan_actor", "actor_transformer_config", "build_lr_scheduler", "token_log_probs", "SUMMED_METRICS"]
 
 #: Loss metrics already divided by the global normaliser: the mini-batch value is their sum.
 SUMMED_METRICS = ("pg_loss",)
@@ -92,28 +106,21 @@ def _load_hf_weights(source) -> Optional[Dict[str, torch.Tensor]]:
     return state
 
 
-def response_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, prompt_lens: torch.Tensor,
-                       response_mask: torch.Tensor, tp_group=None,
-                       temperature: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob and entropy ``[b, R]`` of each response slot from vocab-sharded logits ``[b, S, V/tp]``.
-
-    Slot j of row i is token ``input_ids[i, p_i + j]``, scored by the logits at ``p_i + j - 1``;
-    only those ``b*R`` rows of logits reach the vocab-parallel op. Padding slots are 0.
-    """
+def token_log_probs(logits: torch.Tensor, mb: MicroBatch, tp_group=None,
+                    temperature: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy ``[b, R]`` of each response slot of ``mb`` from its vocab-sharded
+    logits (``[.., V/tp]``, one row per position of ``mb.input_ids``): the vocab-parallel op runs
+    once over every position (``mb.labels``), then the response slots are gathered
+    (``mb.score_index``). Padding slots are 0."""
     from megatron_tepo.ops.vocab_parallel import vocab_parallel_log_probs_and_entropy
 
-    b, s = input_ids.shape
-    r = response_mask.shape[1]
-    target = prompt_lens.to(input_ids.device)[:, None] + torch.arange(r, device=input_ids.device)[None]
-    valid = (target < s) & (response_mask != 0)
-    target = target.clamp(max=s - 1)
-    index = (target - 1)[..., None].expand(b, r, logits.shape[-1])
-    picked = logits.gather(1, index)
-    labels = input_ids.gather(1, target)
-    log_probs, entropy = vocab_parallel_log_probs_and_entropy(picked, labels, tp_group=tp_group,
-                                                              temperature=temperature)
-    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
-    return torch.where(valid, log_probs, zero), torch.where(valid, entropy, zero)
+    dev = logits.device
+    flat = logits.reshape(-1, logits.shape[-1])
+    lp, ent = vocab_parallel_log_probs_and_entropy(flat, mb.labels.to(dev), tp_group=tp_group,
+                                                   temperature=temperature)
+    idx, valid = mb.score_index.to(dev), mb.valid.to(dev)
+    zero = torch.zeros((), dtype=lp.dtype, device=dev)
+    return torch.where(valid, lp[idx], zero), torch.where(valid, ent[idx], zero)
 
 
 def build_lr_scheduler(optimizer, o: OptimConfig, total_steps: int = 1000):
@@ -132,14 +139,32 @@ def build_lr_scheduler(optimizer, o: OptimConfig, total_steps: int = 1000):
         start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay, wd_incr_style="constant")
 
 
-def _empty_micro_batch(like: RolloutBatch) -> RolloutBatch:
-    """A one-row dummy (2 tokens, nothing valid, same optional fields as ``like``): it runs
-    through the pipeline and contributes exactly 0 to the loss and the gradients."""
-    zeros = torch.zeros(1, like.response_len)
-    optional = {f: zeros for f in ("advantages", "old_log_probs", "old_entropy", "ref_log_probs")
-                if getattr(like, f) is not None}
-    return RolloutBatch(input_ids=torch.zeros(1, 2, dtype=torch.long), prompt_lens=torch.ones(1, dtype=torch.long),
-                        response_mask=zeros, **optional)
+def plan_actor(hf_config, layout: ParallelLayout, actor_config: Optional[ActorConfig] = None,
+               world_size: Optional[int] = None, **settings) -> Tuple[ActorConfig, GPTFamilyConfig]:
+    """What :class:`MegatronActor` will build, checked before any process group starts: the
+    settings (``actor_config`` with the keyword ``settings`` on top, ``auto`` resolved for this
+    machine) and the family config of ``hf_config`` (an HF config or dict) with their layer spec.
+    Raises ValueError naming the setting (unknown names: TypeError) when they, or ``layout`` at
+    ``world_size`` (default: the current world), cannot run here."""
+    names = [f.name for f in dataclasses.fields(ActorConfig)]
+    unknown = set(settings) - set(names)
+    if unknown:
+        raise TypeError(f"MegatronActor got unknown setting(s) {sorted(unknown)}; the actor's settings are {names}")
+    resolved = resolve_actor_config(dataclasses.replace(actor_config or ActorConfig(), **settings))
+    if resolved.pack_sequences and resolved.attention == "unfused":
+        raise ValueError("actor.pack_sequences=true needs actor.attention sdpa or te (megatron's unfused "
+                         "attention cannot keep packed sequences apart)")
+    family_cfg = family_config_from_hf(hf_config, spec=family_spec(resolved))
+    validate_layout(layout, family_cfg, world_size=world_size, sequence_parallel=resolved.sequence_parallel)
+    return resolved, family_cfg
+
+
+def actor_transformer_config(family_cfg: GPTFamilyConfig, layout: ParallelLayout, settings: ActorConfig):
+    """The megatron ``TransformerConfig`` the actor builds its model with (no process group needed)."""
+    return transformer_config(
+        family_cfg, tp=layout.tp, pp=layout.pp, ep=layout.ep, actor=settings,
+        variable_seq_lengths=layout.pp > 1,  # token-budget micro-batches vary in shape
+        calculate_per_token_loss=True)  # see the module docstring: exact gradient sums
 
 
 class MegatronActor:
@@ -150,22 +175,24 @@ class MegatronActor:
         hf_weights: an HF state dict or a directory of safetensors; None keeps megatron's init.
         layout: TP / PP / EP sizes (DP = world / (TP*PP)); validated before any process group.
         optim: optimizer and LR-schedule settings.
-        max_tokens_per_micro_batch: token budget (padded length x rows) of a micro-batch.
-        spec: "local" / "te" layer spec; None = TE when importable.
+        actor_config: how the actor computes (the run config's ``actor`` section); its fields can
+            also be given, or overridden, as keyword arguments: ``precision``, ``attention``,
+            ``recompute``, ``recompute_num_layers``, ``pack_sequences``, ``sequence_parallel``,
+            ``max_tokens_per_micro_batch``, ``fusions``.
         seed: megatron's model-parallel RNG seed (initialisation when no weights are given).
         total_steps: optimizer steps of the whole run (the LR decay horizon unless
             ``optim.lr_decay_steps`` is set).
     """
 
     def __init__(self, hf_config, hf_weights=None, layout: Optional[ParallelLayout] = None,
-                 optim: Optional[OptimConfig] = None, max_tokens_per_micro_batch: int = 4096,
-                 spec: Optional[str] = None, seed: int = 1234, total_steps: int = 1000):
-        self.family_cfg: GPTFamilyConfig = family_config_from_hf(_load_hf_config(hf_config), spec=spec)
+                 optim: Optional[OptimConfig] = None, actor_config: Optional[ActorConfig] = None, *,
+                 seed: int = 1234, total_steps: int = 1000, **settings):
         self.layout = layout = layout or ParallelLayout()
+        self.settings, self.family_cfg = plan_actor(_load_hf_config(hf_config), layout, actor_config, **settings)
         self.optim_cfg = optim or OptimConfig()
-        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.total_steps = total_steps
-        self.dp_size = initialize_parallel(layout, self.family_cfg, seed=seed)
+        self.dp_size = initialize_parallel(layout, self.family_cfg, seed=seed,
+                                           sequence_parallel=self.settings.sequence_parallel)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
         from megatron.core import parallel_state as ps
@@ -177,23 +204,35 @@ class MegatronActor:
         chunk.family_cfg = self.family_cfg  # lets load_hf_weights_into find the mapping
         if weights is not None:
             load_hf_weights_into([chunk], weights, self.family_cfg)
+        if self.bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            chunk = Float16Module(self.config, chunk)
         self.model = [self._wrap_ddp(chunk)]
         self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler()
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.config.finalize_model_grads_func = self._finalize_grads
 
+    @property
+    def bf16(self) -> bool:
+        return self.settings.precision == "bf16"
+
+    @property
+    def max_tokens_per_micro_batch(self) -> int:
+        return self.settings.max_tokens_per_micro_batch
+
+    @max_tokens_per_micro_batch.setter
+    def max_tokens_per_micro_batch(self, value: int) -> None:
+        self.settings = dataclasses.replace(self.settings, max_tokens_per_micro_batch=int(value))
+
     # ------------------------------------------------------------------ construction
     def _transformer_config(self):
-        return transformer_config(
-            self.family_cfg, tp=self.layout.tp, pp=self.layout.pp, ep=self.layout.ep,
-            sequence_parallel=self.layout.sequence_parallel,
-            variable_seq_lengths=self.layout.pp > 1,  # token-budget micro-batches vary in shape
-            calculate_per_token_loss=True)  # see the module docstring: exact gradient sums
+        return actor_transformer_config(self.family_cfg, self.layout, self.settings)
 
     def _build_model_chunk(self):
         return build_gpt_chunk(self.config, self.family_cfg, self._ps.is_pipeline_first_stage(),
-                               self._ps.is_pipeline_last_stage()).to(self.device)
+                               self._ps.is_pipeline_last_stage(), attention=self.settings.attention).to(self.device)
 
     def _wrap_ddp(self, chunk):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -210,7 +249,8 @@ class MegatronActor:
         o = self.optim_cfg
         cfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
                               adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                              clip_grad=o.clip_grad, bf16=False, fp16=False, params_dtype=torch.float32,
+                              clip_grad=o.clip_grad, bf16=self.bf16, fp16=False,
+                              params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
                               use_distributed_optimizer=o.use_distributed_optimizer)
         return get_megatron_optimizer(cfg, self.model)
 
@@ -232,20 +272,17 @@ class MegatronActor:
     def is_last_stage(self) -> bool:
         return self._ps.is_pipeline_last_stage()
 
-    def _micro_batches(self, batch: RolloutBatch) -> Tuple[List[List[int]], List[RolloutBatch]]:
-        seq_lens = batch.seq_lens().tolist()
-        plan = plan_micro_batches(seq_lens, self.max_tokens_per_micro_batch)
+    def _micro_batches(self, batch: RolloutBatch) -> List[MicroBatch]:
+        packed = self.settings.pack_sequences
+        planner = plan_packed_micro_batches if packed else plan_micro_batches
+        plan = planner(batch.seq_lens().tolist(), self.settings.max_tokens_per_micro_batch)
         plan = equalize_micro_batch_count(plan, self._ps.get_data_parallel_group())
-        mbs = []
-        for rows in plan:
-            if not rows:
-                mbs.append(_empty_micro_batch(batch))
-                continue
-            # at least 2 columns so that a response slot always has a scoring position
-            mbs.append(batch.select(rows, max_len=max(2, max(seq_lens[i] for i in rows))))
+        # sequence parallelism splits the tokens (packed) / positions (padded) over the TP ranks
+        multiple = self.layout.tp if self.settings.sequence_parallel else 1
+        mbs = [build_micro_batch(batch, rows, packed=packed, pad_multiple=multiple) for rows in plan]
         if self._needs_equal_shapes():
             mbs = self._pad_to_common_shapes(mbs)
-        return plan, mbs
+        return mbs
 
     def _needs_equal_shapes(self) -> bool:
         """The MoE allgather dispatcher all-gathers tokens over the expert-parallel group, which
@@ -253,22 +290,36 @@ class MegatronActor:
         moe = self.family_cfg.extra.get("moe_transformer_kwargs", {})
         return self.layout.ep > 1 and moe.get("moe_token_dispatcher_type") == "allgather"
 
-    def _pad_to_common_shapes(self, mbs: List[RolloutBatch]) -> List[RolloutBatch]:
-        """Pad micro-batch i to the largest (rows, length) of micro-batch i over the DP group
-        (dummy rows are fully masked; extra columns sit after every real token: causal attention
-        and per-token routing leave the real tokens untouched)."""
-        shapes = torch.tensor([[mb.batch_size, mb.input_ids.shape[1]] for mb in mbs], device=self.device)
+    def _pad_to_common_shapes(self, mbs: List[MicroBatch]) -> List[MicroBatch]:
+        """Pad micro-batch i to the largest shape of micro-batch i over the DP group (a pad
+        segment when packed; dummy rows and pad columns after every real token otherwise: causal
+        attention and per-token routing leave the real tokens untouched)."""
+        shapes = torch.tensor([mb.shape for mb in mbs], device=self.device)
         dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=self._ps.get_data_parallel_group())
-        return [mb.padded(int(r), int(s)) for mb, (r, s) in zip(mbs, shapes.tolist())]
+        return [mb.padded_to(int(r), int(s)) for mb, (r, s) in zip(mbs, shapes.tolist())]
 
-    def _model_inputs(self, mb: RolloutBatch) -> Dict[str, torch.Tensor]:
-        b, s = mb.input_ids.shape
-        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1)
-        return dict(input_ids=mb.input_ids.to(self.device),
-                    position_ids=torch.arange(s, device=self.device).expand(b, s),
-                    attention_mask=causal[None, None])
+    def _model_inputs(self, mb: MicroBatch) -> Dict[str, Any]:
+        d = self.device
+        inputs: Dict[str, Any] = dict(input_ids=mb.input_ids.to(d), position_ids=mb.position_ids.to(d),
+                                      attention_mask=None)
+        if mb.packed:
+            from megatron.core.packed_seq_params import PackedSeqParams
 
-    def _run_schedule(self, mbs: List[RolloutBatch], loss_func_for, forward_only: bool) -> List[Any]:
+            # the sdpa attention splits on the host (CPU boundaries: no device sync per layer);
+            # Transformer Engine's kernels read them on the device
+            cu = mb.cu_seqlens.to(d) if self.settings.attention == "te" else mb.cu_seqlens
+            inputs["packed_seq_params"] = PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+        elif self.settings.attention == "unfused":  # megatron's local attention wants the mask itself
+            s = mb.input_ids.shape[1]
+            causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=d), diagonal=1)
+            inputs["attention_mask"] = causal[None, None]
+        if self.bf16:
+            inputs["fp32_output"] = False  # keep the logits bf16: the vocab op computes in fp32
+        return inputs
+
+    def _run_schedule(self, mbs: List[MicroBatch], loss_func_for, forward_only: bool) -> List[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
@@ -278,13 +329,11 @@ class MegatronActor:
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
-            num_microbatches=len(mbs), seq_length=max(mb.input_ids.shape[1] for mb in mbs),
-            micro_batch_size=max(mb.batch_size for mb in mbs), forward_only=forward_only)
+            num_microbatches=len(mbs), seq_length=max(mb.shape[1] for mb in mbs),
+            micro_batch_size=max(mb.shape[0] for mb in mbs), forward_only=forward_only)
 
-    def _log_probs_of(self, mb: RolloutBatch, output: torch.Tensor, temperature: float):
-        return response_log_probs(output, mb.input_ids.to(self.device), mb.prompt_lens,
-                                  mb.response_mask.to(self.device), tp_group=self.tp_group,
-                                  temperature=temperature)
+    def _log_probs_of(self, mb: MicroBatch, output: torch.Tensor, temperature: float):
+        return token_log_probs(output, mb, tp_group=self.tp_group, temperature=temperature)
 
     def _broadcast_from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._ps.get_pipeline_model_parallel_world_size() > 1:
@@ -296,20 +345,20 @@ class MegatronActor:
     @torch.no_grad()
     def compute_log_probs(self, batch: RolloutBatch, temperature: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
         """Old-policy pass: ``(log_probs, entropy)`` fp32 ``[B, R]`` (0 on padding) on every rank."""
-        plan, mbs = self._micro_batches(batch)
+        mbs = self._micro_batches(batch)
 
         def loss_func(mb, output):
             lp, ent = self._log_probs_of(mb, output, temperature)
-            return output.new_zeros(()), torch.tensor(0, dtype=torch.int), {"lp": lp, "ent": ent}
+            return output.new_zeros((), dtype=torch.float32), torch.tensor(0, dtype=torch.int), {"lp": lp, "ent": ent}
 
         store = self._run_schedule(mbs, loss_func, forward_only=True)
         out = torch.zeros(2, batch.batch_size, batch.response_len, dtype=torch.float32, device=self.device)
         if self.is_last_stage:
-            for rows, result in zip(plan, store):
-                if rows:
-                    idx = torch.as_tensor(rows, device=self.device)
-                    out[0, idx] = result["lp"][: len(rows)].float()  # drop shape-padding rows
-                    out[1, idx] = result["ent"][: len(rows)].float()
+            for mb, result in zip(mbs, store):
+                if mb.rows:
+                    idx = torch.as_tensor(mb.rows, device=self.device)
+                    out[0, idx] = result["lp"][: len(mb.rows)].float()  # drop shape-padding rows
+                    out[1, idx] = result["ent"][: len(mb.rows)].float()
         self._broadcast_from_last_stage(out)
         return out[0].cpu(), out[1].cpu()
 
@@ -340,20 +389,20 @@ class MegatronActor:
             raise ValueError("train batches need advantages and old_log_probs")
         name, agg, temperature, kwargs = self._loss_settings(loss_cfg)
         normalizer = self._global_normalizer(batch, agg)
-        plan, mbs = self._micro_batches(batch)
+        mbs = self._micro_batches(batch)
 
         def loss_func(mb, output):
             lp, ent = self._log_probs_of(mb, output, temperature)
-            d = self.device
+            d, rows = self.device, mb.data
 
             def opt(t):
                 return None if t is None else t.to(d)
 
             loss, metrics = compute_policy_loss(
-                name, lp, mb.old_log_probs.to(d), mb.advantages.to(d), mb.response_mask.to(d),
-                entropy=ent, old_entropy=opt(mb.old_entropy), ref_log_prob=opt(mb.ref_log_probs),
+                name, lp, rows.old_log_probs.to(d), rows.advantages.to(d), rows.response_mask.to(d),
+                entropy=ent, old_entropy=opt(rows.old_entropy), ref_log_prob=opt(rows.ref_log_probs),
                 agg=agg, normalizer=normalizer, **kwargs)
-            tokens = (mb.response_mask != 0).sum()
+            tokens = (rows.response_mask != 0).sum()
             return loss, torch.tensor(1, dtype=torch.int), {"loss": loss.detach(), "tokens": tokens,
                                                             "metrics": metrics}
 

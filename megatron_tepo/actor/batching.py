@@ -1,10 +1,17 @@
 """Micro-batches formed by a token budget.
 
-:func:`plan_micro_batches` sorts the rows by length (longest first, stable) and packs them
-greedily: a row joins the current micro-batch while ``padded length x row count`` stays within
-``max_tokens_per_micro_batch`` (the padded length is the micro-batch's longest row, i.e. its first
-one). A single row longer than the budget gets a micro-batch of its own. Each micro-batch is a
-list of ORIGINAL row indices, so results can be scattered back into the caller's order.
+Two plans, both lists of ORIGINAL row indices (so results can be scattered back into the
+caller's order), longest rows first:
+
+* :func:`plan_packed_micro_batches` (``actor.pack_sequences``, the default): the sequences are
+  laid end to end without padding, so a micro-batch costs the SUM of its rows' lengths. First-fit
+  decreasing: each row, longest first, goes into the first micro-batch it still fits in
+  (``sum of lengths <= max_tokens_per_micro_batch``), else opens a new one.
+* :func:`plan_micro_batches` (padded rows): a row joins the current micro-batch while
+  ``padded length x row count`` stays within the budget (the padded length is the micro-batch's
+  longest row, i.e. its first one).
+
+In both, a single row longer than the budget gets a micro-batch of its own.
 
 Equal count on every data-parallel rank (:func:`equalize_micro_batch_count`): the counts are
 all-reduced (MAX) over the DP group; a rank with fewer micro-batches first splits its most
@@ -13,7 +20,8 @@ holds a single row, appends EMPTY micro-batches (``[]``), which the actor runs a
 dummy row whose loss is exactly zero. Equal counts keep the ranks' collective sequences aligned
 (the DP gradient all-reduce after the last micro-batch, MoE token exchanges).
 
-Left out: sequence packing without padding (THD), balancing by compute cost rather than tokens.
+Left out: balancing by compute cost (attention grows with the square of each sequence) rather
+than tokens.
 """
 from __future__ import annotations
 
@@ -41,6 +49,26 @@ def plan_micro_batches(seq_lens: Sequence[int], max_tokens_per_micro_batch: int)
         current.append(i)
     if current:
         plan.append(current)
+    return plan
+
+
+def plan_packed_micro_batches(seq_lens: Sequence[int], max_tokens_per_micro_batch: int) -> MicroBatches:
+    """First-fit decreasing packing of sequences laid end to end; lists of original row indices."""
+    if max_tokens_per_micro_batch < 1:
+        raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
+    lens = [int(x) for x in seq_lens]
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])  # stable: ties keep input order
+    plan: MicroBatches = []
+    room: List[int] = []  # tokens left in each micro-batch
+    for i in order:
+        for k, left in enumerate(room):
+            if lens[i] <= left:
+                plan[k].append(i)
+                room[k] -= lens[i]
+                break
+        else:
+            plan.append([i])
+            room.append(max_tokens_per_micro_batch - lens[i])
     return plan
 
 

@@ -16,7 +16,8 @@ directory to ``<directory>`` and fsyncs the parent. A crash at any point leaves 
 
 The model tensors use megatron's sharded keys, so the model part is loadable at another TP/PP
 (``load_actor_checkpoint(..., model_only=True)``, or ``checkpoint.convert.load_checkpoint_into``).
-A full load (optimizer, scheduler, RNG) requires the layout it was saved at. The distributed
+A full load (optimizer, scheduler, RNG) requires the layout and precision it was saved at (a bf16
+actor's optimizer holds fp32 main parameters that an fp32 one does not). The distributed
 optimizer is saved with ``distrib_optim_sharding_type = "dp_reshardable"``.
 
 Assumes a file system shared by all ranks (every rank writes its own shards and RNG file).
@@ -225,6 +226,7 @@ def actor_layout(actor) -> Dict[str, Any]:
         "ep": ps.get_expert_model_parallel_world_size(),
         "dp": ps.get_data_parallel_world_size(),
         "distributed_optimizer": bool(actor.optim_cfg.use_distributed_optimizer),
+        "precision": actor.settings.precision,
     }
 
 
@@ -381,6 +383,7 @@ def load_actor_checkpoint(actor, directory: PathLike, model_only: bool = False) 
     err, info = None, None
     try:
         info = read_marker(d)
+        info["layout"].setdefault("precision", "fp32")  # (written before bf16 existed)
         if not model_only and info["layout"] != actor_layout(actor):
             raise CheckpointError(
                 f"{d} was saved at layout {info['layout']}, this actor is {actor_layout(actor)}: a full "

@@ -4,7 +4,7 @@
 ValueError naming the offending values: heads / query groups / vocab not divisible by TP, layers
 not divisible by PP, world size not divisible by TP*PP, experts not divisible by EP, MoE with
 TP > 1 but no sequence parallelism, MoE with PP > 1 on CPU, sequence parallelism without
-Transformer Engine (torch's LayerNorm/RMSNorm refuse it). The data-parallel
+Transformer Engine (torch's LayerNorm/RMSNorm refuse it; ``actor.sequence_parallel``). The data-parallel
 size is derived: ``dp = world_size / (tp * pp)``.
 
 :func:`initialize_parallel` then pins one compute thread (CPU), applies the CPU patches when
@@ -25,12 +25,12 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Tensor / pipeline / expert parallel sizes; data parallelism fills the rest of the world."""
+    """Tensor / pipeline / expert parallel sizes; data parallelism fills the rest of the world.
+    (Sequence parallelism is a setting of how the actor computes: ``ActorConfig.sequence_parallel``.)"""
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    sequence_parallel: bool = False
 
     def dp(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp)
@@ -45,8 +45,9 @@ def _world_size(world_size: Optional[int]) -> int:
 
 
 def validate_layout(layout: ParallelLayout, family_cfg, world_size: Optional[int] = None,
-                    te_available: Optional[bool] = None) -> int:
-    """Check ``layout`` against the model and the world; return the data-parallel size.
+                    te_available: Optional[bool] = None, sequence_parallel: bool = False) -> int:
+    """Check ``layout`` (with ``sequence_parallel``) against the model and the world; return the
+    data-parallel size.
 
     Pure arithmetic, no process group needed. Raises ValueError naming every violated rule.
     """
@@ -82,26 +83,26 @@ def validate_layout(layout: ParallelLayout, family_cfg, world_size: Optional[int
             errors.append(f"MoE with pp={pp} does not run on CPU (the only CPU token dispatcher, "
                           f"allgather, refuses the variable_seq_lengths that PP needs; see "
                           f"models/qwen3_moe/README.md)")
-        if num_experts and tp > 1 and not layout.sequence_parallel:
-            errors.append(f"MoE with tp={tp} needs sequence_parallel=True (megatron's MoELayer "
+        if num_experts and tp > 1 and not sequence_parallel:
+            errors.append(f"MoE with tp={tp} needs actor.sequence_parallel=true (megatron's MoELayer "
                           f"refuses tensor parallelism without it in training)")
         if ep > 1 and world % (tp * pp) == 0 and (world // (tp * pp)) % ep:
             errors.append(f"data-parallel size {world // (tp * pp)} is not divisible by ep={ep}")
-    if layout.sequence_parallel and not te_available:
-        errors.append("sequence_parallel=True needs Transformer Engine (not importable here: "
+    if sequence_parallel and not te_available:
+        errors.append("actor.sequence_parallel=true needs Transformer Engine (not importable here: "
                       "megatron's torch norms refuse sequence parallelism)")
-    if layout.sequence_parallel and tp == 1:
-        errors.append("sequence_parallel=True needs tp > 1")
+    if sequence_parallel and tp == 1:
+        errors.append("actor.sequence_parallel=true needs tp > 1")
     if errors:
         raise ValueError("invalid parallel layout: " + "; ".join(errors))
     return world // (tp * pp)
 
 
 def initialize_parallel(layout: ParallelLayout, family_cfg, seed: int = 1234,
-                        backend: Optional[str] = None) -> int:
+                        backend: Optional[str] = None, sequence_parallel: bool = False) -> int:
     """Validate, then start the process groups; returns the data-parallel size. Idempotent only in
     the sense that an already-initialized default group is reused."""
-    dp = validate_layout(layout, family_cfg)
+    dp = validate_layout(layout, family_cfg, sequence_parallel=sequence_parallel)
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         torch.set_num_threads(1)

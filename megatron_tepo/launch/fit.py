@@ -7,8 +7,7 @@ A *launch file* (``examples/models/<model>.yaml``) holds three things:
   the real checkpoint is the truth. The numbers go through
   :func:`megatron_tepo.models.family_config_from_hf`, the project's single reading of HF configs.
 * ``launch``: the placement on the cluster (:class:`LaunchLayout`: nodes for the actor and the
-  rollout fleet, GPUs per node, GPU memory, actor precision, activation recompute, SGLang TP and
-  concurrency per server).
+  rollout fleet, GPUs per node, GPU memory, SGLang TP and concurrency per server).
 * everything else is a :class:`megatron_tepo.config.RunConfig` fragment (``_base_`` naming the
   method file, ``parallel``, ``optim``, ``train``, ``model``, ...). :func:`load_launch` validates
   it with :func:`megatron_tepo.config.load_config`; :func:`write_run_config` writes it as the file
@@ -30,38 +29,52 @@ to ``t``). Sizes per GPU are for the *largest* pipeline stage (the first or the 
     last stage      = (L/p) layers + h (final norm) + V*h/t (output layer; with tied embeddings
                       only when p > 1, where the last stage keeps its own copy)
 
-**Bytes per parameter** (``launch.actor_precision``; the actor reduces gradients in fp32)::
+How the actor computes -- precision, attention, recompute, packing, sequence parallelism, the
+micro-batch token budget, fusions -- is the run config's ``actor`` section
+(:class:`megatron_tepo.config.ActorConfig`), the same object the trainer hands to
+``MegatronActor``: the check prices exactly what the actor is told to do.
 
-    bf16:  2 (bf16 weight) + 4 (fp32 grad buffer) + 12 (fp32 master + Adam m + v)
+**Bytes per parameter** (``actor.precision``; megatron DDP keeps an fp32 gradient buffer, the
+actor reduces gradients in fp32)::
+
+    bf16:  2 (bf16 weight) + 4 (fp32 grad buffer) + 12 (fp32 main weight + Adam m + v)
            = 18, or 6 + 12/DP with optim.use_distributed_optimizer (EDP for expert weights)
-    fp32:  4 (weight, its own master) + 4 (grad) + 8 (Adam m + v)
+    fp32:  4 (weight, its own main weight) + 4 (grad buffer) + 8 (Adam m + v)
            = 16, or 8 + 8/DP with the distributed optimizer
     a frozen reference policy (algorithm.kl_target: ref) adds one more weight copy (2 or 4 bytes).
 
-**Activations** of one micro-batch of ``s = max(train.max_tokens_per_micro_batch,
-rollout.max_prompt_len + rollout.max_new_tokens)`` tokens (rows packed up to the token budget;
-a longer sequence goes alone), bf16, flash attention (no ``s^2`` term), no dropout (the models
-have none, so no masks), bytes per token per layer, what autograd keeps for backward::
+A test builds the actor at TP=2 and DP=2, bf16 and fp32, and checks these against the bytes it
+really allocates (tests/launch/test_fit_vs_actor.py).
 
-    attention = 2*[h (norm input) + h (QKV input) + (nh + 2*ng)*d (q, k, v) + nh*d (o input)
+**Activations** of one micro-batch of ``s = max(actor.max_tokens_per_micro_batch,
+rollout.max_prompt_len + rollout.max_new_tokens)`` tokens (``actor.pack_sequences``: sequences
+laid end to end up to the budget, a longer one alone; padded rows: ``rows x longest <= budget``),
+``e`` bytes per element (2 for bf16, 4 for fp32), no dropout (the models have none, so no masks),
+bytes per token per layer, what autograd keeps for backward::
+
+    attention = e*[h (norm input) + h (QKV input) + (nh + 2*ng)*d (q, k, v) + 2*nh*d (the
+                   attention output as the kernel keeps it, and the output projection's input)
                    (+ (nh + ng)*d  q/k-norm inputs, Qwen3)] + 4*nh (fp32 softmax statistics)
-    dense MLP = 2*[h (norm input) + h (fc1 input) + 2*F (SwiGLU input) + F (fc2 input)]
-    MoE MLP   = 2*[h + h (norm input, router input) + k*h (dispatched tokens)
+                [+ (4 + e)*nh*s_seq  actor.attention: unfused -- fp32 and e-byte probabilities
+                   of the materialised [s_seq, s_seq] scores, s_seq = the padded row length]
+    dense MLP = e*[h (norm input) + h (fc1 input) + 2*F (SwiGLU input) + F (fc2 input)
+                   (+ F, the SiLU output, without actor.fusions)]
+    MoE MLP   = e*[h + h (norm input, router input) + k*h (dispatched tokens)
                    + k*2*Fm + k*Fm] + 4*E (fp32 router logits) + 4*k (routing probabilities)
 
 With sequence parallelism every term is divided by ``t``; without it the four ``h`` terms (norm
 and linear inputs) are kept whole on every TP rank and only the rest is divided by ``t`` (MoE:
 the ``k*h`` dispatched tokens are not divided either, an estimate assuming balanced routing).
-``launch.recompute: full`` keeps only each layer's input (``2*h`` bytes per token, ``/t`` with
-SP) and re-runs one layer at a time (one layer's activations of one micro-batch on top).
+``actor.recompute``: ``full`` keeps only each layer's input (``e*h`` bytes per token, ``/t`` with
+SP) and re-runs ``actor.recompute_num_layers`` layers at a time (their activations of one
+micro-batch on top); ``selective`` recomputes the core attention, which drops what the kernel
+keeps of its output and statistics (``e*nh*d + 4*nh``, and the unfused scores).
 
 Pipeline 1F1B: the first stage holds ``p`` micro-batches in flight, the last one, so the first
 stage keeps ``p * (L/p) = L`` layers' worth. The last stage adds the logits working set
-``12 * V/t`` bytes per token: bf16 logits (2), their gathered response copy (2), and the fp32
-log-softmax and softmax the vocab-parallel log-prob/entropy op keeps for backward (4 + 4).
-
-**Actor total per GPU** = weights + grads + optimizer + activations + ``launch.reserve_gib``
-(CUDA context, NCCL buffers, allocator fragmentation), checked against ``launch.gpu_mem_gib``.
+``2 * e * V/t`` bytes per token: the logits in the parameters' dtype (the actor never makes an
+fp32 copy: the vocab-parallel op computes in fp32 from them and keeps no ``[s, V]`` buffer), and
+their gradient, which exists while the logits are still held in the op's backward.
 
 **SGLang server GPU** (TP ``ts`` per server, bf16, experts split over ``ts`` like the rest)::
 
@@ -78,9 +91,9 @@ and ``FIT_*`` variables are still written. ``launch.gpus_per_node`` then means t
 per node, and ``launch.rollout_nodes: 0`` puts the SGLang servers on the actor node(s) (colocated:
 their srun steps overlap the trainer's; CPU only, the GPU arithmetic has no shared-GPU case).
 
-Deliberately left out: virtual pipeline stages, context parallelism, CPU offloading, selective
-recompute, the temporary buffers of the optimizer step, and the rollout fleet's radix cache
-beyond the configured concurrency.
+Deliberately left out: virtual pipeline stages, context parallelism, CPU offloading, the
+temporary buffers of the optimizer step and of the vocab op's chunks (at most 2 x 64 MiB), and
+the rollout fleet's radix cache beyond the configured concurrency.
 """
 from __future__ import annotations
 
@@ -132,8 +145,6 @@ class LaunchLayout:
     gpu_mem_gib: float = 80.0
     actor_nodes: int = 1
     rollout_nodes: int = 1
-    actor_precision: Literal["bf16", "fp32"] = "bf16"
-    recompute: Literal["none", "full"] = "none"
     reserve_gib: float = 4.0  # CUDA context + NCCL buffers + fragmentation, per actor GPU
     sglang: SGLangLayout = field(default_factory=SGLangLayout)
 
@@ -157,12 +168,19 @@ class LaunchLayout:
         return (self.actor_nodes if self.colocated else self.rollout_nodes) * self.servers_per_node
 
 
+#: launch keys that moved to the run config's ``actor`` section
+MOVED_LAUNCH_KEYS = {"actor_precision": "actor.precision", "recompute": "actor.recompute"}
+
+
 def _layout_from_dict(data: Dict[str, Any], cls=LaunchLayout, prefix: str = "launch"):
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix}: expected a mapping, found {type(data).__name__}")
     names = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
+        if cls is LaunchLayout and key in MOVED_LAUNCH_KEYS:
+            raise ConfigError(f"{prefix}.{key}: moved to {MOVED_LAUNCH_KEYS[key]} (the run config's 'actor' "
+                              f"section, which the trainer and this check both read)")
         if key not in names:
             raise ConfigError(f"{prefix}.{key}: unknown key (valid keys: {', '.join(names)})")
         default = getattr(cls(), key)
@@ -181,10 +199,6 @@ def _layout_from_dict(data: Dict[str, Any], cls=LaunchLayout, prefix: str = "lau
         kwargs[key] = value
     out = cls(**kwargs)
     if cls is LaunchLayout:
-        if out.actor_precision not in ("bf16", "fp32"):
-            raise ConfigError(f"launch.actor_precision: expected bf16 or fp32, found {out.actor_precision!r}")
-        if out.recompute not in ("none", "full"):
-            raise ConfigError(f"launch.recompute: expected none or full, found {out.recompute!r}")
         if out.device not in ("cuda", "cpu"):
             raise ConfigError(f"launch.device: expected cuda or cpu, found {out.device!r}")
         for name in ("gpus_per_node", "actor_nodes"):
@@ -295,29 +309,35 @@ def total_params(m: ModelShape) -> int:
 # --------------------------------------------------------------------------------------------
 # Activations
 # --------------------------------------------------------------------------------------------
-def layer_activation_bytes(m: ModelShape, t: int, sp: bool) -> float:
-    """Bytes per token of one layer kept for backward (see the module docstring)."""
+def layer_activation_bytes(m: ModelShape, t: int, sp: bool, elem: int = 2, fused: bool = True,
+                           unfused_seq: int = 0, selective: bool = False) -> float:
+    """Bytes per token of one layer kept for backward (see the module docstring): ``elem`` bytes
+    per activation element, ``fused`` SwiGLU, ``unfused_seq`` the padded row length when the
+    attention materialises its scores (0: flash-style), ``selective`` core-attention recompute."""
     h, d = m.hidden, m.head_dim
     whole = 4 * h  # two norm inputs + two linear inputs
-    sharded = (m.heads + 2 * m.kv_groups) * d + m.heads * d
+    sharded = (m.heads + 2 * m.kv_groups) * d + (1 if selective else 2) * m.heads * d
     if m.qk_norm:
         sharded += (m.heads + m.kv_groups) * d
-    extra_bytes_sharded = 4 * m.heads
+    extra_bytes_sharded = 0 if selective else 4 * m.heads
+    if unfused_seq and not selective:
+        extra_bytes_sharded += (4 + (elem if elem < 4 else 0)) * m.heads * unfused_seq
     extra_bytes_whole = 0
     if m.is_moe:
         whole += m.topk * h  # dispatched tokens (not split by TP)
         sharded += m.topk * 3 * m.moe_ffn
         extra_bytes_whole = 4 * m.num_experts + 4 * m.topk
     else:
-        sharded += 3 * m.ffn
+        sharded += (3 if fused else 4) * m.ffn
     if sp:
-        return (2 * (whole + sharded) + extra_bytes_sharded + extra_bytes_whole) / t
-    return 2 * whole + extra_bytes_whole + (2 * sharded + extra_bytes_sharded) / t
+        return (elem * (whole + sharded) + extra_bytes_sharded + extra_bytes_whole) / t
+    return elem * whole + extra_bytes_whole + (elem * sharded + extra_bytes_sharded) / t
 
 
-def logits_bytes(m: ModelShape, t: int) -> float:
-    """Bytes per token of the logits working set on the last stage: 12 * V / t."""
-    return 12 * m.vocab / t
+def logits_bytes(m: ModelShape, t: int, elem: int = 2) -> float:
+    """Bytes per token of the logits working set on the last stage: the logits and their
+    gradient in the parameters' dtype, ``2 * elem * V / t``."""
+    return 2 * elem * m.vocab / t
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,19 +386,28 @@ def _precision_bytes(precision: str) -> Tuple[int, int, int]:
 
 
 def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> ActorMemory:
-    """Per-GPU memory of the actor's largest pipeline stage (bytes; see the module docstring)."""
+    """Per-GPU memory of the actor's largest pipeline stage (bytes; see the module docstring),
+    priced from the run config's ``actor`` section."""
     t, p, e = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep
-    sp = cfg.parallel.sequence_parallel
+    act = cfg.actor
+    sp = act.sequence_parallel
     world = launch.actor_gpus
     dp, edp = world // (t * p), world // (p * e * t)
-    w_b, g_b, o_b = _precision_bytes(launch.actor_precision)
+    w_b, g_b, o_b = _precision_bytes(act.precision)
+    elem = w_b  # activations are in the parameters' dtype
     dist = cfg.optim.use_distributed_optimizer
     ref = cfg.algorithm.kl_target == "ref"
-    s = max(cfg.train.max_tokens_per_micro_batch, cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens)
+    longest = cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens
+    s = max(act.max_tokens_per_micro_batch, longest)
     n = m.num_layers // p
-    per_layer = layer_activation_bytes(m, t, sp)
-    kept = per_layer if launch.recompute == "none" else (2 * m.hidden / t if sp else 2 * m.hidden)
-    working = 0.0 if launch.recompute == "none" else per_layer * s  # one layer re-run at a time
+    fused = act.fusions == "on" or (act.fusions == "auto" and launch.device == "cuda")
+    unfused_seq = min(s, longest) if act.attention == "unfused" else 0
+    per_layer = layer_activation_bytes(m, t, sp, elem, fused, unfused_seq, act.recompute == "selective")
+    if act.recompute == "full":
+        kept = elem * m.hidden / t if sp else elem * m.hidden
+        working = per_layer * s * min(act.recompute_num_layers, n)  # one block re-run at a time
+    else:
+        kept, working = per_layer, 0.0
     counts = param_counts(m, t, p, e)
     best = None
     for stage, in_flight, has_logits in (("first", p, p == 1), ("last", 1, True)):
@@ -389,7 +418,7 @@ def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> ActorMe
             weights=w_b * (dense + expert), grads=g_b * (dense + expert), optimizer=opt,
             reference=(w_b * (dense + expert) if ref else 0.0),
             activations=in_flight * n * kept * s + working,
-            logits=logits_bytes(m, t) * s if has_logits else 0.0,
+            logits=logits_bytes(m, t, elem) * s if has_logits else 0.0,
             reserve=launch.reserve_gib * GiB, dp=dp, edp=edp, tokens=s)
         if best is None or mem.total > best.total:
             best = mem
@@ -434,12 +463,14 @@ class FitReport:
         if not cfg.optim.use_distributed_optimizer and a.dp > 1:
             hints.append("set optim.use_distributed_optimizer: true")
         hints.append("raise parallel.tp or parallel.pp" + (" or parallel.ep" if self.shape.is_moe else ""))
-        if self.launch.recompute == "none":
-            hints.append("set launch.recompute: full")
+        if cfg.actor.recompute != "full":
+            hints.append("set actor.recompute: full")
+        if cfg.actor.precision == "fp32":
+            hints.append("set actor.precision: bf16")
         if a.activations + a.logits > 0.25 * a.total:
-            hints.append("lower train.max_tokens_per_micro_batch")
-        if not cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
-            hints.append("set parallel.sequence_parallel: true")
+            hints.append("lower actor.max_tokens_per_micro_batch")
+        if not cfg.actor.sequence_parallel and cfg.parallel.tp > 1:
+            hints.append("set actor.sequence_parallel: true")
         if cfg.optim.use_distributed_optimizer:
             hints.append("raise launch.actor_nodes (more data-parallel optimizer shards)")
         return (f"actor does not fit: {a.total / GiB:.1f} GiB > {self.launch.gpu_mem_gib:g} GiB per GPU "
@@ -470,8 +501,9 @@ class FitReport:
             self.model_line(),
             f"actor: {L.actor_nodes} node(s) x {L.gpus_per_node} GPUs = {L.actor_gpus}; tp={par.tp} pp={par.pp} "
             f"ep={par.ep} dp={a.dp}" + (f" edp={a.edp}" if m.is_moe else "")
-            + f" sp={par.sequence_parallel} distributed_optimizer={cfg.optim.use_distributed_optimizer} "
-            f"precision={L.actor_precision} recompute={L.recompute} micro-batch tokens={a.tokens}",
+            + f" sp={cfg.actor.sequence_parallel} distributed_optimizer={cfg.optim.use_distributed_optimizer} "
+            f"precision={cfg.actor.precision} attention={cfg.actor.attention} recompute={cfg.actor.recompute} "
+            f"packed={cfg.actor.pack_sequences} micro-batch tokens={a.tokens}",
             f"  per GPU ({a.stage} stage): params {a.dense_params + a.expert_params:,}; {self.breakdown_actor()}",
             f"  total {_gib(a.total)} of {L.gpu_mem_gib:g} GiB: {'fits' if self.actor_fits else 'DOES NOT FIT'}",
             f"rollout: {L.rollout_nodes} node(s), {s.servers} SGLang server(s) x tp={L.sglang.tp}, "
@@ -524,8 +556,8 @@ def check_layout(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> None:
         errors.append(f"parallel.ep={e} > 1 needs an MoE model")
     if m.is_moe and m.num_experts % e:
         errors.append(f"parallel.ep={e} does not divide num_experts={m.num_experts}")
-    if m.is_moe and t > 1 and not cfg.parallel.sequence_parallel:
-        errors.append("MoE with parallel.tp > 1 needs parallel.sequence_parallel: true")
+    if m.is_moe and t > 1 and not cfg.actor.sequence_parallel:
+        errors.append("MoE with parallel.tp > 1 needs actor.sequence_parallel: true")
     if m.heads % launch.sglang.tp:
         errors.append(f"launch.sglang.tp={launch.sglang.tp} does not divide num_attention_heads={m.heads}")
     if errors:

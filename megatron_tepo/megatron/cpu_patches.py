@@ -14,8 +14,8 @@ Scope of the lies told:
     a process without CUDA, where the originals can only raise.
   * ``device="cuda"`` tensor factories are redirected to the CPU only inside the listed megatron
     modules (their module-global ``torch`` is swapped for a thin proxy); torch itself is untouched.
-  * ``Tensor.type()`` reports ``torch.cuda.FloatTensor`` for CPU fp32 tensors only while one of
-    the two megatron functions that assert on that string is running; ``Tensor.cuda()`` is the
+  * ``Tensor.type()`` reports ``torch.cuda.FloatTensor`` (``BFloat16Tensor``, ...) for CPU float
+    tensors only while one of the three megatron functions that assert on that string is running; ``Tensor.cuda()`` is the
     identity only while the tied-embedding set-up of a pipelined model runs.
   * ``moe_router_gemm`` only binds a name megatron forgot to define without Transformer Engine.
 
@@ -220,13 +220,16 @@ def _with_cuda_type_strings(fn: Callable) -> Callable:
 
 
 def patch_tensor_type_checks() -> None:
-    """Scoped ``Tensor.type()`` faking for the two megatron functions that assert on it.
+    """Scoped ``Tensor.type()`` faking for the three megatron functions that assert on it.
 
     ``optimizer/clip_grads.py``: ``clip_grad_by_total_norm_fp32`` asserts
     ``param.grad.type() == 'torch.cuda.FloatTensor'`` (also imported by name into
     ``optimizer/optimizer.py``); ``optimizer/distrib_optimizer.py``:
     ``DistributedOptimizer._build_model_and_main_param_groups`` raises TypeError unless an fp32
-    param's type string is ``torch.cuda.FloatTensor``. Outside these two calls ``type()`` is real.
+    param's type string is ``torch.cuda.FloatTensor``; ``optimizer/optimizer.py``:
+    ``Float16OptimizerWithFloat16Params.__init__`` (the plain optimizer of a bf16 actor) raises
+    TypeError unless each param's type string is a ``torch.cuda.*Tensor``. Outside these calls
+    ``type()`` is real.
     """
     from megatron.core.optimizer import clip_grads, distrib_optimizer
     from megatron.core.optimizer import optimizer as moptimizer
@@ -238,6 +241,8 @@ def patch_tensor_type_checks() -> None:
     original = cls.__dict__["_build_model_and_main_param_groups"]  # a classmethod object
     _replace("tensor_type_checks", cls, "_build_model_and_main_param_groups",
              classmethod(_with_cuda_type_strings(original.__func__)))
+    f16 = moptimizer.Float16OptimizerWithFloat16Params
+    _replace("tensor_type_checks", f16, "__init__", _with_cuda_type_strings(f16.__init__))
 
 
 # --------------------------------------------------------------------------------------------

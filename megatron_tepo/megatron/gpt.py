@@ -1,26 +1,74 @@
 """Build this rank's megatron-core ``GPTModel`` stage for a model family: the one place that
-turns a :class:`~megatron_tepo.models.GPTFamilyConfig` plus a parallel layout into a
-``TransformerConfig`` and a model chunk. The actor and the checkpoint converter both use it.
+turns a :class:`~megatron_tepo.models.GPTFamilyConfig`, a parallel layout and the run's
+:class:`~megatron_tepo.config.ActorConfig` into a ``TransformerConfig`` and a model chunk. The
+actor and the checkpoint converter both use it.
 
-Runtime flags are CPU-safe and harmless on GPU: CPU initialisation (identical init for every TP
-size), no gradient-accumulation / rope / layer-norm / softmax / bias fusions. Left out: mixed
-precision (bf16/fp16 master weights), virtual pipeline stages, context parallelism.
+* :func:`resolve_actor_config` turns ``auto`` into what runs here: ``attention: auto`` -> ``te``
+  when Transformer Engine imports, else ``sdpa``; ``fusions: auto`` -> on with CUDA, off on CPU.
+* :func:`transformer_config`: precision (``bf16``: ``bf16=True`` with bf16 parameters and
+  pipeline tensors), activation recompute (``full``: megatron's ``uniform`` method over blocks of
+  ``recompute_num_layers`` layers; ``selective``: the core attention), sequence parallelism and
+  the fusions, all as megatron's own ``TransformerConfig`` fields.
+* :func:`build_gpt_chunk`: the layer spec for the attention (te: Transformer Engine's spec; sdpa:
+  the local spec with :class:`~megatron_tepo.megatron.attention.SDPACoreAttention` as its core
+  attention; unfused: the local spec as megatron ships it).
+
+Fusions that need neither Transformer Engine nor apex (``bias_activation_fusion``: SwiGLU,
+``bias_dropout_fusion``) are megatron's ``torch.compile``-d functions; with Transformer Engine the
+fused RoPE (``apply_rope_fusion``) is added. Left out: fusions that need apex
+(``gradient_accumulation_fusion``, ``persist_layer_norm``, the masked-softmax kernels of the unfused
+attention), virtual pipeline stages, context parallelism.
+
+CPU-safe flags on every device: CPU initialisation (identical init for every TP size).
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import torch
 
+from megatron_tepo.config import ActorConfig
 from megatron_tepo.models import GPTFamilyConfig
-from megatron_tepo.models.spec import get_layer_spec
+from megatron_tepo.models.spec import get_layer_spec, te_available
 
-__all__ = ["transformer_config", "build_gpt_chunk"]
+__all__ = ["resolve_actor_config", "family_spec", "transformer_config", "build_gpt_chunk", "FP32_ACTOR"]
+
+#: What the checkpoint converter and other non-training builders use: fp32, no recompute.
+FP32_ACTOR = ActorConfig(precision="fp32", attention="unfused", pack_sequences=False, fusions="off")
+
+
+def resolve_actor_config(actor: ActorConfig, cuda: Optional[bool] = None,
+                         te: Optional[bool] = None) -> ActorConfig:
+    """``actor`` with ``auto`` settings made concrete for this machine; refuses ``te`` without
+    Transformer Engine (a ValueError naming the setting)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    te = te_available() if te is None else te
+    attention = actor.attention
+    if attention == "auto":
+        attention = "te" if te else "sdpa"
+    if attention == "te" and not te:
+        raise ValueError("actor.attention: te needs Transformer Engine, which does not import here "
+                         "(use sdpa, the default without it)")
+    fusions = actor.fusions
+    if fusions == "auto":
+        fusions = "on" if cuda else "off"
+    return dataclasses.replace(actor, attention=attention, fusions=fusions)
+
+
+def family_spec(actor: ActorConfig) -> str:
+    """The layer spec name of a resolved actor config ("te" or "local"): it also names the HF
+    mapping's norm tensors (:attr:`GPTFamilyConfig.spec`)."""
+    return "te" if actor.attention == "te" else "local"
 
 
 def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int = 1,
-                       sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                       actor: ActorConfig = FP32_ACTOR, params_dtype: Optional[torch.dtype] = None,
                        initialize: bool = True, variable_seq_lengths: bool = False,
                        calculate_per_token_loss: bool = False):
-    """megatron ``TransformerConfig`` for ``family_cfg`` at this layout.
+    """megatron ``TransformerConfig`` for ``family_cfg`` at this layout with ``actor``'s settings
+    (resolved with :func:`resolve_actor_config` first). ``params_dtype`` overrides the parameters'
+    dtype only (the checkpoint converter stores bf16 checkpoints in bf16 without bf16 compute).
 
     ``initialize=False`` skips megatron's weight init -- and with it the ``tensor_model_parallel``
     / ``partition_dim`` / ``partition_stride`` attributes that :mod:`megatron_tepo.models.sharding`
@@ -29,6 +77,7 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    actor = resolve_actor_config(actor)
     kw = family_cfg.transformer_config_kwargs()
     if family_cfg.extra.get("num_experts"):
         kw.update(family_cfg.extra["moe_transformer_kwargs"])
@@ -36,31 +85,48 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
         # Unused by dense layers, but the default "allgather" dispatcher makes TransformerConfig
         # refuse variable_seq_lengths.
         kw["moe_token_dispatcher_type"] = "alltoall"
+    bf16 = actor.precision == "bf16"
+    dtype = params_dtype or (torch.bfloat16 if bf16 else torch.float32)
+    fused = actor.fusions == "on"
+    if actor.recompute == "full":
+        kw.update(recompute_granularity="full", recompute_method="uniform",
+                  recompute_num_layers=actor.recompute_num_layers)
+    elif actor.recompute == "selective":
+        kw.update(recompute_granularity="selective")
     return TransformerConfig(
         **kw,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
-        sequence_parallel=sequence_parallel,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
+        sequence_parallel=actor.sequence_parallel,
+        bf16=bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
         use_cpu_initialization=True,
         perform_initialization=initialize,
         gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=fused and actor.attention == "te",
         persist_layer_norm=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
+        bias_activation_fusion=fused,
+        bias_dropout_fusion=fused,
         masked_softmax_fusion=False,
         variable_seq_lengths=variable_seq_lengths,
         calculate_per_token_loss=calculate_per_token_loss,
     )
 
 
-def build_gpt_chunk(config, family_cfg: GPTFamilyConfig, pre_process: bool, post_process: bool):
-    """The ``GPTModel`` of one pipeline stage (layer spec: Transformer Engine when importable)."""
+def build_gpt_chunk(config, family_cfg: GPTFamilyConfig, pre_process: bool, post_process: bool,
+                    attention: Optional[str] = None):
+    """The ``GPTModel`` of one pipeline stage. ``attention`` (te / sdpa / unfused) picks the layer
+    spec; None follows ``family_cfg.spec`` (te, or the local spec with megatron's attention)."""
     from megatron.core.models.gpt import GPTModel
 
+    if attention is not None and (attention == "te") != (family_cfg.spec == "te"):
+        raise ValueError(f"attention {attention!r} does not match the family config's spec {family_cfg.spec!r}")
     spec = get_layer_spec(family_cfg, num_experts=family_cfg.extra.get("num_experts"))
+    if attention == "sdpa":
+        from megatron_tepo.megatron.attention import SDPACoreAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process,
                     post_process=post_process, **family_cfg.gpt_model_kwargs())

@@ -130,20 +130,28 @@ def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool
     return fleet
 
 
+def actor_args(cfg: RunConfig) -> dict:
+    """``MegatronActor``'s keyword arguments from the run config: the layout (``parallel``), how it
+    computes (``actor``), the optimizer (``optim``), the seed and the LR horizon."""
+    from megatron_tepo.actor import ParallelLayout
+
+    updates_per_step = cfg.train.epochs_per_step * (cfg.rollout.prompts_per_step // cfg.train.mini_batch_prompts)
+    return dict(layout=ParallelLayout(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep),
+                optim=cfg.optim, actor_config=cfg.actor, seed=cfg.train.seed,
+                total_steps=cfg.train.steps * updates_per_step)
+
+
 def build_actor_and_engine(cfg: RunConfig, model_dir: str, pad_token_id: int):
     """The Megatron actor (every rank) and the rollout engine (the driver, global rank 0; a
     follower that only takes part in the weight sync on the others), both loaded from the HF
-    checkpoint ``model_dir`` with ``cfg``'s layout, optimizer and seed. Outside torchrun it starts
+    checkpoint ``model_dir`` with ``cfg``'s layout, actor settings (``cfg.actor``), optimizer and
+    seed. Outside torchrun it starts
     a one-process gloo world."""
-    from megatron_tepo.actor import MegatronActor, ParallelLayout
+    from megatron_tepo.actor import MegatronActor
     from megatron_tepo.actor.parallel import single_process_env
 
     single_process_env()
-    updates_per_step = cfg.train.epochs_per_step * (cfg.rollout.prompts_per_step // cfg.train.mini_batch_prompts)
-    actor = MegatronActor(model_dir, hf_weights=model_dir,
-                          layout=ParallelLayout(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep),
-                          optim=cfg.optim, max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
-                          seed=cfg.train.seed, total_steps=cfg.train.steps * updates_per_step)
+    actor = MegatronActor(model_dir, hf_weights=model_dir, **actor_args(cfg))
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0

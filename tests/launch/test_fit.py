@@ -16,15 +16,15 @@ TINY_ARCH = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_
                  tie_word_embeddings=False, hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000)
 
 
-def tiny(tmp_path, parallel=None, launch=None, optim=None, name="tiny.yaml"):
+def tiny(tmp_path, parallel=None, launch=None, optim=None, actor=None, name="tiny.yaml"):
     data = {
         "architecture": TINY_ARCH,
         "launch": dict(dict(gpus_per_node=4, gpu_mem_gib=1, actor_nodes=1, rollout_nodes=1, reserve_gib=0,
-                            recompute="none", sglang=dict(tp=2, max_running_requests=4)), **(launch or {})),
+                            sglang=dict(tp=2, max_running_requests=4)), **(launch or {})),
         "parallel": dict(dict(tp=2, pp=1), **(parallel or {})),
+        "actor": dict(dict(max_tokens_per_micro_batch=256, recompute="none"), **(actor or {})),
         "optim": dict(optim or {}),
         "rollout": {"max_prompt_len": 32, "max_new_tokens": 96},
-        "train": {"max_tokens_per_micro_batch": 256},
     }
     path = tmp_path / name
     path.write_text(yaml.safe_dump(data))
@@ -44,25 +44,47 @@ def test_tiny_actor_bytes_by_hand(tmp_path):
     spec = tiny(tmp_path)
     a = actor_memory(spec.shape(), spec.cfg, spec.launch)
     assert (a.weights, a.grads, a.optimizer) == (2 * 53632, 4 * 53632, 12 * 53632)
-    # s = max(256, 32 + 96) = 256 tokens; per token per layer without SP:
-    # 2*4h = 512 whole + (2*[(4+4)*16 + 4*16 + (4+2)*16 + 3*128] + 4*4) / 2 = (1344 + 16) / 2 = 680
+    # s = max(256, 32 + 96) = 256 tokens; bf16 (2 bytes), fused SwiGLU (cuda, fusions auto), no SP:
+    # 2*4h = 512 whole + (2*[(4+4)*16 + 2*4*16 + (4+2)*16 + 3*128] + 4*4) / 2 = (1472 + 16) / 2 = 744
     assert a.tokens == 256
-    assert a.activations == 2 * (512 + 680) * 256 == 610304
-    assert a.logits == 12 * 256 / 2 * 256 == 393216
-    assert a.total == 107264 + 214528 + 643584 + 610304 + 393216
+    assert a.activations == 2 * (512 + 744) * 256 == 643072
+    assert a.logits == 2 * 2 * 256 / 2 * 256 == 131072  # bf16 logits and their gradient, V/t each
+    assert a.total == 107264 + 214528 + 643584 + 643072 + 131072
     # distributed optimizer over DP = 4 / 2 = 2
     spec = tiny(tmp_path, optim={"use_distributed_optimizer": True})
     assert actor_memory(spec.shape(), spec.cfg, spec.launch).optimizer == 12 * 53632 / 2
-    # sequence parallel: everything / 2 -> (2*(256 + 672) + 16) / 2 = 936 per token per layer
-    spec = tiny(tmp_path, parallel={"sequence_parallel": True})
-    assert actor_memory(spec.shape(), spec.cfg, spec.launch).activations == 2 * 936 * 256
-    # full recompute, no SP: 2 layers x 2h = 128 B per token kept + one layer re-run (1192 B/token)
-    spec = tiny(tmp_path, launch={"recompute": "full"})
-    assert actor_memory(spec.shape(), spec.cfg, spec.launch).activations == 2 * 128 * 256 + 1192 * 256
-    # fp32 actor (what the actor runs today): 4 + 4 + 8 bytes per parameter
-    spec = tiny(tmp_path, launch={"actor_precision": "fp32"})
+    # sequence parallel: everything / 2 -> (2*(256 + 736) + 16) / 2 = 1000 per token per layer
+    spec = tiny(tmp_path, actor={"sequence_parallel": True})
+    assert actor_memory(spec.shape(), spec.cfg, spec.launch).activations == 2 * 1000 * 256
+    # full recompute, no SP: 2 layers x 2h = 128 B per token kept + one layer re-run (1256 B/token)
+    spec = tiny(tmp_path, actor={"recompute": "full"})
+    assert actor_memory(spec.shape(), spec.cfg, spec.launch).activations == 2 * 128 * 256 + 1256 * 256
+    spec = tiny(tmp_path, actor={"recompute": "full", "recompute_num_layers": 2})
+    assert actor_memory(spec.shape(), spec.cfg, spec.launch).activations == 2 * 128 * 256 + 2 * 1256 * 256
+    # selective: the attention kernel's copy of its output (2*4*16/2) and statistics (16/2) go
+    spec = tiny(tmp_path, actor={"recompute": "selective"})
+    assert actor_memory(spec.shape(), spec.cfg, spec.launch).activations == 2 * (1256 - 64 - 8) * 256
+    # without fusions the SiLU output is kept too: + 2*128/2 per token per layer
+    spec = tiny(tmp_path, actor={"fusions": "off"})
+    assert actor_memory(spec.shape(), spec.cfg, spec.launch).activations == 2 * (1256 + 128) * 256
+    # unfused attention (padded rows): + (4 + 2) * 4 heads / 2 * 128 (the longest row) per token per layer
+    spec = tiny(tmp_path, actor={"attention": "unfused", "pack_sequences": False})
+    assert actor_memory(spec.shape(), spec.cfg, spec.launch).activations == 2 * (1256 + 6 * 2 * 128) * 256
+    # fp32 actor: 4 + 4 + 8 bytes per parameter, activations and logits in 4-byte elements
+    spec = tiny(tmp_path, actor={"precision": "fp32"})
     a = actor_memory(spec.shape(), spec.cfg, spec.launch)
     assert (a.weights, a.grads, a.optimizer) == (4 * 53632, 4 * 53632, 8 * 53632)
+    assert a.activations == 2 * (1024 + (4 * 736 + 16) / 2) * 256 and a.logits == 2 * 131072
+
+
+def test_moved_settings_are_named(tmp_path):
+    from megatron_tepo.config import ConfigError
+    with pytest.raises(ConfigError, match=r"launch.actor_precision: moved to actor.precision"):
+        tiny(tmp_path, launch={"actor_precision": "bf16"})
+    with pytest.raises(ConfigError, match=r"launch.recompute: moved to actor.recompute"):
+        tiny(tmp_path, launch={"recompute": "full"})
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel .*moved to actor.sequence_parallel"):
+        tiny(tmp_path, parallel={"sequence_parallel": True})
 
 
 def test_tiny_pipeline_stages(tmp_path):
@@ -71,9 +93,10 @@ def test_tiny_pipeline_stages(tmp_path):
     layer = 12288 + 128 + 32 + 3 * 64 * 128
     assert c["first"] == (layer + 256 * 64, 0) and c["last"] == (layer + 64 + 256 * 64, 0)
     a = actor_memory(spec.shape(), spec.cfg, spec.launch)
-    # first stage: 2 micro-batches in flight x 1 layer; last: 1 x 1 layer + logits; the last is larger
-    assert a.stage == "last"
-    assert a.logits == 12 * 256 * 256
+    # first stage: 2 micro-batches in flight x 1 layer (2000 B per token at TP=1) = 1,024,000 B of
+    # activations; last: 1 x 1 layer + logits (4 * 256 B per token) = 774,144 B: the first is larger
+    assert a.stage == "first" and a.logits == 0
+    assert a.activations == 2 * (512 + 1472 + 16) * 256
 
 
 def test_tiny_server_by_hand(tmp_path):
@@ -91,7 +114,7 @@ def test_tiny_misfit_names_settings(tmp_path):
         check_fit(spec.shape(), spec.cfg, spec.launch)
     msg = str(err.value)
     assert msg.startswith("actor does not fit:") and "GiB per GPU" in msg
-    for setting in ("optim.use_distributed_optimizer", "parallel.tp", "launch.recompute"):
+    for setting in ("optim.use_distributed_optimizer", "parallel.tp", "actor.recompute"):
         assert setting in msg
 
 
@@ -113,11 +136,12 @@ def test_qwen3_14b_by_hand():
     a = r.actor
     assert a.dense_params == params and a.dp == 4 and a.tokens == 16384
     assert a.weights == 2 * params and a.grads == 4 * params and a.optimizer == 12 * params / 4
-    # full recompute with SP: 40 layers x 2*5120/4 B + one layer (2*(4*5120 + 70656) + 4*40)/4 = 45,608 B
-    assert a.activations == 40 * 2560 * 16384 + 45_608 * 16384 == 2_424_963_072
-    assert a.logits == 12 * 151936 / 4 * 16384 == 7_467_958_272
-    total = 2 * params + 4 * params + 3 * params + 2_424_963_072 + 7_467_958_272 + 4 * GiB
-    assert a.total == total and round(total / GiB, 1) == 44.2
+    # full recompute with SP: 40 layers x 2*5120/4 B + one layer (2*(4*5120 + 75776) + 4*40)/4 = 48,168 B
+    # (75776 = (40 + 16)*128 q, k, v + 2*40*128 attention output + 48*128 q/k-norm inputs + 3*17408)
+    assert a.activations == 40 * 2560 * 16384 + 48_168 * 16384 == 2_466_906_112
+    assert a.logits == 2 * 2 * 151936 / 4 * 16384 == 2_489_319_424  # bf16 logits + their gradient
+    total = 2 * params + 4 * params + 3 * params + 2_466_906_112 + 2_489_319_424 + 4 * GiB
+    assert a.total == total and round(total / GiB, 1) == 39.6
     s = r.server
     server_params = 40 * (62_914_560 // 2 + 5120 + 256 + 3 * 5120 * 17408 // 2 + 5120) + 2 * 151936 * 5120 // 2 + 5120
     assert s.params == server_params == 7_384_366_080
@@ -128,7 +152,7 @@ def test_qwen3_14b_by_hand():
 
 def test_qwen3_14b_failing_layout():
     spec = load_launch(MODELS / "qwen3_14b.yaml",
-                       ["parallel.tp=1", "parallel.sequence_parallel=false", "optim.use_distributed_optimizer=false"])
+                       ["parallel.tp=1", "actor.sequence_parallel=false", "optim.use_distributed_optimizer=false"])
     with pytest.raises(FitError) as err:
         check_fit(spec.shape(), spec.cfg, spec.launch)
     msg = str(err.value)
@@ -170,9 +194,9 @@ def test_hf_config_path_wins(tmp_path):
 def test_cli(tmp_path, capsys):
     from tools.fit_check import cli
     assert cli(["--config", str(MODELS / "qwen3_14b.yaml"), "--gpu-mem-gib", "80"]) == 0
-    assert "total 44.2 GiB of 80 GiB: fits" in capsys.readouterr().out
-    assert cli(["--config", str(MODELS / "qwen3_14b.yaml"), "--gpu-mem-gib", "40"]) == 1
-    assert "actor does not fit: 44.2 GiB > 40 GiB per GPU" in capsys.readouterr().err
+    assert "total 39.6 GiB of 80 GiB: fits" in capsys.readouterr().out
+    assert cli(["--config", str(MODELS / "qwen3_14b.yaml"), "--gpu-mem-gib", "36"]) == 1
+    assert "actor does not fit: 39.6 GiB > 36 GiB per GPU" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------- CPU mode

@@ -131,10 +131,10 @@ def test_run_config_is_the_launch_files(rendered):
     path = rendered["run_config"]
     assert path.is_file() and path.parent.parent.name == "nemo-run"
     cfg = load_config(path)
-    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sequence_parallel) == (4, 1, True)
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.actor.sequence_parallel) == (4, 1, True)
     assert cfg.optim.use_distributed_optimizer and cfg.train.resume
     assert cfg.train.output_dir == str(rendered["tmp"] / "out")
-    assert "total 44.2 GiB of 80 GiB: fits" in (path.parent / "fit.log").read_text()
+    assert "total 39.6 GiB of 80 GiB: fits" in (path.parent / "fit.log").read_text()
     assert "architecture" not in path.read_text() and "launch:" not in path.read_text()
 
 
@@ -203,7 +203,7 @@ def test_too_few_nodes_in_the_allocation_stops_the_script(rendered, tmp_path):
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("launch.gpu_mem_gib=40", "raise parallel.tp or parallel.pp, or raise launch.actor_nodes"),
+    ("launch.gpu_mem_gib=36", "raise parallel.tp or parallel.pp, or raise launch.actor_nodes"),
     ("parallel.tp=3", "parallel.tp=3 does not divide num_attention_heads=40"),
     ("launch.actor_nodes=0", "launch.actor_nodes: must be >= 1"),
     ("launch.sglang.tp=3", "launch.sglang.tp: 3 must be >= 1 and divide launch.gpus_per_node"),

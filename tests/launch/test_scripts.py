@@ -124,12 +124,12 @@ def test_dry_run_qwen3_14b(tmp_path):
     assert sglang.count("megatron_tepo.rollout.serve") == 4
     assert "CUDA_VISIBLE_DEVICES=6\\,7" in sglang and "--tp\\ 2" in sglang and "--device\\ cuda" in sglang
     assert "--context-length\\ 10240" in sglang
-    assert "total 44.2 GiB of 80 GiB: fits" in (logs / "fit.log").read_text()
+    assert "total 39.6 GiB of 80 GiB: fits" in (logs / "fit.log").read_text()
 
 
 def test_misfit_stops_before_srun(tmp_path):
     res = subprocess.run(["bash", str(ROOT / "slurm" / "qwen3_14b_tepo.sh"), "parallel.tp=1",
-                          "parallel.sequence_parallel=false", "optim.use_distributed_optimizer=false"],
+                          "actor.sequence_parallel=false", "optim.use_distributed_optimizer=false"],
                          cwd=tmp_path, env=_dry_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert res.returncode == 1
     assert "actor does not fit" in res.stderr and "nothing was started" in res.stderr

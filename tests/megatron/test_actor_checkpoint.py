@@ -4,6 +4,8 @@
   equals the uninterrupted step 3 (every parameter ``torch.equal``, loss / grad norm / lr equal);
   the RNGs (torch, python, numpy, megatron's tracker) continue where they were at the save.
   Single process; TP=2 (plain optimizer); DP=2 with the distributed optimizer.
+* the same in bf16 (bf16 parameters, fp32 main parameters and Adam states in the optimizer; the
+  main parameters are compared too): TP=2 with the plain optimizer, DP=2 with the distributed one.
 * the model part of the TP=2 checkpoint loads at TP=1 (model_only) bit-exactly; a full load at
   another layout is refused.
 * partial checkpoints: a ``step_N`` without the ``complete`` marker and a ``*.tmp-*`` directory
@@ -29,7 +31,7 @@ WORKER = Path(__file__).parent / "workers" / "checkpoint_worker.py"
 
 def _run(cases, nproc, tmp_path):
     root = tmp_path / "ckpts"
-    results = torchrun(WORKER, nproc, str(root), json.dumps(cases), tmp_path=tmp_path, timeout=300)
+    results = torchrun(WORKER, nproc, str(root), json.dumps(cases), tmp_path=tmp_path, timeout=380)
     return [r["cases"] for r in results]
 
 
@@ -38,6 +40,7 @@ def _check_resume(c, where):
     assert c["differs_before_load"], where
     assert c["extra_state"] == {"step": 2, "data_position": 16}, where
     assert c["params_equal"], (where, c["max_param_diff"])
+    assert c["main_params_equal"], where
     assert c["step3_a"] == c["step3_b"], where  # loss, grad norm, lr: exactly equal
     assert c["rand_equal"] and c["python_numpy_equal"], where
     assert c["tracker_equal"] and "model-parallel-rng" in c["tracker_names"], where
@@ -55,13 +58,19 @@ def test_resume_single_process_and_partial_checkpoints(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_resume_tp2_and_dp2_distributed_optimizer(tmp_path):
-    per_rank = _run([{"tp": 2, "reshard_to_tp1": True}, {"tp": 1, "dist_opt": True}], 2, tmp_path)
-    for rank, (tp2, dp2) in enumerate(per_rank):
+    per_rank = _run([{"tp": 2, "reshard_to_tp1": True}, {"tp": 1, "dist_opt": True},
+                     {"tp": 2, "precision": "bf16"}, {"tp": 1, "dist_opt": True, "precision": "bf16"}], 2, tmp_path)
+    for rank, (tp2, dp2, tp2_bf16, dp2_bf16) in enumerate(per_rank):
         _check_resume(tp2, f"rank {rank} tp2")
         _check_resume(dp2, f"rank {rank} dp2 distributed optimizer")
+        _check_resume(tp2_bf16, f"rank {rank} tp2 bf16")
+        _check_resume(dp2_bf16, f"rank {rank} dp2 bf16 distributed optimizer")
         assert dp2["dp"] == 2 and tp2["dp"] == 1
+        assert tp2["dtypes"] == tp2["main_dtypes"] == ["torch.float32"]
+        for c in (tp2_bf16, dp2_bf16):
+            assert c["dtypes"] == ["torch.bfloat16"] and c["main_dtypes"] == ["torch.float32"], rank
         # TP=2 checkpoint -> TP=1 actor, model weights only
         assert tp2["reshard_tp"] == 1 and tp2["reshard_equal"], rank
         assert tp2["reshard_extra_state"] == {"step": 2, "data_position": 16}

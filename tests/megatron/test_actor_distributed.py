@@ -6,6 +6,15 @@ every parameter's gradient mapped back to its HF name (rel 1e-5 of the tensor's 
 norm, the parameters after one clipped AdamW step (abs 1e-5), the loss metrics, and for tied
 embeddings with PP the last stage's copy of the embedding. Together the ranks must cover every HF
 parameter. DP=2 also checks that 1 and 4 micro-batches give the same gradient.
+
+The actor runs in fp32 with the sdpa core attention and packed sequences (its GPU path) unless a
+case says otherwise; one case per layout keeps megatron's unfused attention on padded rows. Cases
+with ``pack_check`` compare packed and padded micro-batches of the same actor (log-probs,
+entropy: abs 1e-6; loss: rel 1e-6; gradients: 1e-6 relative L2 error over all of the stage's
+gradients -- fp32 summation order alone moves single small tensors by ~1e-6 of their max; both
+micro-batched by their own plan, so the dense
+cases also show that the grouping into micro-batches does not matter), cases with ``recompute_check`` full recompute
+against none (gradients rel 1e-6).
 """
 import json
 from pathlib import Path
@@ -20,6 +29,8 @@ LOG_PROB_TOL = 1e-5
 LOSS_REL_TOL = 1e-6
 GRAD_REL_TOL = 1e-5
 PARAM_ABS_TOL = 1e-5
+PACK_TOL = 1e-6  # packed vs padded, recompute vs not: the same arithmetic in another order
+UNFUSED = {"attention": "unfused", "pack_sequences": False}
 
 
 def _run(cases, nproc, tmp_path):
@@ -53,6 +64,13 @@ def _check(per_rank):
             if c["case"].get("mb_invariance"):
                 assert c["mb_counts"] == [1, 4], where
                 assert c["mb_invariance_rel_err"] <= GRAD_REL_TOL, where
+            if c["case"].get("pack_check"):
+                pc = c["pack_check"]
+                assert pc["lp"] <= PACK_TOL and pc["ent"] <= PACK_TOL, (where, pc)
+                assert pc["loss_rel"] <= PACK_TOL and pc["grad_rel"] <= PACK_TOL, (where, pc)
+            if c["case"].get("recompute_check"):
+                assert c["recompute_grad_rel_err"] <= PACK_TOL, (where, c["recompute_grad_rel_err"])
+                assert c["recompute_loss_rel_err"] <= PACK_TOL, where
             covered |= set(c["grad_names"])
         assert covered == set(per_rank[0][k]["hf_names"]), per_rank[0][k]["case"]
 
@@ -61,8 +79,9 @@ def _check(per_rank):
 @pytest.mark.timeout(400)
 def test_tp2_matches_hf(tmp_path):
     per_rank = _run([
-        {"family": "qwen3", "tie": False, "tp": 2, "pp": 1, "loss": {"name": "grpo"}},
-        {"family": "qwen2", "tie": True, "tp": 2, "pp": 1, "loss": {"name": "gspo"}},
+        {"family": "qwen3", "tie": False, "tp": 2, "pp": 1, "loss": {"name": "grpo"}, "pack_check": True,
+         "recompute_check": True},
+        {"family": "qwen2", "tie": True, "tp": 2, "pp": 1, "loss": {"name": "gspo"}, "actor": UNFUSED},
     ], 2, tmp_path)
     _check(per_rank)
 
@@ -71,8 +90,9 @@ def test_tp2_matches_hf(tmp_path):
 @pytest.mark.timeout(400)
 def test_pp2_matches_hf(tmp_path):
     per_rank = _run([
-        {"family": "qwen3", "tie": True, "tp": 1, "pp": 2, "loss": {"name": "grpo"}},
-        {"family": "llama", "tie": False, "tp": 1, "pp": 2,
+        {"family": "qwen3", "tie": True, "tp": 1, "pp": 2, "loss": {"name": "grpo"}, "pack_check": True,
+         "recompute_check": True},
+        {"family": "llama", "tie": False, "tp": 1, "pp": 2, "actor": UNFUSED,
          "loss": {"name": "grpo", "agg": "seq-mean-token-sum", "kl_coef": 0.1, "kl_mask": "all"}},
     ], 2, tmp_path)
     _check(per_rank)
@@ -84,7 +104,7 @@ def test_pp2_matches_hf(tmp_path):
 @pytest.mark.timeout(400)
 def test_tp2_pp2_matches_hf(tmp_path):
     per_rank = _run([
-        {"family": "qwen3", "tie": True, "tp": 2, "pp": 2, "loss": {"name": "grpo"}},
+        {"family": "qwen3", "tie": True, "tp": 2, "pp": 2, "loss": {"name": "grpo"}, "pack_check": True},
     ], 4, tmp_path)
     _check(per_rank)
 
@@ -93,9 +113,10 @@ def test_tp2_pp2_matches_hf(tmp_path):
 @pytest.mark.timeout(400)
 def test_dp2_matches_hf_and_micro_batch_invariance(tmp_path):
     per_rank = _run([
-        {"family": "qwen3", "tie": False, "tp": 1, "pp": 1, "loss": {"name": "grpo"}, "mb_invariance": True},
+        {"family": "qwen3", "tie": False, "tp": 1, "pp": 1, "loss": {"name": "grpo"}, "mb_invariance": True,
+         "pack_check": True},
         {"family": "qwen2", "tie": True, "tp": 1, "pp": 1, "dist_opt": True, "loss": {"name": "gspo"},
-         "from_dir": True},
+         "from_dir": True, "actor": UNFUSED},
     ], 2, tmp_path)
     _check(per_rank)
     assert all(r[0]["dp"] == 2 for r in per_rank)
@@ -107,10 +128,22 @@ def test_qwen3_moe_ep2_and_ep1_match_hf(tmp_path):
     """Qwen3-MoE on 2 ranks: EP=2 (each rank holds 2 of 4 experts, tokens all-gathered) and EP=1
     (DP=2), against the transformers Qwen3-MoE model."""
     per_rank = _run([
-        {"family": "qwen3_moe", "tie": True, "tp": 1, "pp": 1, "ep": 2, "loss": {"name": "grpo"}},
+        {"family": "qwen3_moe", "tie": True, "tp": 1, "pp": 1, "ep": 2, "loss": {"name": "grpo"},
+         "pack_check": True},
         {"family": "qwen3_moe", "tie": False, "tp": 1, "pp": 1, "ep": 1, "loss": {"name": "grpo"},
          "mb_invariance": True},
     ], 2, tmp_path)
     _check(per_rank)
     experts = [{n for n in r[0]["grad_names"] if ".mlp.experts." in n} for r in per_rank]
     assert experts[0] and experts[1] and not experts[0] & experts[1]  # disjoint expert shards
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_fusions_on_match_hf(tmp_path):
+    """``actor.fusions: on`` (the GPU default: megatron's torch.compile-d SwiGLU and bias-dropout-add,
+    here through inductor's CPU backend) gives the same results as the HF reference."""
+    per_rank = _run([{"family": "qwen3", "tie": False, "tp": 1, "pp": 1, "loss": {"name": "grpo"},
+                      "actor": {"fusions": "on"}}], 1, tmp_path)
+    _check(per_rank)
+    assert per_rank[0][0]["fusions"] == [True, True]

@@ -4,8 +4,8 @@ bias, gate-up, row-parallel shards, tied and untied embeddings); Qwen3-MoE at EP
 rank holds 2 of the 4 experts and the export must still hold every expert under its global index
 (model.layers.L.mlp.experts.E.*); PP=2 and TP=2 x PP=2, where the stream gathered to rank 0 must
 hold every stage. At TP=2 the gathered stream is checked both ways: TP ranks casting their shards
-straight into shared-memory buckets, and the point-to-point gather (MTEPO_EXPORT_SHM=0). See
-workers/export_worker.py."""
+straight into shared-memory buckets, and the point-to-point gather (MTEPO_EXPORT_SHM=0). A bf16
+actor (TP=2) exports its bf16 parameters bit for bit. See workers/export_worker.py."""
 import json
 from pathlib import Path
 
@@ -42,6 +42,7 @@ def test_export_buckets_tp2_bit_exact(tmp_path):
     per_rank = [r for r in torchrun(WORKER, 2, json.dumps([
         {"family": "qwen3", "tie": False, "tp": 2},
         {"family": "qwen2", "tie": True, "tp": 2},
+        {"family": "qwen3", "tie": True, "tp": 2, "precision": "bf16"},
     ]), tmp_path=tmp_path, timeout=380)]
     _check(per_rank)
 

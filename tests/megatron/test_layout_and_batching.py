@@ -19,19 +19,20 @@ def test_valid_layouts_give_dp():
     assert validate_layout(ParallelLayout(), cfg(), world_size=2, te_available=False) == 2
 
 
-@pytest.mark.parametrize("layout, overrides, world, pattern", [
-    (ParallelLayout(tp=3), {"num_attention_heads": 6, "num_key_value_heads": 6}, 3, r"vocab_size=256 .*tp=3"),
-    (ParallelLayout(tp=4), {}, 4, r"num_query_groups=2 .*tp=4"),
+@pytest.mark.parametrize("layout, overrides, world, pattern, sp", [
+    (ParallelLayout(tp=3), {"num_attention_heads": 6, "num_key_value_heads": 6}, 3, r"vocab_size=256 .*tp=3", False),
+    (ParallelLayout(tp=4), {}, 4, r"num_query_groups=2 .*tp=4", False),
     (ParallelLayout(tp=2), {"num_attention_heads": 5, "num_key_value_heads": 5}, 2,
-     r"num_attention_heads=5 .*tp=2"),
-    (ParallelLayout(pp=3), {}, 3, r"num_layers=4 .*pp=3"),
-    (ParallelLayout(tp=2), {}, 3, r"world_size=3 .*tp\*pp=2\*1=2"),
-    (ParallelLayout(tp=2, sequence_parallel=True), {}, 2, r"sequence_parallel=True needs Transformer Engine"),
+     r"num_attention_heads=5 .*tp=2", False),
+    (ParallelLayout(pp=3), {}, 3, r"num_layers=4 .*pp=3", False),
+    (ParallelLayout(tp=2), {}, 3, r"world_size=3 .*tp\*pp=2\*1=2", False),
+    (ParallelLayout(tp=2), {}, 2, r"actor.sequence_parallel=true needs Transformer Engine", True),
+    (ParallelLayout(tp=1), {}, 1, r"actor.sequence_parallel=true needs tp > 1", True),
 ])
-def test_bad_layouts_raise_before_any_process_group(layout, overrides, world, pattern):
+def test_bad_layouts_raise_before_any_process_group(layout, overrides, world, pattern, sp):
     c = cfg(**overrides)
     with pytest.raises(ValueError, match=pattern):
-        validate_layout(layout, c, world_size=world, te_available=False)
+        validate_layout(layout, c, world_size=world, te_available=False, sequence_parallel=sp)
     assert not dist.is_initialized()
 
 
@@ -40,7 +41,7 @@ def test_moe_layouts():
     assert validate_layout(ParallelLayout(ep=2), moe, world_size=2, te_available=False) == 2
     with pytest.raises(ValueError, match=r"num_experts=4 .*ep=3"):
         validate_layout(ParallelLayout(ep=3), moe, world_size=3, te_available=False)
-    with pytest.raises(ValueError, match=r"MoE with tp=2 needs sequence_parallel"):
+    with pytest.raises(ValueError, match=r"MoE with tp=2 needs actor.sequence_parallel"):
         validate_layout(ParallelLayout(tp=2), moe, world_size=2, te_available=False)
     with pytest.raises(ValueError, match=r"MoE with pp=2 does not run on CPU"):
         validate_layout(ParallelLayout(pp=2), moe, world_size=2, te_available=False)

@@ -28,7 +28,7 @@ def main():
     from megatron_tepo.rollout.weight_sync import WeightSync
 
     actor = MegatronActor(args["config_dir"], hf_weights=load_file(args["weights"]),
-                          layout=ParallelLayout(tp=2, pp=1))
+                          layout=ParallelLayout(tp=2, pp=1), precision="fp32")
     rank = dist.get_rank()
     fleet = SGLangFleet(FleetConfig(urls=args["urls"], api_keys=args["keys"])) if rank == 0 else None
     seq, pl = args["seq"], args["prompt_len"]

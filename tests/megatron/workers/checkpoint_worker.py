@@ -1,7 +1,8 @@
 """torchrun worker: save / resume of the Megatron actor continues bit-exactly.
 
 argv[1]: a scratch root (shared by the ranks); argv[2]: JSON list of cases
-``{"tp", "pp", "dist_opt", "reshard_to_tp1", "partial_checks"}``. Per case: actor A (HF weights)
+``{"tp", "pp", "dist_opt", "reshard_to_tp1", "partial_checks", "precision"}`` (precision: fp32 by
+default; bf16 also compares the optimizer's fp32 main parameters after step 3). Per case: actor A (HF weights)
 trains steps 1-2, saves ``step_2`` (extra_state), draws ``torch.rand``, trains step 3. Then A is
 dropped, the RNGs are scrambled, a FRESH actor B (different init seed, no HF weights) loads the
 newest complete checkpoint, draws ``torch.rand`` and trains step 3. Every rank reports whether
@@ -40,6 +41,13 @@ def _params(actor):
     return {n: p.detach().clone() for n, p in actor.model[0].module.named_parameters()}
 
 
+def _main_params(actor):
+    """The optimizer's own copies of the parameters (fp32 main params with bf16; the shards with the
+    distributed optimizer), in order."""
+    subs = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    return [p.detach().clone() for opt in subs for g in opt.optimizer.param_groups for p in g["params"]]
+
+
 def _tracker_states():
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -64,6 +72,7 @@ def run_case(case, root: Path):
     weights = hf_state(make_hf_model(hf_cfg, seed=0))
     optim = OptimConfig(**OPT, use_distributed_optimizer=case.get("dist_opt", False))
     layout = ParallelLayout(tp=case.get("tp", 1), pp=case.get("pp", 1))
+    precision = case.get("precision", "fp32")
     batches = _batches()
 
     def local(actor, b):
@@ -71,7 +80,7 @@ def run_case(case, root: Path):
 
     out = {"case": case}
     # ---- uninterrupted run A
-    a = MegatronActor(hf_cfg, hf_weights=weights, layout=layout, optim=optim,
+    a = MegatronActor(hf_cfg, hf_weights=weights, layout=layout, optim=optim, precision=precision,
                       max_tokens_per_micro_batch=64, total_steps=10)
     for b in batches[:2]:
         a.train_step(local(a, b), LOSS)
@@ -83,12 +92,14 @@ def run_case(case, root: Path):
     rand_a = torch.rand(6)
     py_a, np_a = random.random(), float(np.random.rand())
     m3a = a.train_step(local(a, batches[2]), LOSS)
-    params_a = _params(a)
+    params_a, main_a = _params(a), _main_params(a)
+    out["dtypes"] = sorted({str(p.dtype) for p in params_a.values()})
+    out["main_dtypes"] = sorted({str(p.dtype) for p in main_a})
     del a
 
     # ---- fresh actor B, resumed
     _scramble_rngs(999)
-    b_actor = MegatronActor(hf_cfg, hf_weights=None, layout=layout, optim=optim,
+    b_actor = MegatronActor(hf_cfg, hf_weights=None, layout=layout, optim=optim, precision=precision,
                             max_tokens_per_micro_batch=64, total_steps=10, seed=4321)
     before = _params(b_actor)
     out["differs_before_load"] = any(not torch.equal(before[n], params_a[n]) for n in before)
@@ -123,6 +134,8 @@ def run_case(case, root: Path):
     out["params_equal"] = sorted(params_a) == sorted(params_b) and all(
         torch.equal(params_a[n], params_b[n]) for n in params_a)
     out["max_param_diff"] = max(float((params_a[n] - params_b[n]).abs().max()) for n in params_a)
+    main_b = _main_params(b_actor)
+    out["main_params_equal"] = len(main_a) == len(main_b) and all(torch.equal(x, y) for x, y in zip(main_a, main_b))
     out["step3_a"] = {k: m3a[k] for k in ("loss", "grad_norm", "lr")}
     out["step3_b"] = {k: m3b[k] for k in ("loss", "grad_norm", "lr")}
     out["dp"] = ps.get_data_parallel_world_size()
@@ -131,7 +144,7 @@ def run_case(case, root: Path):
     # ---- the model part at TP=1 (all ranks DP)
     if case.get("reshard_to_tp1"):
         c = MegatronActor(hf_cfg, hf_weights=None, layout=ParallelLayout(tp=1, pp=1), optim=OptimConfig(**OPT),
-                          max_tokens_per_micro_batch=64, seed=777)
+                          precision=precision, max_tokens_per_micro_batch=64, seed=777)
         try:
             c.load_checkpoint(root / "step_2")
             out["full_load_other_layout"] = None

@@ -1,9 +1,13 @@
 """torchrun worker: the Megatron actor against a single-process Hugging Face reference.
 
 argv[1]: JSON list of cases ``{"family", "tie", "tp", "pp", "dist_opt", "loss", "mb_tokens",
-"mb_invariance"}``. Every rank builds the same HF model (random weights, randomised norms/biases)
-and the same mini-batch; the actor gets its DP share; the HF reference runs the WHOLE mini-batch in
-this process. Each rank writes, per case, the max errors it measured on its own stage.
+"mb_invariance", "actor", "pack_check", "recompute_check"}``. ``actor``: the actor's settings
+(default: fp32, sdpa attention, packed sequences). Every rank builds the same HF model (random
+weights, randomised norms/biases) and the same mini-batch; the actor gets its DP share; the HF
+reference runs the WHOLE mini-batch in this process. Each rank writes, per case, the max errors it
+measured on its own stage. ``pack_check``: the same actor with packing switched off gives the same
+log-probs, entropy, loss and gradients; ``recompute_check``: a second actor with full recompute
+(one layer at a time) gives the same gradients.
 """
 import json
 import os
@@ -28,6 +32,35 @@ from tests.megatron.helpers import (
 )
 
 OPT = dict(lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-6, weight_decay=0.1, clip_grad=0.5)
+ACTOR = dict(precision="fp32", attention="sdpa", pack_sequences=True)
+
+
+def _rel_l2(a, b):
+    """||a - b|| / ||b|| over every gradient of the stage at once (b: the reference)."""
+    diff = sum(float((a[n].double() - b[n].double()).pow(2).sum()) for n in b)
+    return (diff / sum(float(b[n].double().pow(2).sum()) for n in b)) ** 0.5
+
+
+def _outputs(actor, local, loss_cfg):
+    """(log-probs, entropy, loss, full gradients by Megatron name) of one forward/backward."""
+    from megatron_tepo.models.sharding import gather_full_tensors
+
+    lp, ent = actor.compute_log_probs(local)
+    m = actor.forward_backward(local, loss_cfg)
+    return lp, ent, m["loss"], dict(gather_full_tensors(actor.model, "grad"))
+
+
+def _pack_check(actor, local, loss_cfg):
+    """Packed vs unpacked on the same actor: max |difference| of every output."""
+    import dataclasses
+
+    before = actor.settings
+    packed = _outputs(actor, local, loss_cfg)
+    actor.settings = dataclasses.replace(actor.settings, pack_sequences=False)
+    padded = _outputs(actor, local, loss_cfg)
+    actor.settings = before
+    return {"lp": float((packed[0] - padded[0]).abs().max()), "ent": float((packed[1] - padded[1]).abs().max()),
+            "loss_rel": abs(packed[2] - padded[2]) / abs(padded[2]), "grad_rel": _rel_l2(packed[3], padded[3])}
 
 
 def run_case(case):
@@ -52,14 +85,13 @@ def run_case(case):
         hf_cfg.to_json_file(os.path.join(path, "config.json"))
         save_file(source_weights, os.path.join(path, "model.safetensors"))
         source_cfg = source_weights = path
-    actor = MegatronActor(source_cfg, hf_weights=source_weights,
-                          layout=ParallelLayout(tp=case["tp"], pp=case["pp"], ep=case.get("ep", 1)), optim=optim,
-                          max_tokens_per_micro_batch=case.get("mb_tokens", 64))
-    if case.get("from_dir"):
-        shutil.rmtree(source_cfg)
+    layout = ParallelLayout(tp=case["tp"], pp=case["pp"], ep=case.get("ep", 1))
+    settings = dict(ACTOR, max_tokens_per_micro_batch=case.get("mb_tokens", 64), **case.get("actor", {}))
+    actor = MegatronActor(source_cfg, hf_weights=source_weights, layout=layout, optim=optim, **settings)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     out = {"case": case, "dp": dp, "pp_rank": ps.get_pipeline_model_parallel_rank(),
-           "hf_names": hf_param_names(model)}
+           "hf_names": hf_param_names(model),
+           "fusions": [actor.config.bias_activation_fusion, actor.config.bias_dropout_fusion]}
 
     # --- old-policy pass
     with torch.no_grad():
@@ -85,6 +117,9 @@ def run_case(case):
         a, b = (grads[k] for k in sorted(grads))
         out["mb_invariance_rel_err"] = max(max_rel_err(a[n], b[n]) for n in a)
         actor.max_tokens_per_micro_batch = case.get("mb_tokens", 64)
+
+    if case.get("pack_check"):
+        out["pack_check"] = _pack_check(actor, local, case["loss"])
 
     # --- one training step
     metrics = actor.forward_backward(local, case["loss"])
@@ -112,6 +147,15 @@ def run_case(case):
     if case["tie"] and "output_layer.weight" in mparams:
         out["tied_copy_param_abs_err"] = float((mparams["output_layer.weight"]
                                                 - ref_after["model.embed_tokens.weight"]).abs().max())
+    if case.get("recompute_check"):  # the same start, full recompute one layer at a time
+        other = MegatronActor(source_cfg, hf_weights=source_weights, layout=layout, optim=optim,
+                              **dict(settings, recompute="full", recompute_num_layers=1))
+        assert other.config.recompute_granularity == "full" and other.config.recompute_method == "uniform"
+        m2 = other.forward_backward(local, case["loss"])
+        out["recompute_grad_rel_err"] = _rel_l2(dict(gather_full_tensors(other.model, "grad")), mgrads)
+        out["recompute_loss_rel_err"] = abs(m2["loss"] - metrics["loss"]) / abs(metrics["loss"])
+    if case.get("from_dir"):
+        shutil.rmtree(source_cfg)
     return out
 
 

@@ -1,6 +1,7 @@
 """torchrun worker: the bucketed HF export (``MegatronActor.export_hf_state``) against the HF model.
 
-argv[1]: JSON list of cases ``{"family", "tie", "tp", "pp", "ep"}``. Every rank builds the same
+argv[1]: JSON list of cases ``{"family", "tie", "tp", "pp", "ep", "precision"}`` (a bf16 actor
+exports its bf16 parameters: the HF weights rounded to bf16, bit for bit). Every rank builds the same
 tiny HF model (random weights, randomised norms/biases) and loads it into the actor. Per case and
 rank it records, for several bucket sizes and both forms of the export (iterated on every rank:
 its pipeline stage; ``flat_buckets`` gathered to global rank 0: the whole model), whether the
@@ -42,8 +43,11 @@ def run_case(case):
     hf_cfg = tiny_hf_config(case["family"], tie=case["tie"])
     model = make_hf_model(hf_cfg, seed=3)
     want = hf_state(model)
-    actor = MegatronActor(hf_cfg, hf_weights=hf_state(model),
+    precision = case.get("precision", "fp32")
+    actor = MegatronActor(hf_cfg, hf_weights=hf_state(model), precision=precision,
                           layout=ParallelLayout(tp=case["tp"], pp=case.get("pp", 1), ep=case.get("ep", 1)))
+    if precision == "bf16":
+        want = {n: t.to(torch.bfloat16) for n, t in want.items()}
     rank = dist.get_rank()
     out = {"case": case, "checks": {}}
     ref = {n: t.clone() for n, t in megatron_to_hf(gather_full_tensors(actor.model), actor.family_cfg)}

@@ -1,0 +1,214 @@
+"""Benchmark: the Megatron actor's old-log-prob pass and train step, tokens/s, TFLOP/s and peak memory.
+
+For an HF config shape with random weights (megatron's init; ``--shape``: ``qwen3-0.6b`` -- the
+shape of ``../shared/gpu/actor_gpu.py``: 28 layers, hidden 1024, 16 heads, 8 KV groups, head_dim
+128, FFN 3072, vocabulary 151936, tied embeddings --, ``tiny`` for CPU, or a ``config.json``), one
+process (TP=1), for each batch of ``--batches`` (``BxL``: B sequences of L tokens, a 256-token
+prompt -- ``L // 8`` when shorter -- and the rest response) and each variant of ``--variant``
+(repeatable ``key=value,...`` over the ``actor`` settings: precision, attention, recompute,
+recompute_num_layers, pack_sequences, max_tokens_per_micro_batch, fusions):
+
+* ``compute_log_probs`` and ``train_step`` (TEPO loss, one Adam step): median wall time over
+  ``--repeats`` after one warm-up (synchronised on GPU), tokens/s of the train step;
+* model TFLOP/s: ``6 * P * T`` plus causal attention ``3 * 2 * s^2 * heads * head_dim`` per
+  sequence and layer (``2 * P * T`` and one third of the attention for the log-prob pass), with
+  ``P`` the parameters that multiply (the input embedding excluded unless tied), ``T`` the tokens.
+  Recompute's extra forward is not counted (the usual model-FLOPs convention);
+* peak memory: ``torch.cuda.max_memory_allocated`` on GPU; on CPU the process's peak RSS growth
+  (``ru_maxrss``; coarse, and it never goes down, so a later variant shows only what it adds).
+
+A variant that runs out of memory reports ``"error": "OOM ..."`` and the next one runs. JSON lines
+go to stdout and, with ``--json``, to a file.
+
+    python benchmarks/actor_step.py                               # CPU: tiny shape, small batches
+    python benchmarks/actor_step.py --device cuda                 # GPU: qwen3-0.6b, 8x2048, 1x8448, 1x32768
+
+Defaults on GPU: variants ``today`` (fp32, unfused attention, padded rows, no recompute: the
+actor before bf16 / SDPA / packing / recompute existed) and ``bf16`` (bf16, sdpa, packed, full
+recompute, 16384-token micro-batches); on CPU the tiny shape with ``fp32`` and ``bf16`` variants.
+
+Left out: TP/PP/DP (one process; the collectives of a real layout are not in these numbers), the
+rollout engine and the weight sync, the loss's own arithmetic beyond TEPO's defaults, and a
+separate measurement of the optimizer step (it is inside ``train_step``).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+SHAPES = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                       max_position_embeddings=40960, rope_theta=1e6),
+    "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=32, vocab_size=8192, tie_word_embeddings=True,
+                 max_position_embeddings=4096, rope_theta=1e6),
+}
+PRESETS = {
+    "today": "precision=fp32,attention=unfused,pack_sequences=false,recompute=none",
+    "fp32": "precision=fp32",
+    "bf16": "precision=bf16,recompute=full",
+}
+
+
+def parse_variant(text: str) -> dict:
+    text = PRESETS.get(text, text)
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        value = value.strip()
+        out[key.strip()] = (value == "true") if value in ("true", "false") else int(value) if value.isdigit() else value
+    return out
+
+
+def hf_config(shape: str) -> dict:
+    if shape in SHAPES:
+        return dict(SHAPES[shape], architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu",
+                    rms_norm_eps=1e-6)
+    return json.loads(Path(shape).read_text())
+
+
+def flops(cfg: dict, n_params: int, batch: tuple) -> tuple:
+    """(train, log-prob pass) model FLOPs of a batch (see the module docstring)."""
+    b, length = batch
+    heads, d = cfg["num_attention_heads"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    attn_fwd = b * cfg["num_hidden_layers"] * 2 * length * length * heads * d  # causal: half of 4 s^2 h d
+    tokens = b * length
+    return 6 * n_params * tokens + 3 * attn_fwd, 2 * n_params * tokens + attn_fwd
+
+
+def matmul_params(actor, cfg: dict) -> int:
+    total = sum(p.numel() for p in actor.model[0].parameters())
+    if not cfg.get("tie_word_embeddings"):
+        total -= cfg["vocab_size"] * cfg["hidden_size"]  # the input embedding is a lookup
+    return total
+
+
+def make_batch(b: int, length: int, vocab: int, seed: int = 0):
+    from megatron_tepo.actor import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = 256 if length > 512 else max(1, length // 8)
+    resp = length - prompt
+    return RolloutBatch(input_ids=torch.randint(0, vocab, (b, length), generator=g),
+                        prompt_lens=torch.full((b,), prompt), response_mask=torch.ones(b, resp),
+                        advantages=torch.randn(b, resp, generator=g), old_log_probs=torch.zeros(b, resp))
+
+
+def _sync(cuda: bool):
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _peak(cuda: bool, base_rss: int) -> float:
+    if cuda:
+        return torch.cuda.max_memory_allocated() / 2**30
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss) / 2**30
+
+
+def run(cfg: dict, model_dir: str, variant: dict, batches, repeats: int, cuda: bool) -> list:
+    from megatron_tepo.actor import MegatronActor
+
+    out = []
+    actor = MegatronActor(model_dir, **variant)
+    n_params = matmul_params(actor, cfg)
+    for b, length in batches:
+        row = {"variant": variant, "batch": f"{b}x{length}", "tokens": b * length,
+               "settings": {k: getattr(actor.settings, k) for k in ("precision", "attention", "recompute",
+                                                                    "pack_sequences", "max_tokens_per_micro_batch")}}
+        batch = make_batch(b, length, cfg["vocab_size"])
+        base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        try:
+            lp_s, tr_s = [], []
+            for it in range(repeats + 1):
+                if cuda:
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                _sync(cuda)
+                t = time.perf_counter()
+                lp, ent = actor.compute_log_probs(batch)
+                _sync(cuda)
+                t1 = time.perf_counter()
+                batch.old_log_probs, batch.old_entropy = lp, ent
+                m = actor.train_step(batch, {"name": "tepo", "kl_coef": 1e-3})
+                _sync(cuda)
+                t2 = time.perf_counter()
+                if it:  # the first is the warm-up (allocator, compilation)
+                    lp_s.append(t1 - t)
+                    tr_s.append(t2 - t1)
+            f_train, f_lp = flops(cfg, n_params, (b, length))
+            row.update(log_probs_s=round(median(lp_s), 4), train_step_s=round(median(tr_s), 4),
+                       train_tokens_per_s=round(b * length / median(tr_s)),
+                       train_tflops=round(f_train / median(tr_s) / 1e12, 2),
+                       log_probs_tflops=round(f_lp / median(lp_s) / 1e12, 2),
+                       peak_gib=round(_peak(cuda, base_rss), 2), loss=m["loss"],
+                       micro_batches=m["num_micro_batches"])
+        except torch.OutOfMemoryError as exc:
+            row["error"] = f"OOM: {str(exc).splitlines()[0][:200]}"
+        except RuntimeError as exc:
+            if "out of memory" not in str(exc):
+                raise
+            row["error"] = f"OOM: {str(exc).splitlines()[0][:200]}"
+        print(json.dumps(row), flush=True)
+        out.append(row)
+        del batch
+        gc.collect()
+    del actor
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--shape", default=None, help="qwen3-0.6b | tiny | path to a config.json")
+    ap.add_argument("--batches", default=None, help="comma list of BxL (default: cuda 8x2048,1x8448,1x32768; cpu 4x256,1x1024)")
+    ap.add_argument("--variant", action="append", help="key=value,... of actor settings, or a preset "
+                                                         f"({', '.join(PRESETS)}); repeatable")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
+    if not cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    shape = args.shape or ("qwen3-0.6b" if cuda else "tiny")
+    batches = [tuple(int(x) for x in s.split("x")) for s in
+               (args.batches or ("8x2048,1x8448,1x32768" if cuda else "4x256,1x1024")).split(",")]
+    variants = [parse_variant(v) for v in (args.variant or (["today", "bf16"] if cuda else ["fp32", "bf16"]))]
+    cfg = hf_config(shape)
+    from transformers import AutoConfig
+
+    from megatron_tepo.actor.parallel import single_process_env
+
+    single_process_env()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        AutoConfig.for_model(**cfg).save_pretrained(tmp)
+        print(json.dumps({"shape": shape, "config": cfg, "device": torch.cuda.get_device_name() if cuda else "cpu",
+                          "torch": torch.__version__, "threads": torch.get_num_threads()}), flush=True)
+        for v in variants:
+            rows += run(cfg, tmp, v, batches, args.repeats, cuda)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"shape": shape, "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""One micro-batch as the model sees it: packed (THD) or padded rows, and where each response
+slot is scored. Pure torch; the actor turns it into megatron's inputs.
+
+:func:`build_micro_batch` takes rows of a :class:`~megatron_tepo.actor.batch.RolloutBatch`:
+
+* packed (``actor.pack_sequences``): ``input_ids`` is ``[1, T]``, the rows' tokens (prompt and
+  response up to the last real response token) laid end to end with no padding; ``cu_seqlens``
+  ``[n + 1]`` (int32, CPU) marks where each sequence starts; ``position_ids`` restart at 0 in
+  every sequence. A trailing pad segment is added only when ``T`` must be a multiple of
+  ``pad_multiple`` (sequence parallelism splits the tokens over TP ranks) or the micro-batch must
+  match another rank's shape; it is a sequence of its own, so no real token attends to it.
+* padded: ``input_ids`` is ``[b, S]``, each row right-padded to the longest (``S >= 2``).
+
+Either way the model's logits are read as ``[N, V]`` rows, ``N = input_ids.numel()``:
+``labels[n]`` is the token the logits at flat position ``n`` score (0 where none is scored), and
+``score_index[i, j]`` is the flat position whose logits score response slot ``j`` of row ``i``
+(the token before it), ``valid[i, j]`` whether that slot is real. So per-token log-probs and
+entropy are computed once per position and gathered into ``[b, R]``; packing changes where a
+token sits, never what it is scored against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from megatron_tepo.actor.batch import RolloutBatch
+
+__all__ = ["MicroBatch", "build_micro_batch", "empty_rows"]
+
+
+@dataclass
+class MicroBatch:
+    rows: List[int]  # rows of the DP-local batch (scatter results back here); [] for a dummy
+    data: RolloutBatch  # those rows' fields (a one-row, fully masked stand-in for a dummy)
+    input_ids: torch.Tensor  # [1, T] packed or [b, S] padded
+    position_ids: torch.Tensor  # same shape
+    labels: torch.Tensor  # [N] long
+    score_index: torch.Tensor  # [b, R] long, into the N flat positions
+    valid: torch.Tensor  # [b, R] bool
+    cu_seqlens: Optional[torch.Tensor] = None  # [n + 1] int32 (packed only)
+    max_seqlen: int = 0  # longest sequence (packed only)
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.input_ids.shape)
+
+    def padded_to(self, rows: int, length: int) -> "MicroBatch":
+        """Grown to ``input_ids`` of ``rows x length`` (packed: ``rows`` must be 1 and a pad
+        segment is appended; padded: dummy rows and pad columns after every real token)."""
+        b, s = self.shape
+        if rows < b or length < s:
+            raise ValueError(f"cannot shrink a {b}x{s} micro-batch to {rows}x{length}")
+        if (rows, length) == (b, s):
+            return self
+        if self.packed:
+            if rows != 1:
+                raise ValueError("a packed micro-batch has one row")
+            return _with_pad_segment(self, length - s)
+        data = self.data.select(range(self.data.batch_size), max_len=s)  # (rows keep the batch's width)
+        data = data.padded(data.batch_size + rows - b, length)
+        return _padded_rows(self.rows, data, length)
+
+
+def empty_rows(like: RolloutBatch) -> RolloutBatch:
+    """A one-row stand-in (one prompt token, nothing valid, the same optional fields as
+    ``like``): it runs through the model and contributes exactly 0 to the loss and gradients."""
+    zeros = torch.zeros(1, like.response_len)
+    optional = {f: zeros for f in ("advantages", "old_log_probs", "old_entropy", "ref_log_probs")
+                if getattr(like, f) is not None}
+    return RolloutBatch(input_ids=torch.zeros(1, 1, dtype=torch.long), prompt_lens=torch.ones(1, dtype=torch.long),
+                        response_mask=zeros, **optional)
+
+
+def _slots(data: RolloutBatch):
+    """(target position of every response slot within its row [b, R], valid [b, R], seq lens [b])."""
+    seq = data.seq_lens()
+    target = data.prompt_lens[:, None] + torch.arange(data.response_len)[None]
+    valid = (target < seq[:, None]) & (data.response_mask != 0)
+    return target, valid, seq
+
+
+def build_micro_batch(batch: RolloutBatch, rows: Sequence[int], packed: bool,
+                      pad_multiple: int = 1) -> MicroBatch:
+    """Rows ``rows`` of ``batch`` as one micro-batch (see the module docstring); ``rows=[]``
+    gives a dummy that scores nothing."""
+    rows = list(rows)
+    data = batch.select(rows) if rows else empty_rows(batch)
+    if packed:
+        return _packed(rows, data, pad_multiple)
+    length = max(2, int(data.seq_lens().max()))
+    length += -length % pad_multiple
+    return _padded_rows(rows, data, length)
+
+
+def _packed(rows: List[int], data: RolloutBatch, pad_multiple: int) -> MicroBatch:
+    target, valid, seq = _slots(data)
+    lens = seq.tolist()
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    ids = torch.cat([data.input_ids[i, :n] for i, n in enumerate(lens)])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    offsets = torch.tensor(starts[:-1], dtype=torch.long)
+    score = torch.where(valid, offsets[:, None] + target - 1, torch.zeros((), dtype=torch.long))
+    labels = torch.zeros(ids.numel(), dtype=torch.long)
+    labels[score[valid]] = ids[(offsets[:, None] + target)[valid]]
+    mb = MicroBatch(rows, data, ids[None], positions[None], labels, score, valid,
+                    cu_seqlens=torch.tensor(starts, dtype=torch.int32), max_seqlen=max(lens))
+    extra = -ids.numel() % pad_multiple
+    return _with_pad_segment(mb, extra) if extra else mb
+
+
+def _with_pad_segment(mb: MicroBatch, extra: int) -> MicroBatch:
+    """``mb`` (packed) with ``extra`` pad tokens appended as a sequence of their own."""
+    if extra <= 0:
+        return mb
+    total = mb.input_ids.shape[1] + extra
+    return MicroBatch(
+        mb.rows, mb.data,
+        torch.nn.functional.pad(mb.input_ids, (0, extra)),
+        torch.cat([mb.position_ids, torch.arange(extra)[None]], dim=1),
+        torch.nn.functional.pad(mb.labels, (0, extra)),
+        mb.score_index, mb.valid,
+        cu_seqlens=torch.cat([mb.cu_seqlens, torch.tensor([total], dtype=torch.int32)]),
+        max_seqlen=max(mb.max_seqlen, extra))
+
+
+def _padded_rows(rows: List[int], data: RolloutBatch, length: int) -> MicroBatch:
+    target, valid, _ = _slots(data)
+    b = data.batch_size
+    ids = data.input_ids[:, :length]
+    if ids.shape[1] < length:
+        ids = torch.nn.functional.pad(ids, (0, length - ids.shape[1]))
+    base = (torch.arange(b) * length)[:, None]
+    score = torch.where(valid, base + target - 1, torch.zeros((), dtype=torch.long))
+    labels = torch.zeros(b * length, dtype=torch.long)
+    labels[score[valid]] = ids.reshape(-1)[(base + target)[valid]]
+    return MicroBatch(rows, data, ids, torch.arange(length).expand(b, length), labels, score, valid)

@@ -1,0 +1,138 @@
+"""Packed and padded micro-batches (actor/micro_batch.py), the packing plan, the sdpa core
+attention on packed input, and the actor's settings checked before any process group starts."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_tepo.actor.batching import plan_packed_micro_batches
+from megatron_tepo.actor.micro_batch import build_micro_batch
+from megatron_tepo.config import ActorConfig
+from tests.megatron.helpers import make_batch, tiny_hf_config
+
+
+def test_packed_plan_fills_the_budget_first_fit_decreasing():
+    lens = [5, 30, 7, 7, 12, 3, 40, 2]
+    plan = plan_packed_micro_batches(lens, max_tokens_per_micro_batch=32)
+    assert sorted(i for mb in plan for i in mb) == list(range(len(lens)))  # every row once
+    assert [6] in plan  # 40 > 32 travels alone
+    for mb in plan:
+        assert sum(lens[i] for i in mb) <= 32 or len(mb) == 1
+    # longest first, each into the first that has room: 12 + 7 + 7 + 5 = 31 leaves no room for the 3,
+    # which opens a fourth; the 2 then fills 30 + 2 = 32 exactly
+    assert plan == [[6], [1, 7], [4, 2, 3, 0], [5]]
+    assert plan_packed_micro_batches(lens, 10**6) == [sorted(range(8), key=lambda i: -lens[i])]
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+        plan_packed_micro_batches(lens, 0)
+
+
+def test_packed_micro_batch_layout():
+    b = make_batch(3)
+    rows = [2, 0, 5]
+    mb = build_micro_batch(b, rows, packed=True)
+    lens = b.seq_lens()[rows].tolist()
+    assert mb.packed and mb.shape == (1, sum(lens)) and mb.rows == rows
+    assert mb.cu_seqlens.dtype == torch.int32 and mb.cu_seqlens.tolist() == [0, lens[0], lens[0] + lens[1], sum(lens)]
+    assert mb.max_seqlen == max(lens)
+    start = 0
+    for r, n in zip(rows, lens):  # each sequence's own tokens, positions from 0
+        assert torch.equal(mb.input_ids[0, start:start + n], b.input_ids[r, :n])
+        assert mb.position_ids[0, start:start + n].tolist() == list(range(n))
+        start += n
+    # every real response slot is scored by the position before its token, with that token as label
+    for i, r in enumerate(rows):
+        p = int(b.prompt_lens[r])
+        for j in range(b.response_len):
+            real = bool(b.response_mask[r, j]) and p + j < lens[i]
+            assert bool(mb.valid[i, j]) == real
+            if real:
+                pos = int(mb.score_index[i, j])
+                assert pos == int(mb.cu_seqlens[i]) + p + j - 1
+                assert int(mb.labels[pos]) == int(b.input_ids[r, p + j])
+    assert int(mb.valid.sum()) == int((b.response_mask[rows] != 0).sum())  # (holes stay out)
+
+
+def test_padded_micro_batch_layout_scores_the_same_tokens():
+    b = make_batch(3)
+    rows = [1, 4]
+    packed = build_micro_batch(b, rows, packed=True)
+    padded = build_micro_batch(b, rows, packed=False)
+    assert padded.cu_seqlens is None and padded.shape == (2, int(b.seq_lens()[rows].max()))
+    assert torch.equal(packed.valid, padded.valid)
+    flat_p, flat_q = packed.input_ids.reshape(-1), padded.input_ids.reshape(-1)
+    v = packed.valid
+    # the same labels at the scored positions, and the token before each is the same token
+    assert torch.equal(packed.labels[packed.score_index[v]], padded.labels[padded.score_index[v]])
+    assert torch.equal(flat_p[packed.score_index[v]], flat_q[padded.score_index[v]])
+
+
+def test_pad_segment_and_common_shapes():
+    b = make_batch(3)
+    mb = build_micro_batch(b, [0, 1, 2], packed=True, pad_multiple=8)
+    t = int(b.seq_lens()[[0, 1, 2]].sum())
+    assert mb.shape[1] % 8 == 0 and mb.shape[1] - t < 8
+    if mb.shape[1] > t:  # a sequence of its own: no real token attends to it, nothing scores it
+        assert mb.cu_seqlens.tolist()[-2:] == [t, mb.shape[1]]
+        assert mb.position_ids[0, t:].tolist() == list(range(mb.shape[1] - t))
+    grown = mb.padded_to(1, mb.shape[1] + 5)
+    assert grown.shape == (1, mb.shape[1] + 5) and int(grown.cu_seqlens[-1]) == mb.shape[1] + 5
+    assert torch.equal(grown.score_index, mb.score_index) and torch.equal(grown.labels[: mb.shape[1]], mb.labels)
+    padded = build_micro_batch(b, [0, 1], packed=False).padded_to(3, 40)
+    assert padded.shape == (3, 40) and padded.data.batch_size == 3 and not padded.valid[2].any()
+    assert torch.equal(padded.valid[:2], build_micro_batch(b, [0, 1], packed=False).valid)
+    dummy = build_micro_batch(b, [], packed=True)
+    assert dummy.rows == [] and not dummy.valid.any() and dummy.shape == (1, 1)
+
+
+def test_sdpa_core_attention_packed_equals_one_sequence_at_a_time():
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_tepo.megatron.attention import SDPACoreAttention
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            kv_channels=8, attention_dropout=0.0, use_cpu_initialization=True)
+    attn = SDPACoreAttention(cfg, 1, AttnMaskType.causal, "self")
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 1, 9]
+    q = torch.randn(sum(lens), 4, 8, generator=g)
+    k, v = torch.randn(sum(lens), 2, 8, generator=g), torch.randn(sum(lens), 2, 8, generator=g)
+    cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    out = attn(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu,
+                                                                cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9))
+    assert out.shape == (15, 32)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):  # each sequence alone, [s, b=1, h, d]
+        alone = attn(q[a:b, None], k[a:b, None], v[a:b, None], None)
+        assert torch.allclose(out[a:b], alone[:, 0], atol=1e-6)
+    # the reference: softmax(q k^T / sqrt(d) + causal) v with each KV head serving 2 query heads
+    a, b = 6, 15
+    kk, vv = k[a:b].repeat_interleave(2, dim=1), v[a:b].repeat_interleave(2, dim=1)
+    scores = torch.einsum("shd,thd->hst", q[a:b], kk) / 8 ** 0.5
+    scores = scores.masked_fill(torch.triu(torch.ones(9, 9, dtype=torch.bool), 1), float("-inf"))
+    ref = torch.einsum("hst,thd->shd", scores.softmax(-1), vv).reshape(9, 32)
+    assert torch.allclose(out[a:b], ref, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="attention_dropout"):
+        SDPACoreAttention(cfg, 1, AttnMaskType.causal, "self", attention_dropout=0.1)
+
+
+def test_settings_are_checked_before_any_process_group():
+    from megatron_tepo.actor.actor import plan_actor
+    from megatron_tepo.actor.parallel import ParallelLayout
+    from megatron_tepo.megatron.gpt import resolve_actor_config
+
+    hf = tiny_hf_config("qwen3")
+    with pytest.raises(ValueError, match="pack_sequences=true needs actor.attention sdpa or te"):
+        plan_actor(hf, ParallelLayout(), attention="unfused", world_size=1)
+    with pytest.raises(ValueError, match="actor.attention: te needs Transformer Engine"):
+        plan_actor(hf, ParallelLayout(), attention="te", world_size=1)
+    with pytest.raises(TypeError, match=r"unknown setting\(s\) \['precison'\]"):
+        plan_actor(hf, ParallelLayout(), precison="bf16", world_size=1)
+    with pytest.raises(ValueError, match="sequence_parallel=true needs Transformer Engine"):
+        plan_actor(hf, ParallelLayout(tp=2), sequence_parallel=True, world_size=2)
+    settings, fam = plan_actor(hf, ParallelLayout(), ActorConfig(recompute="full"), world_size=1,
+                               pack_sequences=False)
+    assert (settings.attention, settings.recompute, settings.pack_sequences, fam.spec) == ("sdpa", "full", False, "local")
+    assert resolve_actor_config(ActorConfig(), cuda=True, te=True).attention == "te"
+    assert resolve_actor_config(ActorConfig(), cuda=True, te=True).fusions == "on"
+    assert resolve_actor_config(ActorConfig(), cuda=False, te=False).fusions == "off"
+    assert not dist.is_initialized()
