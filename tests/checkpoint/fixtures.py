@@ -28,11 +28,13 @@ def save_tokenizer(out: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(str(out))
 
 
-def make_hf_dir(out, family: str, tie: bool, seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
-    """Save a tiny random HF model (fp32 safetensors) + generation config (+ tokenizer) to ``out``."""
+def make_hf_dir(out, family: str, tie: bool, seed: int = 0, tokenizer: bool = True, dtype=torch.float32,
+                **overrides) -> Path:
+    """Save a tiny random HF model (safetensors in ``dtype``, fp32 by default) + generation config
+    (+ tokenizer) to ``out``."""
     out = Path(out)
     cfg = tiny_hf_config(family, tie=tie, **overrides)
-    model = make_hf_model(cfg, seed=seed)
+    model = make_hf_model(cfg, seed=seed).to(dtype)
     model.generation_config.max_new_tokens = 17  # a non-default field that must survive
     model.save_pretrained(str(out), safe_serialization=True)
     if tokenizer:

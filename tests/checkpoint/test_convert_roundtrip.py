@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.checkpoint.fixtures import VARIANTS, make_hf_dir, variant_id
+from tests.checkpoint.fixtures import VARIANTS, load_hf_tensors, make_hf_dir, variant_id
 from tests.dist_utils import torchrun
 
 WORKER = Path(__file__).with_name("convert_worker.py")
@@ -49,6 +49,16 @@ def test_roundtrip_tp2pp2_and_logits(tmp_path):
             assert d["max_abs_diff"] < 1e-5, (v, d)
     (res,) = torchrun(WORKER, 1, "export", str(tmp_path), "tp2pp2", names, tmp_path=tmp_path / "exp")
     _assert_bitwise(res)
+
+
+def test_bf16_checkpoint_roundtrip_tp2(tmp_path):
+    """A bf16 HF checkpoint (what real models ship) through TP=2 and back: bf16 tensors, bit for bit."""
+    make_hf_dir(tmp_path / "hf-qwen3_bf16", "qwen3", False, seed=5, dtype=torch.bfloat16)
+    torchrun(WORKER, 2, "import", str(tmp_path), "2", "1", "qwen3_bf16", tmp_path=tmp_path / "a")
+    (res,) = torchrun(WORKER, 1, "export", str(tmp_path), "tp2pp1", "qwen3_bf16", tmp_path=tmp_path / "b")
+    _assert_bitwise(res)
+    back = load_hf_tensors(tmp_path / "back-qwen3_bf16-tp2pp1")
+    assert back and {t.dtype for t in back.values()} == {torch.bfloat16}
 
 
 def test_tp2_logits_and_reshard_to_tp1_and_pp2(tmp_path):
