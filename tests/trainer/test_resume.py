@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 VOLATILE = {"time", "step_s", "sync_s"}
 
@@ -26,6 +28,7 @@ def _metrics(out):
             for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     port = 23000 + os.getpid() % 5000
