@@ -33,12 +33,17 @@ import torch.distributed as dist
 MicroBatches = List[List[int]]
 
 
-def plan_micro_batches(seq_lens: Sequence[int], max_tokens_per_micro_batch: int) -> MicroBatches:
-    """Greedy token-budget packing; returns lists of original row indices (longest row first)."""
+def _longest_first(seq_lens: Sequence[int], max_tokens_per_micro_batch: int):
+    """(lengths, row indices longest first -- stable: ties keep input order), the budget checked."""
     if max_tokens_per_micro_batch < 1:
         raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
     lens = [int(x) for x in seq_lens]
-    order = sorted(range(len(lens)), key=lambda i: -lens[i])  # stable: ties keep input order
+    return lens, sorted(range(len(lens)), key=lambda i: -lens[i])
+
+
+def plan_micro_batches(seq_lens: Sequence[int], max_tokens_per_micro_batch: int) -> MicroBatches:
+    """Greedy token-budget packing; returns lists of original row indices (longest row first)."""
+    lens, order = _longest_first(seq_lens, max_tokens_per_micro_batch)
     plan: MicroBatches = []
     current: List[int] = []
     for i in order:
@@ -54,10 +59,7 @@ def plan_micro_batches(seq_lens: Sequence[int], max_tokens_per_micro_batch: int)
 
 def plan_packed_micro_batches(seq_lens: Sequence[int], max_tokens_per_micro_batch: int) -> MicroBatches:
     """First-fit decreasing packing of sequences laid end to end; lists of original row indices."""
-    if max_tokens_per_micro_batch < 1:
-        raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
-    lens = [int(x) for x in seq_lens]
-    order = sorted(range(len(lens)), key=lambda i: -lens[i])  # stable: ties keep input order
+    lens, order = _longest_first(seq_lens, max_tokens_per_micro_batch)
     plan: MicroBatches = []
     room: List[int] = []  # tokens left in each micro-batch
     for i in order:
