@@ -30,7 +30,8 @@ __all__ = [
     "ConfigError", "RunConfig", "AlgorithmConfig", "AdvantageConfig", "RolloutConfig",
     "OptimConfig", "TrainConfig", "ParallelConfig", "ActorConfig", "ModelConfig", "DataConfig", "RewardConfig",
     "load_config",
-    "from_dict", "to_dict", "apply_overrides", "dump_config", "validate",
+    "from_dict", "to_dict", "apply_overrides", "dump_config", "validate", "read_yaml_file",
+    "RESUME_MAY_CHANGE", "changed_settings",
 ]
 
 
@@ -124,9 +125,13 @@ class TrainConfig:
     mini_batch_prompts: int = 16  # prompts per policy update
     epochs_per_step: int = 2  # passes over a step's responses (64 / 16 x 2 = 8 updates)
     seed: int = 1
-    save_every: int = 0  # checkpoint every N rollout steps (0: never)
-    keep_checkpoints: int = 0  # keep the newest N complete checkpoints (0: all)
+    save_every: int = 10  # checkpoint every N rollout steps, and always the last one (0: the last only)
+    keep_checkpoints: int = 3  # keep the newest N complete checkpoints (0: all)
     resume: bool = True  # continue from the newest complete checkpoint under output_dir
+    # A resumed run refuses settings that differ from its checkpoint's (the error lists them)
+    # unless this is true; RESUME_MAY_CHANGE lists what may always change (steps, intervals).
+    allow_config_change: bool = False
+    export_hf: bool = True  # at the end of the run, the policy as an HF model in <output_dir>/hf
     eval_every: int = 0
     output_dir: str = "outputs/run"
 
@@ -244,6 +249,30 @@ def _construct(node: yaml.Node, where: Dict[str, str], path: str, source: str) -
     return yaml.safe_load(yaml.serialize(node))
 
 
+def yaml_error(path: Union[str, Path], exc: "yaml.YAMLError") -> ConfigError:
+    """``<file>:<line>:<column>: invalid YAML: <problem>`` (1-based) for a YAML parse error."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    context, ctx_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and ctx_mark is not None and ctx_mark is not mark:
+        context += f" (from line {ctx_mark.line + 1}, column {ctx_mark.column + 1})"
+    problem = ", ".join(filter(None, [context, getattr(exc, "problem", None)])) or str(exc)
+    return ConfigError(f"{where}: invalid YAML: {' '.join(problem.split())}")
+
+
+def read_yaml_file(path: Union[str, Path]) -> Any:
+    """A plain YAML file's data (launch files, benchmark lists); errors name file, line, column."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise yaml_error(path, exc) from None
+
+
 def _read_yaml(path: Path, where: Dict[str, str], _seen: Tuple[Path, ...] = ()) -> Dict[str, Any]:
     path = path.resolve()
     if path in _seen:
@@ -253,7 +282,7 @@ def _read_yaml(path: Path, where: Dict[str, str], _seen: Tuple[Path, ...] = ()) 
     try:
         node = yaml.compose(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+        raise yaml_error(path, exc) from None
     if node is None:
         return {}
     own_where: Dict[str, str] = {}
@@ -358,6 +387,29 @@ def _coerce(value: Any, tp: Any, path: str, where: Dict[str, str]) -> Any:
             raise ConfigError(f"{path}{loc}: expected str, found {type(value).__name__} {value!r}")
         return value
     raise ConfigError(f"{path}: unsupported schema type {tp!r}")  # pragma: no cover - schema bug
+
+
+#: Settings a resumed run may change without ``train.allow_config_change``: how long it runs, how
+#: often it saves / evaluates, and where it finds its servers and workers (a requeued job's servers
+#: have new addresses).
+RESUME_MAY_CHANGE = (
+    "train.steps", "train.save_every", "train.keep_checkpoints", "train.eval_every", "train.export_hf",
+    "train.resume", "train.allow_config_change", "rollout.sglang_urls", "rollout.request_timeout_s",
+    "rollout.router", "reward.workers", "notes",
+)
+
+
+def changed_settings(old: Dict[str, Any], new: Dict[str, Any], prefix: str = "") -> Dict[str, Tuple[Any, Any]]:
+    """Dotted key -> (old, new) for every leaf that differs between two ``to_dict`` trees."""
+    out: Dict[str, Tuple[Any, Any]] = {}
+    for key in sorted(set(old) | set(new)):
+        path = f"{prefix}.{key}" if prefix else key
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict) and key != "loss_args":
+            out.update(changed_settings(a, b, path))
+        elif a != b:
+            out[path] = (a, b)
+    return out
 
 
 #: Keys that moved to another section: the error says where they live now.

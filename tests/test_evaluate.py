@@ -45,7 +45,7 @@ def test_cli_on_tiny_model(tmp_path):
     (tmp_path / "bench.yaml").write_text(
         "defaults: {max_new_tokens: 6}\nbenchmarks:\n  tiny_greedy: {file: b.jsonl, n: 1, temperature: 0}\n"
         "  tiny_sampled: {file: b.jsonl, n: 3, temperature: 0.6}\n")
-    out = tmp_path / "report.json"
+    out = tmp_path / "not" / "yet" / "report.json"  # the folder is created
     proc = subprocess.run([sys.executable, str(REPO / "tools/evaluate.py"), "--model", str(model),
                            "--benchmarks", str(tmp_path / "bench.yaml"), "--out", str(out), "--workers", "1"],
                           capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
@@ -60,8 +60,30 @@ def test_cli_on_tiny_model(tmp_path):
     assert "tiny_sampled" in proc.stdout and "pass@3" in proc.stdout
 
 
-def test_cli_bad_benchmark_file(tmp_path):
-    (tmp_path / "bench.yaml").write_text("benchmarks:\n  x: {n: 1}\n")
-    proc = subprocess.run([sys.executable, str(REPO / "tools/evaluate.py"), "--model", str(tmp_path),
-                           "--benchmarks", str(tmp_path / "bench.yaml")], capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "benchmark 'x': missing 'file'" in proc.stderr
+def _evaluate(*args):
+    return subprocess.run([sys.executable, str(REPO / "tools/evaluate.py"), *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("benchmarks:\n  x: {n: 1}\n", "benchmark 'x': missing 'file'"),
+    ("benchmarks:\n  x: {file: [a\n", "bench.yaml:3:1: invalid YAML"),
+    ("benchmark: {}\n", "unknown top-level keys ['benchmark']"),
+])
+def test_cli_bad_benchmark_file_is_one_line_and_status_2(tmp_path, text, needle):
+    (tmp_path / "bench.yaml").write_text(text)
+    proc = _evaluate("--model", str(tmp_path), "--benchmarks", str(tmp_path / "bench.yaml"))
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+    assert proc.stderr.strip().startswith("evaluate.py: error: ") and len(proc.stderr.strip().splitlines()) == 1
+    full = _evaluate("--model", str(tmp_path), "--benchmarks", str(tmp_path / "bench.yaml"), "--traceback")
+    assert full.returncode == 1 and "Traceback (most recent call last)" in full.stderr
+
+
+def test_cli_out_that_cannot_be_written_fails_before_evaluating(tmp_path):
+    (tmp_path / "b.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (tmp_path / "file").write_text("")
+    proc = _evaluate("--model", str(tmp_path / "no_model"), "--file", str(tmp_path / "b.jsonl"),
+                     "--out", str(tmp_path / "file" / "report.json"))
+    assert proc.returncode == 2 and "report.json: cannot write there" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _evaluate("--model", str(tmp_path / "no_model"), "--file", str(tmp_path / "b.jsonl"))
+    assert proc.returncode == 2 and "no_model: not a Hugging Face model folder" in proc.stderr

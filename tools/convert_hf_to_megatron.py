@@ -38,6 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from megatron_tepo.cli import add_traceback_flag, user_errors  # noqa: E402
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -49,6 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_traceback_flag(p)
     return p.parse_args(argv)
 
 
@@ -60,12 +63,9 @@ def main(argv=None) -> int:
     if not under_torchrun:
         from megatron_tepo.checkpoint.convert import _check_out, check_hf_input
 
-        try:
+        with user_errors("convert_hf_to_megatron.py", args.traceback):  # one line, nothing written
             _check_out(Path(args.out).absolute(), args.force)
             check_hf_input(args.hf, tp=args.tp, pp=args.pp, ep=args.ep)
-        except Exception as e:  # noqa: BLE001 -- one clear line, no traceback, nothing written
-            print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-            return 2
     if under_torchrun or world == 1:
         import torch
 
@@ -73,11 +73,9 @@ def main(argv=None) -> int:
         from megatron_tepo.checkpoint import convert_hf_to_megatron
 
         try:
-            convert_hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep,
-                                   force=args.force, progress=not args.quiet)
-        except Exception as e:  # noqa: BLE001
-            print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-            return 2
+            with user_errors("convert_hf_to_megatron.py", args.traceback):
+                convert_hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep,
+                                       force=args.force, progress=not args.quiet)
         finally:
             from megatron_tepo.actor.parallel import destroy_parallel
 

@@ -28,6 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from megatron_tepo.cli import add_traceback_flag, user_errors  # noqa: E402
+
 
 def parse_size(text: str) -> int:
     units = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
@@ -45,6 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-shard-size", default="2GB", help="e.g. 500MB, 2GB (default 2GB)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument("--quiet", action="store_true")
+    add_traceback_flag(p)
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -54,11 +57,9 @@ def main(argv=None) -> int:
     from megatron_tepo.checkpoint import convert_megatron_to_hf
 
     try:
-        convert_megatron_to_hf(args.megatron, args.out, force=args.force,
-                               max_shard_bytes=parse_size(args.max_shard_size), progress=not args.quiet)
-    except Exception as e:  # noqa: BLE001 -- one clear line; nothing written
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        with user_errors("convert_megatron_to_hf.py", args.traceback):  # one line; nothing written
+            convert_megatron_to_hf(args.megatron, args.out, force=args.force,
+                                   max_shard_bytes=parse_size(args.max_shard_size), progress=not args.quiet)
     finally:
         destroy_parallel()
     return 0

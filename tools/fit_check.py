@@ -6,7 +6,8 @@
         [--write-run-config RUN.yaml] [--print-shell]
 
 Prints the per-GPU arithmetic (actor: weights, grads, optimizer, activations, logits, reserve;
-SGLang servers: weights + KV cache); on a misfit prints the error naming the setting to change.
+SGLang servers: weights + KV cache); on a misfit or a bad file prints one line naming the setting
+to change and exits 2 (``--traceback`` for the whole story).
 ``--write-run-config`` writes the RunConfig file the trainer is started with; ``--print-shell``
 prints ``FIT_*=value`` lines for slurm/lib.sh (on stdout; the report then goes to stderr). A launch
 file with ``launch.device: cpu`` (examples/models/tiny_cpu.yaml) gets no GPU arithmetic, only the
@@ -19,6 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_tepo.cli import add_traceback_flag, user_errors  # noqa: E402
+
 
 def cli(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -28,7 +31,14 @@ def cli(argv=None) -> int:
     ap.add_argument("--write-run-config", default=None, help="write the trainer's RunConfig YAML here")
     ap.add_argument("--print-shell", action="store_true", help="print FIT_* shell variables on stdout")
     ap.add_argument("overrides", nargs="*", help="dotted overrides: launch.actor_nodes=4 parallel.tp=8 ...")
+    add_traceback_flag(ap)
     args = ap.parse_args(argv)
+    with user_errors("fit_check.py", args.traceback):
+        return _run(args)
+
+
+def _run(args) -> int:
+    from megatron_tepo.cli import UserError
     from megatron_tepo.config import ConfigError
     from megatron_tepo.launch.fit import FitError, check_fit, load_launch, render_shell, write_run_config
 
@@ -43,8 +53,9 @@ def cli(argv=None) -> int:
         print(report.render(), file=report_out)
         check_fit(spec.shape(), spec.cfg, spec.launch)
     except (ConfigError, FitError, NotImplementedError, ValueError) as exc:
-        print(f"fit check FAILED: {exc}", file=sys.stderr)
-        return 1
+        if args.traceback:
+            raise
+        raise UserError(f"fit check FAILED: {exc}") from None
     if args.write_run_config:
         write_run_config(spec, args.write_run_config)
         print(f"run config written to {args.write_run_config}", file=report_out)

@@ -9,7 +9,7 @@ What it does, in order (the same steps as slurm/lib.sh's ``tepo_main``, from the
 
 1. **Fit check, before anything is rendered**: :func:`megatron_tepo.launch.fit.load_launch` +
    :func:`~megatron_tepo.launch.fit.check_fit` on the launch file and the overrides (the code
-   tools/fit_check.py runs). A misfit or an invalid layout exits with status 1 and the error
+   tools/fit_check.py runs). A misfit or an invalid layout exits with status 2 and the error
    naming the setting; no nemo-run experiment is created. Node counts, GPUs per node, SGLang TP,
    servers per node, ports and context length then come from
    :func:`~megatron_tepo.launch.fit.shell_vars` (the ``FIT_*`` numbers of the sbatch path), and
@@ -88,7 +88,7 @@ from typing import Dict, List, Optional, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-EXIT_FIT = 1  # a misfit or a bad launch file: nothing rendered
+EXIT_FIT = 2  # a misfit or a bad launch file (a user error): nothing rendered
 
 
 class Raw(str):
@@ -491,6 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--retries", type=int, default=0, help="requeues of a failed job (nemo-run retries)")
     ap.add_argument("--log-level", default="WARN")
     ap.add_argument("overrides", nargs="*", help="dotted overrides: launch.actor_nodes=4 train.steps=10 ...")
+    from megatron_tepo.cli import add_traceback_flag
+
+    add_traceback_flag(ap)
     return ap
 
 
@@ -509,8 +512,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         plan = make_plan(args.launch, env_overrides() + list(args.overrides))
-    except (ConfigError, FitError, NotImplementedError, ValueError) as exc:
-        print(f"fit check FAILED (nothing rendered or submitted): {exc}", file=sys.stderr)
+    except (ConfigError, FitError, NotImplementedError, ValueError, OSError) as exc:
+        if args.traceback:
+            raise
+        msg = " ".join(str(exc).split())
+        print(f"launch_nemo_run.py: error: fit check FAILED (nothing rendered or submitted): {msg}", file=sys.stderr)
         return EXIT_FIT
     if args.executor == "local" and (plan.actor_nodes != 1 or plan.rollout_nodes > 1):
         print(f"launch_nemo_run: --executor local runs on this machine: needs launch.actor_nodes=1 and "

@@ -468,14 +468,32 @@ class MegatronActor:
         return metrics
 
     # ------------------------------------------------------------------ checkpointing
-    def save_checkpoint(self, directory, extra_state: Optional[dict] = None):
+    def save_checkpoint(self, directory, extra_state: Optional[dict] = None, write_extra=None):
         """Collective: model, optimizer, LR scheduler, every rank's RNG states and the JSON
         ``extra_state`` (e.g. trainer step, data position), written atomically to ``directory``
-        (a ``<directory>.tmp-*`` renamed once complete; ``complete`` marker). See
-        :mod:`megatron_tepo.actor.checkpointing`. Returns the checkpoint path."""
+        (a ``<directory>.tmp-*`` renamed once complete; ``complete`` marker); ``write_extra(tmp)``
+        adds files on rank 0. See :mod:`megatron_tepo.actor.checkpointing`. Returns the path."""
         from megatron_tepo.actor.checkpointing import save_actor_checkpoint
 
-        return save_actor_checkpoint(self, directory, extra_state)
+        return save_actor_checkpoint(self, directory, extra_state, write_extra)
+
+    def prefer_settings_over_checkpoint(self) -> None:
+        """A later :meth:`load_checkpoint` keeps this actor's optimizer settings (LR schedule,
+        weight decay, Adam's betas and eps) instead of the saved ones: the trainer's
+        ``train.allow_config_change``. The optimizer's state (moments, step) is still restored."""
+        self.scheduler.use_checkpoint_opt_param_scheduler = False
+        self.scheduler.override_opt_param_scheduler = True
+        self.keep_optim_settings = True
+
+    def apply_optim_settings(self) -> None:
+        """``optim``'s peak / floor LR (megatron keeps them per parameter group) and Adam's betas
+        and eps into every parameter group (after a load restored the saved ones)."""
+        o = self.optim_cfg
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for group in opt.optimizer.param_groups:
+                group["betas"], group["eps"] = (o.adam_beta1, o.adam_beta2), o.adam_eps
+                if "max_lr" in group:
+                    group["max_lr"], group["min_lr"] = o.lr, o.min_lr
 
     def load_checkpoint(self, directory, model_only: bool = False) -> dict:
         """Collective: restore what :meth:`save_checkpoint` wrote (bit-exact continuation at the

@@ -32,7 +32,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,9 @@ __all__ = [
     "list_complete_checkpoints",
     "prune_checkpoints",
     "read_marker",
+    "check_checkpoint_files",
+    "load_newest_checkpoint",
+    "remove_partial_checkpoints",
     "save_actor_checkpoint",
     "load_actor_checkpoint",
 ]
@@ -318,9 +321,12 @@ def _sharded_state_dict(actor, is_loading: bool, with_optimizer: bool = True) ->
     return state
 
 
-def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict] = None) -> Path:
+def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict] = None,
+                          write_extra: Optional[Callable[[Path], None]] = None) -> Path:
     """Collective: write ``actor``'s full training state to ``directory`` atomically (see module doc).
-    An existing ``directory`` is replaced (only once the new checkpoint is complete)."""
+    An existing ``directory`` is replaced (only once the new checkpoint is complete).
+    ``write_extra(tmp_dir)`` runs on rank 0 before the marker: more files that are part of the
+    checkpoint (the trainer's run config and conversion sidecars)."""
     from megatron.core import dist_checkpointing
 
     final = Path(directory).absolute()
@@ -351,6 +357,8 @@ def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict
     err = None
     if _rank() == 0:
         try:
+            if write_extra is not None:
+                write_extra(tmp)
             _write_file_atomic(tmp / EXTRA_STATE, extra_json)
             marker = {"format": FORMAT, "step": (extra_state or {}).get("step"), "time": time.time(),
                       "layout": layout}
@@ -365,10 +373,56 @@ def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict
             _fsync_dir(final.parent)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 -- agreed on below, so no rank is left waiting
             err = e
     _agree_ok(err)
     return final
+
+
+def check_checkpoint_files(directory: PathLike, rank: Optional[int] = None, rng: bool = True) -> None:
+    """Raise :class:`CheckpointError` naming the first file of ``directory`` that is missing,
+    truncated or unreadable: the marker, ``extra_state.json``, ``rank``'s RNG file (default: this
+    rank's), megatron's ``metadata.json`` and ``common.pt``, PyTorch's ``.metadata`` and every data
+    file it indexes (each at least as long as the byte ranges it is read at). Reads no tensor data
+    besides the small common and RNG files; no process group needed."""
+    d = Path(directory)
+    read_marker(d)
+
+    def bad(name: str, why: str) -> CheckpointError:
+        return CheckpointError(f"{d / name}: {why}")
+
+    for name in (EXTRA_STATE, "metadata.json"):
+        try:
+            json.loads((d / name).read_text())
+        except FileNotFoundError:
+            raise bad(name, "missing") from None
+        except (OSError, ValueError) as e:
+            raise bad(name, f"unreadable ({e})") from None
+    rank = _rank() if rank is None else rank
+    for name in ([f"{RNG_DIR}/rank{rank}.pt"] if rng else []) + ["common.pt"]:
+        if not (d / name).is_file():
+            raise bad(name, "missing")
+        try:
+            torch.load(d / name, map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001 -- a truncated pickle raises EOFError, RuntimeError, ...
+            raise bad(name, f"unreadable ({type(e).__name__}: {e})") from None
+    if not (d / ".metadata").is_file():
+        raise bad(".metadata", "missing")
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        meta = FileSystemReader(str(d)).read_metadata()
+    except Exception as e:  # noqa: BLE001
+        raise bad(".metadata", f"unreadable ({type(e).__name__}: {e})") from None
+    need: Dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), int(info.offset) + int(info.length))
+    for name, size in sorted(need.items()):
+        path = d / name
+        if not path.is_file():
+            raise bad(name, "missing")
+        if path.stat().st_size < size:
+            raise bad(name, f"truncated ({path.stat().st_size} bytes, {size} needed)")
 
 
 def load_actor_checkpoint(actor, directory: PathLike, model_only: bool = False) -> dict:
@@ -389,9 +443,7 @@ def load_actor_checkpoint(actor, directory: PathLike, model_only: bool = False) 
                 f"{d} was saved at layout {info['layout']}, this actor is {actor_layout(actor)}: a full "
                 f"load (optimizer, scheduler, RNG) needs the same layout; pass model_only=True to load "
                 f"only the model weights (resharded)")
-        rng_file = d / RNG_DIR / f"rank{_rank()}.pt"
-        if not model_only and not rng_file.is_file():
-            raise CheckpointError(f"{rng_file} is missing")
+        check_checkpoint_files(d, rng=not model_only)
     except (CheckpointError, OSError) as e:
         err = e
     _agree_ok(err)
@@ -409,7 +461,54 @@ def load_actor_checkpoint(actor, directory: PathLike, model_only: bool = False) 
             _fix_torch_adam_steps(actor, saved_steps)
             actor.scheduler.num_steps = 0  # load_state_dict ADDS the saved step count
             actor.scheduler.load_state_dict(loaded["scheduler"])
+            if getattr(actor, "keep_optim_settings", False):  # (see MegatronActor.prefer_settings_over_checkpoint)
+                actor.apply_optim_settings()
+                actor.scheduler.step(increment=0)  # this actor's LR / weight decay from the next step on
     if not model_only:
         set_rng_state(torch.load(d / RNG_DIR / f"rank{_rank()}.pt", weights_only=False))
     _barrier()
     return json.loads((d / EXTRA_STATE).read_text())
+
+
+def remove_partial_checkpoints(root: PathLike) -> List[Path]:
+    """Delete what interrupted saves left under ``root`` (``step_*.tmp-*`` folders, ``step_*``
+    folders without the marker); only safe when no save is running. Global rank 0 deletes;
+    returns what was (or, elsewhere, would be) removed."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    stale = sorted(d for d in root.iterdir()
+                   if d.is_dir() and d.name.startswith("step_") and not is_complete_checkpoint(d))
+    if _rank() == 0:
+        for d in stale:
+            shutil.rmtree(d, ignore_errors=True)
+    return stale
+
+
+def load_newest_checkpoint(actor, root: PathLike, report: Optional[Callable[[str], None]] = None):
+    """Collective: load the newest complete checkpoint under ``root`` whose files are all there
+    and readable (:func:`check_checkpoint_files`, on every rank; the ranks agree). A damaged one
+    is reported in one line naming the file (``report``) and the next older one is tried.
+    Returns ``(path, extra_state)``, or ``(None, None)`` when there is no checkpoint; raises
+    :class:`CheckpointError` when every one is damaged."""
+    candidates = list(reversed(list_complete_checkpoints(root)))
+    problems = []
+    for d in candidates:
+        err = None
+        try:
+            check_checkpoint_files(d)
+        except CheckpointError as e:
+            err = e
+        errs = [str(err) if err else None] * (dist.get_world_size() if dist.is_initialized() else 1)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_gather_object(errs, str(err) if err else None)
+        bad = next((e for e in errs if e), None)
+        if bad is None:
+            return d, load_actor_checkpoint(actor, d)
+        problems.append(bad)
+        if report is not None:
+            report(f"checkpoint {d.name} is damaged, not resuming from it: {bad}")
+    if problems:
+        raise CheckpointError(f"no usable checkpoint under {root}: " + "; ".join(problems))
+    return None, None
+

@@ -49,6 +49,12 @@ torch_dist loader rejects a partial load of its stacked ``decoder.layers.*`` ten
 1-process world -- it places the other layers' fragments on rank ``(rank+1) % world_size`` =
 itself and then counts them as missing local shards -- hence reading the DCP chunks directly.)
 
+Trainer checkpoints (``train.output_dir/checkpoints/step_N``) carry the same sidecars
+(:func:`write_conversion_sidecars`, plus the layer spec and the parameters' dtype, bf16 for a
+bf16 actor), so :func:`convert_megatron_to_hf` exports any of them; the model part of a trainer
+checkpoint uses the same keys. :func:`export_actor_to_hf` writes the live actor's policy the same
+way (the trainer's end-of-run export), through the same :class:`HFDirWriter`.
+
 :func:`build_gpt_model` / :func:`load_checkpoint_into` build this rank's stage and load a
 converted checkpoint into it (used by the tests; the actor may reuse them).
 
@@ -466,20 +472,33 @@ def _save_from_filled_model(tmp: Path, family_cfg, ckpt: LazyHFCheckpoint, param
 
 
 def _write_sidecars(tmp: Path, hf_dir, family_cfg, ckpt: LazyHFCheckpoint, params_dtype, tp, pp, ep):
+    write_conversion_sidecars(tmp, hf_dir, family_cfg, params_dtype, {"tp": tp, "pp": pp, "ep": ep}, ckpt)
+
+
+def write_conversion_sidecars(directory, hf_dir, family_cfg, params_dtype, layout: dict,
+                              ckpt: Optional[LazyHFCheckpoint] = None) -> None:
+    """What makes a megatron checkpoint directory convertible back to HF by
+    :func:`convert_megatron_to_hf`: ``hf_source/`` (config, generation config, tokenizer files of
+    ``hf_dir``) and ``megatron_tepo_checkpoint.json`` (family, layer spec, parameter dtype, saved
+    layout, the HF tensor names / dtypes / shapes of ``hf_dir``). The converter writes them; so
+    does the trainer into each of its checkpoints."""
     import megatron.core
 
-    copy_side_files(hf_dir, tmp / HF_SOURCE)
+    directory = Path(directory)
+    ckpt = ckpt or LazyHFCheckpoint(hf_dir)
+    copy_side_files(hf_dir, directory / HF_SOURCE)
     info = {
         "format": FORMAT,
         "family": family_cfg.family,
         "family_config": {k: v for k, v in dataclasses.asdict(family_cfg).items() if k != "extra"},
+        "spec": family_cfg.spec,
         "params_dtype": dtype_name(params_dtype),
-        "saved_layout": {"tp": tp, "pp": pp, "ep": ep},
+        "saved_layout": dict(layout),
         "megatron_core_version": getattr(megatron.core, "__version__", "?"),
         "hf_tensors": {n: {"dtype": dtype_name(ckpt.dtype(n)), "shape": list(ckpt.shape(n))}
                        for n in ckpt.names()},
     }
-    (tmp / INFO_NAME).write_text(json.dumps(info, indent=1))
+    (directory / INFO_NAME).write_text(json.dumps(info, indent=1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -604,9 +623,55 @@ def _params_streamed(model, src):
         _trim_heap()
 
 
+class HFDirWriter:
+    """Writes ``(HF name, tensor)`` pairs as an HF model directory, atomically: sharded safetensors
+    + index in ``<out>.tmp-<pid>``, each tensor checked against ``expected`` (name -> dtype, shape:
+    the source checkpoint's) and cast to its dtype, then the side files (config, generation
+    config, tokenizer) of ``side_files``; :meth:`close` checks that every expected tensor came and
+    renames the directory to ``out``. Used by :func:`convert_megatron_to_hf` and
+    :func:`export_actor_to_hf`."""
+
+    def __init__(self, out, expected: dict, side_files, tie_word_embeddings: bool, force: bool,
+                 max_shard_bytes: int = 2 * 1024 ** 3):
+        self.out, self.expected, self.side_files = Path(out).absolute(), expected, Path(side_files)
+        self.tie, self.force = tie_word_embeddings, force
+        _check_out(self.out, force)
+        self.tmp = _tmp_dir_for(self.out)
+        self.tmp.mkdir(parents=True)
+        self.writer = ShardedSafetensorsWriter(self.tmp, max_shard_bytes)
+        self.written: set = set()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """``tensor`` is copied (it may be a view into a reused buffer)."""
+        if name not in self.expected:
+            raise ValueError(f"exported HF tensor {name!r} is not in the source checkpoint "
+                             f"({len(self.expected)} tensors listed)")
+        want = self.expected[name]
+        if list(tensor.shape) != list(want["shape"]):
+            raise ValueError(f"exported HF tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"the source had {tuple(want['shape'])}")
+        self.writer.add(name, tensor.to(dtype_from_name(want["dtype"]), copy=True))
+        self.written.add(name)
+        if name == "model.embed_tokens.weight" and self.tie and "lm_head.weight" in self.expected:
+            self.add("lm_head.weight", tensor)  # the source stored the tied copy too
+
+    def close(self) -> Path:
+        missing = [n for n in self.expected if n not in self.written]
+        if missing:
+            raise ValueError(f"the export did not give HF tensor(s) {missing[:8]}")
+        self.writer.close()
+        copy_side_files(self.side_files, self.tmp)
+        _finalize_dir(self.tmp, self.out, self.force)
+        return self.out
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 def convert_megatron_to_hf(megatron_dir, out_dir, force: bool = False,
                            max_shard_bytes: int = 2 * 1024 ** 3, progress: bool = True) -> Path:
-    """Write a checkpoint made by :func:`convert_hf_to_megatron` (any saved TP/PP) back as an HF
+    """Write a checkpoint made by :func:`convert_hf_to_megatron`, or a trainer checkpoint (both
+    carry :func:`write_conversion_sidecars`' files; any saved TP/PP, any precision), back as an HF
     directory: sharded safetensors + index + config/generation config/tokenizer files.
     Runs in ONE process (a 1-process gloo group is started when none exists)."""
 
@@ -614,52 +679,60 @@ def convert_megatron_to_hf(megatron_dir, out_dir, force: bool = False,
     src = Path(megatron_dir)
     out = Path(out_dir).absolute()
     info = read_checkpoint_info(src)
-    family_cfg = family_config_from_hf(_read_raw_config(src / HF_SOURCE), spec="local")
-    expected = info["hf_tensors"]
+    family_cfg = family_config_from_hf(_read_raw_config(src / HF_SOURCE), spec=info.get("spec", "local"))
     params_dtype = dtype_from_name(info["params_dtype"])
     _check_out(out, force)
     ensure_process_group()
     if dist.get_world_size() != 1:
         raise ValueError(f"convert_megatron_to_hf runs in one process, world size is {dist.get_world_size()}")
     initialize_parallel(ParallelLayout(), family_cfg, backend="gloo")
-    tmp = _tmp_dir_for(out)
-    tmp.mkdir(parents=True)
+    writer = HFDirWriter(out, info["hf_tensors"], src / HF_SOURCE, family_cfg.tie_word_embeddings, force,
+                         max_shard_bytes)
     try:
         model = build_gpt_model(family_cfg, params_dtype, initialize=False)
         _log(f"streaming {src} (saved at {info['saved_layout']}) at tp=1 pp=1 ep=1", progress)
-        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
-        written: set = set()
-
-        def emit(name: str, tensor: torch.Tensor):
-            if name not in expected:
-                raise ValueError(f"exported HF tensor {name!r} is not in the source checkpoint "
-                                 f"({INFO_NAME} lists {len(expected)} tensors)")
-            want = expected[name]
-            if list(tensor.shape) != want["shape"]:
-                raise ValueError(f"exported HF tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the source had {tuple(want['shape'])}")
-            writer.add(name, tensor.to(dtype_from_name(want["dtype"])))
-            written.add(name)
-
         current = None
         for name, tensor in megatron_to_hf(_params_streamed(model, src), family_cfg):
             layer = hf_layer_index(name)
             if layer is not None and layer != current:
                 current = layer
                 _log(f"layer {layer + 1}/{family_cfg.num_layers} ({time.time() - t_start:.1f}s)", progress)
-            emit(name, tensor)
-            if (name == "model.embed_tokens.weight" and family_cfg.tie_word_embeddings
-                    and "lm_head.weight" in expected):
-                emit("lm_head.weight", tensor.clone())  # the source stored the tied copy too
+            writer.add(name, tensor)
         del model
-        missing = [n for n in expected if n not in written]
-        if missing:
-            raise ValueError(f"Megatron checkpoint {src} did not give HF tensor(s) {missing[:8]}")
         writer.close()
-        copy_side_files(src / HF_SOURCE, tmp)
-        _finalize_dir(tmp, out, force)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        writer.abort()
         raise
     _log(f"done in {time.time() - t_start:.1f}s: {out}", progress)
     return out
+
+
+def export_actor_to_hf(actor, out_dir, hf_source, force: bool = True,
+                       max_shard_bytes: int = 2 * 1024 ** 3) -> Optional[Path]:
+    """The live actor's policy as an HF model directory (collective over every rank; global rank 0
+    writes): the actor's parameters gathered bucket by bucket (``export_hf_state``, every pipeline
+    stage and expert), named, shaped and typed as the HF checkpoint ``hf_source`` it started from,
+    with its config, generation config and tokenizer files. Written atomically; an existing
+    ``out_dir`` is replaced (``force``). Returns the path on rank 0, None elsewhere."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    writer, err = None, None
+    if rank == 0:
+        try:
+            ckpt = LazyHFCheckpoint(hf_source)
+            expected = {n: {"dtype": dtype_name(ckpt.dtype(n)), "shape": list(ckpt.shape(n))} for n in ckpt.names()}
+            ckpt.close()
+            writer = HFDirWriter(out_dir, expected, hf_source, actor.family_cfg.tie_word_embeddings, force,
+                                 max_shard_bytes)
+        except (OSError, ValueError) as exc:
+            err = exc
+    raise_if_any_rank_failed(err, "export to HF")
+    try:
+        for bucket in actor.export_hf_state().flat_buckets(dst=0):
+            if writer is not None:
+                for name, tensor in bucket.named_tensors():
+                    writer.add(name, tensor)
+        return writer.close() if writer is not None else None
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise

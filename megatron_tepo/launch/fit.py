@@ -108,7 +108,7 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import yaml
 
-from megatron_tepo.config import ConfigError, RunConfig, apply_overrides, load_config
+from megatron_tepo.config import ConfigError, RunConfig, apply_overrides, load_config, read_yaml_file
 
 __all__ = ["GiB", "FitError", "SGLangLayout", "LaunchLayout", "LaunchSpec", "ModelShape",
            "ActorMemory", "ServerMemory", "FitReport", "model_shape", "param_counts",
@@ -606,10 +606,7 @@ def load_launch(path: Union[str, Path], overrides: Sequence[str] = (),
     """Read a launch file; ``overrides`` are dotted ``KEY=VALUE`` (``launch.actor_nodes=4``,
     ``parallel.tp=8``, ``model.path=/models/x``); ``hf_config`` a ``config.json`` that wins."""
     path = Path(path).resolve()
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read launch file: {exc}") from None
+    data = read_yaml_file(path) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     launch_ov, run_ov = _split_overrides(overrides)

@@ -3,9 +3,10 @@ with ``math-verify``, in a pool of worker processes with a per-answer time-out.
 
 Why processes: math-verify bounds its own parsing/verification with ``signal.alarm``, which only
 works in a process's main thread; a pool worker runs each task in its main thread. Why an outer
-time-out too: a pathological expression can still hang sympy beyond the alarm; then the whole
-pool is terminated and rebuilt, and the answer scores 0. A time-out, a parser error or a crash of
-the checker is reward 0 and is counted -- never an exception out of :meth:`MathRewardPool.score`.
+time-out too: a pathological expression can still hang sympy beyond the alarm; then that worker
+alone is killed and replaced, and the answer scores 0 (see :class:`MathRewardPool`). A time-out,
+a parser error or a crash of the checker is reward 0 and is counted -- never an exception out of
+:meth:`MathRewardPool.score`.
 
 Left out: partial credit, format rewards, answers outside ``\\boxed`` (a response without one
 scores 0 and is counted as ``no_answer``), and code execution.
@@ -13,6 +14,8 @@ scores 0 and is counted as ``no_answer``), and code execution.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -76,12 +79,86 @@ class RewardBatchResult:
     statuses: List[str] = field(default_factory=list)
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this process when its parent dies (``PR_SET_PDEATHSIG``), so a
+    ``kill -9`` of the trainer leaves no worker (and then no resource tracker, whose last user goes)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        os._exit(0)
+
+
+def _warm_up_math_verify() -> None:
+    from math_verify import parse
+
+    parse("\\boxed{1}")  # the parser builds its grammar on first use
+
+
+math_verify_reward.warm_up = _warm_up_math_verify
+
+
+def _worker(conn, reward_fn, parent_pid: int) -> None:
+    """One scoring process: it warms up first (``reward_fn.warm_up``: imports, parser set-up),
+    then for each ``(i, response, answer)`` says when it starts (its own clock: the time-out
+    counts from here) and sends the result."""
+    _die_with_parent(parent_pid)
+    warm_up = getattr(reward_fn, "warm_up", None)
+    if warm_up is not None:
+        try:
+            warm_up()
+        except Exception:  # noqa: BLE001 -- a broken checker shows as errors on the answers
+            pass
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        i, response, answer = task
+        conn.send(("start", i, time.monotonic()))
+        try:
+            reward, status = reward_fn(response, answer)
+            out = ("done", i, float(reward), str(status))
+        except Exception:  # noqa: BLE001 -- a checker failure is reward 0, counted
+            out = ("done", i, 0.0, "error")
+        conn.send(out)
+
+
+class _Worker:
+    def __init__(self, ctx, reward_fn):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(child, reward_fn, os.getpid()), daemon=True)
+        self.proc.start()
+        child.close()
+        self.task: Optional[int] = None  # index being scored
+        self.started: Optional[float] = None  # when the worker started it (its monotonic clock)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+
 class MathRewardPool:
     """Score (response, answer) pairs in ``num_workers`` processes, ``timeout_s`` per answer.
 
+    Each worker warms up (``reward_fn.warm_up``, e.g. math-verify's import and parser set-up),
+    then scores one answer at a time and reports when it starts it; an answer that runs past
+    ``timeout_s`` from that moment is reward 0 (``timeout``), and only its worker is killed and
+    replaced -- no other answer is cut short, and neither a worker's start nor the time an answer
+    waits for a free worker counts against it. Workers die with
+    the process that owns the pool, ``kill -9`` included (Linux).
+
     Args:
         num_workers: processes (>= 1).
-        timeout_s: wall-clock bound for one answer, counted from when the pool gets to it.
+        timeout_s: wall-clock bound for one answer, counted from when a worker starts it.
         reward_fn: a picklable top-level ``fn(response, answer) -> (reward, status)``; the default
             is :func:`math_verify_reward` (tests pass a slow one to exercise the time-out).
     """
@@ -94,63 +171,73 @@ class MathRewardPool:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.num_workers, self.timeout_s, self.reward_fn = num_workers, float(timeout_s), reward_fn
         self._ctx = mp.get_context("spawn")  # no fork of a process holding torch threads / sockets
-        self._pool = None
+        self._workers: List[_Worker] = []
 
-    def _ensure_pool(self):
-        if self._pool is None:
-            self._pool = self._ctx.Pool(self.num_workers)
-        return self._pool
+    def _ensure_workers(self) -> List[_Worker]:
+        self._workers = [w for w in self._workers if w.proc.is_alive()]
+        while len(self._workers) < self.num_workers:
+            self._workers.append(_Worker(self._ctx, self.reward_fn))
+        return self._workers
 
-    def _restart(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+    def worker_pids(self) -> List[int]:
+        return [w.proc.pid for w in self._workers if w.proc.is_alive()]
 
     def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardBatchResult:
+        from multiprocessing.connection import wait
+
         if len(responses) != len(answers):
             raise ValueError(f"responses ({len(responses)}) and answers ({len(answers)}) differ in length")
         result = RewardBatchResult(rewards=[0.0] * len(responses), statuses=["pending"] * len(responses))
-        pending = list(range(len(responses)))
-        while pending:
-            pool = self._ensure_pool()
-            handles = [(i, pool.apply_async(self.reward_fn, (responses[i], answers[i]))) for i in pending]
-            pending = []
-            for pos, (i, handle) in enumerate(handles):
-                try:
-                    reward, status = handle.get(timeout=self.timeout_s)
-                except mp.TimeoutError:
-                    # This answer is stuck in a worker: score it 0, rebuild the pool, and resubmit
-                    # the answers not finished yet (they did not get their fair time).
-                    result.statuses[i] = "timeout"
-                    unfinished = [j for j, h in handles[pos + 1:] if not h.ready()]
-                    for j, h in handles[pos + 1:]:
-                        if h.ready():
-                            self._record(result, j, h)
-                    self._restart()
-                    pending = unfinished
-                    break
-                except Exception:  # noqa: BLE001 - the checker raised inside the worker
-                    reward, status = 0.0, "error"
-                result.rewards[i], result.statuses[i] = float(reward), status
+        todo = list(range(len(responses)))
+        todo.reverse()
+        busy = 0
+        while todo or busy:
+            for w in self._ensure_workers():
+                if w.task is None and todo:
+                    w.task, w.started = todo.pop(), None
+                    w.conn.send((w.task, responses[w.task], answers[w.task]))
+                    busy += 1
+            running = [w for w in self._workers if w.task is not None]
+            now = time.monotonic()
+            waits = [w.started + self.timeout_s - now for w in running if w.started is not None]
+            ready = wait([w.conn for w in running], timeout=max(0.0, min(waits)) if waits else 1.0)
+            for w in running:
+                if w.conn in ready:
+                    try:
+                        msg = w.conn.recv()
+                    except (EOFError, OSError):  # the worker died (not by us): its answer is an error
+                        result.statuses[w.task] = "error"
+                        w.task = None
+                        busy -= 1
+                        w.kill()
+                        continue
+                    if msg[0] == "start":
+                        w.started = msg[2]
+                    else:
+                        _, i, reward, status = msg
+                        result.rewards[i], result.statuses[i] = reward, status
+                        w.task = None
+                        busy -= 1
+                elif w.started is not None and time.monotonic() - w.started > self.timeout_s:
+                    result.statuses[w.task] = "timeout"  # reward stays 0; only this worker goes
+                    w.task = None
+                    busy -= 1
+                    w.kill()
         result.num_timeouts = result.statuses.count("timeout")
         result.num_errors = result.statuses.count("error")
         result.num_no_answer = result.statuses.count("no_answer")
         return result
 
-    @staticmethod
-    def _record(result: RewardBatchResult, i: int, handle) -> None:
-        try:
-            reward, status = handle.get(timeout=0)
-        except Exception:  # noqa: BLE001
-            reward, status = 0.0, "error"
-        result.rewards[i], result.statuses[i] = float(reward), status
-
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-            self._pool.join()
-            self._pool = None
+        for w in self._workers:
+            try:
+                w.conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for w in self._workers:
+            w.proc.join(timeout=5)
+            w.kill()
+        self._workers = []
 
     def __enter__(self) -> "MathRewardPool":
         return self

@@ -423,7 +423,10 @@ class WeightSync:
         """Send the stream to every live server; on non-sender ranks just drain it (collective).
 
         Takes ``actor.export_hf_state()`` (bucketed, gathered to the sender only) or any iterable
-        of ``(HF name, tensor)``."""
+        of ``(HF name, tensor)``. The servers are paused first with every request they still run
+        aborted (``/pause_generation``, mode abort: a request that timed out on our side and was
+        retried elsewhere may still be running, and a server refuses to flush its cache then),
+        and always continue afterwards; a flush still refused while the aborts settle is retried."""
         stats = SyncStats(self.mode)
         if not self.is_sender:
             it = self._buckets(named_tensors, stats) if callable(getattr(named_tensors, "flat_buckets", None)) \
@@ -438,6 +441,22 @@ class WeightSync:
         files: List[str] = []
         if self.mode == "distributed":
             self._ensure_group(servers)
+        # A request may still run on a server (one that timed out on our side and was retried on
+        # another): the update's cache flush would be refused. Abort whatever runs and hold new
+        # requests until the update is in (continue_generation below, whatever happens).
+        self._post_all("/pause_generation", {"mode": "abort"}, servers)
+        try:
+            self._push_paused(named_tensors, stats, servers, disk_dir, files, flush_cache)
+        finally:
+            self._post_all("/continue_generation", {}, servers)
+        stats.seconds = time.perf_counter() - t0
+        self.last_stats = stats
+        log.info("weight sync (%s): %d tensors, %.1f MB in %d buckets, %.2f s (%.1f MB/s)", self.mode,
+                 stats.tensors, stats.bytes / 1e6, stats.buckets, stats.seconds, stats.bytes_per_s / 1e6)
+        return stats
+
+    def _push_paused(self, named_tensors, stats: SyncStats, servers, disk_dir, files: List[str],
+                     flush_cache: bool) -> None:
         # the servers begin the update while the first bucket is exported
         begun = self._start_all("/begin_weight_update", {}, servers) if self.mode != "disk" else None
         try:
@@ -483,12 +502,26 @@ class WeightSync:
             finally:
                 shutil.rmtree(disk_dir, ignore_errors=True)
         if flush_cache:
-            self._post_all("/flush_cache", {}, servers)
-        stats.seconds = time.perf_counter() - t0
-        self.last_stats = stats
-        log.info("weight sync (%s): %d tensors, %.1f MB in %d buckets, %.2f s (%.1f MB/s)", self.mode,
-                 stats.tensors, stats.bytes / 1e6, stats.buckets, stats.seconds, stats.bytes_per_s / 1e6)
-        return stats
+            self._flush(servers)
+
+    def _flush(self, servers, poll: float = 0.2) -> None:
+        """``/flush_cache`` on every server. An abort takes effect asynchronously, so a server may
+        still refuse while aborted requests leave its batch: abort again and retry until the
+        request time-out; a cache that still cannot be flushed then is a warning, not a failed
+        step (its prefixes were computed with the old weights)."""
+        deadline = time.monotonic() + self.timeout
+        for s in servers:
+            while True:
+                try:
+                    s.post("/flush_cache", {}, timeout=self.timeout)
+                    break
+                except Exception as e:  # noqa: BLE001 -- HTTP 400 while requests are still queued
+                    if time.monotonic() > deadline:
+                        log.warning("weight sync: %s kept refusing /flush_cache (%s); the new weights are in, "
+                                    "its prefix cache may hold entries of the old ones", s.url, e)
+                        break
+                    s.post("/abort_request", {"abort_all": True}, timeout=self.timeout)
+                    time.sleep(poll)
 
     def close(self) -> None:
         if self.mode == "distributed":

@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from megatron_tepo.actor.batch import RolloutBatch
-from megatron_tepo.actor.checkpointing import find_latest_checkpoint, prune_checkpoints
+from megatron_tepo.actor.checkpointing import load_newest_checkpoint, prune_checkpoints, remove_partial_checkpoints
 from megatron_tepo.algorithms import compute_group_advantages, filter_groups
 from megatron_tepo.algorithms.advantages import broadcast_to_tokens, gpg_correction
 from megatron_tepo.config import AlgorithmConfig, RunConfig
@@ -260,16 +260,25 @@ def _restore_loop_state(state: Dict, rng: random.Random, order: List[int], engin
 def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
           on_step: Optional[Callable[[int, Dict], None]] = None,
           eval_fn: Optional[Callable[[], Dict[str, float]]] = None,
-          checkpoint_root: Optional[Path] = None, extra_state: Optional[Dict] = None) -> List[Dict[str, float]]:
+          checkpoint_root: Optional[Path] = None, extra_state: Optional[Dict] = None,
+          checkpoint_files: Optional[Callable[[Path], None]] = None,
+          report: Optional[Callable[[str], None]] = None) -> List[Dict[str, float]]:
     """The RL loop. Returns the per-step metrics (also logged). ``eval_fn`` runs every
     ``train.eval_every`` steps (0: never) and its results join that step's metrics. With
-    ``checkpoint_root``, a checkpoint is written every ``train.save_every`` steps, and with
-    ``train.resume`` the run continues from the newest complete one there (partial ones are
-    ignored); ``extra_state`` (JSON) is saved with it and read back into the same dict.
+    ``checkpoint_root``, a checkpoint is written every ``train.save_every`` steps and at the last
+    step (``checkpoint_files(dir)`` adds files to each, on the driver), and with ``train.resume``
+    the run continues from the newest complete checkpoint there that loads (a damaged one is
+    reported through ``report`` and the one before it is used; leftovers of interrupted saves are
+    removed first); ``extra_state`` (JSON) is saved with it and read back into the same dict
+    (with ``resumed_from``: the checkpoint the run continued from). The
+    metrics log keeps exactly the steps before the one the run starts at.
 
-    With several processes, call it on every rank: ``engine``, ``logger``, ``on_step`` and
-    ``eval_fn`` are used on the driver (global rank 0) only and may be None elsewhere; the returned
-    metrics are the same on every rank."""
+    A step that makes no update (every group dropped, or every update skipped as non-finite) is
+    logged and passed to ``on_step`` like the others (``skipped_step``, ``updates``).
+
+    With several processes, call it on every rank: ``engine``, ``logger``, ``on_step``, ``report``
+    and ``eval_fn`` are used on the driver (global rank 0) only and may be None elsewhere; the
+    returned metrics are the same on every rank."""
     rng = random.Random(cfg.train.seed)
     order = list(range(len(task.train_prompts)))
     loss_cfg = loss_settings(cfg.algorithm, cfg.rollout.temperature)
@@ -285,17 +294,22 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         raise ValueError(f"train.mini_batch_prompts x rollout.n_samples = {rows_per_mb} rows per update must be "
                          f"divisible by the data-parallel size {dp_size}")
     if not driver.is_driver:
-        logger = on_step = eval_fn = None
+        logger = on_step = eval_fn = report = None
         engine = engine if engine is not None else FollowerEngine()
     start = 1
-    latest = find_latest_checkpoint(checkpoint_root) if checkpoint_root and cfg.train.resume else None
-    if latest is not None:
-        state = actor.load_checkpoint(latest)
-        start = _restore_loop_state(state, rng, order, engine) + 1
-        extra.update({k: v for k, v in state.items() if k not in ("step", "rng", "order", "engine_rng")})
-        sync_weights(actor, engine)
-        if logger is not None:
-            logger.truncate_after(start - 1)
+    if checkpoint_root:
+        remove_partial_checkpoints(checkpoint_root)
+    if checkpoint_root and cfg.train.resume:
+        latest, state = load_newest_checkpoint(actor, checkpoint_root, report)
+        if latest is not None:
+            start = _restore_loop_state(state, rng, order, engine) + 1
+            extra.update({k: v for k, v in state.items() if k not in ("step", "rng", "order", "engine_rng")})
+            extra["resumed_from"] = str(latest)
+            sync_weights(actor, engine)
+            if report is not None:
+                report(f"resumed from {latest}: continuing at step {start}")
+    if logger is not None:
+        logger.truncate_after(start - 1)
     for step in range(start, cfg.train.steps + 1):
         t0 = time.time()
         rng.shuffle(order)
@@ -303,9 +317,13 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         prompts, groups, rewards, gen = driver.run(
             lambda: generate_groups(engine, task, order[:cfg.rollout.prompts_per_step], cfg, rng))
         if not prompts:  # every group had equal rewards for max_sampling_rounds rounds
-            metrics = {"skipped_step": 1.0, **gen}
+            metrics = {"skipped_step": 1.0, "updates": 0.0, **gen, "step_s": time.time() - t0}
+            if on_step is not None:
+                on_step(step, metrics)
             if logger is not None:
                 logger.log(step, metrics)
+            _save(cfg, actor, checkpoint_root, step, _loop_state(step, rng, order, engine, extra), checkpoint_files,
+                  driver)
             history.append(metrics)
             continue
         reward = torch.cat(rewards)
@@ -337,6 +355,7 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         done = [u for u in updates if not u["skipped_update"]] or updates
         metrics = {k: sum(u[k] for u in done) / len(done) for k in done[0] if isinstance(done[0][k], float)}
         metrics["skipped_update"] = float(sum(u["skipped_update"] for u in updates))
+        metrics["updates"] = float(len(updates)) - metrics["skipped_update"]
         metrics.update(gen, reward_mean=float(reward.mean()), sync_s=sync_s, step_s=time.time() - t0,
                        response_length_mean=response_length_mean, **drift)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
@@ -345,12 +364,18 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
             on_step(step, metrics)
         if logger is not None:
             logger.log(step, metrics)
-        if checkpoint_root and cfg.train.save_every and step % cfg.train.save_every == 0:
-            actor.save_checkpoint(Path(checkpoint_root) / f"step_{step}", _loop_state(step, rng, order, engine, extra))
-            if cfg.train.keep_checkpoints and driver.is_driver:
-                prune_checkpoints(checkpoint_root, cfg.train.keep_checkpoints)
+        _save(cfg, actor, checkpoint_root, step, _loop_state(step, rng, order, engine, extra), checkpoint_files, driver)
         history.append(metrics)
     return history
+
+
+def _save(cfg: RunConfig, actor, root: Optional[Path], step: int, state: Dict, files, driver: Driver) -> None:
+    """Checkpoint every ``train.save_every`` steps and always at the last one; prune old ones."""
+    if not root or not (step == cfg.train.steps or (cfg.train.save_every and step % cfg.train.save_every == 0)):
+        return
+    actor.save_checkpoint(Path(root) / f"step_{step}", state, write_extra=files if driver.is_driver else None)
+    if cfg.train.keep_checkpoints and driver.is_driver:
+        prune_checkpoints(root, cfg.train.keep_checkpoints)
 
 
 def _drift(batch: RolloutBatch, groups, check: DriftCheck, warn: bool) -> Dict[str, float]:

@@ -30,13 +30,9 @@ import torch
 from megatron_tepo.config import RunConfig, dump_config, load_config
 
 
-def exact_match_rewards(texts: List[str], answers: List[str]) -> List[float]:
-    """1 where the response text, stripped, equals the answer (``reward.kind: exact_match``)."""
-    return [1.0 if t.strip() == str(a).strip() else 0.0 for t, a in zip(texts, answers)]
-
-
 def build_task(cfg: RunConfig, tokenizer, pool):
     from megatron_tepo.data import load_prompts
+    from megatron_tepo.rewards import exact_match_rewards
     from megatron_tepo.trainer.loop import Task
 
     if not cfg.data.train_files:
@@ -159,36 +155,91 @@ def build_actor_and_engine(cfg: RunConfig, model_dir: str, pad_token_id: int):
     return actor, engine
 
 
+class NoUpdateError(RuntimeError):
+    """The run ended without changing the policy (``tools/train.py`` exits 3)."""
+
+
+def check_resume(cfg: RunConfig, latest: Optional[Path]) -> None:
+    """Refuse a resumed run whose settings differ from its newest checkpoint's (one line listing
+    the changed keys), unless ``train.allow_config_change``; what ``RESUME_MAY_CHANGE`` lists may
+    always change."""
+    from megatron_tepo.config import RESUME_MAY_CHANGE, ConfigError, changed_settings, to_dict
+
+    if latest is None or not (latest / RUN_CONFIG).is_file():
+        return
+    import yaml
+
+    saved = yaml.safe_load((latest / RUN_CONFIG).read_text()) or {}
+    changed = {k: v for k, v in changed_settings(saved, to_dict(cfg)).items()
+               if not any(k == m or k.startswith(m + ".") for m in RESUME_MAY_CHANGE)}
+    if changed and not cfg.train.allow_config_change:
+        listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in ((k, *v) for k, v in changed.items()))
+        raise ConfigError(f"train.resume: {latest} was saved with other settings ({listed}); to continue with "
+                          f"the new ones set train.allow_config_change=true, or start a new train.output_dir")
+
+
+def no_update_cause(metrics: dict, step_counters: dict, n_samples: int) -> str:
+    """Why a step made no update, as far as the metrics tell."""
+    if metrics.get("skipped_step"):
+        answers = metrics.get("groups_generated", 0) * n_samples
+        no_answer = step_counters.get("reward_no_answer", 0)
+        timeouts = step_counters.get("reward_timeouts", 0)
+        mean = metrics.get("reward_mean_all", 0.0)
+        why = (f"every group had equal rewards in {metrics.get('sampling_rounds', 0):g} sampling round(s) "
+               f"(reward mean {mean:.3f})")
+        if answers and no_answer >= answers / 2:
+            why += (f"; {no_answer} of {answers} responses had no \\boxed{{}} answer: check the prompt template "
+                    f"and rollout.max_new_tokens")
+        elif timeouts:
+            why += f"; {timeouts} answers timed out (reward.timeout_s)"
+        elif mean >= 1.0:
+            why += "; every response was already right: the prompts are too easy"
+        return why
+    return "every update was skipped: the loss or the gradient norm was not finite"
+
+
+RUN_CONFIG = "run_config.yaml"  # in each trainer checkpoint: the settings it was trained with
+
+
 def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict:
     cfg = load_config(config_files, overrides)
     if not cfg.model.path:
         raise ValueError("model.path: the Hugging Face checkpoint to train is not set")
+    if not (Path(cfg.model.path) / "config.json").is_file():
+        raise ValueError(f"model.path: {cfg.model.path} is not a Hugging Face model folder (no config.json)")
     from transformers import AutoTokenizer
 
+    from megatron_tepo.actor.checkpointing import find_latest_checkpoint
+    from megatron_tepo.checkpoint import export_actor_to_hf, write_conversion_sidecars
+    from megatron_tepo.config import to_dict
     from megatron_tepo.metrics import MetricsLogger
     from megatron_tepo.rewards import MathRewardPool
     from megatron_tepo.trainer.loop import evaluate, train
-
-    from megatron_tepo.actor.checkpointing import find_latest_checkpoint
 
     driver = int(os.environ.get("RANK", "0")) == 0
     if cfg.rollout.engine == "sglang" and driver:
         sglang_urls(cfg)  # fail before the actor is built
     out = Path(cfg.train.output_dir)
     ckpt_root = out / "checkpoints"
+    latest = find_latest_checkpoint(ckpt_root) if cfg.train.resume else None
+    if not cfg.train.resume and find_latest_checkpoint(ckpt_root) is not None:
+        raise ValueError(f"train.resume: false, but {ckpt_root} holds checkpoints of an earlier run; "
+                         f"use a new train.output_dir (or remove them) to start over")
+    check_resume(cfg, latest)
     if driver:
         out.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, out / "config.yaml")
+        dump_config(cfg, out / "config.yaml")  # (after the checks: it is what runs)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     torch.manual_seed(cfg.train.seed)
     scoring = driver and cfg.reward.kind == "math_verify"
     with (MathRewardPool(cfg.reward.workers, cfg.reward.timeout_s) if scoring else contextlib.nullcontext()) as pool:
         task, counters, data_stats = build_task(cfg, tokenizer, pool)
         actor, engine = build_actor_and_engine(cfg, cfg.model.path, task.pad_token_id)
-        latest = find_latest_checkpoint(ckpt_root) if cfg.train.resume else None
+        if cfg.train.allow_config_change:
+            actor.prefer_settings_over_checkpoint()  # the new optim.* win over the checkpoint's
         if driver:
             print(f"[train] world {int(os.environ.get('WORLD_SIZE', '1'))}, engine {cfg.rollout.engine}, "
-                  + (f"resumed from {latest}" if latest else "starting at step 1"), flush=True)
+                  f"output {out}", flush=True)
 
         def eval_fn():
             if not task.eval_prompts:
@@ -197,27 +248,58 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
                                                            task.stop_token_ids,
                                                            max_new_tokens=cfg.rollout.max_new_tokens).items()}
 
+        seen = dict(counters)
+
         def on_step(step, metrics):
+            step_counters = {k: counters[k] - seen[k] for k in counters}
+            seen.update(counters)
             metrics.update(counters)
+            if metrics.get("updates", 1.0) == 0:
+                print(f"[step {step}/{cfg.train.steps}] NO UPDATE: "
+                      f"{no_update_cause(metrics, step_counters, cfg.rollout.n_samples)}", flush=True)
+                return
             print(f"[step {step}/{cfg.train.steps}] reward {metrics['reward_mean']:.3f} "
                   f"loss {metrics.get('loss', float('nan')):.4f} grad_norm {metrics.get('grad_norm', 0):.3f}", flush=True)
 
+        def checkpoint_files(tmp: Path) -> None:  # what makes a trainer checkpoint resumable-checked and convertible
+            dump_config(cfg, tmp / RUN_CONFIG)
+            write_conversion_sidecars(tmp, cfg.model.path, actor.family_cfg,
+                                      next(actor.model[0].parameters()).dtype,
+                                      {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "ep": cfg.parallel.ep})
+
+        def report(line: str) -> None:
+            print(f"[train] {line}", flush=True)
+
         logger = MetricsLogger(out / "metrics.jsonl") if driver else None
+        state: dict = {}
         try:
             history = train(cfg, actor, engine, task, logger=logger, on_step=on_step, eval_fn=eval_fn,
-                            checkpoint_root=ckpt_root)
+                            checkpoint_root=ckpt_root, extra_state=state, checkpoint_files=checkpoint_files,
+                            report=report)
+            updates = sum(m.get("updates", 0.0) for m in history)
+            exported = None
+            if cfg.train.export_hf and (history or state.get("resumed_from")):
+                exported = export_actor_to_hf(actor, out / "hf", cfg.model.path)
         finally:
             if logger is not None:
                 logger.close()
             if engine is not None:
                 engine.close()
-    summary = {**data_stats, **counters, "steps_run": len(history),
-               "resumed_from": str(latest) if latest else None}
+    summary = {**data_stats, **counters, "steps_run": len(history), "updates": int(updates),
+               "steps_without_update": sum(1 for m in history if m.get("updates", 0.0) == 0),
+               "resumed_from": state.get("resumed_from"),
+               "last_checkpoint": str(find_latest_checkpoint(ckpt_root)) if find_latest_checkpoint(ckpt_root) else None,
+               "exported_hf": str(exported) if exported else None}
     if driver:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if exported:
+            print(f"[train] policy exported as a Hugging Face model: {exported}", flush=True)
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    if history and updates == 0:
+        raise NoUpdateError(f"no update in {len(history)} step(s): the policy did not change "
+                            f"({no_update_cause(history[-1], {}, cfg.rollout.n_samples)}); see {out / 'metrics.jsonl'}")
     return summary

@@ -48,7 +48,10 @@ def _main(*args):
     spec = importlib.util.spec_from_file_location("convert_hf_to_megatron_tool", TOOL)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.main(list(args))
+    try:
+        return mod.main(list(args))
+    except SystemExit as exc:  # a user error: one line on stderr, status 2
+        return exc.code
 
 
 def test_missing_tensor(hf, tmp_path, capsys):

@@ -195,8 +195,22 @@ def test_cli(tmp_path, capsys):
     from tools.fit_check import cli
     assert cli(["--config", str(MODELS / "qwen3_14b.yaml"), "--gpu-mem-gib", "80"]) == 0
     assert "total 39.6 GiB of 80 GiB: fits" in capsys.readouterr().out
-    assert cli(["--config", str(MODELS / "qwen3_14b.yaml"), "--gpu-mem-gib", "36"]) == 1
-    assert "actor does not fit: 39.6 GiB > 36 GiB per GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        cli(["--config", str(MODELS / "qwen3_14b.yaml"), "--gpu-mem-gib", "36"])
+    assert exit_.value.code == 2  # a user error
+    err = capsys.readouterr().err
+    assert "actor does not fit: 39.6 GiB > 36 GiB per GPU" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_bad_yaml_is_one_line_naming_line_and_column(tmp_path, capsys):
+    from tools.fit_check import cli
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("launch:\n  gpus_per_node: [8\n")
+    with pytest.raises(SystemExit) as exit_:
+        cli(["--config", str(bad)])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1
+    assert f"{bad}:3:1: invalid YAML" in err and "line 2, column 18" in err
 
 
 # ---------------------------------------------------------------------------------- CPU mode

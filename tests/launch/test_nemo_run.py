@@ -210,7 +210,7 @@ def test_too_few_nodes_in_the_allocation_stops_the_script(rendered, tmp_path):
 ])
 def test_bad_launch_fails_before_rendering(tmp_path, override, needle):
     res = _launch(tmp_path, "--dryrun", f"train.output_dir={tmp_path / 'out'}", override)
-    assert res.returncode == 1, res.stdout + res.stderr
+    assert res.returncode == 2, res.stdout + res.stderr
     assert "fit check FAILED" in res.stderr and needle in res.stderr
     assert not (tmp_path / "nemorun").exists()  # no experiment, no sbatch script
     assert not (tmp_path / "out").exists()  # no run config
@@ -238,7 +238,7 @@ def test_local_executor_refuses_a_multi_node_layout(tmp_path):
     res = subprocess.run([sys.executable, str(TOOL), "--launch", str(LAUNCH), "--executor", "local", "--dryrun",
                           "--nemorun-home", str(tmp_path / "home"), f"train.output_dir={tmp_path / 'out'}"],
                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
-    assert res.returncode == 1 and "needs launch.actor_nodes=1" in res.stderr
+    assert res.returncode == 2 and "needs launch.actor_nodes=1" in res.stderr
     assert not (tmp_path / "home").exists()
 
 

@@ -142,6 +142,54 @@ def test_weight_sync_from_tp2_actor(fleet, model_dir, tmp_path):
             assert float((torch.tensor(before) - ref).abs().max()) > 0.1, mode
 
 
+def test_sync_while_a_request_still_runs(fleet, tmp_path):
+    """A request still running on a server (one that timed out on our side and was retried on
+    another) made the cache flush of a sync fail with HTTP 400. The sync aborts it, updates,
+    flushes and lets generation continue."""
+    import threading
+
+    from megatron_tepo.rollout.sglang_fleet import RequestFailed
+
+    s = fleet.servers[0]
+    result = {}
+
+    def long_request():  # 16 x 500 tokens: seconds of work for the CPU server
+        result["out"] = s.post("/generate", {"input_ids": SEQ[:PROMPT_LEN], "sampling_params": {
+            "max_new_tokens": 500, "ignore_eos": True, "temperature": 1.0, "n": 16}}, timeout=300)
+
+    def start():
+        t = threading.Thread(target=long_request, daemon=True)
+        t.start()
+        return t
+
+    # the fault, reproduced: a flush while it runs is refused with HTTP 400
+    t, refused = start(), None
+    deadline = time.monotonic() + 30
+    while refused is None and t.is_alive() and time.monotonic() < deadline:
+        try:
+            s.post("/flush_cache", {})
+            time.sleep(0.05)
+        except RequestFailed as e:
+            refused = str(e)
+    assert refused and "HTTP 400" in refused, "the request finished before a flush was refused"
+    t.join(300)
+    # the same situation during a weight sync: the sync goes through
+    new = tiny_qwen3(seed=33, scale=SCALE)
+    t = start()
+    time.sleep(0.5)
+    ws = WeightSync(fleet, mode="tensor")
+    ws.push(list(new.state_dict().items()))
+    t.join(300)
+    assert not t.is_alive()
+    finish = [o["meta_info"]["finish_reason"] for o in result["out"]]
+    assert all(f["type"] in ("abort", "length") for f in finish) and any(f["type"] == "abort" for f in finish)
+    ref = hf_response_log_probs(new, SEQ, PROMPT_LEN)
+    for got in fleet.score([SEQ] * 2, [PROMPT_LEN] * 2):  # both servers have the new weights
+        assert float((torch.tensor(got) - ref).abs().max()) < 2e-2
+    groups = fleet.generate([[5, 17]], n=2, max_new_tokens=4)  # generation continues
+    assert len(groups[0]) == 2 and all(len(x.token_ids) == 4 for x in groups[0])
+
+
 # ---------------------------------------------------------------- faults (destroy the fleet: last)
 def test_server_killed_mid_step(fleet):
     victim = fleet.servers[0]
