@@ -22,7 +22,12 @@ import os
 import sys
 from typing import Iterator
 
-__all__ = ["UserError", "user_errors", "add_traceback_flag", "missing_package_message"]
+__all__ = ["UserError", "user_errors", "add_traceback_flag", "missing_package_message", "prog"]
+
+
+def prog() -> str:
+    """The command's name as the user typed it (``train.py``, ``mtepo-train``, ...)."""
+    return os.path.basename(sys.argv[0]) or "megatron_tepo"
 
 
 class UserError(Exception):
@@ -30,15 +35,15 @@ class UserError(Exception):
 
 
 #: optional packages and the extra that installs them
-EXTRAS = {"megatron": "megatron", "transformers": "megatron", "safetensors": "megatron",
-          "nemo_run": "nemorun", "sglang": "sglang", "transformer_engine": "gpu"}
+EXTRAS = {"nemo_run": "nemorun", "sglang": "sglang", "transformer_engine": "gpu", "triton": "dev"}
 
 
 def missing_package_message(exc: ModuleNotFoundError) -> str:
     top = (exc.name or "").split(".")[0]
     extra = EXTRAS.get(top)
     if extra is None:
-        return f"{exc} (a dependency of megatron_tepo is not installed)"
+        return (f"the '{top}' package is not installed, a dependency of megatron_tepo: reinstall it "
+                f"(pip install -e . after torch, or bash tools/setup_env.sh)")
     return (f"the '{top}' package is not installed: pip install 'megatron_tepo[{extra}]' "
             f"(or bash tools/setup_env.sh)")
 

@@ -1,101 +1,11 @@
 #!/usr/bin/env python
-"""Draw a run's training curves to PNG from its metrics JSONL (the TEPO paper's Figures 2-4).
-
-Panels: reward, response length, entropy, clip fraction, gradient norm, KL-mask fraction, and the
-four advantage/entropy-change quadrants (A>0/A<0 x entropy up/down) over steps. Several runs can
-be overlaid (``--log a.jsonl --log b.jsonl --label TEPO --label GRPO``). A metric missing from a
-log is left out of that panel; a panel with no data says so.
-
-Left out: smoothing beyond an optional moving average (``--smooth N``), and evaluation tables.
-
-    python tools/plot_metrics.py --log outputs/run/metrics.jsonl --out outputs/run/curves.png
-"""
-from __future__ import annotations
-
-import argparse
+"""``mtepo-plot-metrics`` from a checkout: see megatron_tepo/commands/plot_metrics.py (``python tools/plot_metrics.py --help``)."""
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_tepo.metrics import read_metrics  # noqa: E402
-
-PANELS = [
-    ("reward", ["reward_mean"], "reward"),
-    ("response length", ["response_length_mean"], "tokens"),
-    ("entropy", ["entropy"], "nats"),
-    ("clip fraction", ["clip_frac"], "fraction"),
-    ("gradient norm", ["grad_norm"], "norm"),
-    ("KL-mask fraction", ["kl_mask_frac"], "fraction"),
-    ("advantage x entropy change", ["quad_pos_adv_inc_ent", "quad_pos_adv_dec_ent",
-                                    "quad_neg_adv_inc_ent", "quad_neg_adv_dec_ent"], "fraction of tokens"),
-]
-
-
-def _smooth(values, n):
-    if n <= 1:
-        return values
-    out, acc = [], []
-    for v in values:
-        acc.append(v)
-        acc = acc[-n:]
-        out.append(sum(acc) / len(acc))
-    return out
-
-
-def plot(logs, labels, out, smooth=1):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = [read_metrics(p) for p in logs]
-    fig, axes = plt.subplots(2, 4, figsize=(18, 8))
-    axes = axes.ravel()
-    for ax, (title, keys, unit) in zip(axes, PANELS):
-        drawn = 0
-        for records, label in zip(runs, labels):
-            for key in keys:
-                pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-                if not pts:
-                    continue
-                steps, vals = zip(*pts)
-                name = label if len(keys) == 1 else f"{label} {key.replace('quad_', '')}"
-                ax.plot(steps, _smooth(list(vals), smooth), label=name)
-                drawn += 1
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_ylabel(unit)
-        if drawn:
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-    axes[-1].axis("off")
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=80)
-    plt.close(fig)
-    tmp.replace(out)
-    return out
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--log", action="append", required=True, help="metrics JSONL (repeatable)")
-    ap.add_argument("--label", action="append", help="legend label per --log")
-    ap.add_argument("--out", required=True, help="output PNG")
-    ap.add_argument("--smooth", type=int, default=1, help="moving-average window")
-    args = ap.parse_args(argv)
-    labels = args.label or [Path(p).parent.name or Path(p).stem for p in args.log]
-    if len(labels) != len(args.log):
-        ap.error(f"{len(args.label)} --label for {len(args.log)} --log")
-    for p in args.log:
-        if not Path(p).is_file():
-            ap.error(f"--log {p}: no such file")
-    print(plot(args.log, labels, args.out, args.smooth))
-
+from megatron_tepo.commands.plot_metrics import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

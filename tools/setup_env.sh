@@ -5,8 +5,8 @@
 #
 # Usage: source-free; prints the venv's python path on its last line.
 #   MTEPO_VENV=/path/to/venv  use another location (default: <repo>/.venv)
-#   MTEPO_EXTRAS=dev,nemorun  extras of setup.py to install (comma separated); nemorun is the
-#                             nemo-run launcher (tools/launch_nemo_run.py, its tests), pinned in setup.py
+#   MTEPO_EXTRAS=dev,nemorun  extras of pyproject.toml to install (comma separated); nemorun is the
+#                             nemo-run launcher (tools/launch_nemo_run.py, its tests), pinned in pyproject.toml
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${MTEPO_VENV:-$repo/.venv}"
@@ -18,7 +18,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 py="$venv/bin/python"
 stamp="$venv/.mtepo-installed"
-want="torch=$TORCH_VERSION extras=$extras setup=$(cat "$repo/setup.py" "${BASH_SOURCE[0]}" | sha1sum | cut -c1-12)"
+want="torch=$TORCH_VERSION extras=$extras setup=$(cat "$repo/pyproject.toml" "${BASH_SOURCE[0]}" | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$py" -m pip install -q --upgrade pip >&2
   "$py" -m pip install -q "torch==$TORCH_VERSION" >&2

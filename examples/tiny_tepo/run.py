@@ -99,8 +99,7 @@ def main(argv=None):
     summary = {"accuracy_before": before, "accuracy_after": after, "improvement": after - before,
                "steps": cfg.train.steps, "seconds": time.time() - t0, "loss": cfg.algorithm.loss}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    sys.path.insert(0, str(REPO / "tools"))
-    from plot_metrics import plot
+    from megatron_tepo.commands.plot_metrics import plot
 
     png = plot([str(log_path)], [cfg.algorithm.loss], out / "curves.png", smooth=5)
     print(f"[tepo] held-out greedy accuracy: before {before:.3f} -> after {after:.3f} "

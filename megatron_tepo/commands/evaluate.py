@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""Evaluate a Hugging Face checkpoint on math benchmarks: avg@k and pass@k per benchmark.
+
+Reads a benchmark list (``--benchmarks FILE``, see examples/eval/paper_benchmarks.yaml: per
+benchmark a prompt file, ``n`` samples, temperature, top-p, max new tokens; temperature 0 means
+greedy) or one ad-hoc ``--file`` with ``--n/--temperature``. Prompts go through the tokenizer's
+chat template. ``--reward math_verify`` (default): each response's last ``\\boxed{}`` is checked
+with math-verify in a process pool with a per-answer time-out (time-outs and parser errors score
+0 and are counted); ``--reward exact_match``: the response, stripped, equals the answer (the
+trainer's ``reward.kind: exact_match``). Prints a table and writes a JSON report (atomically) with
+``--out``, whose folder is created (and checked writable) before the evaluation starts. A bad
+argument or file is one line and exit status 2 (``--traceback`` for the whole story).
+
+Left out: the SGLang fleet (this tool uses the embedded engine, fine for small models and CI;
+the trainer evaluates through whichever engine it runs), and LLM-judge grading.
+
+    python tools/evaluate.py --model outputs/hf --benchmarks examples/eval/paper_benchmarks.yaml --out eval.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+from megatron_tepo.cli import UserError, add_traceback_flag, prog, user_errors
+
+GREEDY_T = 1e-5  # temperature 0 in a benchmark file: sampling at this temperature is argmax
+
+
+def load_benchmarks(path: Path) -> dict:
+    from megatron_tepo.config import read_yaml_file
+
+    data = read_yaml_file(path) or {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping with 'benchmarks', found {type(data).__name__}")
+    unknown = set(data) - {"defaults", "benchmarks"}
+    if unknown:
+        raise UserError(f"{path}: unknown top-level keys {sorted(unknown)} (expected defaults, benchmarks)")
+    defaults = {"n": 1, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 1024, **(data.get("defaults") or {})}
+    out = {}
+    for name, spec in (data.get("benchmarks") or {}).items():
+        spec = {**defaults, **(spec or {})}
+        bad = set(spec) - {"file", "n", "temperature", "top_p", "max_new_tokens"}
+        if bad:
+            raise UserError(f"{path}: benchmark {name!r}: unknown keys {sorted(bad)}")
+        if "file" not in spec:
+            raise UserError(f"{path}: benchmark {name!r}: missing 'file'")
+        spec["file"] = str((path.parent / spec["file"]).resolve()) if not Path(spec["file"]).is_absolute() else spec["file"]
+        out[name] = spec
+    if not out:
+        raise UserError(f"{path}: no benchmarks listed")
+    return out
+
+
+def prepare_out(out: Path) -> None:
+    """Create ``out``'s folder and check it can be written, before hours of evaluation."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = out.with_name(f".{out.name}.probe")
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write there ({exc.strerror}: {exc.filename})") from None
+    if out.is_dir():
+        raise UserError(f"--out {out}: is a directory; give a file name such as {out / 'eval.json'}")
+
+
+def run(model_dir: str, benchmarks: dict, *, workers: int = 2, timeout_s: float = 5.0, seed: int = 0,
+        max_prompt_len: int | None = None, limit: int | None = None, reward: str = "math_verify") -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_tepo.data import load_prompts
+    from megatron_tepo.rewards import MathRewardPool, exact_match_rewards
+    from megatron_tepo.rollout.embedded import EmbeddedEngine
+    from megatron_tepo.trainer import evaluate
+
+    if not (Path(model_dir) / "config.json").is_file():
+        raise UserError(f"--model {model_dir}: not a Hugging Face model folder (no config.json)")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    engine = EmbeddedEngine(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), seed=seed,
+                            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
+    stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    report = {}
+    with MathRewardPool(num_workers=workers, timeout_s=timeout_s) as pool:
+        counts = {}
+
+        def reward_fn(responses, answers):
+            texts = [tok.decode(r, skip_special_tokens=True) for r in responses]
+            if reward == "exact_match":
+                return exact_match_rewards(texts, answers)
+            res = pool.score(texts, answers)
+            for key in ("num_timeouts", "num_errors", "num_no_answer"):
+                counts[key] = counts.get(key, 0) + getattr(res, key)
+            return res.rewards
+
+        for name, spec in benchmarks.items():
+            t0 = time.time()
+            data = load_prompts(spec["file"], tok, max_prompt_len=max_prompt_len)
+            records = data.records[:limit] if limit else data.records
+            if not records:
+                raise UserError(f"benchmark {name!r}: no prompts in {spec['file']}")
+            counts.clear()
+            temperature = spec["temperature"] if spec["temperature"] > 0 else GREEDY_T
+            scores = evaluate(engine, [r.input_ids for r in records], [r.answer for r in records], reward_fn,
+                              stop, n=spec["n"], temperature=temperature, max_new_tokens=spec["max_new_tokens"])
+            report[name] = {**scores, "num_prompts": len(records), "n": spec["n"],
+                            "temperature": spec["temperature"], "dropped_too_long": data.num_too_long,
+                            **counts, "seconds": round(time.time() - t0, 2)}
+    return report
+
+
+def command(argv=None) -> dict:
+    """The command: parse, evaluate, print the table; returns the report."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="HF model directory (weights + tokenizer)")
+    ap.add_argument("--benchmarks", type=Path, help="benchmark list (YAML)")
+    ap.add_argument("--file", help="one prompt file instead of --benchmarks")
+    ap.add_argument("--n", type=int, default=1)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--max-new-tokens", type=int, default=1024)
+    ap.add_argument("--limit", type=int, help="first N prompts of each benchmark")
+    ap.add_argument("--max-prompt-len", type=int)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=5.0, help="seconds per answer check")
+    ap.add_argument("--reward", choices=("math_verify", "exact_match"), default="math_verify",
+                    help="math_verify: the last \\boxed{} against the answer; exact_match: the whole response")
+    ap.add_argument("--out", type=Path, help="JSON report (its folder is created)")
+    add_traceback_flag(ap)
+    args = ap.parse_args(argv)
+    if bool(args.benchmarks) == bool(args.file):
+        ap.error("give exactly one of --benchmarks or --file")
+    with user_errors(prog(), args.traceback):
+        return _main(args)
+
+
+def _main(args):
+    if args.out:
+        prepare_out(args.out)
+    if args.benchmarks:
+        benchmarks = load_benchmarks(args.benchmarks)
+    else:
+        benchmarks = {Path(args.file).stem: {"file": args.file, "n": args.n, "temperature": args.temperature,
+                                             "top_p": 1.0, "max_new_tokens": args.max_new_tokens}}
+    report = run(args.model, benchmarks, workers=args.workers, timeout_s=args.timeout,
+                 max_prompt_len=args.max_prompt_len, limit=args.limit, reward=args.reward)
+    for name, r in report.items():
+        k = r["n"]
+        print(f"{name:16s} avg@{k} {r[f'avg@{k}']:.4f}  pass@{k} {r[f'pass@{k}']:.4f}  "
+              f"({r['num_prompts']} prompts, {r.get('num_timeouts', 0)} time-outs, {r['seconds']}s)")
+    if args.out:
+        tmp = args.out.with_name(args.out.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        tmp.replace(args.out)
+    return report
+
+
+def main(argv=None) -> int:
+    command(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""Check that a launch layout fits in GPU memory before anything starts (exit 1 if it does not).
+
+    python tools/fit_check.py --config examples/models/qwen3_14b.yaml [--gpu-mem-gib 80] \\
+        [--hf-config /models/Qwen3-14B/config.json] [launch.actor_nodes=4 parallel.tp=8 ...] \\
+        [--write-run-config RUN.yaml] [--print-shell]
+
+Prints the per-GPU arithmetic (actor: weights, grads, optimizer, activations, logits, reserve;
+SGLang servers: weights + KV cache); on a misfit or a bad file prints one line naming the setting
+to change and exits 2 (``--traceback`` for the whole story).
+``--write-run-config`` writes the RunConfig file the trainer is started with; ``--print-shell``
+prints ``FIT_*=value`` lines for slurm/lib.sh (on stdout; the report then goes to stderr). A launch
+file with ``launch.device: cpu`` (examples/models/tiny_cpu.yaml) gets no GPU arithmetic, only the
+layout rules, and still writes the run config and the FIT_* lines.
+See megatron_tepo/launch/fit.py for the formulas.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+
+from megatron_tepo.cli import add_traceback_flag, prog, user_errors
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="launch file, e.g. examples/models/qwen3_14b.yaml")
+    ap.add_argument("--gpu-mem-gib", type=float, default=None, help="GPU memory (overrides launch.gpu_mem_gib)")
+    ap.add_argument("--hf-config", default=None, help="an HF config.json to use instead of the file's numbers")
+    ap.add_argument("--write-run-config", default=None, help="write the trainer's RunConfig YAML here")
+    ap.add_argument("--print-shell", action="store_true", help="print FIT_* shell variables on stdout")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides: launch.actor_nodes=4 parallel.tp=8 ...")
+    add_traceback_flag(ap)
+    args = ap.parse_args(argv)
+    with user_errors(prog(), args.traceback):
+        return _run(args)
+
+
+def _run(args) -> int:
+    from megatron_tepo.cli import UserError
+    from megatron_tepo.config import ConfigError
+    from megatron_tepo.launch.fit import FitError, check_fit, load_launch, render_shell, write_run_config
+
+    overrides = list(args.overrides)
+    if args.gpu_mem_gib is not None:
+        overrides.append(f"launch.gpu_mem_gib={args.gpu_mem_gib}")
+    report_out = sys.stderr if args.print_shell else sys.stdout
+    try:
+        spec = load_launch(args.config, overrides, hf_config=args.hf_config)
+        report = check_fit(spec.shape(), spec.cfg, spec.launch, raise_error=False)
+        print(f"fit check of {spec.path} (architecture from {spec.architecture_source})", file=report_out)
+        print(report.render(), file=report_out)
+        check_fit(spec.shape(), spec.cfg, spec.launch)
+    except (ConfigError, FitError, NotImplementedError, ValueError) as exc:
+        if args.traceback:
+            raise
+        raise UserError(f"fit check FAILED: {exc}") from None
+    if args.write_run_config:
+        write_run_config(spec, args.write_run_config)
+        print(f"run config written to {args.write_run_config}", file=report_out)
+    if args.print_shell:
+        print(render_shell(spec))
+    return 0
+
+
+cli = main  # (the name the tests use)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
