@@ -131,7 +131,7 @@ def direct_main(group):
     print(json.dumps(out))
 
 
-def main():
+def run():
     rank = int(sys.argv[1])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", world_size=2, rank=rank)
     group = dist.new_group([0, 1], backend="gloo")
@@ -170,6 +170,17 @@ def main():
         out["steps"].append(step)
     dist.barrier()
     print(json.dumps(out))
+
+
+def main():
+    try:
+        run()
+    finally:
+        # An explicit teardown: a process that exits with its gloo group still up can abort in
+        # the group's destructor ("terminate called without an active exception"), which a busy
+        # machine made happen now and then.
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
