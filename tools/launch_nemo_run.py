@@ -294,8 +294,10 @@ def build_experiment(plan: Plan, args, extra: Sequence[str]):
     if slurm:  # nemo-run rewrites "/nemo_run" in a non-container sbatch script into the job folder
         bad = [w for role in cmds for w in cmds[role] if "/nemo_run" in w]
         if bad:
-            raise SystemExit(f"launch_nemo_run: a path contains '/nemo_run', which nemo-run rewrites in the "
-                             f"sbatch script: {bad[0]} (move the checkout or train.output_dir)")
+            from megatron_tepo.cli import UserError
+
+            raise UserError(f"a path contains '/nemo_run', which nemo-run rewrites in the sbatch script: "
+                            f"{bad[0]} (move the checkout or train.output_dir)")
     quote = sh if slurm else list  # nemo-run joins a Slurm command with spaces; local runs argv as is
     tasks = [run.Script(entrypoint=cmds[role][0], path=cmds[role][1], args=quote(cmds[role][2:]))
              for role in ("sglang", "trainer")]
@@ -504,6 +506,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["step-trainer"]:
         return step_trainer(argv[1:])
     args = build_parser().parse_args(argv)
+    from megatron_tepo.cli import user_errors
+
+    with user_errors("launch_nemo_run.py", args.traceback):  # (nemo-run missing, a bad path: one line)
+        return launch(args)
+
+
+def launch(args) -> int:
     if args.executor == "slurm" and not args.account:
         print("launch_nemo_run: --account is required with --executor slurm", file=sys.stderr)
         return 2
