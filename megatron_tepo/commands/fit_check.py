@@ -16,7 +16,6 @@ See megatron_tepo/launch/fit.py for the formulas.
 """
 import argparse
 import sys
-from pathlib import Path
 
 
 from megatron_tepo.cli import add_traceback_flag, prog, user_errors

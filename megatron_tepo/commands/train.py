@@ -16,7 +16,6 @@ why). See megatron_tepo/trainer/main.py for what it wires together and what it l
 import argparse
 import os
 import sys
-from pathlib import Path
 
 
 from megatron_tepo.cli import add_traceback_flag, prog, user_errors

@@ -211,7 +211,6 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
 
     from megatron_tepo.actor.checkpointing import find_latest_checkpoint
     from megatron_tepo.checkpoint import export_actor_to_hf, write_conversion_sidecars
-    from megatron_tepo.config import to_dict
     from megatron_tepo.metrics import MetricsLogger
     from megatron_tepo.rewards import MathRewardPool
     from megatron_tepo.trainer.loop import evaluate, train

@@ -21,14 +21,6 @@ def sglang_python():
     return require_sglang()
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    subprocess.run([sys.executable, str(REPO / "tools/make_tiny_model.py"), "--out", str(out), "--train-size", "400",
-                    "--eval-size", "20"], check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return out
-
-
 def _args(tiny, out, *extra):
     return [*BASE, f"model.path={tiny / 'model'}", f"data.train_files=[{tiny / 'train.jsonl'}]",
             f"train.output_dir={out}", *extra]

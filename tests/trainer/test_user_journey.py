@@ -19,14 +19,6 @@ from tests.dist_utils import REPO
 pytestmark = pytest.mark.slow  # each test starts the trainer (10-20 s) a few times
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    subprocess.run([sys.executable, str(REPO / "tools/make_tiny_model.py"), "--out", str(out), "--train-size", "400",
-                    "--eval-size", "40"], check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return out
-
-
 def train(tiny, out, *extra, expect=0):
     """The README's command: a method file, the model, the prompt file, the output folder."""
     cmd = [sys.executable, str(REPO / "tools/train.py"), "--config", str(REPO / "examples/tiny_tepo/sizes.yaml"),
