@@ -308,6 +308,8 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
             sync_weights(actor, engine)
             if report is not None:
                 report(f"resumed from {latest}: continuing at step {start}")
+    if start == 1 and report is not None:
+        report("starting at step 1")
     if logger is not None:
         logger.truncate_after(start - 1)
     for step in range(start, cfg.train.steps + 1):

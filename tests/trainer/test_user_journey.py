@@ -74,7 +74,7 @@ def test_prompt_file_to_exported_and_evaluated_model(tiny, tmp_path):
 
 def test_same_command_resumes_and_refuses_changed_settings(tiny, tmp_path):
     out = tmp_path / "run"
-    train(tiny, out, "train.steps=2")
+    assert "[train] starting at step 1" in train(tiny, out, "train.steps=2").stdout
     train(tiny, out, "train.steps=2")  # again: already done, nothing repeated
     assert steps(out) == [1, 2]
     proc = train(tiny, out, "train.steps=4", "optim.lr=0.1", "algorithm.loss=grpo", expect=2)
