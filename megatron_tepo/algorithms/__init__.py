@@ -11,6 +11,7 @@ from .advantages import (
     gpg_correction,
 )
 from .aggregation import AGG_MODES, aggregate, count_for_normalizer, masked_mean
+from .correction import CORRECTION_LEVELS, RolloutCorrection, rollout_correction_weights
 from .kl import (
     KL_ESTIMATORS,
     KL_MASKS,
@@ -47,6 +48,10 @@ __all__ = [
     "aggregate",
     "count_for_normalizer",
     "masked_mean",
+    # rollout correction
+    "CORRECTION_LEVELS",
+    "RolloutCorrection",
+    "rollout_correction_weights",
     # kl
     "KL_ESTIMATORS",
     "KL_MASKS",

@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from .aggregation import AGG_MODES, Normalizer, aggregate, compute_dtype, masked_mean
+from .correction import RolloutCorrection, rollout_correction_weights
 from .kl import (
     KL_ESTIMATORS,
     KL_MASKS,
@@ -481,6 +482,11 @@ def compute_policy_loss(
     entropy_coef: float = 0.0,
     entropy_adv_alpha: float = 0.0,
     entropy_adv_kappa: float = 2.0,
+    rollout_log_prob: Optional[torch.Tensor] = None,
+    rollout_is: str = "none",
+    rollout_is_cap: float = 2.0,
+    rollout_rs: str = "none",
+    rollout_rs_bounds: tuple[float, float] = (0.5, 2.0),
     **loss_specific: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Total policy loss of registered loss ``name`` plus the shared KL / entropy terms, and metrics.
@@ -504,6 +510,13 @@ def compute_policy_loss(
         entropy_coef: total ``-= entropy_coef * aggregate(entropy)`` (positive maximises entropy).
         entropy_adv_alpha, entropy_adv_kappa: Cheng et al. 2025,
             ``A' = A + min(alpha * sg(H), |A| / kappa)`` when ``alpha > 0``.
+        rollout_log_prob: ``[B, T]`` log-probs of the policy that sampled the tokens (the rollout
+            engine's); needed by the rollout correction, and its mismatch metrics are reported
+            whenever it is given.
+        rollout_is, rollout_is_cap, rollout_rs, rollout_rs_bounds: the rollout correction
+            (:mod:`~megatron_tepo.algorithms.correction`): IS weights ``min(exp(x), cap)`` and
+            rejection outside ``[lo, hi]`` at level ``none``/``token``/``sequence``/``geometric``,
+            multiplying each token's policy-loss term (not the KL or entropy terms).
         **loss_specific: options registered by the loss (e.g. ``clip_ratio_c`` for ``grpo``).
 
     Returns:
@@ -511,7 +524,9 @@ def compute_policy_loss(
         detached fp32 tensors: ``pg_loss`` (the aggregated policy term), ``clip_frac``,
         ``approx_kl`` (k3 of pi vs pi_old), ``kl_mask_frac``, ``kl`` (mean penalty where the mask
         is on), ``num_tokens``, ``entropy`` (if given), the four ``quad_*`` fractions (if ``dH``
-        is available) and loss-specific ones. Fractions/means are over valid tokens.
+        is available), loss-specific ones and, when ``rollout_log_prob`` is given,
+        ``rollout_is_weight`` (mean IS weight), ``rollout_is_capped``, ``rollout_rs_rejected``
+        (fractions) and ``rollout_mismatch_kl``. Fractions/means are over valid tokens.
 
     Raises:
         ValueError: unknown loss/agg/estimator/mask/delta_entropy or loss-specific key, shape
@@ -545,15 +560,20 @@ def compute_policy_loss(
             "entropy": entropy,
             "old_entropy": old_entropy,
             "ref_log_prob": ref_log_prob,
+            "rollout_log_prob": rollout_log_prob,
         },
     )
+    correction = RolloutCorrection(rollout_is, rollout_is_cap, rollout_rs, rollout_rs_bounds)
+    if correction.active and rollout_log_prob is None:
+        raise ValueError(f"rollout_is={rollout_is!r}, rollout_rs={rollout_rs!r} (rollout correction) "
+                         f"requires rollout_log_prob")
     if entropy is None and entropy_coef != 0:
         raise ValueError(f"entropy_coef={entropy_coef!r} (entropy regularisation) requires the `entropy` tensor")
     if entropy is None and entropy_adv_alpha > 0:
         raise ValueError(f"entropy_adv_alpha={entropy_adv_alpha!r} (entropy-based advantage) requires `entropy`")
 
     mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
-    dtype = compute_dtype(log_prob, old_log_prob, advantages, entropy, old_entropy, ref_log_prob)
+    dtype = compute_dtype(log_prob, old_log_prob, advantages, entropy, old_entropy, ref_log_prob, rollout_log_prob)
     lp = _clean(log_prob, mask, dtype)
     old_lp = _clean(old_log_prob, mask, dtype).detach()
     adv = _clean(advantages, mask, dtype).detach()
@@ -567,7 +587,14 @@ def compute_policy_loss(
 
     ctx = LossContext(lp, old_lp, adv, mask, old_ent, clip_low, clip_high, MappingProxyType(options))
     terms = spec.fn(ctx)
-    pg_loss = aggregate(terms.per_token, mask, agg, normalizer)
+    per_token = terms.per_token
+    correction_values: dict[str, torch.Tensor] = {}
+    if rollout_log_prob is not None:
+        rollout_lp = _clean(rollout_log_prob, mask, dtype).detach()
+        weight, correction_values = rollout_correction_weights(old_lp, rollout_lp, mask, correction)
+        if weight is not None:
+            per_token = per_token * weight
+    pg_loss = aggregate(per_token, mask, agg, normalizer)
     total = pg_loss
     if entropy_coef != 0:
         total = total - entropy_coef * aggregate(ent, mask, agg, normalizer)
@@ -615,6 +642,6 @@ def compute_policy_loss(
             metrics["quad_pos_adv_dec_ent"] = frac(pos & (d_h < 0))
             metrics["quad_neg_adv_inc_ent"] = frac(neg & (d_h > 0))
             metrics["quad_neg_adv_dec_ent"] = frac(neg & (d_h < 0))
-        for key, values in terms.extra.items():
+        for key, values in (*terms.extra.items(), *correction_values.items()):
             metrics[key] = frac(values)
     return total, metrics
