@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 import yaml
 
 __all__ = [
-    "ConfigError", "RunConfig", "AlgorithmConfig", "AdvantageConfig", "RolloutConfig",
+    "ConfigError", "RunConfig", "AlgorithmConfig", "RolloutCorrectionConfig", "AdvantageConfig", "RolloutConfig",
     "OptimConfig", "TrainConfig", "ParallelConfig", "ActorConfig", "ModelConfig", "DataConfig", "RewardConfig",
     "load_config",
     "from_dict", "to_dict", "apply_overrides", "dump_config", "validate", "read_yaml_file",
@@ -42,6 +42,18 @@ class ConfigError(ValueError):
 # --------------------------------------------------------------------------------------------
 # Schema
 # --------------------------------------------------------------------------------------------
+@dataclass
+class RolloutCorrectionConfig:
+    """Importance weights and rejection for the mismatch between the policy that sampled the
+    tokens (the rollout engine) and the actor's old policy; the keys are the arguments of
+    ``compute_policy_loss`` (formulas: docs/ALGORITHMS.md, "Rollout correction")."""
+
+    rollout_is: Literal["none", "token", "sequence", "geometric"] = "none"
+    rollout_is_cap: float = 2.0
+    rollout_rs: Literal["none", "token", "sequence", "geometric"] = "none"
+    rollout_rs_bounds: List[float] = field(default_factory=lambda: [0.5, 2.0])  # [lo, hi] of exp(x)
+
+
 @dataclass
 class AlgorithmConfig:
     """The policy loss and its options (see ``megatron_tepo.algorithms.compute_policy_loss``)."""
@@ -60,6 +72,10 @@ class AlgorithmConfig:
     entropy_adv_alpha: float = 0.0  # Cheng et al. 2025 entropy-based advantage (0 = off)
     entropy_adv_kappa: float = 2.0
     loss_args: Dict[str, Any] = field(default_factory=dict)  # loss-specific, checked by the loss
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # The old (proximal) policy's log-probs: recomputed by the actor, or the rollout engine's own
+    # (skips the actor's old-policy pass; no old-policy entropy then: see validate()).
+    old_log_prob: Literal["recompute", "rollout"] = "recompute"
 
 
 @dataclass
@@ -521,6 +537,8 @@ def _positive(cfg: Any, prefix: str, names: List[str], allow_zero: bool = False)
 def validate(cfg: RunConfig) -> None:
     """Rules spanning fields; every error names the field."""
     from megatron_tepo.algorithms import losses  # algorithms are pure torch: no heavy imports
+    from megatron_tepo.algorithms.correction import RolloutCorrection
+    from megatron_tepo.algorithms.kl import kl_mask_needs_entropy_change
 
     alg = cfg.algorithm
     if alg.loss not in losses.POLICY_LOSSES:
@@ -541,6 +559,19 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"algorithm.entropy_adv_kappa: must be > 0, got {alg.entropy_adv_kappa!r}")
     if alg.kl_coef < 0:
         raise ConfigError(f"algorithm.kl_coef: must be >= 0, got {alg.kl_coef!r}")
+    rc = alg.rollout_correction
+    try:
+        RolloutCorrection(rc.rollout_is, rc.rollout_is_cap, rc.rollout_rs, rc.rollout_rs_bounds)
+    except ValueError as exc:
+        raise ConfigError(f"algorithm.rollout_correction.{exc}") from None  # the message starts with the key
+    if alg.old_log_prob == "rollout":
+        if alg.loss == "steer":
+            raise ConfigError("algorithm.old_log_prob: 'rollout' gives no old-policy entropy, which loss 'steer' "
+                              "needs; use old_log_prob: recompute")
+        if alg.kl_coef and alg.delta_entropy == "measured" and kl_mask_needs_entropy_change(alg.kl_mask):
+            raise ConfigError(f"algorithm.old_log_prob: 'rollout' gives no old-policy entropy, which kl_mask "
+                              f"{alg.kl_mask!r} with delta_entropy 'measured' needs; set algorithm.delta_entropy: "
+                              f"predicted (dH from the training pass's own entropy) or old_log_prob: recompute")
     _positive(cfg.advantage, "advantage", ["eps"], allow_zero=True)
     r = cfg.rollout
     _positive(r, "rollout", ["prompts_per_step", "n_samples", "max_prompt_len", "max_new_tokens",

@@ -53,6 +53,12 @@ def test_unknown_section_and_override_key():
     ("rollout.top_p=1.5", r"rollout.top_p: must be in \(0, 1\]"),
     ("train.mini_batch_prompts=48", "train.mini_batch_prompts: 48 must divide rollout.prompts_per_step"),
     ("optim.lr=0", "optim.lr: must be > 0"),
+    ("algorithm.rollout_correction.rollout_is=seq", "algorithm.rollout_correction.rollout_is.*'token'"),
+    ("algorithm.rollout_correction.rollout_is_cap=0.5", "algorithm.rollout_correction.rollout_is_cap must be"),
+    ("algorithm.rollout_correction.rollout_rs_bounds=[1.5, 2]",
+     r"algorithm.rollout_correction.rollout_rs_bounds must be \(lo, hi\)"),
+    ("algorithm.rollout_correction.rollout_rs_bounds=[0.5]", "algorithm.rollout_correction.rollout_rs_bounds"),
+    ("algorithm.old_log_prob=engine", "algorithm.old_log_prob.*'recompute'"),
 ])
 def test_wrong_values_name_the_field(override, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -107,3 +113,20 @@ def test_several_files_merge_left_to_right(tmp_path):
         "gspo", "seq-mean-token-mean", 4, 8)
     with pytest.raises(ConfigError, match=r"b2.yaml:1"):
         load_config([a, write(tmp_path, "b2.yaml", "rolout:\n  n_samples: 4\n")])
+
+
+def test_old_log_prob_rollout_refuses_what_needs_the_old_entropy():
+    # TEPO's KL mask on the measured entropy change needs the old policy's entropy
+    with pytest.raises(ConfigError, match="algorithm.old_log_prob: 'rollout' gives no old-policy entropy.*"
+                                          "delta_entropy: predicted"):
+        load_config(None, ["algorithm.old_log_prob=rollout", "algorithm.kl_coef=0.001"])
+    with pytest.raises(ConfigError, match="loss 'steer' needs"):
+        load_config(None, ["algorithm.old_log_prob=rollout", "algorithm.loss=steer"])
+    # what it can do: the predicted entropy change uses the training pass's own entropy
+    cfg = load_config(None, ["algorithm.old_log_prob=rollout", "algorithm.kl_coef=0.001",
+                             "algorithm.delta_entropy=predicted"])
+    assert cfg.algorithm.old_log_prob == "rollout"
+    cfg = load_config(None, ["algorithm.rollout_correction.rollout_is=geometric",
+                             "algorithm.rollout_correction.rollout_rs_bounds=[0.25, 4]"])
+    assert cfg.algorithm.rollout_correction.rollout_is == "geometric"
+    assert cfg.algorithm.rollout_correction.rollout_rs_bounds == [0.25, 4.0]

@@ -3,7 +3,7 @@
 Imports of megatron-core happen lazily inside the functions that need it, so ``batch`` /
 ``batching`` / ``parallel.validate_layout`` stay usable without starting anything.
 """
-from .batch import RolloutBatch
+from megatron_tepo.batch import RolloutBatch
 from .batching import balance_to_count, equalize_micro_batch_count, plan_micro_batches
 from .parallel import ParallelLayout, destroy_parallel, initialize_parallel, validate_layout
 

@@ -57,7 +57,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_tepo.actor.batch import RolloutBatch
+from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.actor.batching import equalize_micro_batch_count, plan_micro_batches, plan_packed_micro_batches
 from megatron_tepo.actor.micro_batch import MicroBatch, build_micro_batch
 from megatron_tepo.actor.parallel import ParallelLayout, initialize_parallel, validate_layout
@@ -343,12 +343,13 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
-    def compute_log_probs(self, batch: RolloutBatch, temperature: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Old-policy pass: ``(log_probs, entropy)`` fp32 ``[B, R]`` (0 on padding) on every rank."""
+    def compute_log_probs(self, batch: RolloutBatch) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Old-policy pass: ``(log_probs, entropy)`` fp32 ``[B, R]`` (0 on padding) on every rank,
+        under ``softmax(logits / batch.temperature)``."""
         mbs = self._micro_batches(batch)
 
         def loss_func(mb, output):
-            lp, ent = self._log_probs_of(mb, output, temperature)
+            lp, ent = self._log_probs_of(mb, output, batch.temperature)
             return output.new_zeros((), dtype=torch.float32), torch.tensor(0, dtype=torch.int), {"lp": lp, "ent": ent}
 
         store = self._run_schedule(mbs, loss_func, forward_only=True)
@@ -362,16 +363,15 @@ class MegatronActor:
         self._broadcast_from_last_stage(out)
         return out[0].cpu(), out[1].cpu()
 
-    def _loss_settings(self, loss_cfg: Mapping[str, Any]) -> Tuple[str, str, float, Dict[str, Any]]:
+    def _loss_settings(self, loss_cfg: Mapping[str, Any]) -> Tuple[str, str, Dict[str, Any]]:
         from megatron_tepo.algorithms import get_loss_defaults
 
         kwargs = dict(loss_cfg)
         if "name" not in kwargs:
             raise ValueError("loss_cfg needs a 'name' (a registered policy loss)")
         name = kwargs.pop("name")
-        temperature = float(kwargs.pop("temperature", 1.0))
         agg = kwargs.pop("agg", None) or get_loss_defaults(name)["agg"]
-        return name, agg, temperature, kwargs
+        return name, agg, kwargs
 
     def _global_normalizer(self, batch: RolloutBatch, agg: str) -> torch.Tensor:
         from megatron_tepo.algorithms import count_for_normalizer
@@ -387,12 +387,12 @@ class MegatronActor:
 
         if batch.advantages is None or batch.old_log_probs is None:
             raise ValueError("train batches need advantages and old_log_probs")
-        name, agg, temperature, kwargs = self._loss_settings(loss_cfg)
+        name, agg, kwargs = self._loss_settings(loss_cfg)
         normalizer = self._global_normalizer(batch, agg)
         mbs = self._micro_batches(batch)
 
         def loss_func(mb, output):
-            lp, ent = self._log_probs_of(mb, output, temperature)
+            lp, ent = self._log_probs_of(mb, output, batch.temperature)
             d, rows = self.device, mb.data
 
             def opt(t):
@@ -401,7 +401,7 @@ class MegatronActor:
             loss, metrics = compute_policy_loss(
                 name, lp, rows.old_log_probs.to(d), rows.advantages.to(d), rows.response_mask.to(d),
                 entropy=ent, old_entropy=opt(rows.old_entropy), ref_log_prob=opt(rows.ref_log_probs),
-                agg=agg, normalizer=normalizer, **kwargs)
+                rollout_log_prob=opt(rows.rollout_log_probs), agg=agg, normalizer=normalizer, **kwargs)
             tokens = (rows.response_mask != 0).sum()
             return loss, torch.tensor(1, dtype=torch.int), {"loss": loss.detach(), "tokens": tokens,
                                                             "metrics": metrics}

@@ -1,7 +1,7 @@
 """One micro-batch as the model sees it: packed (THD) or padded rows, and where each response
 slot is scored. Pure torch; the actor turns it into megatron's inputs.
 
-:func:`build_micro_batch` takes rows of a :class:`~megatron_tepo.actor.batch.RolloutBatch`:
+:func:`build_micro_batch` takes rows of a :class:`~megatron_tepo.batch.RolloutBatch`:
 
 * packed (``actor.pack_sequences``): ``input_ids`` is ``[1, T]``, the rows' tokens (prompt and
   response up to the last real response token) laid end to end with no padding; ``cu_seqlens``
@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from megatron_tepo.actor.batch import RolloutBatch
+from megatron_tepo.batch import PER_TOKEN_FIELDS, RolloutBatch
 
 __all__ = ["MicroBatch", "build_micro_batch", "empty_rows"]
 
@@ -71,10 +71,9 @@ def empty_rows(like: RolloutBatch) -> RolloutBatch:
     """A one-row stand-in (one prompt token, nothing valid, the same optional fields as
     ``like``): it runs through the model and contributes exactly 0 to the loss and gradients."""
     zeros = torch.zeros(1, like.response_len)
-    optional = {f: zeros for f in ("advantages", "old_log_probs", "old_entropy", "ref_log_probs")
-                if getattr(like, f) is not None}
+    optional = {f: zeros for f in PER_TOKEN_FIELDS[1:] if getattr(like, f) is not None}
     return RolloutBatch(input_ids=torch.zeros(1, 1, dtype=torch.long), prompt_lens=torch.ones(1, dtype=torch.long),
-                        response_mask=zeros, **optional)
+                        response_mask=zeros, temperature=like.temperature, **optional)
 
 
 def _slots(data: RolloutBatch):

@@ -29,10 +29,11 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_tepo.actor.batch import RolloutBatch
+from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.actor.checkpointing import load_newest_checkpoint, prune_checkpoints, remove_partial_checkpoints
 from megatron_tepo.algorithms import compute_group_advantages, filter_groups
-from megatron_tepo.algorithms.advantages import broadcast_to_tokens, gpg_correction
+from megatron_tepo.algorithms.advantages import gpg_correction
+from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.config import AlgorithmConfig, RunConfig
 from megatron_tepo.rollout.weight_sync import DriftCheck
 
@@ -141,15 +142,18 @@ def data_parallel_coords(actor) -> tuple:
     return parallel_state.get_data_parallel_rank(), size
 
 
-def loss_settings(alg: AlgorithmConfig, temperature: float) -> Dict:
-    """The actor's ``loss_cfg`` from the run config's algorithm section."""
+def loss_settings(alg: AlgorithmConfig) -> Dict:
+    """The actor's ``loss_cfg`` from the run config's algorithm section: the keyword arguments of
+    ``compute_policy_loss`` (the sampling temperature travels in the batch)."""
     if alg.kl_target != "old":
         raise NotImplementedError("algorithm.kl_target: 'ref' needs a reference policy, not wired yet")
+    rc = alg.rollout_correction
     return dict(name=alg.loss, clip_low=alg.clip_low, clip_high=alg.clip_high, agg=alg.agg,
                 kl_coef=alg.kl_coef, kl_estimator=alg.kl_estimator, kl_mask=alg.kl_mask,
                 delta_entropy=alg.delta_entropy, entropy_coef=alg.entropy_coef,
                 entropy_adv_alpha=alg.entropy_adv_alpha, entropy_adv_kappa=alg.entropy_adv_kappa,
-                temperature=temperature, **alg.loss_args)
+                rollout_is=rc.rollout_is, rollout_is_cap=rc.rollout_is_cap, rollout_rs=rc.rollout_rs,
+                rollout_rs_bounds=tuple(rc.rollout_rs_bounds), **alg.loss_args)
 
 
 def generate_groups(engine, task: Task, indices: List[int], cfg: RunConfig, rng: random.Random):
@@ -182,22 +186,6 @@ def generate_groups(engine, task: Task, indices: List[int], cfg: RunConfig, rng:
                 stats["groups_dropped"] += 1
         stats.setdefault("reward_mean_all", float(rewards.mean()))
     return kept_prompts, kept_groups, kept_rewards, stats
-
-
-def build_batch(prompts: List[List[int]], groups, advantages: torch.Tensor, pad_id: int) -> RolloutBatch:
-    """One row per sample: prompt + response, right-padded; per-token advantages."""
-    rows = [(p, s) for p, g in zip(prompts, groups) for s in g]
-    resp_len = max(1, max(len(s.token_ids) for _, s in rows))
-    width = max(len(p) for p, _ in rows) + resp_len
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), resp_len))
-    for i, (p, s) in enumerate(rows):
-        seq = list(p) + list(s.token_ids)
-        ids[i, :len(seq)] = torch.tensor(seq)
-        mask[i, :len(s.token_ids)] = 1
-    prompt_lens = torch.tensor([len(p) for p, _ in rows])
-    return RolloutBatch(input_ids=ids, prompt_lens=prompt_lens, response_mask=mask,
-                        advantages=broadcast_to_tokens(advantages, mask))
 
 
 def sync_weights(actor, engine) -> float:
@@ -281,7 +269,7 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
     returned metrics are the same on every rank."""
     rng = random.Random(cfg.train.seed)
     order = list(range(len(task.train_prompts)))
-    loss_cfg = loss_settings(cfg.algorithm, cfg.rollout.temperature)
+    loss_cfg = loss_settings(cfg.algorithm)
     n = cfg.rollout.n_samples
     history = []
     extra = extra_state if extra_state is not None else {}
@@ -333,18 +321,20 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         adv = compute_group_advantages(reward, n, std_normalize=cfg.advantage.std_normalize, eps=cfg.advantage.eps)
         if cfg.advantage.gpg_correction:
             adv = adv * gpg_correction(reward, n)
-        batch = build_batch(prompts, groups, adv, task.pad_token_id)
+        batch = RolloutBatch.from_groups(prompts, groups, task.pad_token_id, advantages=adv,
+                                         temperature=cfg.rollout.temperature)
         response_length_mean = float(batch.response_mask.sum(1).mean())
         if dp_size > 1:  # this rank's share of every mini-batch (rows_per_mb is a multiple of dp_size)
-            local = list(range(dp_rank, batch.batch_size, dp_size))
-            flat = [s for g in groups for s in g]
-            batch, groups = batch.select(local), [[flat[i]] for i in local]
-        # 3. old log-probs and entropy from the actor (the rollout policy, recomputed)
-        batch.old_log_probs, batch.old_entropy = actor.compute_log_probs(batch, cfg.rollout.temperature)
-        if dp_size == 1:  # every rank holds every row
-            drift = _drift(batch, groups, drift_check, warn=driver.is_driver)
+            batch = batch.select(range(dp_rank, batch.batch_size, dp_size))
+        # 3. old log-probs: the actor's (and its entropy), or the engine's own
+        drift = {}
+        if cfg.algorithm.old_log_prob == "rollout":
+            batch.old_log_probs = batch.rollout_log_probs
         else:
-            drift = driver.combine_drift(_drift(batch, groups, drift_check, warn=False), drift_check, dp_size)
+            batch.old_log_probs, batch.old_entropy = actor.compute_log_probs(batch)
+            local = drift_check(batch.rollout_log_probs, batch.old_log_probs, batch.response_mask,
+                                warn=dp_size == 1 and driver.is_driver)
+            drift = local if dp_size == 1 else driver.combine_drift(local, drift_check, dp_size)
         # 4. policy updates over mini-batches of prompts
         local_rows_per_mb = rows_per_mb // dp_size
         updates = []
@@ -378,12 +368,3 @@ def _save(cfg: RunConfig, actor, root: Optional[Path], step: int, state: Dict, f
     actor.save_checkpoint(Path(root) / f"step_{step}", state, write_extra=files if driver.is_driver else None)
     if cfg.train.keep_checkpoints and driver.is_driver:
         prune_checkpoints(root, cfg.train.keep_checkpoints)
-
-
-def _drift(batch: RolloutBatch, groups, check: DriftCheck, warn: bool) -> Dict[str, float]:
-    """Engine vs actor log-probs of the same sampled tokens (mean / max |difference|; warns over
-    the check's thresholds when ``warn``). ``groups``: lists of samples, one per row of ``batch``."""
-    engine_lp = torch.zeros_like(batch.response_mask)
-    for i, s in enumerate(s for g in groups for s in g):
-        engine_lp[i, :len(s.log_probs)] = torch.tensor(s.log_probs)
-    return check(engine_lp, batch.old_log_probs, batch.response_mask, warn=warn)

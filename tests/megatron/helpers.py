@@ -12,7 +12,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from megatron_tepo.actor.batch import RolloutBatch
+from megatron_tepo.batch import RolloutBatch
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -134,15 +134,14 @@ def hf_log_probs(model, batch: RolloutBatch, temperature: float = 1.0) -> Tuple[
 
 
 def hf_reference_step(model, batch: RolloutBatch, loss_cfg: dict, lr: float, betas, eps: float,
-                      weight_decay: float, clip_grad: float, temperature: float = 1.0):
+                      weight_decay: float, clip_grad: float):
     """(loss, metrics, grads by HF name, params after one AdamW step by HF name)."""
     from megatron_tepo.algorithms import compute_policy_loss
 
     cfg = dict(loss_cfg)
     name = cfg.pop("name")
-    cfg.pop("temperature", None)
     model.zero_grad(set_to_none=True)
-    lp, ent = hf_log_probs(model, batch, temperature)
+    lp, ent = hf_log_probs(model, batch, batch.temperature)
 
     def f64(t):  # the loss arithmetic in fp64, so the reference adds no rounding of its own
         return None if t is None else t.double()

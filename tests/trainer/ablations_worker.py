@@ -46,26 +46,65 @@ def main(out_path):
             "keys": sorted(m),
         }
     # A NaN loss: the update is skipped and reported, the weights stay finite and unchanged.
-    from megatron_tepo.trainer.loop import build_batch, generate_groups, loss_settings, policy_update
+    from megatron_tepo.batch import RolloutBatch
+    from megatron_tepo.trainer.loop import generate_groups, loss_settings, policy_update
     import random
 
     cfg = load_config(REPO / "examples/tiny_tepo/config.yaml", overrides)
     prompts, groups, rewards, _ = generate_groups(engine, task, list(range(8)), cfg, random.Random(0))
-    batch = build_batch(prompts, groups, torch.zeros(sum(len(g) for g in groups)), tiny.PAD)
+    batch = RolloutBatch.from_groups(prompts, groups, tiny.PAD, advantages=torch.zeros(sum(len(g) for g in groups)))
     batch.old_log_probs, batch.old_entropy = actor.compute_log_probs(batch)
     batch.advantages = torch.where(batch.response_mask != 0, torch.full_like(batch.advantages, float("nan")),
                                    batch.advantages)
     before = {n: t.clone() for n, t in actor.export_hf_state()}
-    m = policy_update(actor, batch, loss_settings(cfg.algorithm, 1.0))
+    m = policy_update(actor, batch, loss_settings(cfg.algorithm))
     after = dict(actor.export_hf_state())
     results["_nan"] = {"skipped": m["skipped_update"], "loss": m["loss"],
                        "unchanged": all(torch.equal(before[n], after[n]) for n in before)}
     batch.advantages = torch.nan_to_num(batch.advantages, nan=1.0) * batch.response_mask
-    m = policy_update(actor, batch, loss_settings(cfg.algorithm, 1.0))
+    m = policy_update(actor, batch, loss_settings(cfg.algorithm))
     after2 = dict(actor.export_hf_state())
     results["_after_nan"] = {"skipped": m["skipped_update"],
                              "finite": all(bool(torch.isfinite(t).all()) for t in after2.values()),
                              "moved": any(not torch.equal(after[n], after2[n]) for n in after)}
+    # Rollout correction on, and the engine's log-probs as the old policy's: the loop runs both
+    # (the engine first gets the weights of the updates above, made outside the loop).
+    from megatron_tepo.trainer.loop import sync_weights
+
+    sync_weights(actor, engine)
+    for key, extra in (("_correction", ["algorithm.rollout_correction.rollout_is=geometric",
+                                        "algorithm.rollout_correction.rollout_rs=token",
+                                        "algorithm.rollout_correction.rollout_rs_bounds=[0.999, 1.001]"]),
+                       ("_old_from_rollout", ["algorithm.old_log_prob=rollout", "algorithm.delta_entropy=predicted",
+                                              "algorithm.kl_coef=0.001"])):
+        cfg = load_config(REPO / "examples/tiny_tepo/config.yaml", overrides + extra)
+        before = {n: t.clone() for n, t in actor.export_hf_state()}
+        m = train(cfg, actor, engine, task)[-1]
+        after = dict(actor.export_hf_state())
+        results[key] = {"metrics": {k: v for k, v in m.items() if k.startswith(("rollout_", "drift_", "updates"))},
+                        "moved": any(not torch.equal(before[n], after[n]) for n in before)}
+    # A deliberate mismatch: the engine samples at temperature 0.7, the actor scores at 1.0. The
+    # correction's token weights are then the known ratio p_1(token) / p_0.7(token).
+    from megatron_tepo.algorithms import RolloutCorrection, rollout_correction_weights
+
+    prompts = [task.train_prompts[i] for i in range(6)]
+    groups = engine.generate(prompts, n=3, temperature=0.7, max_new_tokens=6, stop_token_ids=task.stop_token_ids)
+    batch = RolloutBatch.from_groups(prompts, groups, tiny.PAD, temperature=1.0)
+    old, _ = actor.compute_log_probs(batch)
+    mask = batch.response_mask != 0
+    w, _ = rollout_correction_weights(old, batch.rollout_log_probs, mask, RolloutCorrection("token", 1e6))
+    with torch.no_grad():
+        logits = engine.model(input_ids=batch.input_ids).logits.float()
+    worst, tokens = 0.0, 0
+    for i in range(batch.batch_size):
+        p = int(batch.prompt_lens[i])
+        for j in range(int(mask[i].sum())):
+            z, tok = logits[i, p + j - 1], batch.input_ids[i, p + j]
+            known = float(torch.exp(torch.log_softmax(z, -1)[tok] - torch.log_softmax(z / 0.7, -1)[tok]))
+            worst = max(worst, abs(float(w[i, j]) / known - 1))
+            tokens += 1
+    results["_mismatch"] = {"worst_rel_err": worst, "tokens": tokens,
+                            "spread": float(w[mask].max() - w[mask].min())}
     Path(out_path).write_text(json.dumps(results))
 
 

@@ -41,6 +41,20 @@ def test_every_ablation_config_runs_through_the_loop(tmp_path):
     _run(["tests/trainer/ablations_worker.py", str(tmp_path / "r.json")], 600)
     results = json.loads((tmp_path / "r.json").read_text())
     nan, after = results.pop("_nan"), results.pop("_after_nan")
+    correction, bypass, mismatch = results.pop("_correction"), results.pop("_old_from_rollout"), results.pop("_mismatch")
+    # rollout correction in the loop: with the exact sync, the geometric IS weights are ~1 and a
+    # tight token rejection band rejects nothing; the metrics are logged and the update happens
+    m = correction["metrics"]
+    assert correction["moved"] and m["updates"] > 0
+    assert m["rollout_is_weight"] == pytest.approx(1.0, abs=1e-3) and m["rollout_mismatch_kl"] < 1e-6
+    assert m["rollout_rs_rejected"] == 0.0 and {"rollout_is_capped", "drift_max"} <= set(m)
+    # the engine's log-probs as the old policy's: no actor pass, so no drift check; weights 1
+    m = bypass["metrics"]
+    assert bypass["moved"] and m["updates"] > 0 and "drift_max" not in m
+    assert m["rollout_is_weight"] == 1.0 and m["rollout_mismatch_kl"] == 0.0
+    # engine at T=0.7, actor at T=1: the token weights are p_1(y) / p_0.7(y), computed from the logits
+    assert mismatch["tokens"] > 20 and mismatch["spread"] > 0.1
+    assert mismatch["worst_rel_err"] < 1e-4
     assert nan["skipped"] == 1.0 and nan["unchanged"] and nan["loss"] != nan["loss"]  # NaN loss: no step
     assert after["skipped"] == 0.0 and after["finite"] and after["moved"]  # training goes on
     stems = {p.stem for p in (REPO / "examples" / "ablations").glob("[!_]*.yaml")}

@@ -1,22 +1,31 @@
-"""The batch format the Megatron actor consumes (one data-parallel rank's share of a mini-batch).
+"""The one batch type of a step: what the rollout produced and the actor consumes.
+
+The trainer builds it from the engine's groups (:meth:`RolloutBatch.from_groups`), the actor
+scores and trains on it, and every per-token value of the step travels in it -- the engine's
+own log-probs included. Pure torch: it imports nothing from megatron or the engines.
 
 Layout of :class:`RolloutBatch` (``B`` sequences, ``L`` padded tokens, ``R`` response slots)::
 
-    input_ids      [B, L] long   prompt tokens, then response tokens, then padding (right-padded)
-    prompt_lens    [B]    long   prompt length p_b >= 1 of each row
-    response_mask  [B, R]        1 where response slot j of row b is a real (trained) token
-    advantages     [B, R] float  per-token advantages                      (train_step only)
-    old_log_probs  [B, R] float  log-probs of the behaviour/old policy     (train_step only)
-    old_entropy    [B, R] float  entropy of the old policy                 (optional)
-    ref_log_probs  [B, R] float  log-probs of the reference policy         (optional, KL losses)
+    input_ids          [B, L] long   prompt tokens, then response tokens, then padding
+    prompt_lens        [B]    long   prompt length p_b >= 1 of each row
+    response_mask      [B, R]        1 where response slot j of row b is a real (trained) token
+    advantages         [B, R] float  per-token advantages                     (train_step only)
+    old_log_probs      [B, R] float  log-probs of the old (proximal) policy   (train_step only)
+    old_entropy        [B, R] float  entropy of the old policy                (optional)
+    ref_log_probs      [B, R] float  log-probs of the reference policy        (optional, KL losses)
+    rollout_log_probs  [B, R] float  the engine's log-probs of its sampled tokens (optional:
+                                     drift check, rollout correction, ``old_log_prob: rollout``)
+    temperature        float         the sampling temperature: the actor scores under
+                                     ``softmax(logits / temperature)``, as the engine sampled
 
 Response slot ``j`` of row ``b`` is the token ``input_ids[b, p_b + j]``; its log-prob is read from
 the model's logits at position ``p_b + j - 1``. Slots past the end of ``input_ids`` or with
 ``response_mask == 0`` are padding: the actor returns 0 there. Every per-token field is aligned
-with ``response_mask``. The batch is DP-local: each data-parallel rank passes its own rows, and
-all TP/PP ranks of one model replica pass the same rows (see :meth:`split_for_data_parallel`).
+with ``response_mask``. A batch given to the actor is DP-local: each data-parallel rank passes
+its own rows, and all TP/PP ranks of one model replica pass the same rows
+(:meth:`split_for_data_parallel`, :meth:`select`).
 
-Left out: packed (THD) sequences, multi-turn masks inside the prompt, images.
+Left out: multi-turn masks inside the prompt, images.
 """
 from __future__ import annotations
 
@@ -26,7 +35,10 @@ from typing import Optional, Sequence
 
 import torch
 
-PER_TOKEN_FIELDS = ("response_mask", "advantages", "old_log_probs", "old_entropy", "ref_log_probs")
+from megatron_tepo.algorithms.advantages import broadcast_to_tokens
+
+PER_TOKEN_FIELDS = ("response_mask", "advantages", "old_log_probs", "old_entropy", "ref_log_probs",
+                    "rollout_log_probs")
 
 
 @dataclass
@@ -38,9 +50,38 @@ class RolloutBatch:
     old_log_probs: Optional[torch.Tensor] = None
     old_entropy: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
+    rollout_log_probs: Optional[torch.Tensor] = None
+    temperature: float = 1.0
 
     def __post_init__(self):
         self.validate()
+
+    @classmethod
+    def from_groups(cls, prompts: Sequence[Sequence[int]], groups, pad_id: int,
+                    advantages: Optional[torch.Tensor] = None, temperature: float = 1.0) -> "RolloutBatch":
+        """One row per sample (prompt + response, right-padded), group after group.
+
+        ``groups[g]`` holds the samples of ``prompts[g]``, each with ``token_ids`` and the engine's
+        ``log_probs`` (:class:`~megatron_tepo.rollout.engine.Sample`), which become
+        ``rollout_log_probs``; ``advantages`` (``[rows]``, one per sample) are broadcast to the
+        response tokens."""
+        rows = [(p, s) for p, g in zip(prompts, groups) for s in g]
+        if not rows:
+            raise ValueError("a batch needs at least one sample")
+        resp_len = max(1, max(len(s.token_ids) for _, s in rows))
+        width = max(len(p) for p, _ in rows) + resp_len
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), resp_len))
+        rollout = torch.zeros((len(rows), resp_len))
+        for i, (p, s) in enumerate(rows):
+            seq = list(p) + list(s.token_ids)
+            ids[i, :len(seq)] = torch.tensor(seq)
+            mask[i, :len(s.token_ids)] = 1
+            rollout[i, :len(s.log_probs)] = torch.tensor(s.log_probs, dtype=torch.float32)
+        if advantages is not None:
+            advantages = broadcast_to_tokens(advantages, mask)
+        return cls(input_ids=ids, prompt_lens=torch.tensor([len(p) for p, _ in rows]), response_mask=mask,
+                   advantages=advantages, rollout_log_probs=rollout, temperature=float(temperature))
 
     @property
     def batch_size(self) -> int:
@@ -61,6 +102,8 @@ class RolloutBatch:
             raise ValueError("every prompt needs at least one token (prompt_lens >= 1)")
         if b and int(self.prompt_lens.max()) > self.input_ids.shape[1]:
             raise ValueError("a prompt_lens entry exceeds input_ids' length")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise ValueError(f"temperature must be a number > 0, got {self.temperature!r}")
         if self.response_mask.dim() != 2 or self.response_mask.shape[0] != b:
             raise ValueError(f"response_mask must be [{b}, R], got {tuple(self.response_mask.shape)}")
         for name in PER_TOKEN_FIELDS[1:]:
@@ -84,10 +127,11 @@ class RolloutBatch:
     def select(self, indices: Sequence[int], max_len: Optional[int] = None) -> "RolloutBatch":
         """Rows ``indices`` (in that order), ``input_ids`` trimmed to ``max_len`` columns."""
         idx = torch.as_tensor(list(indices), dtype=torch.long)
-        fields = {}
+        fields = {"temperature": self.temperature}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            fields[f.name] = None if value is None else value.index_select(0, idx)
+            if f.name != "temperature":
+                fields[f.name] = None if value is None else value.index_select(0, idx)
         if max_len is not None:
             fields["input_ids"] = fields["input_ids"][:, :max_len]
         return RolloutBatch(**fields)
@@ -98,7 +142,7 @@ class RolloutBatch:
         if extra_rows < 0 or extra_cols < 0:
             raise ValueError(f"cannot pad {self.batch_size}x{self.input_ids.shape[1]} to {rows}x{length}")
         ids = torch.nn.functional.pad(self.input_ids, (0, extra_cols, 0, extra_rows))
-        fields = {"input_ids": ids,
+        fields = {"input_ids": ids, "temperature": self.temperature,
                   "prompt_lens": torch.cat([self.prompt_lens, self.prompt_lens.new_ones(extra_rows)])}
         for name in PER_TOKEN_FIELDS:
             value = getattr(self, name)
