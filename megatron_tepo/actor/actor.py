@@ -63,12 +63,8 @@ from megatron_tepo.actor.micro_batch import MicroBatch, build_micro_batch
 from megatron_tepo.actor.parallel import ParallelLayout, initialize_parallel, validate_layout
 from megatron_tepo.config import ActorConfig, OptimConfig
 from megatron_tepo.megatron.gpt import build_gpt_chunk, family_spec, resolve_actor_config, transformer_config
-from megatron_tepo.models import (
-    GPTFamilyConfig,
-    export_hf_state,
-    family_config_from_hf,
-    load_hf_weights_into,
-)
+from megatron_tepo.actor.export import export_hf_state
+from megatron_tepo.models import GPTFamilyConfig, family_config_from_hf, load_hf_weights_into
 
 __all__ = ["OptimConfig", "ActorConfig", "MegatronActor", "plan_actor", "actor_transformer_config", "build_lr_scheduler", "token_log_probs", "SUMMED_METRICS"]
 
@@ -506,6 +502,6 @@ class MegatronActor:
     def export_hf_state(self, what: str = "param", dtype=None):
         """This pipeline stage's parameters (or grads) as HF ``(name, full tensor)``, every MoE
         expert included for params; collective over TP (and EP). ``dtype`` casts before the
-        gather. A lazy :class:`~megatron_tepo.models.HFExport`: the weight sync reads it as
+        gather. A lazy :class:`~megatron_tepo.actor.export.HFExport`: the weight sync reads it as
         buckets gathered to its sender only (``flat_buckets``)."""
         return export_hf_state(self.model, self.family_cfg, what=what, tp_group=self.tp_group, dtype=dtype)

@@ -10,10 +10,11 @@ Public API:
   * :func:`hf_to_megatron` / :func:`megatron_to_hf` -- streaming converters between HF
     ``(name, full tensor)`` and Megatron ``(global name, full tensor)``.
   * :func:`load_hf_weights_into` -- shard an HF state dict onto this rank's model chunks.
-  * :func:`export_hf_state` -- this rank's stage as HF ``(name, full tensor)`` (params or grads;
-    an :class:`HFExport`, also readable as flat buckets gathered to one rank), for the actor's
-    checks and the rollout weight sync. The checkpoint converter reads the TP=PP=EP=1 layout
-    from files and uses :func:`megatron_to_hf` directly; both name experts by global index.
+
+The live actor's bucketed export to HF tensors (for the rollout weight sync and the end-of-run
+export) is the actor's: :mod:`megatron_tepo.actor.export`, built on :class:`.common.MegatronToHFLayout`
+and the sharding helpers here. The checkpoint converter reads the TP=PP=EP=1 layout from files and
+uses :func:`megatron_to_hf` directly; both name experts by global index.
 """
 from __future__ import annotations
 
@@ -23,15 +24,15 @@ from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Uni
 import torch
 
 from . import llama, qwen2, qwen3, qwen3_moe
-from .common import (GPTFamilyConfig, LayerMapping, MegatronToHFLayout, convert_hf_to_megatron,
+from .common import (GPTFamilyConfig, LayerMapping, convert_hf_to_megatron,
                      convert_megatron_to_hf)
-from .sharding import ExportBuffers, FlatBucket, gather_full_tensors, iter_flat_buckets, load_megatron_state_into
+from .sharding import gather_full_tensors, load_megatron_state_into
 
 FAMILIES: Dict[str, ModuleType] = {m.FAMILY: m for m in (llama, qwen2, qwen3, qwen3_moe)}
 
 __all__ = ["FAMILIES", "GPTFamilyConfig", "resolve_family", "family_config_from_hf",
            "layer_mapping", "hf_to_megatron", "megatron_to_hf", "load_hf_weights_into",
-           "export_hf_state", "HFExport", "FlatBucket", "ExportBuffers", "gather_full_tensors"]
+           "gather_full_tensors"]
 
 
 def _field(hf_config, name):
@@ -96,57 +97,3 @@ def load_hf_weights_into(model_chunks: List[torch.nn.Module], hf_state_dict,
             raise ValueError("load_hf_weights_into needs family_cfg (the chunks carry none)")
     return load_megatron_state_into(model_chunks, hf_to_megatron(hf_state_dict, family_cfg),
                                     family_cfg.tie_word_embeddings, tp_group=tp_group)
-
-
-EXPORT_BUCKET_BYTES = 64 << 20
-
-
-class HFExport:
-    """A lazy export of this rank's pipeline stage as HF tensors (nothing moves before iterating).
-
-    * ``for name, tensor in export`` -- every rank gets ``(HF name, full tensor)`` for its stage,
-      all-gathered in buckets of ``bucket_bytes`` (one collective per bucket, see
-      :func:`.sharding.iter_flat_buckets`); the tensors are views into their bucket's buffer.
-    * :meth:`flat_buckets` -- the same stream as :class:`.sharding.FlatBucket` s, optionally
-      gathered to one rank only and into reused buffers: what the rollout weight sync consumes.
-
-    ``dtype``: cast floating tensors to it BEFORE the collectives (bit for bit what casting the
-    full tensors would give: unsharding and splitting only move elements); None keeps the
-    parameters' dtype. Expert parameters (MoE with expert parallelism) are collected from every
-    EP rank under their global expert index when ``all_experts`` (default: for params; for grads
-    each rank reports its own experts' gradients, as the per-rank equivalence checks read them).
-    Collective: every rank of the stage's TP (and EP) groups must consume it to the end.
-    """
-
-    def __init__(self, model_chunks: List[torch.nn.Module], family_cfg: GPTFamilyConfig,
-                 what: str = "param", tp_group=None, dtype: Optional[torch.dtype] = None,
-                 bucket_bytes: int = EXPORT_BUCKET_BYTES, all_experts: Optional[bool] = None):
-        if what not in ("param", "grad"):
-            raise ValueError(f"what must be 'param' or 'grad', got {what!r}")
-        self.model_chunks, self.family_cfg, self.what, self.tp_group = model_chunks, family_cfg, what, tp_group
-        self.dtype, self.bucket_bytes = dtype, bucket_bytes
-        self.all_experts = (what == "param") if all_experts is None else all_experts
-
-    def flat_buckets(self, bucket_bytes: Optional[int] = None, dtype: Optional[torch.dtype] = None,
-                     dst: Optional[int] = None, reuse: bool = False,
-                     buffers: Optional[ExportBuffers] = None) -> Iterator[FlatBucket]:
-        """Buckets of at most ``bucket_bytes`` (default: the export's); ``dtype`` overrides the
-        export's; ``dst`` / ``reuse`` / ``buffers`` as in :func:`.sharding.iter_flat_buckets`."""
-        return iter_flat_buckets(self.model_chunks, MegatronToHFLayout(self.family_cfg, layer_mapping(self.family_cfg)),
-                                 bucket_bytes or self.bucket_bytes, dtype=dtype or self.dtype, what=self.what,
-                                 dst=dst, tp_group=self.tp_group, all_experts=self.all_experts, reuse=reuse,
-                                 buffers=buffers)
-
-    def __iter__(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        for bucket in self.flat_buckets():
-            yield from bucket.named_tensors()
-
-
-def export_hf_state(model_chunks: List[torch.nn.Module], family_cfg: GPTFamilyConfig,
-                    what: str = "param", tp_group=None, dtype: Optional[torch.dtype] = None,
-                    bucket_bytes: int = EXPORT_BUCKET_BYTES, all_experts: Optional[bool] = None) -> HFExport:
-    """This rank's pipeline stage as HF ``(name, full tensor)`` (an iterable :class:`HFExport`);
-    collective over the TP (and EP) groups. Bit for bit
-    ``megatron_to_hf(gather_full_tensors(...))`` (cast to ``dtype``), plus every EP rank's experts."""
-    return HFExport(model_chunks, family_cfg, what=what, tp_group=tp_group, dtype=dtype,
-                    bucket_bytes=bucket_bytes, all_experts=all_experts)

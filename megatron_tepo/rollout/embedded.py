@@ -17,7 +17,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 
 from megatron_tepo.rollout.engine import (FINISH_LENGTH, FINISH_STOP, Group, RolloutEngine, Sample,
-                                          make_params, validate_prompts)
+                                          gathered_tensors, make_params, validate_prompts)
 
 
 def sampling_log_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -127,9 +127,10 @@ class EmbeddedEngine(RolloutEngine):
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Copy every tensor into the model; the stream must cover every parameter (a partial
-        update -- e.g. one pipeline stage only -- is an error naming what is missing)."""
+        update -- e.g. one pipeline stage only -- is an error naming what is missing). The
+        actor's export is read gathered to global rank 0, where this engine lives."""
         seen = set()
-        for name, tensor in named_tensors:
+        for name, tensor in gathered_tensors(named_tensors):
             seen.add(name)
             param = self._params.get(name)
             if param is None:

@@ -5,7 +5,7 @@ fleet :class:`~megatron_tepo.rollout.sglang_fleet.SGLangFleet`) takes prompts as
 returns, per prompt, a *group* of ``n`` samples, each with its response token ids, the engine's
 log-probability of every sampled token under the distribution it sampled from (``softmax(logits /
 temperature)``, after top-p) and why it stopped. Weights arrive as a stream of ``(HF name,
-tensor)`` -- the same stream :func:`megatron_tepo.models.export_hf_state` yields.
+tensor)`` -- the same stream :func:`megatron_tepo.actor.export.export_hf_state` yields.
 """
 from __future__ import annotations
 
@@ -67,7 +67,10 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        """Load full tensors with HF names (every parameter of the model, or a subset)."""
+        """Load full tensors with HF names (every parameter of the model, or a subset); the new
+        weights are in effect when it returns (cached prefixes of the old ones are dropped: the
+        update flushes, the caller does not). ``named_tensors`` may be the actor's export, which
+        is collective: read it with :func:`gathered_tensors`, or hand it to a weight sync."""
 
     def score(self, sequences: List[List[int]], prompt_lens: List[int],
               temperature: float = 1.0) -> List[List[float]]:
@@ -87,6 +90,18 @@ class RolloutEngine(abc.ABC):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def gathered_tensors(named_tensors: Iterable[Tuple[str, torch.Tensor]], dst: int = 0
+                     ) -> Iterable[Tuple[str, torch.Tensor]]:
+    """A weight update's ``(HF name, full tensor)`` stream as one consumer on global rank ``dst``
+    reads it. An export that buckets itself (``flat_buckets``: the actor's) is read as buckets
+    gathered to ``dst``, so every pipeline stage's tensors reach it; on the other ranks it yields
+    nothing but must still be iterated to the end (collective). Any other iterable as it is."""
+    flat_buckets = getattr(named_tensors, "flat_buckets", None)
+    if callable(flat_buckets):
+        return (nt for bucket in flat_buckets(dst=dst) for nt in bucket.named_tensors())
+    return named_tensors
 
 
 def make_params(n, temperature, top_p, max_new_tokens, stop_token_ids) -> SamplingParams:

@@ -23,7 +23,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -37,6 +36,7 @@ import torch
 
 from megatron_tepo.rollout.engine import (FINISH_LENGTH, FINISH_STOP, Group, RolloutEngine, Sample,
                                           make_params, validate_prompts)
+from megatron_tepo.rollout.net import free_port
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
@@ -54,12 +54,6 @@ class RequestFailed(Exception):
 
 def default_sglang_python() -> str:
     return os.environ.get("MTEPO_SGLANG_PYTHON", str(REPO / ".venv-sglang" / "bin" / "python"))
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -558,6 +552,8 @@ class SGLangFleet(RolloutEngine):
         return outs
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Push the stream to every live server (the fleet's :class:`WeightSync`; ``tensor`` mode
+        unless the trainer set another up), servers paused, then one cache flush."""
         if self.weight_sync is None:
             from megatron_tepo.rollout.weight_sync import WeightSync
 

@@ -1,6 +1,6 @@
 """Megatron -> rollout engine weight sync, bucketed, in three modes; and the log-prob drift check.
 
-Input: :meth:`MegatronActor.export_hf_state` (a lazy :class:`~megatron_tepo.models.HFExport`), or
+Input: :meth:`MegatronActor.export_hf_state` (a lazy :class:`~megatron_tepo.actor.export.HFExport`), or
 any iterator of ``(HF name, full tensor)``. Only the *sender* (global rank 0 by default,
 ``sender_rank``) talks to the servers; every rank of the actor calls :meth:`WeightSync.push`, the
 others just drain the export, which is collective.
@@ -60,7 +60,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron_tepo.models.sharding import BucketHandoff, ExportBuffers, FlatBucket
+from megatron_tepo.buckets import BucketHandoff, ExportBuffers, FlatBucket
+from megatron_tepo.rollout.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -277,8 +278,6 @@ class WeightSync:
         if self._pg is not None and urls == self._pg_servers:
             return
         self._destroy_group()
-        from megatron_tepo.rollout.sglang_fleet import free_port
-
         port = self.master_port or free_port(self.master_address)
         tp = [int(getattr(s, "tp_size", 1)) for s in servers]
         world = 1 + sum(tp)
@@ -393,7 +392,7 @@ class WeightSync:
     # ------------------------------------------------------------------ public
     def _buckets(self, named_tensors, stats: SyncStats) -> Iterator[FlatBucket]:
         """The stream as flat buckets. An export that can bucket itself (``flat_buckets``, e.g.
-        :class:`~megatron_tepo.models.HFExport`) is asked for buckets gathered to the sender, cast
+        :class:`~megatron_tepo.actor.export.HFExport`) is asked for buckets gathered to the sender, cast
         to the wire dtype before its collectives, in reused buffers; any other stream of
         ``(name, tensor)`` is cast and flattened here into one reused buffer. A bucket may still be
         on the wire when the next is asked for: its ``release`` (set by the push) must be called
@@ -404,6 +403,8 @@ class WeightSync:
             dst = self.sender_rank if _dist_rank() is not None else None
             kw = {"buffers": self._export_buffers} if self._export_buffers is not None else {}
             return flat_buckets(self.bucket_bytes, dtype=self.wire_dtype, dst=dst, reuse=True, **kw)
+        if not self.is_sender:  # a plain stream: nothing to send from this rank, just drain it
+            return (None for _ in named_tensors)
 
         def flatten_each():
             out, handoff = None, BucketHandoff()
@@ -429,9 +430,7 @@ class WeightSync:
         and always continue afterwards; a flush still refused while the aborts settle is retried."""
         stats = SyncStats(self.mode)
         if not self.is_sender:
-            it = self._buckets(named_tensors, stats) if callable(getattr(named_tensors, "flat_buckets", None)) \
-                else named_tensors
-            for _ in it:
+            for _ in self._buckets(named_tensors, stats):
                 pass
             return stats
         t0 = time.perf_counter()

@@ -29,12 +29,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.actor.checkpointing import load_newest_checkpoint, prune_checkpoints, remove_partial_checkpoints
 from megatron_tepo.algorithms import compute_group_advantages, filter_groups
 from megatron_tepo.algorithms.advantages import gpg_correction
 from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.config import AlgorithmConfig, RunConfig
+from megatron_tepo.rollout.engine import gathered_tensors
 from megatron_tepo.rollout.weight_sync import DriftCheck
 
 try:
@@ -116,13 +116,10 @@ class FollowerEngine:
 
     def update_weights(self, named_tensors) -> None:
         if self.weight_sync is not None:
-            self.weight_sync.push(named_tensors, flush_cache=False)
-        else:
-            for _ in named_tensors:
+            self.weight_sync.push(named_tensors)
+        else:  # the driver's engine reads the export gathered to it: take part, keep nothing
+            for _ in gathered_tensors(named_tensors):
                 pass
-
-    def flush_cache(self) -> None:
-        pass
 
     def generate(self, *args, **kwargs):
         raise RuntimeError("only the driver (global rank 0) generates; this rank follows")
@@ -189,17 +186,11 @@ def generate_groups(engine, task: Task, indices: List[int], cfg: RunConfig, rng:
 
 
 def sync_weights(actor, engine) -> float:
-    """Push the actor's weights (HF names, full tensors) into the engine; returns seconds.
+    """The actor's weights into the engine (its update flushes its cache); returns seconds.
     Collective: the export gathers over the actor's groups, so every rank calls it; ranks other
     than the driver pass a :class:`FollowerEngine`."""
     t = time.time()
-    named = actor.export_hf_state()
-    if getattr(engine, "weight_sync", None) is None and callable(getattr(named, "flat_buckets", None)):
-        # a plain consumer (the embedded engine, a follower): every pipeline stage's tensors are
-        # gathered to the driver (a WeightSync does this itself, to its sender)
-        named = (nt for bucket in named.flat_buckets(dst=0) for nt in bucket.named_tensors())
-    engine.update_weights(named)
-    engine.flush_cache()
+    engine.update_weights(actor.export_hf_state())
     return time.time() - t
 
 

@@ -37,8 +37,10 @@ def run_case(case):
 
     from megatron_tepo.actor.actor import MegatronActor
     from megatron_tepo.actor.parallel import ParallelLayout
-    from megatron_tepo.models import export_hf_state, megatron_to_hf
-    from megatron_tepo.models.sharding import ExportBuffers, gather_full_tensors
+    from megatron_tepo.actor.export import export_hf_state
+    from megatron_tepo.buckets import ExportBuffers
+    from megatron_tepo.models import megatron_to_hf
+    from megatron_tepo.models.sharding import gather_full_tensors
 
     hf_cfg = tiny_hf_config(case["family"], tie=case["tie"])
     model = make_hf_model(hf_cfg, seed=3)
