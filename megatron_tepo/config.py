@@ -108,6 +108,9 @@ class RolloutConfig:
     sync_keep_buffers: bool = True  # hold them between syncs (no re-allocation per push)
     sync_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the servers' dtype (bytes on the wire)
     sync_dir: Optional[str] = None  # disk mode: a directory the servers see (shared file system)
+    # One-step-off generation (1): the next step's groups are generated, with the weights this step
+    # started from, while the actor trains this step; 0: generation and training alternate.
+    max_staleness: Literal[0, 1] = 0
     drift_warn_mean: float = 0.05  # warn when engine vs actor log-probs differ more (mean |d|)
     drift_warn_max: float = 1.0  # ... or at most (max |d|)
 

@@ -6,8 +6,16 @@ tested. Everything algorithmic comes from ``megatron_tepo.algorithms`` through t
 every loss and ablation config runs through it unchanged.
 
 Checkpoints hold the actor (model, optimizer, LR schedule, RNG: ``MegatronActor.save_checkpoint``)
-plus the loop's own state (step, prompt order and RNG, the engine's sampling RNG), written
-atomically; a resumed run continues exactly (tested with a SIGKILL).
+plus the loop's own state (step, prompt order and RNG, the engine's sampling RNG, and with
+one-step-off generation the next step's rollout), written atomically; a resumed run continues
+exactly (tested with a SIGKILL).
+
+One-step-off generation (``rollout.max_staleness: 1``): while the actor trains step k, the driver
+generates step k+1's rollout in a background thread with the weights step k started from; the
+weights are synced once it is complete, so no request runs across an update. Step k+1 then
+trains on a batch one update older than its weights (``rollout_staleness`` 1; step 1 is
+on-policy): the old log-probs are the actor's (the proximal policy, as in decoupled PPO) and the
+rollout correction (``algorithm.rollout_correction``) covers the behaviour policy's difference.
 
 Several processes (torchrun: TP / PP / DP actor): global rank 0 is the *driver* (:class:`Driver`):
 it alone holds the rollout engine, generates, scores, evaluates and logs, and broadcasts each
@@ -15,17 +23,21 @@ step's groups to the other ranks; every rank runs the actor's collectives (old l
 the weight export, checkpoints). Data-parallel ranks each train on their share of every
 mini-batch (rows ``i % dp == dp_rank``); the loss normaliser is global (the actor's).
 
-Left out: a reference policy for ``kl_target: ref``; overlapping generation with training
-(generation and training alternate, as in the paper).
+Left out: a reference policy for ``kl_target: ref``; staleness beyond one step (fully
+asynchronous generation); a resumed run whose ``train.steps`` was raised past a finished run
+generates its next step on-policy (the finished run saved no pending rollout).
 """
 from __future__ import annotations
 
 import math
 import random
 import time
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -34,7 +46,7 @@ from megatron_tepo.algorithms import compute_group_advantages, filter_groups
 from megatron_tepo.algorithms.advantages import gpg_correction
 from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.config import AlgorithmConfig, RunConfig
-from megatron_tepo.rollout.engine import gathered_tensors
+from megatron_tepo.rollout.engine import Sample, gathered_tensors
 from megatron_tepo.rollout.weight_sync import DriftCheck
 
 try:
@@ -57,6 +69,16 @@ class Task:
     eval_answers: Optional[List[str]] = None
 
 
+class Generated(NamedTuple):
+    """One step's rollout: kept prompts, their groups and rewards, the sampling statistics, and
+    the weights that generated it (``weights_version`` k: the weights step k started from)."""
+    prompts: List[List[int]]
+    groups: list
+    rewards: List[torch.Tensor]
+    stats: Dict
+    weights_version: int
+
+
 class Driver:
     """Global rank 0 drives the loop: it alone generates, scores, evaluates and logs; what it
     computes reaches the other ranks as pickled objects over a gloo group of its own (the actor's
@@ -67,6 +89,33 @@ class Driver:
         self.world = dist.get_world_size() if on else 1
         self.rank = dist.get_rank() if on else 0
         self._group = dist.new_group(backend="gloo") if self.world > 1 else None
+
+    def start(self, fn: Callable[[], object]) -> Optional[Future]:
+        """``fn()`` in a background thread on the driver (one-step-off generation); None elsewhere.
+        The thread dies with the process (daemon): a failed run does not wait for it."""
+        if not self.is_driver:
+            return None
+        job: Future = Future()
+
+        def run():
+            try:
+                job.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 -- handed to the waiting rank
+                job.set_exception(exc)
+
+        threading.Thread(target=run, name="mtepo-generate", daemon=True).start()
+        return job
+
+    def local(self, fn: Callable[[], object]):
+        """``fn()`` on the driver, its result kept there (None elsewhere: nothing is sent); an
+        error in it is raised on every rank, so no rank goes on into a collective alone."""
+        box = [None]
+
+        def call():
+            box[0] = fn()
+
+        self.run(call)
+        return box[0]
 
     @property
     def is_driver(self) -> bool:
@@ -91,9 +140,10 @@ class Driver:
             raise RuntimeError(f"the driver (global rank 0) failed: {value}")
         return value
 
-    def combine_drift(self, local: Dict[str, float], check: DriftCheck, dp_size: int) -> Dict[str, float]:
+    def combine_drift(self, local: Dict[str, float], check: DriftCheck, dp_size: int,
+                      warn: bool = True) -> Dict[str, float]:
         """Drift metrics over the rows of every data-parallel rank (token-weighted mean, max);
-        the driver warns over ``check``'s thresholds."""
+        the driver warns over ``check``'s thresholds (``warn``)."""
         p = check.prefix
         t = torch.tensor([local[f"{p}_mean"] * local[f"{p}_tokens"], float(local[f"{p}_tokens"]), local[f"{p}_max"]],
                          dtype=torch.float64)
@@ -102,7 +152,7 @@ class Driver:
         dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=self._group)
         mean = float(t[0] / t[1]) if t[1] > 0 else 0.0
         tokens = int(t[1]) * dp_size // self.world  # each DP share is held by world / dp ranks (TP, PP)
-        return check.report(mean, float(mx), tokens, warn=self.is_driver)
+        return check.report(mean, float(mx), tokens, warn=warn and self.is_driver)
 
 
 class FollowerEngine:
@@ -219,12 +269,34 @@ def policy_update(actor, mb: RolloutBatch, loss_cfg: Dict) -> Dict[str, float]:
     return metrics
 
 
-def _loop_state(step: int, rng: random.Random, order: List[int], engine, extra: Dict) -> Dict:
-    """Everything besides the actor that a resumed run needs to continue exactly (JSON)."""
+PENDING_FILE = "pending_rollout.pt"
+LOOP_KEYS = ("step", "rng", "order", "engine_rng", "pending_rollout")
+
+
+def _loop_state(step: int, rng: random.Random, order: List[int], engine, extra: Dict,
+                pending: Optional[Generated] = None) -> Dict:
+    """Everything besides the actor that a resumed run needs to continue exactly (JSON; the next
+    step's rollout, generated one step off, goes into ``PENDING_FILE`` beside it)."""
     version, internal, gauss = rng.getstate()
     gen = getattr(engine, "generator", None)
     return {"step": step, "rng": [version, list(internal), gauss], "order": order,
-            "engine_rng": gen.get_state().tolist() if gen is not None else None, **extra}
+            "engine_rng": gen.get_state().tolist() if gen is not None else None,
+            "pending_rollout": PENDING_FILE if pending is not None else None, **extra}
+
+
+def _write_pending(g: Generated, path: Path) -> None:
+    torch.save({"prompts": g.prompts, "rewards": g.rewards, "stats": g.stats, "weights_version": g.weights_version,
+                "groups": [[(s.token_ids, s.log_probs, s.finish_reason) for s in grp] for grp in g.groups]}, path)
+
+
+def _read_pending(path: Path) -> Generated:
+    try:
+        d = torch.load(path, weights_only=True)
+        groups = [[Sample(list(t), list(lp), fr) for t, lp, fr in grp] for grp in d["groups"]]
+        return Generated(d["prompts"], groups, d["rewards"], d["stats"], int(d["weights_version"]))
+    except Exception as exc:  # noqa: BLE001 -- any unreadable file: one line naming it
+        raise ValueError(f"{path}: the next step's rollout saved with this checkpoint cannot be read "
+                         f"({type(exc).__name__}: {exc}); resume from an earlier checkpoint") from None
 
 
 def _restore_loop_state(state: Dict, rng: random.Random, order: List[int], engine) -> int:
@@ -275,14 +347,16 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
     if not driver.is_driver:
         logger = on_step = eval_fn = report = None
         engine = engine if engine is not None else FollowerEngine()
-    start = 1
+    start, pending = 1, None  # pending: the next step's rollout, on the driver (one-step-off)
     if checkpoint_root:
         remove_partial_checkpoints(checkpoint_root)
     if checkpoint_root and cfg.train.resume:
         latest, state = load_newest_checkpoint(actor, checkpoint_root, report)
         if latest is not None:
             start = _restore_loop_state(state, rng, order, engine) + 1
-            extra.update({k: v for k, v in state.items() if k not in ("step", "rng", "order", "engine_rng")})
+            extra.update({k: v for k, v in state.items() if k not in LOOP_KEYS})
+            if state.get("pending_rollout"):
+                pending = driver.local(partial(_read_pending, Path(latest) / state["pending_rollout"]))
             extra["resumed_from"] = str(latest)
             sync_weights(actor, engine)
             if report is not None:
@@ -291,20 +365,29 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         report("starting at step 1")
     if logger is not None:
         logger.truncate_after(start - 1)
+
+    def generate(version: int) -> Generated:  # on the driver: the next prompts, sampled and scored
+        rng.shuffle(order)
+        return Generated(*generate_groups(engine, task, order[:cfg.rollout.prompts_per_step], cfg, rng), version)
+
     for step in range(start, cfg.train.steps + 1):
         t0 = time.time()
-        rng.shuffle(order)
-        # 1. generate -> reward -> dynamic sampling
-        prompts, groups, rewards, gen = driver.run(
-            lambda: generate_groups(engine, task, order[:cfg.rollout.prompts_per_step], cfg, rng))
+        # 1. generate -> reward -> dynamic sampling; one-step-off: this step's rollout was generated
+        #    while the previous step trained, and the next one's starts now, with this step's weights
+        prompts, groups, rewards, gen, version = driver.run(lambda: pending or generate(step))
+        pending, ahead = None, None
+        if cfg.rollout.max_staleness and step < cfg.train.steps:
+            ahead = driver.start(partial(generate, step))
+        gen = {**gen, "rollout_staleness": float(step - version)}
         if not prompts:  # every group had equal rewards for max_sampling_rounds rounds
             metrics = {"skipped_step": 1.0, "updates": 0.0, **gen, "step_s": time.time() - t0}
+            pending = driver.local(ahead.result) if ahead is not None else None
             if on_step is not None:
                 on_step(step, metrics)
             if logger is not None:
                 logger.log(step, metrics)
-            _save(cfg, actor, checkpoint_root, step, _loop_state(step, rng, order, engine, extra), checkpoint_files,
-                  driver)
+            _save(cfg, actor, checkpoint_root, step, _loop_state(step, rng, order, engine, extra, pending),
+                  checkpoint_files, driver, pending)
             history.append(metrics)
             continue
         reward = torch.cat(rewards)
@@ -323,9 +406,10 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
             batch.old_log_probs = batch.rollout_log_probs
         else:
             batch.old_log_probs, batch.old_entropy = actor.compute_log_probs(batch)
+            fresh = step == version  # a batch of older weights differs by an update: reported, no warning
             local = drift_check(batch.rollout_log_probs, batch.old_log_probs, batch.response_mask,
-                                warn=dp_size == 1 and driver.is_driver)
-            drift = local if dp_size == 1 else driver.combine_drift(local, drift_check, dp_size)
+                                warn=dp_size == 1 and fresh and driver.is_driver)
+            drift = local if dp_size == 1 else driver.combine_drift(local, drift_check, dp_size, warn=fresh)
         # 4. policy updates over mini-batches of prompts
         local_rows_per_mb = rows_per_mb // dp_size
         updates = []
@@ -333,7 +417,9 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
             for first in range(0, batch.batch_size, local_rows_per_mb):
                 mb = batch.select(range(first, min(first + local_rows_per_mb, batch.batch_size)))
                 updates.append(policy_update(actor, mb, loss_cfg))
-        # 5. weight sync to the rollout engine
+        # 5. weight sync to the rollout engine, once the next step's rollout is in (no request runs
+        #    across a weight update)
+        pending = driver.local(ahead.result) if ahead is not None else None
         sync_s = sync_weights(actor, engine)
         done = [u for u in updates if not u["skipped_update"]] or updates
         metrics = {k: sum(u[k] for u in done) / len(done) for k in done[0] if isinstance(done[0][k], float)}
@@ -347,15 +433,25 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
             on_step(step, metrics)
         if logger is not None:
             logger.log(step, metrics)
-        _save(cfg, actor, checkpoint_root, step, _loop_state(step, rng, order, engine, extra), checkpoint_files, driver)
+        _save(cfg, actor, checkpoint_root, step, _loop_state(step, rng, order, engine, extra, pending),
+              checkpoint_files, driver, pending)
         history.append(metrics)
     return history
 
 
-def _save(cfg: RunConfig, actor, root: Optional[Path], step: int, state: Dict, files, driver: Driver) -> None:
-    """Checkpoint every ``train.save_every`` steps and always at the last one; prune old ones."""
+def _save(cfg: RunConfig, actor, root: Optional[Path], step: int, state: Dict, files, driver: Driver,
+          pending: Optional[Generated] = None) -> None:
+    """Checkpoint every ``train.save_every`` steps and always at the last one; prune old ones.
+    With one-step-off generation the next step's rollout is saved with it (``PENDING_FILE``)."""
     if not root or not (step == cfg.train.steps or (cfg.train.save_every and step % cfg.train.save_every == 0)):
         return
-    actor.save_checkpoint(Path(root) / f"step_{step}", state, write_extra=files if driver.is_driver else None)
+
+    def write_extra(tmp: Path) -> None:
+        if files is not None:
+            files(tmp)
+        if pending is not None:
+            _write_pending(pending, tmp / PENDING_FILE)
+
+    actor.save_checkpoint(Path(root) / f"step_{step}", state, write_extra=write_extra if driver.is_driver else None)
     if cfg.train.keep_checkpoints and driver.is_driver:
         prune_checkpoints(root, cfg.train.keep_checkpoints)

@@ -83,6 +83,14 @@ def main(out_path):
         after = dict(actor.export_hf_state())
         results[key] = {"metrics": {k: v for k, v in m.items() if k.startswith(("rollout_", "drift_", "updates"))},
                         "moved": any(not torch.equal(before[n], after[n]) for n in before)}
+    # One-step-off generation: step k trains on the rollout generated with the weights step k-1
+    # started from; the correction sees the one-update difference.
+    cfg = load_config(REPO / "examples/tiny_tepo/config.yaml",
+                      overrides + ["train.steps=3", "rollout.max_staleness=1",
+                                   "algorithm.rollout_correction.rollout_is=token"])
+    history = train(cfg, actor, engine, task)
+    results["_one_step_off"] = [{k: m.get(k) for k in ("rollout_staleness", "drift_max", "rollout_mismatch_kl",
+                                                      "rollout_is_weight", "updates")} for m in history]
     # A deliberate mismatch: the engine samples at temperature 0.7, the actor scores at 1.0. The
     # correction's token weights are then the known ratio p_1(token) / p_0.7(token).
     from megatron_tepo.algorithms import RolloutCorrection, rollout_correction_weights

@@ -42,6 +42,14 @@ def test_every_ablation_config_runs_through_the_loop(tmp_path):
     results = json.loads((tmp_path / "r.json").read_text())
     nan, after = results.pop("_nan"), results.pop("_after_nan")
     correction, bypass, mismatch = results.pop("_correction"), results.pop("_old_from_rollout"), results.pop("_mismatch")
+    one_step_off = results.pop("_one_step_off")
+    # one-step-off: step 1 on-policy, then every batch one update older than the weights it trains
+    assert [m["rollout_staleness"] for m in one_step_off] == [0.0, 1.0, 1.0]
+    assert all(m["updates"] > 0 for m in one_step_off)
+    fresh, stale = one_step_off[0], one_step_off[1:]
+    assert fresh["drift_max"] < 1e-4 and fresh["rollout_mismatch_kl"] < 1e-9
+    for m in stale:  # the engine's weights were one update behind: the correction measures it
+        assert m["drift_max"] > 1e-4 and m["rollout_mismatch_kl"] > 1e-9 and m["rollout_is_weight"] != 1.0
     # rollout correction in the loop: with the exact sync, the geometric IS weights are ~1 and a
     # tight token rejection band rejects nothing; the metrics are logged and the update happens
     m = correction["metrics"]

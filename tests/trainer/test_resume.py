@@ -1,5 +1,6 @@
 """Resume: a run killed with SIGKILL after a checkpoint and started again produces the same
-metrics as an uninterrupted run; partial checkpoint directories are ignored."""
+metrics as an uninterrupted run, with generation and training alternating and one step off (the
+checkpoint then holds the next step's rollout); partial checkpoint directories are ignored."""
 import json
 import os
 import signal
@@ -14,9 +15,9 @@ REPO = Path(__file__).resolve().parents[2]
 VOLATILE = {"time", "step_s", "sync_s"}
 
 
-def _cmd(out):
-    return [sys.executable, str(REPO / "examples/tiny_tepo/run.py"), "train.steps=24", "train.save_every=4",
-            "train.eval_every=6", f"train.output_dir={out}", "--eval-size", "20"]
+def _cmd(out, *extra):
+    return [sys.executable, str(REPO / "examples/tiny_tepo/run.py"), "train.save_every=4", "train.eval_every=6",
+            f"train.output_dir={out}", *extra, "--eval-size", "20"]
 
 
 def _env(port):
@@ -29,13 +30,15 @@ def _metrics(out):
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
+@pytest.mark.parametrize("staleness,steps", [(0, 24), (1, 12)])
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path, staleness, steps):
     ref, run = tmp_path / "ref", tmp_path / "run"
-    port = 23000 + os.getpid() % 5000
-    done = subprocess.run(_cmd(ref), env=_env(port), capture_output=True, text=True, timeout=600, cwd=REPO)
+    port = 23000 + os.getpid() % 5000 + 10 * staleness
+    extra = [f"train.steps={steps}", f"rollout.max_staleness={staleness}"]
+    done = subprocess.run(_cmd(ref, *extra), env=_env(port), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
 
-    proc = subprocess.Popen(_cmd(run), env=_env(port + 1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(_cmd(run, *extra), env=_env(port + 1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, cwd=REPO)
     marker = run / "checkpoints" / "step_8" / "complete"
     deadline = time.time() + 300
@@ -47,12 +50,15 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     # A crash during a later write: a checkpoint directory without its marker, and a tmp dir.
     (run / "checkpoints" / "step_99").mkdir(parents=True)
     (run / "checkpoints" / "step_98.tmp-1234").mkdir()
-    resumed = subprocess.run(_cmd(run), env=_env(port + 2), capture_output=True, text=True, timeout=600, cwd=REPO)
+    resumed = subprocess.run(_cmd(run, *extra), env=_env(port + 2), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and "step_99" not in resumed.stdout
 
     got, want = _metrics(run), _metrics(ref)
-    assert [m["step"] for m in got] == list(range(1, 25))
+    assert [m["step"] for m in got] == list(range(1, steps + 1))
     assert got == want  # every metric of every step, bit for bit
+    assert [m["rollout_staleness"] for m in got] == [0.0] + [float(staleness)] * (steps - 1)
+    if staleness:  # the killed run's checkpoint held the next step's rollout, which the resumed one trained
+        assert (run / "checkpoints" / "step_8" / "pending_rollout.pt").exists()
     assert json.loads((run / "summary.json").read_text())["accuracy_after"] == \
         json.loads((ref / "summary.json").read_text())["accuracy_after"]
