@@ -30,9 +30,10 @@ generates its next step on-policy (the finished run saved no pending rollout).
 from __future__ import annotations
 
 import math
+import queue
 import random
-import time
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
@@ -89,22 +90,30 @@ class Driver:
         self.world = dist.get_world_size() if on else 1
         self.rank = dist.get_rank() if on else 0
         self._group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self._jobs = None  # the background thread's queue, once started
 
     def start(self, fn: Callable[[], object]) -> Optional[Future]:
-        """``fn()`` in a background thread on the driver (one-step-off generation); None elsewhere.
-        The thread dies with the process (daemon): a failed run does not wait for it."""
+        """``fn()`` in the driver's background thread (one-step-off generation); None elsewhere.
+        One thread for the driver's life: processes it starts (reward workers, which die with the
+        thread that started them) outlive the job. It dies with the process (daemon): a failed
+        run does not wait for it."""
         if not self.is_driver:
             return None
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(self._jobs,), name="mtepo-generate", daemon=True).start()
         job: Future = Future()
+        self._jobs.put((fn, job))
+        return job
 
-        def run():
+    @staticmethod
+    def _serve(jobs) -> None:
+        while True:
+            fn, job = jobs.get()
             try:
                 job.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 -- handed to the waiting rank
                 job.set_exception(exc)
-
-        threading.Thread(target=run, name="mtepo-generate", daemon=True).start()
-        return job
 
     def local(self, fn: Callable[[], object]):
         """``fn()`` on the driver, its result kept there (None elsewhere: nothing is sent); an
