@@ -384,13 +384,16 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         # 1. generate -> reward -> dynamic sampling; one-step-off: this step's rollout was generated
         #    while the previous step trained, and the next one's starts now, with this step's weights
         prompts, groups, rewards, gen, version = driver.run(lambda: pending or generate(step))
+        rollout_s = time.time() - t0  # waiting for the rollout (generating it, when not done ahead)
         pending, ahead = None, None
         if cfg.rollout.max_staleness and step < cfg.train.steps:
             ahead = driver.start(partial(generate, step))
         gen = {**gen, "rollout_staleness": float(step - version)}
         if not prompts:  # every group had equal rewards for max_sampling_rounds rounds
-            metrics = {"skipped_step": 1.0, "updates": 0.0, **gen, "step_s": time.time() - t0}
+            t = time.time()
             pending = driver.local(ahead.result) if ahead is not None else None
+            metrics = {"skipped_step": 1.0, "updates": 0.0, **gen, "rollout_s": rollout_s + time.time() - t,
+                       "step_s": time.time() - t0}
             if on_step is not None:
                 on_step(step, metrics)
             if logger is not None:
@@ -410,7 +413,7 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         if dp_size > 1:  # this rank's share of every mini-batch (rows_per_mb is a multiple of dp_size)
             batch = batch.select(range(dp_rank, batch.batch_size, dp_size))
         # 3. old log-probs: the actor's (and its entropy), or the engine's own
-        drift = {}
+        t_train, drift = time.time(), {}
         if cfg.algorithm.old_log_prob == "rollout":
             batch.old_log_probs = batch.rollout_log_probs
         else:
@@ -428,14 +431,17 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
                 updates.append(policy_update(actor, mb, loss_cfg))
         # 5. weight sync to the rollout engine, once the next step's rollout is in (no request runs
         #    across a weight update)
+        t = time.time()
+        train_s = t - t_train
         pending = driver.local(ahead.result) if ahead is not None else None
+        rollout_s += time.time() - t
         sync_s = sync_weights(actor, engine)
         done = [u for u in updates if not u["skipped_update"]] or updates
         metrics = {k: sum(u[k] for u in done) / len(done) for k in done[0] if isinstance(done[0][k], float)}
         metrics["skipped_update"] = float(sum(u["skipped_update"] for u in updates))
         metrics["updates"] = float(len(updates)) - metrics["skipped_update"]
-        metrics.update(gen, reward_mean=float(reward.mean()), sync_s=sync_s, step_s=time.time() - t0,
-                       response_length_mean=response_length_mean, **drift)
+        metrics.update(gen, reward_mean=float(reward.mean()), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
+                       step_s=time.time() - t0, response_length_mean=response_length_mean, **drift)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
             metrics.update(driver.run(eval_fn or dict))
         if on_step is not None:
