@@ -385,13 +385,13 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         #    while the previous step trained, and the next one's starts now, with this step's weights
         prompts, groups, rewards, gen, version = driver.run(lambda: pending or generate(step))
         rollout_s = time.time() - t0  # waiting for the rollout (generating it, when not done ahead)
-        pending, ahead = None, None
-        if cfg.rollout.max_staleness and step < cfg.train.steps:
-            ahead = driver.start(partial(generate, step))
+        # (every rank knows whether a rollout runs ahead: waiting for it is a collective)
+        overlap = bool(cfg.rollout.max_staleness) and step < cfg.train.steps
+        pending, ahead = None, driver.start(partial(generate, step)) if overlap else None
         gen = {**gen, "rollout_staleness": float(step - version)}
         if not prompts:  # every group had equal rewards for max_sampling_rounds rounds
             t = time.time()
-            pending = driver.local(ahead.result) if ahead is not None else None
+            pending = driver.local(lambda: ahead.result()) if overlap else None
             metrics = {"skipped_step": 1.0, "updates": 0.0, **gen, "rollout_s": rollout_s + time.time() - t,
                        "step_s": time.time() - t0}
             if on_step is not None:
@@ -433,7 +433,7 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         #    across a weight update)
         t = time.time()
         train_s = t - t_train
-        pending = driver.local(ahead.result) if ahead is not None else None
+        pending = driver.local(lambda: ahead.result()) if overlap else None
         rollout_s += time.time() - t
         sync_s = sync_weights(actor, engine)
         done = [u for u in updates if not u["skipped_update"]] or updates

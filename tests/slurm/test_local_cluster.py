@@ -1,6 +1,6 @@
 """slurm/local_cpu_tepo.sh on a real one-node Slurm cluster (tools/slurm_cluster.sh): sbatch, poll
-sacct, check the job ended COMPLETED with a real SGLang CPU server and a TP=2 trainer, metrics and a
-complete checkpoint written; a second submission resumes from that checkpoint. Plus lib.sh's
+sacct, check the job ended COMPLETED with a real SGLang CPU server and a TP=2 trainer generating one
+step off, metrics and a complete checkpoint written; a second submission resumes from that checkpoint. Plus lib.sh's
 preemption path (USR1 to the batch shell -> steps stopped -> scontrol requeue -> second attempt)."""
 import json
 import math
@@ -17,8 +17,10 @@ from tests.slurm.conftest import ROOT, job_state, sacct, sbatch, wait_job
 
 pytestmark = [pytest.mark.slurm]
 SCRIPT = ROOT / "slurm" / "local_cpu_tepo.sh"
-# tiny sizes: 4 prompts x 4 samples per step, one policy update per step
-SMALL = ["rollout.prompts_per_step=4", "rollout.n_samples=4", "train.mini_batch_prompts=4"]
+# tiny sizes: 4 prompts x 4 samples per step, one policy update per step; one-step-off generation
+# (the server generates the next step's groups while the TP=2 actor trains)
+SMALL = ["rollout.prompts_per_step=4", "rollout.n_samples=4", "train.mini_batch_prompts=4",
+         "rollout.max_staleness=1", "algorithm.rollout_correction.rollout_is=token"]
 
 
 def _job_env(**extra):
@@ -74,6 +76,12 @@ def test_local_cpu_job_completes_then_resumes(slurm_cluster, tmp_path):
     for m in metrics:
         for key in ("loss", "entropy", "grad_norm", "reward_mean"):
             assert math.isfinite(m[key]), (key, m)
+        assert m["sync_s"] > 0 and 0 < m["rollout_is_weight"] <= 2.0, m
+    # the server's log-probs of its own samples vs the actor's (bf16 server): step 1 on the same
+    # weights; step 2 generated one step off, with the weights step 1 started from
+    assert [m["rollout_staleness"] for m in metrics] == [0.0, 1.0]
+    assert 0 < metrics[0]["drift_mean"] < 0.05 and metrics[0]["drift_max"] < 1.0, metrics[0]
+    assert metrics[1]["drift_mean"] > 0
     ckpts = out / "checkpoints"
     assert is_complete_checkpoint(ckpts / "step_2"), sorted(p.name for p in ckpts.iterdir())
     run_yaml = (out / "launch" / f"{job}.0" / "run.yaml").read_text()
@@ -83,6 +91,9 @@ def test_local_cpu_job_completes_then_resumes(slurm_cluster, tmp_path):
     assert f"resumed from {ckpts / 'step_2'}" in trainer2, trainer2[-3000:]
     steps = [m["step"] for m in _metrics(out)]
     assert steps == [1, 2, 3], steps  # step 3 added, nothing duplicated
+    assert _metrics(out)[:2] == metrics  # the first job's lines kept as they were
+    # the first job ended at its last step, so it saved no next rollout: step 3 is on-policy
+    assert _metrics(out)[2]["rollout_staleness"] == 0.0
     assert [p.name for p in list_complete_checkpoints(ckpts)][-1] == "step_3"
 
 
