@@ -1,7 +1,9 @@
-"""The Megatron-core actor: parallel layout, batch format, token-budget micro-batching, actor.
+"""The Megatron-core actor: parallel layout, token-budget micro-batching, the actor and its
+bucketed HF export. The batch it consumes is :class:`megatron_tepo.batch.RolloutBatch` (re-exported
+here), shared with the trainer and the engines.
 
-Imports of megatron-core happen lazily inside the functions that need it, so ``batch`` /
-``batching`` / ``parallel.validate_layout`` stay usable without starting anything.
+Imports of megatron-core happen lazily inside the functions that need it, so ``batching`` /
+``parallel.validate_layout`` stay usable without starting anything.
 """
 from megatron_tepo.batch import RolloutBatch
 from .batching import balance_to_count, equalize_micro_batch_count, plan_micro_batches
