@@ -14,7 +14,7 @@ generated it, with and without truncated token-level IS weights (``rollout_is: t
 What it leaves out: the paper's scale (7B/14B, 64 x 8, 8k tokens); on a task this small, seed
 noise is large, so read the intervals, not the means. All runs share one supervised warm-up.
 
-    python benchmarks/convergence.py --seeds 8 --steps 120 --json out.json
+    python benchmarks/convergence.py --seeds 8 --steps 120 [--jobs 2] [--methods ...] --json out.json
 """
 from __future__ import annotations
 
@@ -26,9 +26,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from megatron_tepo.rollout.net import free_port  # noqa: E402
+
 OFF = ["rollout.max_staleness=1"]  # one-step-off generation
 TIS = ["algorithm.rollout_correction.rollout_is=token"]  # truncated token IS weights (cap 2)
 METHODS = {  # name: (row config, overrides)
@@ -51,8 +55,8 @@ def run_one(method, seed, args, workdir):
            "--config", str(REPO / "examples/tiny_tepo/sizes.yaml"), "--eval-size", str(args.eval_size),
            f"train.steps={args.steps}", f"train.seed={seed}", f"train.eval_every={args.eval_every}",
            f"train.mini_batch_prompts={args.mini_batch_prompts}", f"train.output_dir={out}", *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               MASTER_PORT=str(21000 + seed * 37 % 9000 + len(method_file) + 50 * len(overrides)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
+    t0 = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"{method_file} seed {seed} failed:\n{proc.stderr[-3000:]}")
@@ -61,7 +65,8 @@ def run_one(method, seed, args, workdir):
     reach = next((s for s, a in evals if a >= args.threshold), args.steps)
     summary = json.loads((out / "summary.json").read_text())
     return {"steps_to_threshold": reach, "reached": reach < args.steps or (evals and evals[-1][1] >= args.threshold),
-            "final_acc": summary["accuracy_after"], "start_acc": summary["accuracy_before"]}
+            "final_acc": summary["accuracy_after"], "start_acc": summary["accuracy_before"],
+            "seconds": time.time() - t0}
 
 
 def bootstrap_ratio(a, b, n=10000, seed=0):
@@ -85,18 +90,20 @@ def main(argv=None):
     ap.add_argument("--mini-batch-prompts", type=int, default=4, help="16 prompts / 4 = 4 updates per step")
     ap.add_argument("--methods", nargs="*", default=list(METHODS)[:4], choices=list(METHODS),
                     help="default: the four methods without one-step-off generation")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs at once, one core each (a run's results do not depend on it; its wall time does)")
     ap.add_argument("--json", help="write raw results here")
     args = ap.parse_args(argv)
     t0 = time.time()
     results = {}
-    with tempfile.TemporaryDirectory() as work:
-        for name in args.methods:
-            results[name] = []
-            for seed in range(1, args.seeds + 1):
-                r = run_one(METHODS[name], seed, args, work)
-                results[name].append(r)
-                print(f"{name:12s} seed {seed}: steps-to-{args.threshold} {r['steps_to_threshold']:4d} "
-                      f"final {r['final_acc']:.3f}", flush=True)
+    with tempfile.TemporaryDirectory() as work, ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        futures = {(name, seed): pool.submit(run_one, METHODS[name], seed, args, work)
+                   for name in args.methods for seed in range(1, args.seeds + 1)}
+        for (name, seed), fut in futures.items():
+            r = fut.result()
+            results.setdefault(name, []).append(r)
+            print(f"{name:12s} seed {seed}: steps-to-{args.threshold} {r['steps_to_threshold']:4d} "
+                  f"final {r['final_acc']:.3f}  ({r['seconds']:.0f}s)", flush=True)
     base = results.get("GRPO/DAPO")
     lines = [f"| method | mean steps to {args.threshold} (censored at {args.steps}) | reached | "
              f"mean final accuracy | steps ratio vs GRPO/DAPO [95% bootstrap] |", "| --- | --- | --- | --- | --- |"]
@@ -110,7 +117,9 @@ def main(argv=None):
         lines.append(f"| {name} | {sum(steps) / len(steps):.1f} | {sum(r['reached'] for r in rs)}/{len(rs)} | "
                      f"{sum(r['final_acc'] for r in rs) / len(rs):.3f} | {ratio} |")
     print("\n".join(lines))
-    print(f"({len(args.methods)} methods x {args.seeds} seeds in {time.time() - t0:.0f}s)")
+    runs = [r["seconds"] for rs in results.values() for r in rs]
+    print(f"({len(args.methods)} methods x {args.seeds} seeds in {time.time() - t0:.0f}s with {args.jobs} "
+          f"job(s); {sum(runs) / len(runs):.0f}s per run)")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "table": lines}, indent=1))
 

@@ -34,6 +34,7 @@ import queue
 import random
 import threading
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
@@ -317,6 +318,14 @@ def _restore_loop_state(state: Dict, rng: random.Random, order: List[int], engin
     return int(state["step"])
 
 
+# Losses whose trust region is a sequence-level ratio (no per-token clip): measured to learn worse
+# one step off on the tiny benchmark (docs/BENCHMARKS.md, "One step off"), so a run says so.
+SEQUENCE_RATIO_LOSSES = ("tepo",)
+STALE_SEQUENCE_RATIO_WARNING = (
+    "rollout.max_staleness=1 with algorithm.loss={loss}: on the tiny benchmark this loss learned worse one step off "
+    "(GRPO/DAPO did not; docs/BENCHMARKS.md, 'One step off'); watch rollout_mismatch_kl and held-out accuracy")
+
+
 def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
           on_step: Optional[Callable[[int, Dict], None]] = None,
           eval_fn: Optional[Callable[[], Dict[str, float]]] = None,
@@ -372,6 +381,8 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
                 report(f"resumed from {latest}: continuing at step {start}")
     if start == 1 and report is not None:
         report("starting at step 1")
+    if driver.is_driver and cfg.rollout.max_staleness and cfg.algorithm.loss in SEQUENCE_RATIO_LOSSES:
+        warnings.warn(STALE_SEQUENCE_RATIO_WARNING.format(loss=cfg.algorithm.loss), RuntimeWarning, stacklevel=2)
     if logger is not None:
         logger.truncate_after(start - 1)
 

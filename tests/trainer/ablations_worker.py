@@ -88,7 +88,12 @@ def main(out_path):
     cfg = load_config(REPO / "examples/tiny_tepo/config.yaml",
                       overrides + ["train.steps=3", "rollout.max_staleness=1",
                                    "algorithm.rollout_correction.rollout_is=token"])
-    history = train(cfg, actor, engine, task)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = train(cfg, actor, engine, task)
+    results["_one_step_off_warnings"] = [str(w.message) for w in caught if "max_staleness" in str(w.message)]
     results["_one_step_off"] = [{k: m.get(k) for k in ("rollout_staleness", "drift_max", "rollout_mismatch_kl",
                                                       "rollout_is_weight", "updates")} for m in history]
     # A deliberate mismatch: the engine samples at temperature 0.7, the actor scores at 1.0. The
