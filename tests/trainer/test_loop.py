@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parent / "data"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
 
 
@@ -35,6 +36,14 @@ def test_main_job_short_run(tmp_path):
         assert r["groups_generated"] >= 16 and r["sampling_rounds"] >= 1
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert "held-out greedy accuracy: before" in proc.stdout
+    # rollout.max_staleness: 0 (the default) is the loop from before one-step-off generation: the
+    # metrics of commit 57a991d for this same command, every key but the timings (regenerate with
+    # that command on a `git worktree` of 57a991d if the loop's numerics change on purpose)
+    golden = [json.loads(x) for x in (GOLDEN / "main_job_6_steps_57a991d.jsonl").read_text().splitlines()]
+    for new, old in zip(lines, golden, strict=True):
+        assert new.pop("rollout_staleness") == 0.0
+        assert {k: new[k] for k in old} == pytest.approx(old, rel=1e-6, abs=1e-9), new["step"]
+        assert set(new) - set(old) <= {"time", "step_s", "sync_s", "rollout_s", "train_s"}
 
 
 def test_every_ablation_config_runs_through_the_loop(tmp_path):
