@@ -120,9 +120,9 @@ def env_overrides(environ=os.environ) -> List[str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from megatron_tepo.rollout.net import free_port as pick  # outside the ephemeral range
+
+    return pick("127.0.0.1")
 
 
 # --------------------------------------------------------------------------------------------
