@@ -85,7 +85,7 @@ def main(argv=None):
 
     from megatron_tepo.metrics import MetricsLogger
     from megatron_tepo.trainer import Task, evaluate, train
-    from megatron_tepo.trainer.main import build_actor_and_engine
+    from megatron_tepo.trainer.main import build_actor_and_engine, no_update_cause
 
     actor, engine = build_actor_and_engine(cfg, str(sft_dir), PAD)
     train_items, eval_items = problems(5000, seed=1), problems(args.eval_size, seed=2)
@@ -109,6 +109,10 @@ def main(argv=None):
     logger = MetricsLogger(log_path)
 
     def progress(step, m):
+        if m.get("updates", 1.0) == 0:
+            print(f"[step {step:3d}/{cfg.train.steps}] NO UPDATE: {no_update_cause(m, {}, cfg.rollout.n_samples)}"
+                  + (f"  held-out accuracy {m['eval_acc']:.3f}" if "eval_acc" in m else ""), flush=True)
+            return
         print(f"[step {step:3d}/{cfg.train.steps}] reward {m['reward_mean']:.3f}  entropy {m.get('entropy', 0):.3f}  "
               f"clip {m.get('clip_frac', 0):.3f}  kl_mask {m.get('kl_mask_frac', 0):.3f}  "
               f"grad_norm {m.get('grad_norm', 0):.2f}  dropped {m['groups_dropped']}  {m['step_s']:.1f}s", flush=True)

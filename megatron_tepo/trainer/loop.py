@@ -405,6 +405,8 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
             pending = driver.local(lambda: ahead.result()) if overlap else None
             metrics = {"skipped_step": 1.0, "updates": 0.0, **gen, "rollout_s": rollout_s + time.time() - t,
                        "step_s": time.time() - t0}
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0:  # a collapsed run is measured too
+                metrics.update(driver.run(eval_fn or dict))
             if on_step is not None:
                 on_step(step, metrics)
             if logger is not None:

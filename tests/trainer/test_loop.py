@@ -86,3 +86,18 @@ def test_every_ablation_config_runs_through_the_loop(tmp_path):
     assert "clip_cov_frac" in results["table1_clip_cov"]["keys"]
     assert "kl_cov_frac" in results["table1_kl_cov"]["keys"]
     assert "steer_weight_mean" in results["table3_b_steel"]["keys"]
+
+
+def test_main_job_says_why_a_step_made_no_update_and_still_evaluates(tmp_path):
+    # one-token responses cannot hold a 2-3-digit sum: every group's rewards are 0, every step is
+    # skipped (a collapsed run looks the same); the main job says so instead of failing on the
+    # step's missing reward, and the held-out accuracy is still measured when it is due
+    out = tmp_path / "run"
+    proc = _run(["examples/tiny_tepo/run.py", "train.steps=2", "train.eval_every=2", "rollout.max_new_tokens=1",
+                 "rollout.max_sampling_rounds=1", f"train.output_dir={out}", "--eval-size", "20"], 600)
+    no_update = [line for line in proc.stdout.splitlines() if "NO UPDATE" in line]
+    assert len(no_update) == 2 and all("every group had equal rewards" in line for line in no_update), proc.stdout
+    assert "held-out accuracy" in no_update[1] and "held-out accuracy" not in no_update[0]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["skipped_step"], r["updates"]) for r in lines] == [(1, 1.0, 0.0), (2, 1.0, 0.0)]
+    assert "eval_acc" not in lines[0] and 0.0 <= lines[1]["eval_acc"] <= 1.0

@@ -123,7 +123,9 @@ def test_damaged_newest_checkpoint_falls_back_and_stale_temporaries_go(tiny, tmp
 
 def test_a_run_that_trains_nothing_says_why_and_fails(tiny, tmp_path):
     # math_verify on answers without \boxed{}: every group has reward 0, every step is skipped
-    proc = train(tiny, tmp_path / "run", "train.steps=2", "reward.kind=math_verify", "reward.workers=1", expect=3)
+    # (a skipped step is still evaluated when one is due: a collapsed run's accuracy is measured)
+    proc = train(tiny, tmp_path / "run", "train.steps=2", "reward.kind=math_verify", "reward.workers=1",
+                 f"data.eval_files=[{tiny / 'eval.jsonl'}]", "train.eval_every=2", expect=3)
     no_update = [line for line in proc.stdout.splitlines() if "NO UPDATE" in line]
     assert len(no_update) == 2 and all("had no \\boxed{} answer" in line for line in no_update)
     assert "no update in 2 step(s)" in proc.stderr
@@ -131,6 +133,7 @@ def test_a_run_that_trains_nothing_says_why_and_fails(tiny, tmp_path):
     assert summary["updates"] == 0 and summary["steps_without_update"] == 2 and summary["reward_no_answer"] > 0
     m = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in m] == [1, 2] and all(x["skipped_step"] == 1.0 and not math.isnan(x["updates"]) for x in m)
+    assert "eval/avg@1" not in m[0] and m[1]["eval/avg@1"] == 0.0  # math_verify: no boxed answer, reward 0
 
 
 def test_user_errors_are_one_line(tiny, tmp_path):
