@@ -339,8 +339,7 @@ def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict
     if _rank() == 0:
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
-            tmp.mkdir()
-            (tmp / RNG_DIR).mkdir()
+            tmp.mkdir()  # empty: megatron-core warns of an "incomplete / corrupted checkpoint" otherwise
         except OSError as e:
             err = e
     _agree_ok(err)  # (also the barrier: the directory exists everywhere before anyone writes)
@@ -351,6 +350,7 @@ def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict
     state = _sharded_state_dict(actor, is_loading=False)
     dist_checkpointing.save(state, str(tmp), content_metadata={"format": FORMAT})
     set_rng_state(rng)
+    (tmp / RNG_DIR).mkdir(exist_ok=True)  # by every rank: no extra collective
     torch.save(rng, tmp / RNG_DIR / f"rank{_rank()}.pt")
     _barrier()
 
