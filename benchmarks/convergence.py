@@ -8,9 +8,9 @@ importance ratios move), evaluates held-out greedy accuracy every ``--eval-every
 records (a) the first evaluated step reaching ``--threshold`` (runs that never reach it count as
 ``--steps``, i.e. censored at the budget), (b) the accuracy at the final step and (c) whether the
 run collapsed: ended below the held-out accuracy it started from. Reports per method the mean of
-(a) and (b), the fraction of seeds that collapsed, and for every method against GRPO/DAPO the
-ratio of mean steps-to-threshold with a bootstrap 95% interval (resampling seeds within each
-method).
+(a), (b) and of the lowest evaluated accuracy, the fraction of seeds that collapsed, and for every
+method against GRPO/DAPO the ratio of mean steps-to-threshold with a bootstrap 95% interval
+(resampling seeds within each method).
 
 Tasks (``--task``):
 
@@ -64,6 +64,9 @@ METHODS = {  # name: (row config, overrides)
     "GSPO": ("table1_gspo.yaml", []),
     "TEPO, KL where A<0 and dH>0": ("table3_e_kl_neg_adv_inc_ent.yaml", []),  # Table 3, panel E
     "TEPO, KL where either": ("table3_e_kl_either.yaml", []),
+    # the stability sweep: TEPO's sequence ratio under GSPO's clip range, and a 10x stronger KL
+    "TEPO, clip 3e-4/4e-4": ("table1_tepo_qwen2.5_7b.yaml", ["algorithm.clip_low=3e-4", "algorithm.clip_high=4e-4"]),
+    "TEPO, kl_coef 0.01": ("table1_tepo_qwen2.5_7b.yaml", ["algorithm.kl_coef=0.01"]),
     "TEPO, 1 step off": ("table1_tepo_qwen2.5_7b.yaml", OFF),
     "TEPO, 1 step off + TIS": ("table1_tepo_qwen2.5_7b.yaml", OFF + TIS),
     "GRPO/DAPO, 1 step off": ("table1_grpo_dapo.yaml", OFF),
@@ -86,7 +89,8 @@ def run_one(name, seed, args, workdir):
            "--config", str(REPO / SIZES[args.task]), "--eval-size", str(args.eval_size),
            f"train.steps={args.steps}", f"train.seed={seed}", f"train.eval_every={args.eval_every}",
            f"train.mini_batch_prompts={args.mini_batch_prompts}", f"train.output_dir={out}",
-           "train.save_every=0", "train.export_hf=false", *overrides, *args.set]
+           "train.save_every=0", "train.export_hf=false", *(args.tepo_clip if name.startswith("TEPO") else []),
+           *overrides, *args.set]
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
@@ -96,7 +100,8 @@ def run_one(name, seed, args, workdir):
     evals = [(r["step"], r["eval_acc"]) for r in recs if "eval_acc" in r]
     reach = next((s for s, a in evals if a >= args.threshold), args.steps)
     summary = json.loads((out / "summary.json").read_text())
-    return {"steps_to_threshold": reach, "reached": reach < args.steps or (evals and evals[-1][1] >= args.threshold),
+    return {"steps_to_threshold": reach, "min_acc": min(a for _, a in evals),
+            "reached": reach < args.steps or (evals and evals[-1][1] >= args.threshold),
             "final_acc": summary["accuracy_after"], "start_acc": summary["accuracy_before"],
             "collapsed": summary["accuracy_after"] < summary["accuracy_before"],
             "seconds": time.time() - t0, "log": str(out / "metrics.jsonl")}
@@ -131,8 +136,9 @@ def mean_curves(logs):
 def table(results, args):
     base = results.get("GRPO/DAPO")
     lines = [f"| method | mean steps to {args.threshold} (censored at {args.steps}) | reached | "
-             f"mean final accuracy | collapsed (final < start) | steps ratio vs GRPO/DAPO [95% bootstrap] |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             f"mean final accuracy | mean lowest accuracy | collapsed (final < start) | "
+             f"steps ratio vs GRPO/DAPO [95% bootstrap] |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, rs in results.items():
         steps = [r["steps_to_threshold"] for r in rs]
         ratio = ""
@@ -141,7 +147,9 @@ def table(results, args):
             lo, hi = bootstrap_ratio(steps, b)
             ratio = f"{(sum(steps) / len(steps)) / (sum(b) / len(b)):.2f} [{lo:.2f}, {hi:.2f}]"
         lines.append(f"| {name} | {sum(steps) / len(steps):.1f} | {sum(r['reached'] for r in rs)}/{len(rs)} | "
-                     f"{sum(r['final_acc'] for r in rs) / len(rs):.3f} | {sum(r['collapsed'] for r in rs)}/{len(rs)} | "
+                     f"{sum(r['final_acc'] for r in rs) / len(rs):.3f} | "
+                     f"{sum(r.get('min_acc', r['start_acc']) for r in rs) / len(rs):.3f} | "
+                     f"{sum(r['collapsed'] for r in rs)}/{len(rs)} | "
                      f"{ratio} |")
     return lines
 
@@ -159,6 +167,9 @@ def main(argv=None):
                     help="default: " + "; ".join(f"{t}: {', '.join(m)}" for t, m in DEFAULT_METHODS.items()))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every run (repeatable), e.g. optim.lr=3e-4")
+    ap.add_argument("--tepo-clip", metavar="LOW/HIGH",
+                    help="TEPO's clip range for the TEPO rows (default: the row config's); a row that sets its "
+                         "own (TEPO, clip 3e-4/4e-4) keeps it; 0.2/0.28 is its default before #16")
     ap.add_argument("--jobs", type=int, default=1,
                     help="runs at once, one core each (a run's results do not depend on it; its wall time does)")
     ap.add_argument("--out", type=Path, help="keep every run's metrics here, with seed-mean curves and dynamics.png")
@@ -172,6 +183,15 @@ def main(argv=None):
     for s in args.set:
         if "=" not in s:
             ap.error(f"--set {s!r}: expected KEY=VALUE")
+    if args.tepo_clip:
+        low, _, high = args.tepo_clip.partition("/")
+        try:
+            float(low), float(high)
+        except ValueError:
+            ap.error(f"--tepo-clip {args.tepo_clip!r}: expected LOW/HIGH, e.g. 0.2/0.28")
+        args.tepo_clip = [f"algorithm.clip_low={low}", f"algorithm.clip_high={high}"]
+    else:
+        args.tepo_clip = []
     t0 = time.time()
     results = {}
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max(1, args.jobs)) as pool:
