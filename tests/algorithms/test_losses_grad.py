@@ -25,7 +25,7 @@ def _batch():
 def test_tepo_closed_form_gradient_is_w_A_over_N():
     lp, old, adv, mask, lengths = _batch()
     leaf = lp.clone().requires_grad_(True)
-    loss, m = compute_policy_loss("tepo", leaf, old, adv, mask)
+    loss, m = compute_policy_loss("tepo", leaf, old, adv, mask, clip_low=0.2, clip_high=0.28)  # the unclipped region
     assert m["clip_frac"].item() == 0.0
     loss.backward()
     n_tokens = sum(lengths)
