@@ -409,6 +409,19 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         rng.shuffle(order)
         return Generated(*generate_groups(engine, task, order[:cfg.rollout.prompts_per_step], cfg, rng), version)
 
+    def finish(step: int, metrics: Dict, pending: Optional[Generated]) -> None:
+        # 6. every step, with or without an update (a collapsed run is measured too): the held-out
+        #    evaluation when due, the step's report, its checkpoint
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+            metrics.update(driver.run(eval_fn or dict))
+        if on_step is not None:
+            on_step(step, metrics)
+        if logger is not None:
+            logger.log(step, metrics)
+        _save(cfg, actor, checkpoint_root, step, _loop_state(step, rng, order, engine, extra, pending),
+              checkpoint_files, driver, pending)
+        history.append(metrics)
+
     for step in range(start, cfg.train.steps + 1):
         t0 = time.time()
         # 1. generate -> reward -> dynamic sampling; one-step-off: this step's rollout was generated
@@ -422,17 +435,8 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         if not prompts:  # every group had equal rewards for max_sampling_rounds rounds
             t = time.time()
             pending = driver.local(lambda: ahead.result()) if overlap else None
-            metrics = {"skipped_step": 1.0, "updates": 0.0, **gen, "rollout_s": rollout_s + time.time() - t,
-                       "step_s": time.time() - t0}
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0:  # a collapsed run is measured too
-                metrics.update(driver.run(eval_fn or dict))
-            if on_step is not None:
-                on_step(step, metrics)
-            if logger is not None:
-                logger.log(step, metrics)
-            _save(cfg, actor, checkpoint_root, step, _loop_state(step, rng, order, engine, extra, pending),
-                  checkpoint_files, driver, pending)
-            history.append(metrics)
+            finish(step, {"skipped_step": 1.0, "updates": 0.0, **gen, "rollout_s": rollout_s + time.time() - t,
+                          "step_s": time.time() - t0}, pending)
             continue
         reward = torch.cat(rewards)
         # 2. advantages (eq. 9), GPG's correction when configured
@@ -474,15 +478,7 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         metrics["updates"] = float(len(updates)) - metrics["skipped_update"]
         metrics.update(gen, reward_mean=float(reward.mean()), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
                        step_s=time.time() - t0, response_length_mean=response_length_mean, **drift)
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-            metrics.update(driver.run(eval_fn or dict))
-        if on_step is not None:
-            on_step(step, metrics)
-        if logger is not None:
-            logger.log(step, metrics)
-        _save(cfg, actor, checkpoint_root, step, _loop_state(step, rng, order, engine, extra, pending),
-              checkpoint_files, driver, pending)
-        history.append(metrics)
+        finish(step, metrics, pending)
     return history
 
 
