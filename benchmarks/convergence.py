@@ -148,7 +148,7 @@ def table(results, args):
             ratio = f"{(sum(steps) / len(steps)) / (sum(b) / len(b)):.2f} [{lo:.2f}, {hi:.2f}]"
         lines.append(f"| {name} | {sum(steps) / len(steps):.1f} | {sum(r['reached'] for r in rs)}/{len(rs)} | "
                      f"{sum(r['final_acc'] for r in rs) / len(rs):.3f} | "
-                     f"{sum(r.get('min_acc', r['start_acc']) for r in rs) / len(rs):.3f} | "
+                     f"{sum(r['min_acc'] for r in rs) / len(rs):.3f} | "
                      f"{sum(r['collapsed'] for r in rs)}/{len(rs)} | "
                      f"{ratio} |")
     return lines
