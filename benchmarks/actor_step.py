@@ -6,7 +6,8 @@ shape of ``../shared/gpu/actor_gpu.py``: 28 layers, hidden 1024, 16 heads, 8 KV 
 process (TP=1), for each batch of ``--batches`` (``BxL``: B sequences of L tokens, a 256-token
 prompt -- ``L // 8`` when shorter -- and the rest response) and each variant of ``--variant``
 (repeatable ``key=value,...`` over the ``actor`` settings: precision, attention, recompute,
-recompute_num_layers, pack_sequences, max_tokens_per_micro_batch, fusions):
+recompute_num_layers, pack_sequences, max_tokens_per_micro_batch, fusions -- or a preset name; a
+variant may end with ``@BxL:BxL...``, its own batches instead of ``--batches``):
 
 * ``compute_log_probs`` and ``train_step`` (TEPO loss, one Adam step): median wall time over
   ``--repeats`` after one warm-up (synchronised on GPU), tokens/s of the train step;
@@ -26,6 +27,9 @@ go to stdout and, with ``--json``, to a file.
 Defaults on GPU: variants ``today`` (fp32, unfused attention, padded rows, no recompute: the
 actor before bf16 / SDPA / packing / recompute existed) and ``bf16`` (bf16, sdpa, packed, full
 recompute, 16384-token micro-batches); on CPU the tiny shape with ``fp32`` and ``bf16`` variants.
+The GPU check (``benchmarks/gpu_check.sh``) runs the presets ``gpu-fast`` (bf16, sdpa, packed, no
+recompute, 16384-token micro-batches: the speed setting) and ``gpu-lean`` (the same with full
+recompute and 32768-token micro-batches: the long-sequence setting).
 
 Left out: TP/PP/DP (one process; the collectives of a real layout are not in these numbers), the
 rollout engine and the weight sync, the loss's own arithmetic beyond TEPO's defaults, and a
@@ -60,7 +64,19 @@ PRESETS = {
     "today": "precision=fp32,attention=unfused,pack_sequences=false,recompute=none",
     "fp32": "precision=fp32",
     "bf16": "precision=bf16,recompute=full",
+    "gpu-fast": "precision=bf16,attention=sdpa,pack_sequences=true,recompute=none,max_tokens_per_micro_batch=16384",
+    "gpu-lean": "precision=bf16,attention=sdpa,pack_sequences=true,recompute=full,max_tokens_per_micro_batch=32768",
 }
+
+
+def split_variant(text: str):
+    """``(label, settings, batches or None)`` of a ``--variant`` argument (``SETTINGS[@BxL:BxL...]``)."""
+    body, _, batches = text.partition("@")
+    return body, parse_variant(body), parse_batches(batches.replace(":", ",")) if batches else None
+
+
+def parse_batches(text: str) -> list:
+    return [tuple(int(x) for x in item.lower().split("x")) for item in text.split(",") if item]
 
 
 def parse_variant(text: str) -> dict:
@@ -118,14 +134,20 @@ def _peak(cuda: bool, base_rss: int) -> float:
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss) / 2**30
 
 
-def run(cfg: dict, model_dir: str, variant: dict, batches, repeats: int, cuda: bool) -> list:
+def run(cfg: dict, model_dir: str, variant: dict, batches, repeats: int, cuda: bool, label: str = "") -> list:
     from megatron_tepo.actor import MegatronActor
 
     out = []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t_build = time.perf_counter()
     actor = MegatronActor(model_dir, **variant)
+    _sync(cuda)
+    build_s = time.perf_counter() - t_build
     n_params = matmul_params(actor, cfg)
     for b, length in batches:
-        row = {"variant": variant, "batch": f"{b}x{length}", "tokens": b * length,
+        row = {"label": label, "variant": variant, "batch": f"{b}x{length}", "tokens": b * length,
+               "build_s": round(build_s, 2), "params": n_params,
                "settings": {k: getattr(actor.settings, k) for k in ("precision", "attention", "recompute",
                                                                     "pack_sequences", "max_tokens_per_micro_batch")}}
         batch = make_batch(b, length, cfg["vocab_size"])
@@ -178,7 +200,8 @@ def main(argv=None):
     ap.add_argument("--shape", default=None, help="qwen3-0.6b | tiny | path to a config.json")
     ap.add_argument("--batches", default=None, help="comma list of BxL (default: cuda 8x2048,1x8448,1x32768; cpu 4x256,1x1024)")
     ap.add_argument("--variant", action="append", help="key=value,... of actor settings, or a preset "
-                                                         f"({', '.join(PRESETS)}); repeatable")
+                                                         f"({', '.join(PRESETS)}), optionally @BxL:BxL (its own "
+                                                         "batches); repeatable")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -189,9 +212,8 @@ def main(argv=None):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     shape = args.shape or ("qwen3-0.6b" if cuda else "tiny")
-    batches = [tuple(int(x) for x in s.split("x")) for s in
-               (args.batches or ("8x2048,1x8448,1x32768" if cuda else "4x256,1x1024")).split(",")]
-    variants = [parse_variant(v) for v in (args.variant or (["today", "bf16"] if cuda else ["fp32", "bf16"]))]
+    batches = parse_batches(args.batches or ("8x2048,1x8448,1x32768" if cuda else "4x256,1x1024"))
+    variants = [split_variant(v) for v in (args.variant or (["today", "bf16"] if cuda else ["fp32", "bf16"]))]
     cfg = hf_config(shape)
     from transformers import AutoConfig
 
@@ -203,8 +225,8 @@ def main(argv=None):
         AutoConfig.for_model(**cfg).save_pretrained(tmp)
         print(json.dumps({"shape": shape, "config": cfg, "device": torch.cuda.get_device_name() if cuda else "cpu",
                           "torch": torch.__version__, "threads": torch.get_num_threads()}), flush=True)
-        for v in variants:
-            rows += run(cfg, tmp, v, batches, args.repeats, cuda)
+        for label, v, own_batches in variants:
+            rows += run(cfg, tmp, v, own_batches or batches, args.repeats, cuda, label=label)
     if args.json:
         Path(args.json).write_text(json.dumps({"shape": shape, "rows": rows}, indent=1))
     return rows

@@ -39,7 +39,8 @@ One process on the current GPU, TP=1, for each shape of ``--shapes`` (default
 ``16384x151936,8192x151936``) in ``--dtype`` (default bf16; logits ``randn * 2``), each variant of
 ``--variants`` (default ``chunked,triton,compiled``):
 
-* ``chunked``: the op with ``impl="chunked"`` (default chunk size), ``triton``: ``impl="triton"``;
+* ``chunked``: the op with ``impl="chunked"`` (default chunk size), ``triton``: ``impl="triton"``,
+  ``auto``: the op's default (what the actor runs: Triton on CUDA when it imports);
 * ``compiled``: ``torch.compile`` of the plain composition in fp32
   (``lp = logits.float().log_softmax(-1)``, gather, ``-(lp.exp() * lp).sum(-1)``), ``plain``: the
   same eager (not in the default list: it keeps several fp32 ``[N, V]`` tensors).
@@ -221,13 +222,13 @@ def _variant_fn(name):
     sys.path.insert(0, str(REPO))
     from megatron_tepo.ops import vocab_parallel_log_probs_and_entropy as op
 
-    if name in ("chunked", "triton"):
+    if name in ("chunked", "triton", "auto"):
         return lambda logits, labels: op(logits, labels, impl=name)
     if name == "plain":
         return _plain
     if name == "compiled":
         return torch.compile(_plain)
-    raise SystemExit(f"unknown variant {name!r} (chunked, triton, compiled, plain)")
+    raise SystemExit(f"unknown variant {name!r} (chunked, triton, auto, compiled, plain)")
 
 
 class _Timer:
@@ -369,7 +370,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES),
                     help="GPU mode: the logits' dtype")
     ap.add_argument("--variants", default="chunked,triton,compiled",
-                    help="GPU mode: comma-separated of chunked, triton, compiled, plain")
+                    help="GPU mode: comma-separated of chunked, triton, auto, compiled, plain")
     ap.add_argument("--worker", choices=["fused", "plain"], help=argparse.SUPPRESS)
     ap.add_argument("--tp-size", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)

@@ -1,0 +1,478 @@
+"""The steps of the one-command GPU check (``benchmarks/gpu_check.sh`` runs them; see there).
+
+Each ``step NAME`` runs in its own process, prints what it does (the shell script sends that to
+``OUT/NAME.log``) and appends one JSON line to ``OUT/summary.jsonl``: ``{"step", "ok", "seconds",
+"smoke", "figures", "targets": [{"name", "value", "target", "pass"}], "error"?}``. ``pass`` is
+``null`` where the run cannot judge the target (the smoke run: CPU and tiny shapes).
+
+Steps (GPU sizes; the smoke run's in brackets):
+
+* ``tests``: pytest on ``tests/megatron`` and ``tests/ops`` with CUDA visible, one process on the
+  one GPU, ``-m "not distributed"`` [``tests/ops/test_vocab_parallel.py -k gradcheck``]. The
+  ``distributed`` tests are left out: they run under torchrun with ``CUDA_VISIBLE_DEVICES=""``
+  and gloo (``tests/dist_utils.py``), i.e. the CPU path CI runs already. Their names are listed.
+* ``actor_step``: ``benchmarks/actor_step.py`` at the Qwen3-0.6B shape, random init, presets
+  ``gpu-fast`` (bf16, SDPA, packed, no recompute) at 8x2048 and 1x8448 and ``gpu-lean`` (full
+  recompute, 32768-token micro-batches) at 8x2048, 1x8448 and 1x32768 [the tiny shape on CPU].
+* ``vocab_op``: ``benchmarks/vocab_parallel.py``'s GPU mode at 16384 x 151936 bf16: the op's
+  default (``auto``: Triton), its chunked path and ``torch.compile`` of the plain ops
+  [512 x 2048 fp32 on CPU, against the plain ops eager: no compile].
+* ``disk_sync``: ``megatron_tepo.rollout.weight_sync.write_safetensors`` of a FlatBucket made by
+  ``to_flat_bucket`` from CUDA tensors (~350 MB) [CPU, ~1.4 MB]; the file's data section must
+  equal the buffer's bytes and every tensor read back must equal its source, bit for bit.
+* ``hf_load``: a random HF Qwen3 (the 0.6B shape with 4 layers) saved in 100 MB safetensors
+  shards, built with ``MegatronActor(config, hf_weights=dir)`` (fp32, SDPA) on the GPU; peak GPU
+  and host memory of the build, and the actor's log-probs and entropy against the HF model's on
+  the same device [a tiny Qwen3 on CPU]. ``benchmarks/actor_startup.py`` measures the TP=2 CPU
+  build; it has no GPU mode, and two ranks cannot share one GPU under NCCL, so TP=1 here.
+* ``main_job``: ``examples/tiny_tepo/run.py`` with CUDA visible (``run.sh`` hides CUDA and
+  installs a venv: neither fits here), held-out accuracy before and after [``train.steps=2``,
+  ``--eval-size 16``, CPU; learning is not judged].
+
+Other commands: ``setup`` (versions; fails without megatron.core), ``record NAME`` (a line for a
+step that died), ``missing-wheels DIR`` (the wheels whose distribution is not installed),
+``report OUT`` (the table with the targets; exit 1 if a step failed or is missing).
+
+Left out: TP/PP/DP > 1 (one GPU), SGLang (not on the GPU machine), Transformer Engine (ditto:
+the actor runs megatron-core's local spec with SDPA), the HF bf16 baseline of
+``../shared/gpu/actor_gpu.py`` (carried in ``.gpu/shared`` by ``gpu_wheels.sh`` for a rerun).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+STEPS = ["tests", "actor_step", "vocab_op", "disk_sync", "hf_load", "main_job"]
+OLD_TOKENS_PER_S = 6200  # train_step at 8 x 2048 on the H100 before bf16/SDPA/packing (../shared/notes/gpu.md)
+
+# GPU sizes, and the smoke run's stand-ins for them
+SIZES = {
+    False: dict(throughput="8x2048", mid="1x8448", long="1x32768", shape="qwen3-0.6b",
+                vocab=(16384, 151936, "bf16"), vocab_ref="compiled", sync_mb=330, repeats=2),
+    True: dict(throughput="2x128", mid="1x192", long="1x256", shape="tiny",
+               vocab=(512, 2048, "fp32"), vocab_ref="plain", sync_mb=0.3, repeats=1),
+}
+
+
+def _target(name, value, target, ok, smoke):
+    return {"name": name, "value": value, "target": target, "pass": None if smoke else ok}
+
+
+def _device(smoke: bool):
+    import torch
+
+    if smoke:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device here (GPU_CHECK_SMOKE=1 runs the CPU smoke version)")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+# ------------------------------------------------------------------------------------ steps
+def step_tests(smoke: bool) -> dict:
+    import xml.etree.ElementTree as ET
+
+    paths = ["tests/ops/test_vocab_parallel.py", "-k", "gradcheck"] if smoke else ["tests/megatron", "tests/ops"]
+    if not smoke:
+        _device(smoke)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if smoke:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    has_timeout = subprocess.run([sys.executable, "-c", "import pytest_timeout"], capture_output=True).returncode == 0
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", *paths, "-m", "not distributed", "-q", "-rfEs",
+               f"--junitxml={junit}"] + (["--timeout=300"] if has_timeout else [])
+        print("$", " ".join(cmd), flush=True)
+        rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
+        counts = dict(passed=0, failed=0, errors=0, skipped=0)
+        failed, skipped = [], []
+        if junit.exists():
+            for case in ET.parse(junit).getroot().iter("testcase"):
+                name = f"{case.get('classname')}::{case.get('name')}"
+                kinds = {child.tag for child in case}
+                if "failure" in kinds:
+                    counts["failed"] += 1
+                    failed.append(name)
+                elif "error" in kinds:
+                    counts["errors"] += 1
+                    failed.append(name)
+                elif "skipped" in kinds:
+                    counts["skipped"] += 1
+                    skipped.append(f"{name}: {case.find('skipped').get('message', '')[:160]}")
+                else:
+                    counts["passed"] += 1
+    listing = subprocess.run([sys.executable, "-m", "pytest", *paths, "-m", "distributed", "--collect-only", "-q"],
+                             cwd=REPO, env=env, capture_output=True, text=True).stdout
+    left_out = [line for line in listing.splitlines() if "::" in line]
+    figures = dict(counts, pytest_rc=rc, failed_tests=failed[:30], skipped_tests=skipped[:30],
+                   left_out_distributed=left_out,
+                   left_out_why="torchrun + gloo with CUDA_VISIBLE_DEVICES='' (tests/dist_utils.py): "
+                                "the CPU path, which CI runs")
+    ok = rc == 0 and counts["passed"] > 0 and not failed
+    return dict(ok=ok, figures=figures, targets=[])
+
+
+def step_actor_step(smoke: bool) -> dict:
+    import actor_step
+
+    s = SIZES[smoke]
+    fast = ":".join([s["throughput"], s["mid"]])
+    lean = ":".join([s["throughput"], s["mid"], s["long"]])
+    argv = ["--device", "cpu" if smoke else "cuda", "--shape", s["shape"], "--repeats", str(s["repeats"]),
+            "--variant", f"gpu-fast@{fast}", "--variant", f"gpu-lean@{lean}"]
+    if not smoke:
+        _device(smoke)
+    print("$ python benchmarks/actor_step.py", " ".join(argv), flush=True)
+    rows = actor_step.main(argv)
+    table = {f"{r['label']} {r['batch']}": ({k: r[k] for k in ("train_tokens_per_s", "train_step_s", "log_probs_s",
+                                                               "train_tflops", "peak_gib", "micro_batches")}
+                                            if "error" not in r else {"error": r["error"]}) for r in rows}
+    tput = [r["train_tokens_per_s"] for r in rows if r["batch"] == s["throughput"] and "error" not in r]
+    longest = [r for r in rows if r["batch"] == s["long"] and "error" not in r]
+    best = max(tput) if tput else None
+    targets = [
+        _target(f"train_step tokens/s at {s['throughput']} >= 5x the old {OLD_TOKENS_PER_S}",
+                best, 5 * OLD_TOKENS_PER_S, best is not None and best >= 5 * OLD_TOKENS_PER_S, smoke),
+        _target(f"one {s['long']} sequence fits one 80 GB GPU (peak GiB)",
+                min(r["peak_gib"] for r in longest) if longest else "OOM", 80, bool(longest), smoke),
+    ]
+    # every batch needs a figure from some variant; an OOM of one variant is itself a figure
+    ok = all(any(r["batch"] == b and "error" not in r for r in rows) for b in (s["throughput"], s["mid"])) \
+        and (bool(longest) or not smoke)  # on the GPU an OOM at the long batch is the target's MISS
+    return dict(ok=ok, figures={"rows": table, "old_tokens_per_s": OLD_TOKENS_PER_S}, targets=targets)
+
+
+def step_vocab_op(smoke: bool) -> dict:
+    import vocab_parallel
+
+    s = SIZES[smoke]
+    dev = _device(smoke)
+    tokens, vocab, dtype = s["vocab"]
+    ref = s["vocab_ref"]
+    variants = ["chunked", "auto", ref]
+    repeats = 3 if smoke else 10
+    print(f"vocab_parallel.measure({str(dev)!r}, {tokens}, {vocab}, {dtype!r}, {variants}, {repeats})", flush=True)
+    rows = vocab_parallel.measure(str(dev), tokens, vocab, dtype, variants, repeats)
+    by = {r["variant"]: r for r in rows if r["kind"] == "variant"}
+    bound = next(r for r in rows if r["kind"] == "bound")
+    figures = {"shape": f"{tokens}x{vocab} {dtype}", "bound_ms": round(bound["bound_ms"], 3),
+               "reference": ref}
+    for name, r in by.items():
+        figures[name] = ({"time_ms": round(r["time_ms"], 3), "fwd_ms": round(r["fwd_ms"], 3),
+                          "extra_peak_ratio": None if r["extra_peak_ratio"] is None else round(r["extra_peak_ratio"], 4),
+                          "x_bound": round(r["x_bound"], 2), "max_abs_diff_vs_chunked": r["max_abs_diff_vs_chunked"]}
+                         if "error" not in r else {"error": r["error"]})
+    op, base = by.get("auto", {}), by.get(ref, {})
+    ratio = op["time_ms"] / base["time_ms"] if "time_ms" in op and "time_ms" in base else None
+    extra = op.get("extra_peak_ratio")
+    diff = op.get("max_abs_diff_vs_chunked") or {}
+    targets = [
+        _target(f"vocab op time / {ref} time <= 1", None if ratio is None else round(ratio, 3), 1.0,
+                ratio is not None and ratio <= 1.0, smoke),
+        _target("vocab op extra memory / logits <= 0.1", None if extra is None else round(extra, 4), 0.1,
+                extra is not None and extra <= 0.1, smoke),
+    ]
+    # the op must agree with its own chunked path (fp32 arithmetic either way; bf16 logits)
+    agree = all(v <= (5e-2 if k == "grad" else 1e-3) for k, v in diff.items()) if diff else smoke
+    figures["auto_agrees_with_chunked"] = agree
+    return dict(ok="time_ms" in op and "time_ms" in base and agree, figures=figures, targets=targets)
+
+
+def step_disk_sync(smoke: bool) -> dict:
+    import torch
+
+    from megatron_tepo.rollout.weight_sync import to_flat_bucket, write_safetensors
+
+    dev = _device(smoke)
+    s = SIZES[smoke]
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = max(1, int(s["sync_mb"] * 2**20 / (1024 * 2)))  # a bf16 [rows, 1024] matrix of ~sync_mb
+    named = [("model.embed_tokens.weight", torch.randn(rows, 1024, generator=g, device=dev).to(torch.bfloat16)),
+             ("model.layers.0.self_attn.q_proj.weight", torch.randn(256, 1024, generator=g, device=dev)),
+             ("model.layers.0.input_layernorm.weight", torch.randn(1023, generator=g, device=dev).half()),
+             ("model.counts", torch.arange(77, device=dev, dtype=torch.int64))]
+    bucket = to_flat_bucket(named)
+    figures = {"device": str(bucket.flat.device), "bytes": bucket.nbytes, "tensors": len(named)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "bucket.safetensors"
+        times = []
+        for _ in range(2):  # the first includes any pinned-buffer allocation
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            write_safetensors(bucket, str(path))
+            times.append(time.perf_counter() - t0)
+        raw = path.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        data = raw[8 + n:]
+        bytes_equal = data == bucket.flat.cpu().numpy().tobytes()
+        from safetensors.torch import load_file
+
+        back = load_file(str(path))
+        tensors_equal = sorted(back) == sorted(n for n, _ in named) and all(
+            back[n].dtype == t.dtype and torch.equal(back[n].view(torch.uint8), t.cpu().contiguous().view(torch.uint8))
+            for n, t in named)
+    figures.update(write_s=[round(t, 4) for t in times], GBps=round(bucket.nbytes / min(times) / 1e9, 3),
+                   bytes_equal=bytes_equal, tensors_equal=tensors_equal)
+    print(json.dumps(figures), flush=True)
+    return dict(ok=bytes_equal and tensors_equal, figures=figures, targets=[])
+
+
+def _vm(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def step_hf_load(smoke: bool) -> dict:
+    import torch
+    import transformers
+    from actor_step import SHAPES
+
+    from megatron_tepo.actor import MegatronActor, RolloutBatch
+    from megatron_tepo.actor.parallel import single_process_env
+
+    dev = _device(smoke)
+    shape = dict(SHAPES["tiny" if smoke else "qwen3-0.6b"], num_hidden_layers=2 if smoke else 4)
+    cfg = transformers.Qwen3Config(**shape, rms_norm_eps=1e-6)
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model_bytes = sum(p.numel() * 4 for p in hf.parameters())
+    single_process_env()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp, max_shard_size="1MB" if smoke else "100MB")
+        shards = len(list(Path(tmp).glob("*.safetensors")))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            gpu0 = torch.cuda.memory_allocated()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux)
+        except OSError:
+            pass
+        rss0 = _vm("VmRSS")
+        t0 = time.perf_counter()
+        actor = MegatronActor(tmp, hf_weights=tmp, precision="fp32", attention="sdpa")
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        build_s = time.perf_counter() - t0
+        host_peak = _vm("VmHWM") - rss0
+        gpu_peak = torch.cuda.max_memory_allocated() - gpu0 if dev.type == "cuda" else None
+    b, length, prompt = 2, 64 if smoke else 512, 8 if smoke else 64
+    g = torch.Generator().manual_seed(1)
+    batch = RolloutBatch(input_ids=torch.randint(0, cfg.vocab_size, (b, length), generator=g),
+                         prompt_lens=torch.full((b,), prompt), response_mask=torch.ones(b, length - prompt))
+    lp, ent = actor.compute_log_probs(batch)
+    hf = hf.to(dev).eval()
+    with torch.no_grad():
+        logp_all = torch.log_softmax(hf(input_ids=batch.input_ids.to(dev)).logits.float(), -1)
+    pos = torch.arange(prompt, length, device=dev)
+    rows = logp_all[:, pos - 1]  # [b, R, V]: position t predicts token t
+    ref_lp = rows.gather(-1, batch.input_ids.to(dev)[:, pos][..., None]).squeeze(-1)
+    ref_ent = -(rows.exp() * rows).sum(-1)
+    lp_diff = float((lp.to(dev) - ref_lp).abs().max())
+    ent_diff = float((ent.to(dev) - ref_ent).abs().max())
+    tol = 2e-3
+    figures = {"device": str(actor.device), "params": sum(p.numel() for p in hf.parameters()), "shards": shards,
+               "model_fp32_gb": round(model_bytes / 1e9, 3), "build_s": round(build_s, 2),
+               "host_peak_x": round(host_peak / model_bytes, 3),
+               "gpu_peak_x": None if gpu_peak is None else round(gpu_peak / model_bytes, 3),
+               "max_abs_diff_log_probs": lp_diff, "max_abs_diff_entropy": ent_diff, "tolerance": tol}
+    print(json.dumps(figures), flush=True)
+    ok = lp_diff <= tol and ent_diff <= tol and actor.device.type == dev.type
+    return dict(ok=ok, figures=figures, targets=[])
+
+
+def step_main_job(smoke: bool) -> dict:
+    if not smoke:
+        _device(smoke)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "examples/tiny_tepo/run.py", f"train.output_dir={tmp}"]
+        if smoke:
+            cmd += ["train.steps=2", "--eval-size", "16"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        if smoke:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        print("$", " ".join(cmd), flush=True)
+        rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
+        summary_path = Path(tmp) / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
+    learns = before is not None and after is not None and after > before
+    figures = {"rc": rc, "accuracy_before": before, "accuracy_after": after, "steps": summary.get("steps"),
+               "run_seconds": None if "seconds" not in summary else round(summary["seconds"], 1)}
+    targets = [_target("main job learns: held-out accuracy after > before",
+                       None if after is None else f"{before:.3f} -> {after:.3f}", "after > before", learns, smoke)]
+    return dict(ok=rc == 0 and after is not None and (smoke or learns), figures=figures, targets=targets)
+
+
+STEP_FNS = {"tests": step_tests, "actor_step": step_actor_step, "vocab_op": step_vocab_op,
+            "disk_sync": step_disk_sync, "hf_load": step_hf_load, "main_job": step_main_job}
+
+
+# ---------------------------------------------------------------------------------- records
+def append(out: Path, line: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "summary.jsonl", "a") as f:
+        f.write(json.dumps(line, default=str) + "\n")
+    print("SUMMARY " + json.dumps(line, default=str), flush=True)
+
+
+def run_step(name: str, out: Path, smoke: bool) -> int:
+    t0 = time.time()
+    line = {"step": name, "smoke": smoke}
+    try:
+        res = STEP_FNS[name](smoke)
+        line.update(ok=bool(res["ok"]), figures=res["figures"], targets=res["targets"])
+    except Exception as exc:  # noqa: BLE001 -- recorded, and the check goes on with the next step
+        traceback.print_exc()
+        line.update(ok=False, figures={}, targets=[], error=f"{type(exc).__name__}: {str(exc)[:500]}")
+    line["seconds"] = round(time.time() - t0, 1)
+    append(out, line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if line["ok"] else 1)  # no process-group / CUDA teardown after the record is written
+
+
+def setup_info(out: Path, smoke: bool, note: str) -> int:
+    line = {"step": "setup", "smoke": smoke, "note": note, "targets": []}
+    figures = {"python": sys.version.split()[0], "pythonpath": os.environ.get("PYTHONPATH", "")}
+    try:
+        import importlib.metadata as md
+
+        import torch
+
+        figures["torch"] = torch.__version__
+        figures["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        for dist in ("megatron-core", "transformers", "triton", "pytest", "safetensors"):
+            try:
+                figures[dist] = md.version(dist)
+            except md.PackageNotFoundError:
+                figures[dist] = None
+        import megatron.core  # noqa: F401
+
+        figures["megatron_core_path"] = str(Path(megatron.core.__file__).parent)
+        line["ok"] = smoke or torch.cuda.is_available()
+        if not line["ok"]:
+            line["error"] = "no CUDA device (GPU_CHECK_SMOKE=1 runs the CPU smoke version)"
+    except Exception as exc:  # noqa: BLE001
+        line.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+    line["figures"] = figures
+    append(out, line)
+    return 0 if line["ok"] else 1
+
+
+def missing_wheels(folder: Path) -> list:
+    """The wheels in ``folder`` whose distribution is not installed here (any version)."""
+    import importlib.metadata as md
+
+    todo = []
+    for whl in sorted(folder.glob("*.whl")):
+        dist = whl.name.split("-")[0]
+        try:
+            md.version(dist)
+        except md.PackageNotFoundError:
+            todo.append(str(whl))
+    return todo
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)
+
+
+def report(out: Path, steps: list) -> int:
+    path = out / "summary.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    seen = {ln["step"]: ln for ln in lines}
+    smoke = any(ln.get("smoke") for ln in lines)
+    md = [f"# GPU check{' (SMOKE: CPU, tiny shapes; targets not judged)' if smoke else ''}", "",
+          "| step | ok | seconds | figures |", "| --- | --- | --- | --- |"]
+    failed = []
+    for name in ["setup"] + steps:
+        ln = seen.get(name)
+        if ln is None:
+            failed.append(name)
+            md.append(f"| {name} | MISSING | - | no record (the step did not run) |")
+            continue
+        if not ln.get("ok"):
+            failed.append(name)
+        figs = json.dumps(ln.get("figures", {}), default=str)
+        if len(figs) > 600:
+            figs = figs[:600] + " ..."
+        err = f" ERROR: {ln['error']}" if ln.get("error") else ""
+        md.append(f"| {name} | {'yes' if ln.get('ok') else 'NO'} | {ln.get('seconds', '-')} | {figs}{err} |")
+    md += ["", "| target | value | wanted | verdict |", "| --- | --- | --- | --- |"]
+    n_pass = n_miss = 0
+    for name in steps:
+        for t in seen.get(name, {}).get("targets", []):
+            verdict = "n/a (smoke)" if t["pass"] is None else "PASS" if t["pass"] else "MISS"
+            n_pass += verdict == "PASS"
+            n_miss += verdict == "MISS"
+            md.append(f"| {t['name']} | {_fmt(t['value'])} | {_fmt(t['target'])} | {verdict} |")
+    md += ["", f"steps failed: {', '.join(failed) or 'none'}; targets: {n_pass} PASS, {n_miss} MISS"]
+    text = "\n".join(md)
+    (out / "report.md").write_text(text + "\n")
+    print(text)
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("step")
+    p.add_argument("name", choices=STEPS)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--smoke", action="store_true")
+    p = sub.add_parser("setup")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--note", default="")
+    p = sub.add_parser("record")
+    p.add_argument("name")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--error", required=True)
+    p.add_argument("--seconds", type=float, default=None)
+    p = sub.add_parser("missing-wheels")
+    p.add_argument("folder", type=Path)
+    p = sub.add_parser("report")
+    p.add_argument("out", type=Path)
+    p.add_argument("--steps", default=",".join(STEPS))
+    args = ap.parse_args(argv)
+    if args.cmd == "step":
+        return run_step(args.name, args.out, args.smoke)
+    if args.cmd == "setup":
+        return setup_info(args.out, args.smoke, args.note)
+    if args.cmd == "record":
+        append(args.out, {"step": args.name, "smoke": args.smoke, "ok": False, "figures": {}, "targets": [],
+                          "error": args.error, "seconds": args.seconds})
+        return 0
+    if args.cmd == "missing-wheels":
+        for whl in missing_wheels(args.folder):
+            print(whl)
+        return 0
+    return report(args.out, [s for s in re.split(r"[ ,]+", args.steps) if s])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

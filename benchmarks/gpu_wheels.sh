@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Prepares what the GPU check (benchmarks/gpu_check.sh) carries to the lent GPU machine, which has
+# no registry access: run it HERE, on a machine that reaches PyPI, from anywhere in the checkout.
+#
+#     bash benchmarks/gpu_wheels.sh
+#
+# Writes (into the ignored folder .gpu/ of the checkout, ~3 MB):
+# * .gpu/wheels/: wheels for CPython 3.12 on manylinux x86-64, without their needs (--no-deps), of
+#   what that machine lacks: megatron-core 0.16.1 (the version pyproject.toml pins). Its needs
+#   (torch, numpy, packaging) and everything else the check imports (transformers, safetensors,
+#   triton, pytest, pytest-timeout, psutil, pyyaml, pyarrow, matplotlib) are in that machine's image
+#   (../.library/device/KINDS.md lists it); math-verify is not, and the check never imports it.
+#   EXTRA_WHEELS="name==version ..." adds more.
+# * .gpu/shared/: a copy of ../shared/gpu/ (the earlier GPU measurement scripts, e.g. the HF bf16
+#   baseline of actor_gpu.py), which does not travel by itself; if it exists.
+# Leaves out: Transformer Engine, apex, SGLang (too large to carry, or CUDA builds pip cannot
+# fetch for that machine here).
+#
+# Then, with the device tool: run(command="bash benchmarks/gpu_check.sh", carry=[".gpu"]).
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+if [[ -x "$repo/.venv/bin/python" && -z "${PYTHON:-}" ]]; then
+  PY="$repo/.venv/bin/python"
+fi
+wheels="$repo/.gpu/wheels"
+rm -rf "$wheels"
+mkdir -p "$wheels"
+platforms=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
+  platforms+=(--platform "$p")
+done
+# shellcheck disable=SC2086  # EXTRA_WHEELS is a list of requirement strings
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${platforms[@]}" -d "$wheels" megatron-core==0.16.1 ${EXTRA_WHEELS:-}
+if [[ -d "$repo/../shared/gpu" ]]; then
+  rm -rf "$repo/.gpu/shared"
+  cp -r "$repo/../shared/gpu" "$repo/.gpu/shared"
+  chmod -R u+w "$repo/.gpu/shared"
+fi
+ls -l "$wheels"
+du -sh "$repo/.gpu"
