@@ -42,6 +42,7 @@ def _numbers(x) -> list:
     return []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_smoke_run_records_every_cheap_step_with_figures(tmp_path):
     out = tmp_path / "out"
