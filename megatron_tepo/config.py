@@ -189,6 +189,30 @@ class ActorConfig:
     * ``fusions``: megatron's fusions that work without Transformer Engine (bias + SwiGLU,
       bias + dropout + add; with TE also the fused RoPE and gradient-accumulation fusion);
       ``auto`` -- on with CUDA, off on CPU.
+    * ``overlap_grad_reduce``: megatron DDP starts each gradient bucket's all-reduce
+      (reduce-scatter with the distributed optimizer) during the backward of the last
+      micro-batch instead of after it. Works on NCCL and on gloo (CPU); the gradients are the
+      same sums either way.
+    * ``overlap_param_gather``: with ``optim.use_distributed_optimizer``, the parameter
+      all-gather after an optimizer step runs bucket by bucket under the next forward (megatron's
+      forward pre-hooks) instead of inside the step; the actor finishes it before anything else
+      reads the weights (weight export/sync, checkpoints). Ignored without the distributed
+      optimizer. Works on gloo.
+    * ``gradient_accumulation_fusion``: weight-gradient GEMMs accumulate straight into the fp32
+      ``main_grad`` buffers. ``auto`` -- on where it can run: Transformer Engine (its linears fuse
+      it themselves) AND apex's ``fused_weight_gradient_mlp_cuda`` (megatron's own output layer
+      is a local ``ColumnParallelLinear``, which refuses the flag without that extension); off
+      otherwise (always on CPU). ``on`` without them is refused.
+    * ``moe_grouped_gemm``: MoE experts as one grouped GEMM (Transformer Engine's
+      ``TEGroupedMLP``) instead of one GEMM per expert. ``auto`` -- on with Transformer Engine,
+      off without it (megatron's local grouped MLP needs the ``grouped_gemm`` package).
+    * ``packed_attention``: how the sdpa core attention runs packed sequences. ``varlen`` --
+      one ``torch.nn.attention.varlen.varlen_attn`` call per layer (flash kernel: CUDA, bf16 or
+      fp16); ``flex`` -- one FlexAttention call with a document mask (compiled on CUDA);
+      ``loop`` -- one SDPA call per sequence; ``auto`` -- varlen on CUDA with bf16, flex on CUDA
+      with fp32, loop on CPU (there the per-sequence fused SDPA kernel keeps no scores, while
+      eager FlexAttention materialises ``[heads, t, t]`` scores and compiling it costs more than
+      the loop saves on a CPU job).
     """
 
     precision: Literal["bf16", "fp32"] = "bf16"
@@ -199,6 +223,11 @@ class ActorConfig:
     sequence_parallel: bool = False
     max_tokens_per_micro_batch: int = 16384
     fusions: Literal["auto", "on", "off"] = "auto"
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    gradient_accumulation_fusion: Literal["auto", "on", "off"] = "auto"
+    moe_grouped_gemm: Literal["auto", "on", "off"] = "auto"
+    packed_attention: Literal["auto", "varlen", "flex", "loop"] = "auto"
 
 
 @dataclass

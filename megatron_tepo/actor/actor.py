@@ -64,7 +64,8 @@ from megatron_tepo.actor.parallel import ParallelLayout, initialize_parallel, va
 from megatron_tepo.config import ActorConfig, OptimConfig
 from megatron_tepo.megatron.gpt import build_gpt_chunk, family_spec, resolve_actor_config, transformer_config
 from megatron_tepo.actor.export import export_hf_state
-from megatron_tepo.models import GPTFamilyConfig, family_config_from_hf, load_hf_weights_into
+from megatron_tepo.checkpoint.hf_io import LazyHFCheckpoint
+from megatron_tepo.models import GPTFamilyConfig, family_config_from_hf, load_hf_checkpoint_into, load_hf_weights_into
 
 __all__ = ["OptimConfig", "ActorConfig", "MegatronActor", "plan_actor", "actor_transformer_config", "build_lr_scheduler", "token_log_probs", "SUMMED_METRICS"]
 
@@ -81,19 +82,21 @@ def _load_hf_config(hf_config):
     return hf_config
 
 
-def _load_hf_weights(source) -> Optional[Dict[str, torch.Tensor]]:
-    """A state dict, or a directory of ``*.safetensors`` / ``pytorch_model*.bin`` files."""
+def _load_hf_weights(source):
+    """What ``hf_weights`` names, ready to load: a state dict as given; for a directory of
+    ``*.safetensors`` a :class:`~megatron_tepo.checkpoint.hf_io.LazyHFCheckpoint` (headers only:
+    each rank later reads just its own slices); ``pytorch_model*.bin`` files (pickles, which
+    cannot be read in part) are loaded whole."""
     if source is None or isinstance(source, Mapping):
         return source
+    if isinstance(source, LazyHFCheckpoint):
+        return source
     path = Path(source)
-    files = sorted(path.glob("*.safetensors"))
+    if not path.is_dir():
+        raise ValueError(f"hf_weights: {path} is not a directory of HF weights")
+    if any(path.glob("*.safetensors")):
+        return LazyHFCheckpoint(path)
     state: Dict[str, torch.Tensor] = {}
-    if files:
-        from safetensors.torch import load_file
-
-        for f in files:
-            state.update(load_file(str(f)))
-        return state
     files = sorted(path.glob("pytorch_model*.bin"))
     if not files:
         raise ValueError(f"no *.safetensors or pytorch_model*.bin weights under {path}")
@@ -155,10 +158,12 @@ def plan_actor(hf_config, layout: ParallelLayout, actor_config: Optional[ActorCo
     return resolved, family_cfg
 
 
-def actor_transformer_config(family_cfg: GPTFamilyConfig, layout: ParallelLayout, settings: ActorConfig):
-    """The megatron ``TransformerConfig`` the actor builds its model with (no process group needed)."""
+def actor_transformer_config(family_cfg: GPTFamilyConfig, layout: ParallelLayout, settings: ActorConfig,
+                             initialize: bool = True):
+    """The megatron ``TransformerConfig`` the actor builds its model with (no process group needed).
+    ``initialize=False`` when weights will be loaded: no random init is drawn."""
     return transformer_config(
-        family_cfg, tp=layout.tp, pp=layout.pp, ep=layout.ep, actor=settings,
+        family_cfg, tp=layout.tp, pp=layout.pp, ep=layout.ep, actor=settings, initialize=initialize,
         variable_seq_lengths=layout.pp > 1,  # token-budget micro-batches vary in shape
         calculate_per_token_loss=True)  # see the module docstring: exact gradient sums
 
@@ -168,7 +173,9 @@ class MegatronActor:
 
     Args:
         hf_config: an HF ``PretrainedConfig``, a config dict, or a model directory.
-        hf_weights: an HF state dict or a directory of safetensors; None keeps megatron's init.
+        hf_weights: an HF state dict, or a directory of safetensors (each rank reads only its own
+            slices: its TP shards, pipeline stage and experts) or ``pytorch_model*.bin`` files;
+            megatron's random init runs only when it is None.
         layout: TP / PP / EP sizes (DP = world / (TP*PP)); validated before any process group.
         optim: optimizer and LR-schedule settings.
         actor_config: how the actor computes (the run config's ``actor`` section); its fields can
@@ -194,12 +201,20 @@ class MegatronActor:
         from megatron.core import parallel_state as ps
 
         self._ps = ps
-        self.config = self._transformer_config()
+        weights = _load_hf_weights(hf_weights)  # (a safetensors directory: its headers only)
+        # with weights, no random init: the parameters stay untouched torch.empty until loaded
+        self.config = self._transformer_config(initialize=weights is None)
         chunk = self._build_model_chunk()
-        weights = _load_hf_weights(hf_weights)
         chunk.family_cfg = self.family_cfg  # lets load_hf_weights_into find the mapping
-        if weights is not None:
+        if isinstance(weights, LazyHFCheckpoint):
+            try:
+                load_hf_checkpoint_into([chunk], weights, self.family_cfg)  # this rank's slices only
+            finally:
+                if weights is not hf_weights:
+                    weights.close()
+        elif weights is not None:
             load_hf_weights_into([chunk], weights, self.family_cfg)
+        del weights
         if self.bf16:
             from megatron.core.transformer.module import Float16Module
 
@@ -223,21 +238,44 @@ class MegatronActor:
         self.settings = dataclasses.replace(self.settings, max_tokens_per_micro_batch=int(value))
 
     # ------------------------------------------------------------------ construction
-    def _transformer_config(self):
-        return actor_transformer_config(self.family_cfg, self.layout, self.settings)
+    def _transformer_config(self, initialize: bool = True):
+        return actor_transformer_config(self.family_cfg, self.layout, self.settings, initialize=initialize)
 
     def _build_model_chunk(self):
         return build_gpt_chunk(self.config, self.family_cfg, self._ps.is_pipeline_first_stage(),
-                               self._ps.is_pipeline_last_stage(), attention=self.settings.attention).to(self.device)
+                               self._ps.is_pipeline_last_stage(), attention=self.settings.attention,
+                               packed_attention=self.settings.packed_attention).to(self.device)
+
+    def ddp_config(self):
+        """megatron's ``DistributedDataParallelConfig`` from ``optim`` and ``actor`` settings:
+        ``overlap_grad_reduce`` as set; ``overlap_param_gather`` only with the distributed optimizer
+        (megatron refuses it otherwise)."""
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        dist_opt = self.optim_cfg.use_distributed_optimizer
+        return DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=self.settings.overlap_grad_reduce,
+            overlap_param_gather=dist_opt and self.settings.overlap_param_gather,
+            use_distributed_optimizer=dist_opt,
+            average_in_collective=False)  # required by calculate_per_token_loss: SUM over DP
 
     def _wrap_ddp(self, chunk):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import DistributedDataParallel
 
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=self.optim_cfg.use_distributed_optimizer,
-            average_in_collective=False)  # required by calculate_per_token_loss: SUM over DP
-        return DistributedDataParallel(self.config, ddp_config, chunk)
+        ddp = DistributedDataParallel(self.config, self.ddp_config(), chunk)
+        if ddp.ddp_config.overlap_grad_reduce:
+            # the schedule runs every micro-batch but the last under no_sync: the bucket reductions
+            # start during the last backward, and finalize_model_grads waits for them
+            self.config.no_sync_func = ddp.no_sync
+        return ddp
+
+    def sync_params(self) -> None:
+        """Finish the parameter all-gather of the last optimizer step (``overlap_param_gather``
+        defers it to the next forward's pre-hooks): called before the weights are read other than
+        by a forward (export for the weight sync, checkpoints). A no-op otherwise."""
+        for chunk in self.model:
+            if chunk.ddp_config.use_distributed_optimizer and chunk.ddp_config.overlap_param_gather:
+                chunk.start_param_sync(force_sync=True)
 
     def _build_optimizer(self):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -411,12 +449,13 @@ class MegatronActor:
         return metrics
 
     @staticmethod
-    def _metric_weight(key: str, metrics: Mapping[str, Any], tokens: float) -> float:
-        """How a micro-batch's metric enters the mini-batch value (see :meth:`_reduce_metrics`)."""
+    def _metric_weight(key: str, metrics: Mapping[str, Any], tokens):
+        """How a micro-batch's metric enters the mini-batch value (see :meth:`_reduce_metrics`);
+        ``tokens`` and the result may be tensors (no host sync)."""
         if key in SUMMED_METRICS or key.startswith("num_"):
             return 1.0
         if key == "kl":  # a mean over the KL-mask tokens only
-            return float(metrics.get("kl_mask_frac", 1.0)) * tokens
+            return metrics.get("kl_mask_frac", 1.0) * tokens
         return tokens
 
     def _reduce_metrics(self, store: List[Dict[str, Any]]) -> Dict[str, float]:
@@ -427,21 +466,27 @@ class MegatronActor:
         result = [None]
         if self.is_last_stage:
             keys = sorted(store[0]["metrics"]) if store else []
-            sums = torch.zeros(2 + 2 * len(keys), dtype=torch.float64, device=self.device)
+
+            def f64(x):
+                return torch.as_tensor(x, dtype=torch.float64, device=self.device)
+
+            # one [micro-batch, 2 + 2 * keys] tensor built on the device: no host sync per micro-batch
+            rows = []
             for item in store:
-                n = float(item["tokens"])
-                sums[0] += float(item["loss"])
-                sums[1] += n
-                for k, key in enumerate(keys):
-                    w = self._metric_weight(key, item["metrics"], n)
-                    sums[2 + 2 * k] += float(item["metrics"][key]) * w
-                    sums[3 + 2 * k] += w
+                n = f64(item["tokens"])
+                row = [f64(item["loss"]), n]
+                for key in keys:
+                    w = f64(self._metric_weight(key, {k: f64(v) for k, v in item["metrics"].items()}, n))
+                    row += [f64(item["metrics"][key]) * w, w]
+                rows.append(torch.stack([r.reshape(()) for r in row]))
+            sums = (torch.stack(rows).sum(0) if rows
+                    else torch.zeros(2 + 2 * len(keys), dtype=torch.float64, device=self.device))
             dist.all_reduce(sums, group=self._ps.get_data_parallel_group())
-            out = {"loss": float(sums[0]), "tokens": float(sums[1])}
+            values = sums.tolist()  # the one host read of the step
+            out = {"loss": values[0], "tokens": values[1]}
             for k, key in enumerate(keys):
                 summed = key in SUMMED_METRICS or key.startswith("num_")
-                weight = float(sums[3 + 2 * k])
-                out[key] = float(sums[2 + 2 * k]) if summed else float(sums[2 + 2 * k]) / max(weight, 1e-30)
+                out[key] = values[2 + 2 * k] if summed else values[2 + 2 * k] / max(values[3 + 2 * k], 1e-30)
             result = [out]
         if self._ps.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast_object_list(result, src=self._ps.get_pipeline_model_parallel_last_rank(),
@@ -471,6 +516,7 @@ class MegatronActor:
         adds files on rank 0. See :mod:`megatron_tepo.actor.checkpointing`. Returns the path."""
         from megatron_tepo.actor.checkpointing import save_actor_checkpoint
 
+        self.sync_params()
         return save_actor_checkpoint(self, directory, extra_state, write_extra)
 
     def prefer_settings_over_checkpoint(self) -> None:
@@ -504,4 +550,6 @@ class MegatronActor:
         expert included for params; collective over TP (and EP). ``dtype`` casts before the
         gather. A lazy :class:`~megatron_tepo.actor.export.HFExport`: the weight sync reads it as
         buckets gathered to its sender only (``flat_buckets``)."""
+        if what == "param":
+            self.sync_params()
         return export_hf_state(self.model, self.family_cfg, what=what, tp_group=self.tp_group, dtype=dtype)

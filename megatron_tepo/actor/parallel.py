@@ -106,9 +106,9 @@ def initialize_parallel(layout: ParallelLayout, family_cfg, seed: int = 1234,
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         torch.set_num_threads(1)
-        from megatron_tepo.megatron import apply_cpu_patches
+    from megatron_tepo.megatron import apply_cpu_patches
 
-        apply_cpu_patches()
+    apply_cpu_patches()  # each work-around on its own condition (no CUDA / no TE), GPU included
     if not dist.is_initialized():
         if on_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

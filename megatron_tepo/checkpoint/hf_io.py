@@ -2,7 +2,9 @@
 
 * :class:`LazyHFCheckpoint` -- names, shapes and dtypes of a (sharded or single-file) safetensors
   checkpoint from the file headers only; :meth:`LazyHFCheckpoint.get` reads one tensor's bytes
-  with a plain positioned file read (nothing else is loaded, and no file stays memory-mapped:
+  (or a range of its rows), :meth:`LazyHFCheckpoint.read_rows_into` reads rows straight into a
+  given tensor (a parameter's slice), each with a plain positioned file read (nothing else is
+  loaded, and no file is memory-mapped:
   ``safe_open`` maps the whole file and every page it touched counts in the process's RSS until
   the handle closes -- measured +0.5 GiB on a 1.9 GiB import).
 * :class:`ShardedSafetensorsWriter` -- writes ``(name, tensor)`` pairs as
@@ -40,6 +42,15 @@ _ST_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+class _ByteCounter:
+    """Bytes of tensor data read by every :class:`LazyHFCheckpoint` of this process (benchmarks)."""
+
+    value = 0
+
+
+BYTES_READ = _ByteCounter()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -121,12 +132,14 @@ class LazyHFCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._meta
 
-    def get(self, name: str, rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-        """Read one tensor -- or only its rows ``[a, b)`` along dim 0, a contiguous byte range --
-        straight from the file into a fresh tensor (safetensors stores raw little-endian data,
-        so this is bit for bit what ``safe_open`` returns)."""
+    def file_of(self, name: str) -> Path:
+        """The file that stores ``name``."""
+        return self._file_of[name]
+
+    def _rows_span(self, name: str, rows: Optional[Tuple[int, int]]):
+        """(start, end, shape) of the bytes of ``name`` (or of its rows ``[a, b)`` along dim 0)."""
         if sys.byteorder != "little":
-            raise RuntimeError("LazyHFCheckpoint.get reads raw little-endian safetensors data: "
+            raise RuntimeError("LazyHFCheckpoint reads raw little-endian safetensors data: "
                                "big-endian hosts are not supported")
         shape, dt = self._meta[name]
         start, end = self._span[name]
@@ -142,17 +155,65 @@ class LazyHFCheckpoint:
                 raise ValueError(f"HF tensor {name!r} of shape {shape}: no rows [{a}, {b})")
             row_bytes = (end - start) // shape[0] if shape[0] else 0
             start, end, shape = start + a * row_bytes, start + b * row_bytes, (b - a,) + tuple(shape[1:])
+        return start, end, tuple(shape)
+
+    def _pread(self, name: str, start: int, end: int, out: torch.Tensor) -> None:
+        """Read the file bytes ``[start, end)`` of ``name``'s file into ``out`` (contiguous, CPU,
+        exactly ``end - start`` bytes). Every read of tensor data goes through here."""
+        if end <= start:
+            return
+        fh = self._handles.get(self._file_of[name])
+        if fh is None:
+            fh = self._handles[self._file_of[name]] = open(self._file_of[name], "rb")
+        fh.seek(start)
+        got = fh.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+        if got != end - start:
+            raise ValueError(f"HF tensor {name!r}: {self._file_of[name].name} is truncated "
+                             f"(read {got} of {end - start} bytes)")
+        BYTES_READ.value += end - start
+
+    def get(self, name: str, rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+        """Read one tensor -- or only its rows ``[a, b)`` along dim 0, a contiguous byte range --
+        straight from the file into a fresh tensor (safetensors stores raw little-endian data,
+        so this is bit for bit what ``safe_open`` returns)."""
+        start, end, shape = self._rows_span(name, rows)
         raw = torch.empty(end - start, dtype=torch.uint8)
-        if end > start:
-            fh = self._handles.get(self._file_of[name])
-            if fh is None:
-                fh = self._handles[self._file_of[name]] = open(self._file_of[name], "rb")
-            fh.seek(start)
-            got = fh.readinto(memoryview(raw.numpy()))
-            if got != end - start:
-                raise ValueError(f"HF tensor {name!r}: {self._file_of[name].name} is truncated "
-                                 f"(read {got} of {end - start} bytes)")
-        return raw.view(dt).reshape(shape)
+        self._pread(name, start, end, raw)
+        return raw.view(self._meta[name][1]).reshape(shape)
+
+    def read_rows_into(self, name: str, rows: Tuple[int, int], out: torch.Tensor) -> torch.Tensor:
+        """Read rows ``[a, b)`` (dim 0) of ``name`` straight into ``out``: a contiguous CPU
+        tensor of the stored dtype and ``b - a`` rows (e.g. a slice of a parameter), no copy."""
+        start, end, shape = self._rows_span(name, rows)
+        dt = self._meta[name][1]
+        if out.device.type != "cpu" or out.dtype != dt or not out.is_contiguous() or out.numel() * dt.itemsize != end - start:
+            raise ValueError(f"HF tensor {name!r} rows {tuple(rows)}: cannot read {shape} {dtype_name(dt)} into a "
+                             f"{'contiguous' if out.is_contiguous() else 'strided'} {tuple(out.shape)} "
+                             f"{dtype_name(out.dtype)} tensor on {out.device}")
+        self._pread(name, start, end, out.detach())
+        return out
+
+    def read_columns_into(self, name: str, rows: Tuple[int, int], cols: Tuple[int, int],
+                          out: torch.Tensor) -> torch.Tensor:
+        """Read ``name[a:b, c:d]`` (a 2-D tensor) into ``out`` (CPU, stored dtype, shape
+        ``(b - a, d - c)``, each row contiguous: e.g. a column block of a parameter), one
+        positioned read per row -- only those bytes, nothing of the other columns."""
+        a, b = int(rows[0]), int(rows[1])
+        c, d = int(cols[0]), int(cols[1])
+        shape, dt = self._meta[name]
+        start, _, _ = self._rows_span(name, (a, b))
+        if len(shape) != 2 or not 0 <= c <= d <= shape[1]:
+            raise ValueError(f"HF tensor {name!r} of shape {shape}: no columns [{c}, {d})")
+        if (out.device.type != "cpu" or out.dtype != dt or tuple(out.shape) != (b - a, d - c)
+                or (d > c + 1 and out.stride(1) != 1)):
+            raise ValueError(f"HF tensor {name!r}: cannot read [{a}:{b}, {c}:{d}] into a {tuple(out.shape)} "
+                             f"{dtype_name(out.dtype)} tensor on {out.device}")
+        row_bytes, item = int(shape[1]) * dt.itemsize, dt.itemsize
+        out = out.detach()
+        for i in range(b - a):
+            first = start + i * row_bytes + c * item
+            self._pread(name, first, first + (d - c) * item, out[i])
+        return out
 
     def meta_tensor(self, name: str) -> torch.Tensor:
         """A ``meta`` stand-in with the stored shape and dtype (no data read)."""

@@ -11,9 +11,19 @@ fused CPU kernel on CPU.
 Inputs are megatron's: ``[s, b, heads, d]`` query / key / value (key and value with the local KV
 heads), output ``[s, b, heads * d]``. Packed sequences (``packed_seq_params`` with
 ``qkv_format == "thd"``): inputs ``[t, heads, d]``, the sequences laid end to end with boundaries
-``cu_seqlens_q``; each sequence is attended to on its own (one causal SDPA call per sequence), so
-attention never crosses two sequences. ``cu_seqlens_q`` may live on the CPU (the actor puts it
-there), which keeps the per-layer split free of device synchronisation.
+``cu_seqlens_q``; attention never crosses two sequences. Three ways, chosen by
+``config.tepo_packed_attention`` (the resolved ``actor.packed_attention``):
+
+* ``varlen`` -- one ``torch.nn.attention.varlen.varlen_attn`` call (flash attention's varlen
+  kernel: CUDA, bf16/fp16) per layer, causal via ``window_size=(-1, 0)``, GQA native;
+* ``flex`` -- one FlexAttention call per layer with a causal document mask (``create_block_mask``
+  on the sequence ids; built once per micro-batch and kept on the ``packed_seq_params`` object,
+  which every layer shares); compiled on CUDA, eager elsewhere (eager materialises the scores);
+* ``loop`` -- one causal SDPA call per sequence.
+
+``cu_seqlens_q`` may live on the CPU (the actor puts it there, which keeps the loop's per-layer
+split free of device synchronisation); the single-call paths copy it to the device once per
+micro-batch (cached on ``packed_seq_params``).
 
 Left out (refused with an error naming the setting): attention dropout, context parallelism,
 attention bias, masks other than causal (the actor's batches are right-padded or packed, so
@@ -21,6 +31,7 @@ causal attention never lets a real token see padding).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, Optional
 
@@ -28,11 +39,119 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["SDPACoreAttention"]
+__all__ = ["SDPACoreAttention", "packed_attention", "varlen_attn_fn", "flex_attention_fns"]
+
+PACKED_MODES = ("varlen", "flex", "loop")
 
 
 def _bounds(cu_seqlens) -> List[int]:
     return cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else [int(x) for x in cu_seqlens]
+
+
+def varlen_attn_fn():
+    """``torch.nn.attention.varlen.varlen_attn``, or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def flex_attention_fns():
+    """``(flex_attention, create_block_mask)``, or None where this torch has no FlexAttention."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    return flex_attention, create_block_mask
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    return torch.compile(flex_attention_fns()[0], dynamic=True)
+
+
+def _cached(packed_seq_params, key: str, make):
+    """A per-micro-batch value, kept on the ``packed_seq_params`` object all layers share."""
+    cache = packed_seq_params.__dict__.setdefault("_tepo_cache", {})
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _loop(q, k, v, bounds: List[int], scale: float) -> torch.Tensor:
+    """``[t, h, d]`` -> ``[t, h, d]``: one causal SDPA call per sequence."""
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b > a:  # [s_i, h, d] -> [1, h, s_i, d] -> attention -> [s_i, h, d]
+            qi, ki, vi = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            outs.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+                                                       enable_gqa=q.shape[1] != k.shape[1])[0].transpose(0, 1))
+    return torch.cat(outs) if len(outs) > 1 else outs[0].contiguous()
+
+
+def _flex(q, k, v, cu_seqlens, scale: float, packed_seq_params=None) -> torch.Tensor:
+    """``[t, h, d]`` -> ``[t, h, d]``: one FlexAttention call with a causal document mask."""
+    flex_attention, create_block_mask = flex_attention_fns()
+    t, dev = q.shape[0], q.device
+
+    def make_mask():
+        cu = torch.as_tensor(cu_seqlens, device=dev)
+        doc = torch.searchsorted(cu[1:].contiguous(), torch.arange(t, device=dev), right=True)
+
+        def document_causal(b, h, q_idx, kv_idx):
+            return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+        return create_block_mask(document_causal, B=None, H=None, Q_LEN=t, KV_LEN=t, device=dev)
+
+    mask = make_mask() if packed_seq_params is None else _cached(packed_seq_params, f"flex_mask:{dev}", make_mask)
+    fn = _compiled_flex() if dev.type == "cuda" else flex_attention
+    qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, h, t, d]
+    out = fn(qb, kb, vb, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
+
+
+def _varlen(q, k, v, cu_seqlens, max_seqlen: int, scale: float, packed_seq_params=None) -> torch.Tensor:
+    """``[t, h, d]`` -> ``[t, h, d]``: one flash varlen call (CUDA, bf16/fp16)."""
+    dev = q.device
+
+    def make_cu():
+        return torch.as_tensor(cu_seqlens, device=dev, dtype=torch.int32)
+
+    cu = make_cu() if packed_seq_params is None else _cached(packed_seq_params, f"cu32:{dev}", make_cu)
+    fn = varlen_attn_fn()
+    params = _parameters(fn)
+    # causal: window_size=(-1, 0) from torch 2.11, is_causal=True in 2.10 (varlen_attn's first release)
+    kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:  # no GQA flag in this torch: the KV heads repeated for their query groups
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    return fn(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), scale=scale, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(fn) -> frozenset:
+    import inspect
+
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def packed_attention(q, k, v, cu_seqlens, scale: float, mode: str = "loop", max_seqlen: Optional[int] = None,
+                     packed_seq_params=None) -> torch.Tensor:
+    """Causal attention of packed ``[t, heads, d]`` sequences (boundaries ``cu_seqlens``) by
+    ``mode`` (varlen / flex / loop); output ``[t, heads, d]``."""
+    if mode == "loop":
+        return _loop(q, k, v, _bounds(cu_seqlens), scale)
+    if mode == "flex":
+        return _flex(q, k, v, cu_seqlens, scale, packed_seq_params)
+    if mode == "varlen":
+        if max_seqlen is None:
+            bounds = _bounds(cu_seqlens)
+            max_seqlen = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        return _varlen(q, k, v, cu_seqlens, max_seqlen, scale, packed_seq_params)
+    raise ValueError(f"packed attention mode {mode!r}: expected one of {list(PACKED_MODES)}")
 
 
 class SDPACoreAttention(MegatronModule):
@@ -54,6 +173,9 @@ class SDPACoreAttention(MegatronModule):
             raise NotImplementedError(f"attn_mask_type={attn_mask_type}: the sdpa core attention is causal only")
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.packed_mode = getattr(config, "tepo_packed_attention", "loop")
+        if self.packed_mode not in PACKED_MODES:
+            raise ValueError(f"actor.packed_attention: {self.packed_mode!r} (resolved) must be one of {list(PACKED_MODES)}")
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``[b, h, s, d]`` causal attention; KV heads shared by groups of query heads."""
@@ -65,15 +187,12 @@ class SDPACoreAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by the sdpa core attention")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            bounds = _bounds(packed_seq_params.cu_seqlens_q)
-            outs = []
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                if b > a:  # [s_i, h, d] -> [1, h, s_i, d] -> attention -> [s_i, h, d]
-                    q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-                    outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))
-            if bounds[-1] != query.shape[0]:
-                raise ValueError(f"cu_seqlens end at {bounds[-1]} but the packed input has {query.shape[0]} tokens")
-            out = torch.cat(outs) if len(outs) > 1 else outs[0].contiguous()
+            cu = packed_seq_params.cu_seqlens_q
+            end = _cached(packed_seq_params, "end", lambda: int(cu[-1]))  # one read per micro-batch
+            if end != query.shape[0]:
+                raise ValueError(f"cu_seqlens end at {end} but the packed input has {query.shape[0]} tokens")
+            out = packed_attention(query, key, value, cu, self.softmax_scale, mode=self.packed_mode,
+                                   max_seqlen=packed_seq_params.max_seqlen_q, packed_seq_params=packed_seq_params)
             return out.reshape(out.shape[0], -1)  # [t, h*d] (megatron reshapes it to [t, 1, h*d])
         if packed_seq_params is not None:
             raise NotImplementedError(f"packed_seq_params with qkv_format={packed_seq_params.qkv_format!r}")

@@ -1,12 +1,20 @@
-"""Run-time work-arounds that let megatron-core 0.16.1 train on a CUDA-less torch (gloo).
+"""Run-time work-arounds that let megatron-core 0.16.1 run without CUDA or without Transformer Engine.
 
-megatron-core hard-codes CUDA in many places that no config flag reaches. This module is THE one
-place that papers over them, and only when ``torch.cuda.is_available()`` is False: on a GPU
-machine :func:`apply_cpu_patches` does nothing.
+megatron-core hard-codes CUDA in many places that no config flag reaches, and one of its MoE
+functions assumes Transformer Engine. This module is THE one place that papers over them. Each
+work-around is a small named function (see :data:`PATCHES`) whose docstring names the
+megatron-core file/function it serves, and each is applied on exactly the condition that makes it
+necessary (:data:`CONDITIONS`):
 
-Each work-around is a small named function (see :data:`PATCHES`) whose docstring names the
-megatron-core file/function it serves. Every patch records what it replaced, so
-:func:`revert_cpu_patches` restores the original objects; tests use
+  * ``no_cuda`` (``torch.cuda.is_available()`` is False) -- patches 1-6: the CUDA calls they
+    replace can only raise in such a process. On a GPU machine none of them is applied.
+  * ``no_te`` (Transformer Engine does not import) -- patch 7 (``moe_router_gemm``): the NameError
+    it prevents comes from the absence of TE, on a GPU as on a CPU. It binds a name only where
+    megatron did not, so it can never shadow TE's kernel.
+
+:func:`apply_cpu_patches` evaluates each condition through :data:`CONDITION_PROBES` (tests
+monkeypatch :func:`cuda_available` / :func:`te_available`). Every patch records what it
+replaced, so :func:`revert_cpu_patches` restores the original objects; tests use
 ``apply_cpu_patches(exclude={name})`` to show that each patch is necessary.
 
 Scope of the lies told:
@@ -18,6 +26,11 @@ Scope of the lies told:
     tensors only while one of the three megatron functions that assert on that string is running; ``Tensor.cuda()`` is the
     identity only while the tied-embedding set-up of a pipelined model runs.
   * ``moe_router_gemm`` only binds a name megatron forgot to define without Transformer Engine.
+
+Versions: the patches target megatron-core 0.16.1 (the newest for Python 3.11); newer releases
+move some of these calls (0.19 also calls ``torch.cuda.current_stream`` in
+``param_and_grad_buffer.start_grad_sync``, not patched here). A patch whose target is missing
+fails loudly (AttributeError) rather than silently doing nothing.
 
 Deliberately left out (not probed, the actor does not use them on CPU): dist_checkpointing (its
 saver needs only patches 1 and 3), CUDA graphs, FP8/FP16 grad scaling, NCCL allocators, the MoE
@@ -32,7 +45,8 @@ from typing import Callable, Dict, Iterable, List, Tuple
 
 import torch
 
-__all__ = ["PATCHES", "apply_cpu_patches", "revert_cpu_patches", "applied_patches"]
+__all__ = ["PATCHES", "CONDITIONS", "CONDITION_PROBES", "apply_cpu_patches", "revert_cpu_patches",
+           "applied_patches", "cuda_available", "te_available"]
 
 # (owner object, attribute name, original value) for every replaced attribute, per patch.
 _UNDO: Dict[str, List[Tuple[object, str, object]]] = {}
@@ -299,6 +313,24 @@ def patch_moe_router_gemm() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+def cuda_available() -> bool:
+    """The ``no_cuda`` probe's input (a function so tests can monkeypatch it)."""
+    return torch.cuda.is_available()
+
+
+def te_available() -> bool:
+    """The ``no_te`` probe's input: Transformer Engine imports (see :mod:`megatron_tepo.models.spec`)."""
+    from megatron_tepo.models.spec import te_available as probe
+
+    return probe()
+
+
+#: condition name -> "is the work-around needed here?"
+CONDITION_PROBES: Dict[str, Callable[[], bool]] = {
+    "no_cuda": lambda: not cuda_available(),
+    "no_te": lambda: not te_available(),
+}
+
 PATCHES: Dict[str, Callable[[], None]] = {
     "current_device": patch_current_device,
     "rng_tracker": patch_rng_tracker,
@@ -309,6 +341,17 @@ PATCHES: Dict[str, Callable[[], None]] = {
     "moe_router_gemm": patch_moe_router_gemm,
 }
 
+#: patch -> the condition (a key of :data:`CONDITION_PROBES`) under which it is applied
+CONDITIONS: Dict[str, str] = {
+    "current_device": "no_cuda",
+    "rng_tracker": "no_cuda",
+    "cuda_synchronize": "no_cuda",
+    "cuda_tensor_factories": "no_cuda",
+    "tensor_type_checks": "no_cuda",
+    "tied_embedding_setup": "no_cuda",
+    "moe_router_gemm": "no_te",
+}
+
 
 def applied_patches() -> List[str]:
     """Names of the patches currently in effect."""
@@ -316,18 +359,15 @@ def applied_patches() -> List[str]:
 
 
 def apply_cpu_patches(exclude: Iterable[str] = (), force: bool = False) -> List[str]:
-    """Apply every CPU work-around (minus ``exclude``); idempotent; returns those now applied.
-
-    A no-op when CUDA is available (unless ``force``, which only tests use).
-    """
+    """Apply every work-around whose condition holds here (minus ``exclude``); idempotent;
+    returns those now applied. ``force`` applies all of them whatever the conditions (tests)."""
     exclude = set(exclude)
     unknown = exclude - set(PATCHES)
     if unknown:
         raise ValueError(f"unknown cpu patch(es) {sorted(unknown)}; known: {sorted(PATCHES)}")
-    if torch.cuda.is_available() and not force:
-        return []
+    needed = {cond: force or probe() for cond, probe in CONDITION_PROBES.items()}
     for name, patch in PATCHES.items():
-        if name not in exclude and name not in _UNDO:
+        if name not in exclude and name not in _UNDO and needed[CONDITIONS[name]]:
             patch()
     return applied_patches()
 

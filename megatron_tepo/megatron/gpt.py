@@ -4,7 +4,10 @@ turns a :class:`~megatron_tepo.models.GPTFamilyConfig`, a parallel layout and th
 actor and the checkpoint converter both use it.
 
 * :func:`resolve_actor_config` turns ``auto`` into what runs here: ``attention: auto`` -> ``te``
-  when Transformer Engine imports, else ``sdpa``; ``fusions: auto`` -> on with CUDA, off on CPU.
+  when Transformer Engine imports, else ``sdpa``; ``fusions: auto`` -> on with CUDA, off on CPU;
+  ``gradient_accumulation_fusion: auto`` -> on with TE and apex's ``fused_weight_gradient_mlp_cuda``;
+  ``moe_grouped_gemm: auto`` -> on with TE; ``packed_attention: auto`` -> ``varlen`` on CUDA in
+  bf16 (``flex`` in fp32; ``loop`` where torch has neither), ``loop`` on CPU.
 * :func:`transformer_config`: precision (``bf16``: ``bf16=True`` with bf16 parameters and
   pipeline tensors), activation recompute (``full``: megatron's ``uniform`` method over blocks of
   ``recompute_num_layers`` layers; ``selective``: the core attention), sequence parallelism and
@@ -15,11 +18,20 @@ actor and the checkpoint converter both use it.
 
 Fusions that need neither Transformer Engine nor apex (``bias_activation_fusion``: SwiGLU,
 ``bias_dropout_fusion``) are megatron's ``torch.compile``-d functions; with Transformer Engine the
-fused RoPE (``apply_rope_fusion``) is added. Left out: fusions that need apex
-(``gradient_accumulation_fusion``, ``persist_layer_norm``, the masked-softmax kernels of the unfused
-attention), virtual pipeline stages, context parallelism.
+fused RoPE (``apply_rope_fusion``) is added. ``gradient_accumulation_fusion`` needs both TE
+(its linears take ``fuse_wgrad_accumulation`` from the config and accumulate into ``main_grad``
+with their own GEMM) and apex's ``fused_weight_gradient_mlp_cuda`` (megatron-core 0.16.1's
+``ColumnParallelLinear``, which is the output layer in every spec, raises at construction without
+it): it cannot run on a CPU torch, and a unit test checks only that the setting reaches
+``TransformerConfig``. ``moe_grouped_gemm`` with TE selects ``TEGroupedMLP`` (one grouped GEMM
+for all local experts); its ``linear_fc*.weight{i}`` parameters are named as
+``local_experts.{i}.linear_fc*.weight`` for the HF mapping (:mod:`megatron_tepo.models.sharding`).
+Left out: ``persist_layer_norm`` and the masked-softmax kernels of the unfused attention (apex),
+virtual pipeline stages, context parallelism.
 
-CPU-safe flags on every device: CPU initialisation (identical init for every TP size).
+CPU-safe flags on every device: CPU initialisation (identical init for every TP size). With
+weights to load the init is off (``transformer_config(initialize=False)``): nothing is drawn, and
+the parameters' pages stay untouched until the loader writes this rank's slices into them.
 """
 from __future__ import annotations
 
@@ -53,7 +65,53 @@ def resolve_actor_config(actor: ActorConfig, cuda: Optional[bool] = None,
     fusions = actor.fusions
     if fusions == "auto":
         fusions = "on" if cuda else "off"
-    return dataclasses.replace(actor, attention=attention, fusions=fusions)
+    apex = grad_accum_fusion_available() if te else False
+    gaf = actor.gradient_accumulation_fusion
+    if gaf == "auto":
+        gaf = "on" if te and apex else "off"
+    if gaf == "on" and not (te and apex):
+        raise ValueError("actor.gradient_accumulation_fusion: on needs Transformer Engine and apex's "
+                         "fused_weight_gradient_mlp_cuda (megatron's output layer refuses it without them); "
+                         "use auto or off")
+    grouped = actor.moe_grouped_gemm
+    if grouped == "auto":
+        grouped = "on" if te else "off"
+    if grouped == "on" and not te:
+        raise ValueError("actor.moe_grouped_gemm: on needs Transformer Engine (TEGroupedMLP); use auto or off")
+    packed = actor.packed_attention
+    if packed == "auto":
+        packed = "loop"
+        if cuda and actor.precision == "bf16" and varlen_available():
+            packed = "varlen"
+        elif cuda and flex_available():
+            packed = "flex"
+    if packed == "varlen" and not varlen_available():
+        raise ValueError("actor.packed_attention: varlen needs torch.nn.attention.varlen (torch >= 2.10); "
+                         "use flex, loop or auto")
+    if packed == "flex" and not flex_available():
+        raise ValueError("actor.packed_attention: flex needs torch.nn.attention.flex_attention; use loop or auto")
+    return dataclasses.replace(actor, attention=attention, fusions=fusions, gradient_accumulation_fusion=gaf,
+                               moe_grouped_gemm=grouped, packed_attention=packed)
+
+
+def grad_accum_fusion_available() -> bool:
+    """apex's ``fused_weight_gradient_mlp_cuda`` imports (megatron's ColumnParallelLinear needs it
+    for ``gradient_accumulation_fusion``)."""
+    import importlib.util
+
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def varlen_available() -> bool:
+    from megatron_tepo.megatron.attention import varlen_attn_fn
+
+    return varlen_attn_fn() is not None
+
+
+def flex_available() -> bool:
+    from megatron_tepo.megatron.attention import flex_attention_fns
+
+    return flex_attention_fns() is not None
 
 
 def family_spec(actor: ActorConfig) -> str:
@@ -70,9 +128,11 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
     (resolved with :func:`resolve_actor_config` first). ``params_dtype`` overrides the parameters'
     dtype only (the checkpoint converter stores bf16 checkpoints in bf16 without bf16 compute).
 
-    ``initialize=False`` skips megatron's weight init -- and with it the ``tensor_model_parallel``
-    / ``partition_dim`` / ``partition_stride`` attributes that :mod:`megatron_tepo.models.sharding`
-    places tensors by: only right at TP=1 or when loading through ``sharded_state_dict``.
+    ``initialize=False`` skips megatron's weight init (no random numbers; the parameters are
+    ``torch.empty``, untouched until loaded): what the actor does when weights are given.
+    :func:`build_gpt_chunk` then sets the ``tensor_model_parallel`` / ``partition_dim`` /
+    ``partition_stride`` attributes that megatron's own layers get only from their init
+    (:func:`megatron_tepo.models.sharding.mark_tensor_parallel_attributes`).
     ``variable_seq_lengths`` is needed with PP and micro-batches of varying shapes.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -81,6 +141,7 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
     kw = family_cfg.transformer_config_kwargs()
     if family_cfg.extra.get("num_experts"):
         kw.update(family_cfg.extra["moe_transformer_kwargs"])
+        kw["moe_grouped_gemm"] = actor.moe_grouped_gemm == "on"
     else:
         # Unused by dense layers, but the default "allgather" dispatcher makes TransformerConfig
         # refuse variable_seq_lengths.
@@ -104,7 +165,7 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
         pipeline_dtype=dtype,
         use_cpu_initialization=True,
         perform_initialization=initialize,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=actor.gradient_accumulation_fusion == "on",
         apply_rope_fusion=fused and actor.attention == "te",
         persist_layer_norm=False,
         bias_activation_fusion=fused,
@@ -116,17 +177,26 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
 
 
 def build_gpt_chunk(config, family_cfg: GPTFamilyConfig, pre_process: bool, post_process: bool,
-                    attention: Optional[str] = None):
+                    attention: Optional[str] = None, packed_attention: str = "loop"):
     """The ``GPTModel`` of one pipeline stage. ``attention`` (te / sdpa / unfused) picks the layer
-    spec; None follows ``family_cfg.spec`` (te, or the local spec with megatron's attention)."""
+    spec; None follows ``family_cfg.spec`` (te, or the local spec with megatron's attention).
+    ``packed_attention`` (varlen / flex / loop, resolved): how the sdpa attention runs THD input."""
     from megatron.core.models.gpt import GPTModel
 
     if attention is not None and (attention == "te") != (family_cfg.spec == "te"):
         raise ValueError(f"attention {attention!r} does not match the family config's spec {family_cfg.spec!r}")
-    spec = get_layer_spec(family_cfg, num_experts=family_cfg.extra.get("num_experts"))
+    spec = get_layer_spec(family_cfg, num_experts=family_cfg.extra.get("num_experts"),
+                          moe_grouped_gemm=bool(getattr(config, "moe_grouped_gemm", False)))
     if attention == "sdpa":
         from megatron_tepo.megatron.attention import SDPACoreAttention
 
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    return GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process,
-                    post_process=post_process, **family_cfg.gpt_model_kwargs())
+        config.tepo_packed_attention = packed_attention  # read by SDPACoreAttention
+    model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process,
+                     post_process=post_process, **family_cfg.gpt_model_kwargs())
+    if not config.perform_initialization:
+        # megatron sets its layers' TP attributes only inside the init it skipped
+        from megatron_tepo.models.sharding import mark_tensor_parallel_attributes
+
+        mark_tensor_parallel_attributes(model)
+    return model

@@ -10,6 +10,8 @@ Public API:
   * :func:`hf_to_megatron` / :func:`megatron_to_hf` -- streaming converters between HF
     ``(name, full tensor)`` and Megatron ``(global name, full tensor)``.
   * :func:`load_hf_weights_into` -- shard an HF state dict onto this rank's model chunks.
+  * :func:`load_hf_checkpoint_into` -- the same from an HF safetensors directory, each rank
+    reading only its own slices (its TP shards, pipeline stage and experts).
 
 The live actor's bucketed export to HF tensors (for the rollout weight sync and the end-of-run
 export) is the actor's: :mod:`megatron_tepo.actor.export`, built on :class:`.common.MegatronToHFLayout`
@@ -24,15 +26,16 @@ from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Uni
 import torch
 
 from . import llama, qwen2, qwen3, qwen3_moe
-from .common import (GPTFamilyConfig, LayerMapping, convert_hf_to_megatron,
-                     convert_megatron_to_hf)
-from .sharding import gather_full_tensors, load_megatron_state_into
+from .common import (GPTFamilyConfig, LayerMapping, MegatronToHFLayout, convert_hf_to_megatron,
+                     convert_megatron_to_hf, expected_hf_names)
+from .sharding import (EMBEDDING, checkpoint_slices_equal, gather_full_tensors, load_checkpoint_slices_into,
+                       load_megatron_state_into)
 
 FAMILIES: Dict[str, ModuleType] = {m.FAMILY: m for m in (llama, qwen2, qwen3, qwen3_moe)}
 
 __all__ = ["FAMILIES", "GPTFamilyConfig", "resolve_family", "family_config_from_hf",
            "layer_mapping", "hf_to_megatron", "megatron_to_hf", "load_hf_weights_into",
-           "gather_full_tensors"]
+           "load_hf_checkpoint_into", "gather_full_tensors"]
 
 
 def _field(hf_config, name):
@@ -97,3 +100,42 @@ def load_hf_weights_into(model_chunks: List[torch.nn.Module], hf_state_dict,
             raise ValueError("load_hf_weights_into needs family_cfg (the chunks carry none)")
     return load_megatron_state_into(model_chunks, hf_to_megatron(hf_state_dict, family_cfg),
                                     family_cfg.tie_word_embeddings, tp_group=tp_group)
+
+
+def load_hf_checkpoint_into(model_chunks: List[torch.nn.Module], ckpt, family_cfg: GPTFamilyConfig,
+                            tp_group=None) -> List[str]:
+    """Fill this rank's chunks from an HF safetensors checkpoint (a directory or a
+    :class:`~megatron_tepo.checkpoint.hf_io.LazyHFCheckpoint`), reading only this rank's slices
+    (:func:`.sharding.load_checkpoint_slices_into`); bit for bit what :func:`load_hf_weights_into`
+    gives from the loaded state dict. The checkpoint's names are checked first, on every rank
+    alike: a missing tensor of the model or a tensor the mapping does not know is a ValueError
+    naming it (and the checkpoint / file). A tied ``lm_head.weight`` stored beside the embedding
+    must equal it (each rank compares its own embedding rows)."""
+    from megatron_tepo.checkpoint.hf_io import LazyHFCheckpoint
+
+    own = not isinstance(ckpt, LazyHFCheckpoint)
+    if own:
+        ckpt = LazyHFCheckpoint(ckpt)
+    try:
+        mapping = layer_mapping(family_cfg)
+        expected = expected_hf_names(family_cfg, mapping)
+        known = set(expected)
+        tied = family_cfg.tie_word_embeddings
+        for name in ckpt.names():
+            if name not in known and not (tied and name == "lm_head.weight"):
+                raise ValueError(f"HF tensor {name!r} in {ckpt.file_of(name)} has no Megatron counterpart "
+                                 f"in the {family_cfg.family} mapping (spec={family_cfg.spec})")
+        missing = [n for n in expected if n not in ckpt]
+        if missing:
+            raise ValueError(f"HF checkpoint {ckpt.path} lacks {len(missing)} tensor(s) of the "
+                             f"{family_cfg.family} model, e.g. {missing[:8]}")
+        filled = load_checkpoint_slices_into(model_chunks, ckpt, MegatronToHFLayout(family_cfg, mapping),
+                                             tied, tp_group=tp_group)
+        if tied and "lm_head.weight" in ckpt and not checkpoint_slices_equal(
+                model_chunks, ckpt, EMBEDDING, "lm_head.weight", tp_group=tp_group):
+            raise ValueError(f"tie_word_embeddings=True but HF tensor 'lm_head.weight' in "
+                             f"{ckpt.file_of('lm_head.weight')} differs from 'model.embed_tokens.weight'")
+        return filled
+    finally:
+        if own:
+            ckpt.close()

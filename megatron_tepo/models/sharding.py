@@ -12,6 +12,10 @@ is global layer ``layer_number - 1``).
 * :func:`load_megatron_state_into` / :func:`gather_full_tensors` -- fill this rank's shards from
   full tensors (every parameter checked filled), and all-gather full tensors (params or grads)
   over the TP group, one collective per tensor, Megatron names (this rank's experts only).
+* :func:`load_checkpoint_slices_into` -- fill this rank's shards from a lazily read HF
+  checkpoint, reading only the rows (and columns) of its own shards of its own stage and experts.
+* :func:`mark_tensor_parallel_attributes` -- the attributes above on a model built without
+  megatron's init (which is where megatron sets them for its own layers).
 * :func:`parallel_groups` / :func:`group_for` / :func:`grad_of` -- the group a parameter is split
   over, and the gradient the optimizer sees.
 
@@ -34,6 +38,8 @@ import torch.distributed as dist
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+# TEGroupedMLP (``moe_grouped_gemm`` with TE): one GroupedLinear per fc, expert i's weight is ``weight{i}``
+_GROUPED = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 TIED_OUTPUT = "output_layer.weight"
 EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -92,6 +98,9 @@ def to_global_name(local_name: str, offsets: Dict[int, int],
     if m is None:
         return local_name
     j, rest = int(m.group(1)), m.group(2)
+    g = _GROUPED.match(rest)
+    if g is not None:  # name grouped-GEMM experts like SequentialMLP's, which the HF mapping knows
+        rest = f"mlp.experts.local_experts.{g.group(3)}.{g.group(1)}.{g.group(2)}"
     e = _EXPERT.match(rest)
     if e is not None and experts and j in experts:
         rest = f"mlp.experts.local_experts.{experts[j][int(e.group(1))]}.{e.group(2)}"
@@ -168,6 +177,187 @@ def load_megatron_state_into(model_chunks: List[torch.nn.Module],
     if missing:
         raise ValueError(f"{len(missing)} Megatron parameter(s) of this rank were not filled: {missing}")
     return sorted(filled)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-rank reading of an HF checkpoint (only this rank's slices)
+# ---------------------------------------------------------------------------------------------
+#: a temporary buffer (dtype cast, a column-split parameter, a parameter off the CPU) holds at
+#: most this many bytes of checkpoint rows; a same-dtype row-split CPU parameter needs none.
+READ_BLOCK_BYTES = 64 * 2 ** 20
+
+
+def _shard_reads(full_shape, part, rank: int, size: int, sources):
+    """What to read for one parameter shard: ``[(hf name, (a, b), local row, columns)]``, where
+    rows ``[a, b)`` of the HF tensor go to the shard's rows from ``local row`` on, and
+    ``columns`` is None (all) or ``[(local col, full col, n)]`` (a shard split on dim 1).
+    ``sources``: ``[(hf name, full rows of it or None)]`` as :class:`~.common.MegatronToHFLayout`
+    gives them (None: the whole tensor). The split is :func:`shard_tensor`'s."""
+    rows = int(full_shape[0])
+    segments = []  # (full row a, full row b, hf name, hf row of a)
+    for hf, ranges in sources:
+        at = 0
+        for a, b in (ranges if ranges is not None else ((0, rows),)):
+            segments.append((a, b, hf, at))
+            at += b - a
+    dim, stride = part if (part is not None and size > 1) else (None, 1)
+    if dim is not None and full_shape[dim] % (size * stride):
+        raise ValueError(f"dim {dim} of shape {tuple(full_shape)} is not divisible by "
+                         f"tp_size*stride={size}*{stride}")
+    if dim == 0:
+        c = rows // (size * stride)
+        blocks = [(i * c, (rank + i * size) * c, c) for i in range(stride)]
+    else:
+        blocks = [(0, 0, rows)]
+    columns = None
+    if dim is not None and dim != 0:
+        if dim != 1 or len(full_shape) != 2:
+            raise ValueError(f"a shard split on dim {dim} of shape {tuple(full_shape)} is not supported")
+        c = int(full_shape[1]) // (size * stride)
+        columns = [(i * c, (rank + i * size) * c, c) for i in range(stride)]
+    reads = []
+    for local, first, n in blocks:
+        for a, b, hf, hf_at in segments:
+            lo, hi = max(a, first), min(b, first + n)
+            if lo < hi:
+                reads.append((hf, (hf_at + lo - a, hf_at + hi - a), local + lo - first, columns))
+    return reads
+
+
+def _read_into(ckpt, hf: str, rows, dest: torch.Tensor, columns, block_bytes: int) -> None:
+    """Rows ``rows`` of HF tensor ``hf`` (with ``columns``: only those column ranges) into
+    ``dest`` (the shard's matching rows): straight into its memory when it is a same-dtype CPU
+    tensor, else through a buffer of at most ``block_bytes`` (cast by ``copy_``, which rounds as
+    ``Tensor.to`` does). Only the bytes of the shard are read."""
+    a, b = rows
+    direct = dest.device.type == "cpu" and dest.dtype == ckpt.dtype(hf) and dest.is_contiguous()
+    if columns is None and direct:
+        ckpt.read_rows_into(hf, rows, dest)
+        return
+    if columns is not None and direct:
+        for local, first, n in columns:
+            ckpt.read_columns_into(hf, rows, (first, first + n), dest[:, local:local + n])
+        return
+    shape = ckpt.shape(hf)
+    row_bytes = ckpt.dtype(hf).itemsize
+    for d in (shape[1:] if columns is None else (max(n for _, _, n in columns),)):
+        row_bytes *= int(d)
+    step = max(1, block_bytes // max(row_bytes, 1))
+    with torch.no_grad():
+        for s in range(a, b, step):
+            e = min(b, s + step)
+            if columns is None:
+                dest[s - a:e - a].copy_(ckpt.get(hf, rows=(s, e)))
+                continue
+            for local, first, n in columns:
+                buf = torch.empty((e - s, n), dtype=ckpt.dtype(hf))
+                ckpt.read_columns_into(hf, (s, e), (first, first + n), buf)
+                dest[s - a:e - a, local:local + n].copy_(buf)
+
+
+def load_checkpoint_slices_into(model_chunks: List[torch.nn.Module], ckpt, sources_of,
+                                tied_embeddings: bool, tp_group=None,
+                                block_bytes: int = READ_BLOCK_BYTES) -> List[str]:
+    """Fill this rank's parameters from a lazily read HF checkpoint, reading only their slices.
+
+    ``ckpt``: a :class:`~megatron_tepo.checkpoint.hf_io.LazyHFCheckpoint` (or anything with its
+    ``shape`` / ``dtype`` / ``file_of`` / ``get`` / ``read_rows_into`` / ``path``);
+    ``sources_of(global name, full shape)``: the HF tensors of a full Megatron tensor and their
+    rows in it (a :class:`~.common.MegatronToHFLayout`). Each parameter of this rank (its
+    pipeline stage, its experts, its TP shard as its ``tensor_model_parallel`` /
+    ``partition_dim`` / ``partition_stride`` say) is read row range by row range, a dim-0 shard
+    straight into the parameter's memory; nothing is read twice and nothing of another rank.
+    Bit for bit what :func:`load_megatron_state_into` gives from full tensors. With tied
+    embeddings the last stage's ``output_layer.weight`` copy is read from the embedding.
+    ValueError (one line, naming the HF tensor and its file) for a missing tensor or a shape that
+    is not the one the parameter needs. Returns the global names filled.
+    """
+    groups = parallel_groups(tp_group)
+    filled = []
+    for chunk in model_chunks:
+        for gname, param in global_named_parameters(chunk):
+            key = EMBEDDING if (tied_embeddings and gname == TIED_OUTPUT) else gname
+            part, group = tp_partition(param), group_for(param, groups)
+            size = dist.get_world_size(group)
+            full_shape = list(param.shape)
+            if part is not None and size > 1:
+                full_shape[part[0]] *= size
+            sources = sources_of(key, full_shape)
+            if not sources:
+                raise ValueError(f"Megatron parameter {gname!r} has no HF tensor to load from")
+            for hf, ranges in sources:
+                if hf not in ckpt:
+                    raise ValueError(f"HF tensor {hf!r} (for Megatron parameter {gname!r}) is not in the "
+                                     f"checkpoint {ckpt.path}")
+                want = tuple(full_shape) if ranges is None else (sum(b - a for a, b in ranges), *full_shape[1:])
+                if tuple(ckpt.shape(hf)) != want:
+                    raise ValueError(f"HF tensor {hf!r} in {ckpt.file_of(hf)} has shape {tuple(ckpt.shape(hf))}, "
+                                     f"Megatron parameter {gname!r} needs {want}")
+            for hf, rows, local, columns in _shard_reads(full_shape, part, dist.get_rank(group), size, sources):
+                dest = param.data[local:local + rows[1] - rows[0]]
+                _read_into(ckpt, hf, rows, dest, columns, block_bytes)
+            filled.append(gname)
+    return sorted(filled)
+
+
+def checkpoint_slices_equal(model_chunks: List[torch.nn.Module], ckpt, gname: str, hf: str,
+                            tp_group=None, block_bytes: int = READ_BLOCK_BYTES) -> bool:
+    """Whether this rank's shard of parameter ``gname`` (if it holds it) equals the same slice
+    of HF tensor ``hf`` (e.g. a tied ``lm_head.weight`` against the embedding), read in blocks."""
+    groups = parallel_groups(tp_group)
+    for chunk in model_chunks:
+        for name, param in global_named_parameters(chunk):
+            if name != gname:
+                continue
+            part, group = tp_partition(param), group_for(param, groups)
+            size = dist.get_world_size(group)
+            full_shape = list(param.shape)
+            if part is not None and size > 1:
+                full_shape[part[0]] *= size
+            if tuple(ckpt.shape(hf)) != tuple(full_shape):
+                return False
+            for _, rows, local, columns in _shard_reads(full_shape, part, dist.get_rank(group), size, [(hf, None)]):
+                got = torch.empty((rows[1] - rows[0], *param.shape[1:]), dtype=param.dtype)
+                _read_into(ckpt, hf, rows, got, columns, block_bytes)
+                if not torch.equal(got, param.data[local:local + got.shape[0]].cpu()):
+                    return False
+    return True
+
+
+def mark_tensor_parallel_attributes(model: torch.nn.Module) -> int:
+    """Set megatron's ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride`` on the
+    weights of megatron's own tensor-parallel layers where they are missing, as its init would.
+
+    megatron-core (0.16) sets them on ``ColumnParallelLinear`` / ``RowParallelLinear`` /
+    ``VocabParallelEmbedding`` weights only inside ``_initialize_affine_weight_cpu`` / ``_gpu``,
+    which ``perform_initialization=False`` skips (biases get theirs either way). Transformer
+    Engine's layers set them in their own ``reset_parameters``, which runs with or without init
+    (megatron passes a no-op ``init_method`` then, and corrects ``partition_stride``); they are
+    left alone. The stride is 2 only for the SwiGLU ``linear_fc1`` of megatron's ``MLP``, as its
+    constructor passes it. Returns the number of parameters marked."""
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding,
+                                                      set_tensor_model_parallel_attributes)
+    from megatron.core.transformer.mlp import MLP
+
+    strided = set()
+    for module in model.modules():
+        if isinstance(module, MLP) and module.config.gated_linear_unit and not getattr(module.config, "use_kitchen", False):
+            strided.add(id(module.linear_fc1))
+    marked = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        set_tensor_model_parallel_attributes(weight, True, dim, 2 if id(module) in strided else 1)
+        marked += 1
+    return marked
 
 
 def grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:

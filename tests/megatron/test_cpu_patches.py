@@ -63,3 +63,54 @@ def test_each_patch_is_necessary_and_all_suffice(tmp_path):
         assert res["type_outside"] == "torch.FloatTensor"  # Tensor.type() is not faked globally
         assert res["cuda_outside_raises"]  # nor Tensor.cuda()
         assert res["reverted_current_device_raises"]
+
+
+# ---------------------------------------------------------------- each patch on its own condition
+def _applied_under(monkeypatch, cuda: bool, te: bool):
+    from megatron_tepo.megatron import cpu_patches
+
+    monkeypatch.setattr(cpu_patches, "cuda_available", lambda: cuda)
+    monkeypatch.setattr(cpu_patches, "te_available", lambda: te)
+    cpu_patches.revert_cpu_patches()
+    try:
+        return cpu_patches.apply_cpu_patches()
+    finally:
+        cpu_patches.revert_cpu_patches()
+
+
+CUDA_PATCHES = ["current_device", "rng_tracker", "cuda_synchronize", "cuda_tensor_factories",
+                "tensor_type_checks", "tied_embedding_setup"]
+
+
+def test_moe_router_patch_follows_te_not_cuda(monkeypatch):
+    """Row 7 of #22: a GPU without Transformer Engine still needs the router work-around (its
+    NameError is about TE), and none of the CUDA ones."""
+    assert _applied_under(monkeypatch, cuda=True, te=False) == ["moe_router_gemm"]
+
+
+def test_cuda_patches_follow_cuda(monkeypatch):
+    assert _applied_under(monkeypatch, cuda=False, te=True) == CUDA_PATCHES
+    assert _applied_under(monkeypatch, cuda=False, te=False) == CUDA_PATCHES + ["moe_router_gemm"]
+    assert _applied_under(monkeypatch, cuda=True, te=True) == []
+
+
+def test_every_patch_names_its_condition():
+    from megatron_tepo.megatron import cpu_patches
+
+    assert set(cpu_patches.CONDITIONS) == set(PATCHES)
+    for name, condition in cpu_patches.CONDITIONS.items():
+        assert condition in cpu_patches.CONDITION_PROBES, name
+    assert {n for n, c in cpu_patches.CONDITIONS.items() if c == "no_cuda"} == set(CUDA_PATCHES)
+    assert cpu_patches.CONDITIONS["moe_router_gemm"] == "no_te"
+
+
+def test_moe_router_patch_is_a_no_op_when_megatron_bound_the_name(monkeypatch):
+    """With TE megatron binds te_general_gemm itself: the patch must never overwrite it."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_tepo.megatron import cpu_patches
+
+    sentinel = object()
+    monkeypatch.setattr(moe_utils, "te_general_gemm", sentinel, raising=False)
+    assert "moe_router_gemm" in _applied_under(monkeypatch, cuda=True, te=False)
+    assert moe_utils.te_general_gemm is sentinel

@@ -11,7 +11,8 @@ in ``MoEAlltoAllTokenDispatcher.__init__``), and megatron refuses ``allgather`` 
 PP=1 (EP=1 or EP>1 over gloo both work). On GPU the ``alltoall`` dispatcher is used.
 
 Left out: ``mlp_only_layers`` / ``decoder_sparse_step != 1`` (mixed dense/MoE stacks) ->
-NotImplementedError; grouped-GEMM expert layouts (``moe_grouped_gemm``).
+NotImplementedError. ``moe_grouped_gemm`` is not set here: it is the actor's setting
+(``actor.moe_grouped_gemm``, on with Transformer Engine; see :mod:`megatron_tepo.megatron.gpt`).
 """
 from __future__ import annotations
 
@@ -43,7 +44,6 @@ def from_hf_config(hf_config, spec: str = "local") -> GPTFamilyConfig:
         moe_router_score_function="softmax",
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        moe_grouped_gemm=False,
         moe_permute_fusion=False,
         moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
     )

@@ -1,0 +1,90 @@
+"""The actor's speed settings (#22 row 11) resolve per machine and reach megatron's configs.
+
+Gradient-accumulation fusion and grouped GEMM need Transformer Engine (and, for the fusion, apex's
+``fused_weight_gradient_mlp_cuda``), which cannot be installed on a CPU torch: here TE is
+monkeypatched as present and the tests check that the settings reach ``TransformerConfig``
+(not that the kernels run). Packed attention: varlen on CUDA in bf16, flex on CUDA in fp32, the
+loop on CPU. Overlap defaults: on (``tests/megatron/test_overlap.py`` runs them over gloo).
+"""
+import pytest
+
+from megatron_tepo.config import ActorConfig
+from megatron_tepo.megatron import gpt
+from megatron_tepo.models import family_config_from_hf
+from tests.megatron.helpers import tiny_hf_config
+
+
+@pytest.fixture
+def with_te(monkeypatch):
+    monkeypatch.setattr(gpt, "te_available", lambda: True)
+    monkeypatch.setattr(gpt, "grad_accum_fusion_available", lambda: True)
+
+
+def test_defaults_are_on():
+    a = ActorConfig()
+    assert a.overlap_grad_reduce and a.overlap_param_gather
+    assert (a.gradient_accumulation_fusion, a.moe_grouped_gemm, a.packed_attention) == ("auto",) * 3
+
+
+def test_auto_resolution_per_machine(monkeypatch):
+    monkeypatch.setattr(gpt, "grad_accum_fusion_available", lambda: True)
+    cpu = gpt.resolve_actor_config(ActorConfig(), cuda=False, te=False)
+    assert (cpu.gradient_accumulation_fusion, cpu.moe_grouped_gemm, cpu.packed_attention) == ("off", "off", "loop")
+    te = gpt.resolve_actor_config(ActorConfig(), cuda=True, te=True)
+    assert (te.gradient_accumulation_fusion, te.moe_grouped_gemm) == ("on", "on")
+    assert te.packed_attention == ("varlen" if gpt.varlen_available() else "flex")
+    assert gpt.resolve_actor_config(ActorConfig(precision="fp32"), cuda=True, te=False).packed_attention == "flex"
+    monkeypatch.setattr(gpt, "grad_accum_fusion_available", lambda: False)  # TE without apex
+    assert gpt.resolve_actor_config(ActorConfig(), cuda=True, te=True).gradient_accumulation_fusion == "off"
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("gradient_accumulation_fusion", "on", "actor.gradient_accumulation_fusion"),
+    ("moe_grouped_gemm", "on", "actor.moe_grouped_gemm"),
+])
+def test_on_without_te_is_refused(field, value, match):
+    import dataclasses
+
+    with pytest.raises(ValueError, match=match):
+        gpt.resolve_actor_config(dataclasses.replace(ActorConfig(), **{field: value}), cuda=True, te=False)
+
+
+def test_grad_accum_fusion_reaches_transformer_config(with_te):
+    fam = family_config_from_hf(tiny_hf_config("qwen3"), spec="te")
+    cfg = gpt.transformer_config(fam, tp=1, pp=1, actor=ActorConfig(precision="fp32", attention="te"))
+    assert cfg.gradient_accumulation_fusion is True
+    off = gpt.transformer_config(fam, tp=1, pp=1, actor=ActorConfig(precision="fp32", attention="te",
+                                                                    gradient_accumulation_fusion="off"))
+    assert off.gradient_accumulation_fusion is False
+
+
+def test_grouped_gemm_reaches_transformer_config(with_te):
+    fam = family_config_from_hf(tiny_hf_config("qwen3_moe"), spec="te")
+    cfg = gpt.transformer_config(fam, tp=1, pp=1, actor=ActorConfig(precision="fp32", attention="te"))
+    assert cfg.moe_grouped_gemm is True
+    off = gpt.transformer_config(fam, tp=1, pp=1, actor=ActorConfig(precision="fp32", attention="te",
+                                                                    moe_grouped_gemm="off"))
+    assert off.moe_grouped_gemm is False
+
+
+def test_cpu_transformer_config_keeps_them_off():
+    fam = family_config_from_hf(tiny_hf_config("qwen3_moe"), spec="local")
+    cfg = gpt.transformer_config(fam, tp=1, pp=1, actor=ActorConfig(precision="fp32", attention="sdpa"))
+    assert cfg.gradient_accumulation_fusion is False and cfg.moe_grouped_gemm is False
+
+
+def test_grouped_expert_names_map_to_sequential_names():
+    from megatron_tepo.models.sharding import to_global_name
+
+    offsets, experts = {0: 2}, {0: [4, 5]}
+    assert to_global_name("decoder.layers.0.mlp.experts.linear_fc1.weight1", offsets, experts) == \
+        "decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight"
+    assert to_global_name("decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight", offsets, experts) == \
+        "decoder.layers.2.mlp.experts.local_experts.4.linear_fc2.weight"
+
+
+def test_bad_value_names_the_field():
+    from megatron_tepo.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError, match="actor.packed_attention"):
+        from_dict({"actor": {"packed_attention": "fast"}})
