@@ -108,6 +108,9 @@ class RolloutConfig:
     sync_keep_buffers: bool = True  # hold them between syncs (no re-allocation per push)
     sync_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the servers' dtype (bytes on the wire)
     sync_dir: Optional[str] = None  # disk mode: a directory the servers see (shared file system)
+    # distributed mode: the address the servers reach the trainer at (IP or host name; env
+    # TEPO_SYNC_ADDRESS wins). None: this host's interface on the route to the first server.
+    sync_address: Optional[str] = None
     # One-step-off generation (1): the next step's groups are generated, with the weights this step
     # started from, while the actor trains this step; 0: generation and training alternate.
     max_staleness: Literal[0, 1] = 0
@@ -443,7 +446,7 @@ def _coerce(value: Any, tp: Any, path: str, where: Dict[str, str]) -> Any:
 RESUME_MAY_CHANGE = (
     "train.steps", "train.save_every", "train.keep_checkpoints", "train.eval_every", "train.export_hf",
     "train.resume", "train.allow_config_change", "rollout.sglang_urls", "rollout.request_timeout_s",
-    "rollout.router", "reward.workers", "notes",
+    "rollout.router", "rollout.sync_address", "reward.workers", "notes",
 )
 
 

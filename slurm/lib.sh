@@ -17,7 +17,10 @@
 #      TEPO_SGLANG_URLS.
 # Devices (launch.device, FIT_DEVICE): cuda -> srun steps get --gpus-per-node, each server its
 # CUDA_VISIBLE_DEVICES; cpu -> no GPU arguments, every srun step gets --overlap so that the SGLang
-# step and the trainer step share the job's CPUs side by side, one OMP thread per process.
+# step and the trainer step share the job's CPUs side by side, one OMP thread per process. Every
+# step gets --cpus-per-task=<the node's CPUs> (tepo_srun_args).
+# API key: every server requires TEPO_SGLANG_API_KEY (the user's, else a random one per job), which
+# the steps get in their environment (tepo_api_key); /health answers without it.
 # Preemption: the scripts carry `#SBATCH --requeue` and `#SBATCH --signal=B:USR1@120`; USR1
 # (the time limit is near, or a site's preemption notice) reaches this batch shell, which stops the
 # job steps and runs `scontrol requeue`. TERM (scancel, or Slurm's own preemption, which requeues a
@@ -34,11 +37,14 @@
 #   TEPO_NODELIST               space-separated host names instead of SLURM_JOB_NODELIST
 #   TEPO_PYTHON                 python with megatron_tepo (default: .venv/bin/python, else python3)
 #   TEPO_SRUN_ARGS              srun arguments per step (default: --gpus-per-node=<gpus> on cuda,
-#                               --overlap on cpu)
+#                               --overlap on cpu); --cpus-per-task is added unless it has one
+#   TEPO_CPUS_PER_NODE          CPUs of every step on each node (default: the job's, from
+#                               SLURM_JOB_CPUS_PER_NODE / SLURM_CPUS_ON_NODE; steps do not inherit them)
 #   MTEPO_SGLANG_PYTHON         the python with sglang (default .venv-sglang/bin/python, else TEPO_PYTHON
 #                               if it imports sglang); read by megatron_tepo.rollout.serve
-#   TEPO_SGLANG_API_KEY         if set, every server requires this API key (the trainer reads the same
-#                               variable); unset: no key (servers listen on the cluster network)
+#   TEPO_SGLANG_API_KEY         the API key every server requires (the trainer reads the same
+#                               variable); unset: a random one per job. Passed to the steps in the
+#                               environment only (no command line shows it, nor a dry run)
 #   TEPO_HEALTH_TIMEOUT         seconds to wait for the SGLang servers (default 1800)
 #   TEPO_RDZV_PORT              torchrun rendezvous port (default 29500; one actor node and unset:
 #                               torchrun --standalone picks a free one)
@@ -150,15 +156,65 @@ tepo_fit_check() {
     source "$env_file"
 }
 
-# The srun arguments of every job step (see "Devices" at the top).
-tepo_srun_args() {
-    if [[ -n "${TEPO_SRUN_ARGS+set}" ]]; then
-        printf '%s\n' "$TEPO_SRUN_ARGS"
-    elif [[ "${FIT_DEVICE:-cuda}" == cpu ]]; then
-        printf '%s\n' "--overlap"
+# The CPUs a job step gets on each node: TEPO_CPUS_PER_NODE if set, else the fewest the job has
+# on any of its nodes (SLURM_JOB_CPUS_PER_NODE, e.g. "64(x2),32"), else SLURM_CPUS_ON_NODE, else
+# this host's (a dry run outside Slurm). Fails with a line naming the variable on a bad value.
+tepo_cpus_per_node() {
+    local n="" part src
+    if [[ -n "${TEPO_CPUS_PER_NODE:-}" ]]; then
+        n=$TEPO_CPUS_PER_NODE src=TEPO_CPUS_PER_NODE
+    elif [[ -n "${SLURM_JOB_CPUS_PER_NODE:-}" ]]; then
+        src=SLURM_JOB_CPUS_PER_NODE
+        for part in ${SLURM_JOB_CPUS_PER_NODE//,/ }; do
+            part=${part%%(*}
+            [[ "$part" =~ ^[1-9][0-9]*$ ]] || { n=$SLURM_JOB_CPUS_PER_NODE; break; }
+            if [[ -z "$n" ]] || ((part < n)); then n=$part; fi
+        done
+    elif [[ -n "${SLURM_CPUS_ON_NODE:-}" ]]; then
+        n=$SLURM_CPUS_ON_NODE src=SLURM_CPUS_ON_NODE
     else
-        printf '%s\n' "--gpus-per-node=$FIT_GPUS_PER_NODE"
+        n=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) src=nproc  # (nproc obeys OMP_*)
     fi
+    if ! [[ "$n" =~ ^[1-9][0-9]*$ ]]; then
+        tepo_log "$src: expected a positive CPU count per node, got '$n'"
+        return 1
+    fi
+    printf '%s\n' "$n"
+}
+
+# The srun arguments of every job step (see "Devices" at the top), always with a CPU count: since
+# Slurm 22.05 a step does not inherit the job's --cpus-per-task, and a step that asks for one CPU
+# is bound to one CPU under CPU binding (task/affinity, cgroups) wherever steps are exact
+# (--exact, SLURM_EXACT=1): torchrun's ranks or a node's servers would then share one core. Every
+# step gets all of the node's CPUs (tepo_cpus_per_node); a count in TEPO_SRUN_ARGS wins.
+tepo_srun_args() {
+    local args cpus
+    cpus=$(tepo_cpus_per_node) || return 1
+    if [[ -n "${TEPO_SRUN_ARGS+set}" ]]; then
+        args=$TEPO_SRUN_ARGS
+    elif [[ "${FIT_DEVICE:-cuda}" == cpu ]]; then
+        args="--overlap"
+    else
+        args="--gpus-per-node=$FIT_GPUS_PER_NODE"
+    fi
+    if [[ " $args " != *" --cpus-per-task"* && " $args " != *" -c"* ]]; then
+        args="${args:+$args }--cpus-per-task=$cpus"
+    fi
+    printf '%s\n' "$args"
+}
+
+# TEPO_SGLANG_API_KEY: the user's, else a new random one (32 hex digits) for this job; exported,
+# so that it reaches the servers and the trainer through srun's environment, never a command line
+# (megatron_tepo.rollout.serve hands it to SGLang inside the server process).
+tepo_api_key() {
+    if [[ -z "${TEPO_SGLANG_API_KEY:-}" ]]; then
+        TEPO_SGLANG_API_KEY=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')
+        [[ "$TEPO_SGLANG_API_KEY" =~ ^[0-9a-f]{32}$ ]] || tepo_die "could not make an API key from /dev/urandom"
+        tepo_log "API key: a new random one for this job (TEPO_SGLANG_API_KEY, passed in the environment)"
+    else
+        tepo_log "API key: TEPO_SGLANG_API_KEY from the environment"
+    fi
+    export TEPO_SGLANG_API_KEY
 }
 
 # A free TCP port on this host (launch.sglang.port: 0, one-node jobs).
@@ -204,7 +260,9 @@ tepo_serve_cmd() {
 tepo_start_sglang() {
     local host i port gpus first last base=$FIT_SGLANG_PORT
     local -a urls=() srun_args
-    read -r -a srun_args <<<"$(tepo_srun_args)"
+    local srun_line
+    srun_line=$(tepo_srun_args) || tepo_die "no srun arguments for the SGLang steps (see above)"
+    read -r -a srun_args <<<"$srun_line"
     if [[ "$base" == 0 && "${TEPO_DRY_RUN:-0}" != 1 ]]; then
         if (( ${#TEPO_ROLLOUT_HOSTS[@]} != 1 )) || [[ "${TEPO_ROLLOUT_HOSTS[0]}" != "$(hostname -s)" ]]; then
             tepo_die "launch.sglang.port: 0 (free ports) needs the servers on this host, not ${TEPO_ROLLOUT_HOSTS[*]}"
@@ -269,7 +327,9 @@ tepo_wait_health() {
 # without TEPO_RDZV_PORT: --standalone, a free local port); runs in the background.
 tepo_start_trainer() {
     local -a srun_args rdzv
-    read -r -a srun_args <<<"$(tepo_srun_args)"
+    local srun_line
+    srun_line=$(tepo_srun_args) || tepo_die "no srun arguments for the trainer step (see above)"
+    read -r -a srun_args <<<"$srun_line"
     local head=${TEPO_ACTOR_HOSTS[0]} nodelist
     nodelist=$(IFS=,; printf '%s' "${TEPO_ACTOR_HOSTS[*]}")
     if (( ${#TEPO_ACTOR_HOSTS[@]} == 1 )) && [[ -z "${TEPO_RDZV_PORT:-}" ]]; then
@@ -339,6 +399,7 @@ tepo_main() {
         tepo_log "actor nodes: ${TEPO_ACTOR_HOSTS[*]}; rollout nodes: ${TEPO_ROLLOUT_HOSTS[*]}"
     fi
     tepo_nccl_env
+    tepo_api_key
     tepo_install_traps
     tepo_start_sglang
     tepo_wait_health "${TEPO_HEALTH_TIMEOUT:-1800}"

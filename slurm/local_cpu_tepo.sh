@@ -1,8 +1,8 @@
 #!/bin/bash
 # The tiny TEPO job on CPU, on one node: one SGLang CPU server and a TP=2 trainer (torchrun, 2
 # processes) sharing the node, a few steps, a checkpoint every step, metrics in
-# $OUTPUT_DIR/metrics.jsonl. The same slurm/lib.sh as the GPU scripts (fit check in CPU mode, job
-# steps with --overlap, requeue + resume).
+# $OUTPUT_DIR/metrics.jsonl, on 2 CPUs (every job step gets both). The same slurm/lib.sh as the GPU
+# scripts (fit check in CPU mode, job steps with --overlap, requeue + resume).
 #   bash tools/slurm_cluster.sh start              # a one-node cluster on this machine; then the
 #   export SLURM_CONF=/tmp/mtepo-slurm/etc/slurm.conf   # line it prints
 #   sbatch slurm/local_cpu_tepo.sh [train.steps=5 ...]   (submit from the repository root)
@@ -13,6 +13,7 @@
 #SBATCH --job-name=local_cpu_tepo
 #SBATCH --nodes=1
 #SBATCH --ntasks=1
+#SBATCH --cpus-per-task=2
 #SBATCH --time=00:30:00
 #SBATCH --requeue
 #SBATCH --signal=B:USR1@120

@@ -43,14 +43,21 @@ What it does, in order (the same steps as slurm/lib.sh's ``tepo_main``, from the
      ``TEPO_SGLANG_URLS`` in its environment.
    * GPUs: ``--gpus-per-node`` on both steps and ``--exclusive``; ``launch.device: cpu`` (the tiny
      job of slurm/local_cpu_tepo.sh): no GPU flags, both steps ``srun --overlap`` (lib.sh's
-     ``tepo_srun_args``), one thread per process.
+     ``tepo_srun_args``), one thread per process. CPUs: every step
+     ``--cpus-per-task="$TEPO_STEP_CPUS"``, the node's CPUs by lib.sh's ``tepo_cpus_per_node`` in
+     the setup lines (a step does not inherit the job's count since Slurm 22.05).
+   * API key: lib.sh's ``tepo_api_key`` in the setup lines (``TEPO_SGLANG_API_KEY`` or a random
+     one, exported to the steps' environment; not in the script).
    * End of the job: the trainer's node 0 writes its exit status to a "done" file in the run
      directory; the ``sglang`` step then stops its servers and exits with that status, so the
      job's status is the trainer's whichever step nemo-run's monitor loop sees end first. A
      server that dies ends the ``sglang`` step with status 1, and so the job.
    With ``--executor local`` the two tasks run as two local processes (LocalExecutor) with the
    same step commands, literal ``127.0.0.1`` URLs and ports; it needs ``launch.actor_nodes: 1``
-   and at most one rollout node (both then run on this machine: meant for CPU layouts).
+   and at most one rollout node (both then run on this machine: meant for CPU layouts). The API
+   key is then put in this process's environment just before ``exp.run`` (:func:`local_api_key`),
+   which the two processes inherit: not in the executors' ``env_vars``, which nemo-run writes to
+   its experiment folder and prints in a dry run.
 
 Why this shape: nemo-run's heterogeneous jobs (``heterogeneous=True``) and its ``torchrun``
 launcher are per *job*, not per task -- a group shares the first executor's launcher, so the
@@ -74,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -256,6 +264,9 @@ def setup_lines(plan: Plan, python: str) -> str:
         'export TEPO_ACTOR_NODELIST TEPO_ROLLOUT_NODELIST TEPO_RDZV_HOST TEPO_SGLANG_PORTS TEPO_SGLANG_URLS',
         'echo "actor nodes: $TEPO_ACTOR_NODELIST; rollout nodes: $TEPO_ROLLOUT_NODELIST; SGLang: $TEPO_SGLANG_URLS"',
         "tepo_nccl_env",
+        # every srun step gets the node's CPUs (steps do not inherit the job's count): lib.sh's rule
+        'TEPO_STEP_CPUS=$(tepo_cpus_per_node) || { echo "no CPU count per node (see above)" >&2; exit 1; }',
+        "tepo_api_key",  # TEPO_SGLANG_API_KEY: the user's or a random one, exported to the steps' environment
         # USR1 only (--signal=B:USR1@120, before the time limit): a TERM is scancel, not a requeue;
         # preemption requeues through Slurm itself (--requeue)
         "trap 'TEPO_STEP_PIDS=(\"${pids[@]}\"); tepo_on_preempt' USR1",
@@ -266,8 +277,11 @@ def srun_args(plan: Plan, role: str) -> List[str]:
     nodes = plan.actor_nodes if role == "trainer" else plan.server_nodes
     var = "TEPO_ACTOR_NODELIST" if role == "trainer" else "TEPO_ROLLOUT_NODELIST"
     args = [f"--nodes={nodes}", "--ntasks-per-node=1", f'--nodelist="${var}"']
-    # slurm/lib.sh's tepo_srun_args: GPUs per node on cuda; on cpu the steps share the CPUs
+    # slurm/lib.sh's tepo_srun_args: GPUs per node on cuda; on cpu the steps share the CPUs; and
+    # always all of the node's CPUs (tepo_cpus_per_node, in the setup lines): since Slurm 22.05 a
+    # step does not inherit --cpus-per-task, and under CPU binding a one-CPU step is one core
     args.append(f"--gpus-per-node={plan.procs_per_node}" if plan.device == "cuda" else "--overlap")
+    args.append('--cpus-per-task="$TEPO_STEP_CPUS"')  # (a plain str: nemo-run serialises these)
     return args
 
 
@@ -307,12 +321,18 @@ def build_experiment(plan: Plan, args, extra: Sequence[str]):
             nodes=plan.total_nodes, ntasks_per_node=1,
             gpus_per_node=plan.procs_per_node if plan.device == "cuda" else None,
             exclusive=True if plan.device == "cuda" else None, signal="B:USR1@120",
+            # cpu: a CPU per trainer process (slurm/local_cpu_tepo.sh's --cpus-per-task=2), which
+            # every step then gets (TEPO_STEP_CPUS); cuda: --exclusive, the whole node
+            cpus_per_task=plan.procs_per_node if plan.device == "cpu" else None,
             job_name_prefix=f"{name}.", tunnel=run.LocalTunnel(job_dir=""), packager=run.Packager(),
             setup_lines=setup_lines(plan, python), wait_time_for_group_job=0,
             monitor_group_job_wait_time=args.monitor_interval,
             additional_parameters={"requeue": True}, retries=args.retries)
         executors = [run.SlurmExecutor(**common, srun_args=srun_args(plan, role)) for role in ("sglang", "trainer")]
     else:
+        # no API key here: nemo-run writes env_vars to its experiment folder (configs/*_executor.yaml,
+        # _TASKS) and prints them in a dry run; the steps inherit it from this process at run time
+        # (local_api_key, in launch)
         env = {"TEPO_ROOT": str(ROOT), "TEPO_RDZV_HOST": "127.0.0.1",
                "TEPO_SGLANG_URLS": ",".join(f"http://127.0.0.1:{p}" for p in ports)}
         if plan.device == "cpu":  # slurm/lib.sh's tepo_nccl_env on CPU
@@ -512,6 +532,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return launch(args)
 
 
+def local_api_key(environ=os.environ) -> None:
+    """``--executor local``: the servers' API key (``TEPO_SGLANG_API_KEY``: the user's, else a new
+    random one) set in this process's environment, which nemo-run's local processes inherit
+    (torchx copies ``os.environ``). Not in the executor's ``env_vars``: nemo-run writes those to
+    files in its experiment folder. A Slurm job makes its own (lib.sh's ``tepo_api_key``)."""
+    if not environ.get("TEPO_SGLANG_API_KEY"):
+        environ["TEPO_SGLANG_API_KEY"] = secrets.token_hex(16)
+
+
 def launch(args) -> int:
     if args.executor == "slurm" and not args.account:
         print("launch_nemo_run: --account is required with --executor slurm", file=sys.stderr)
@@ -543,6 +572,8 @@ def launch(args) -> int:
             if args.executor == "slurm":
                 print(f"sbatch script: {sbatch}")
             return 0
+        if args.executor == "local":
+            local_api_key()
         exp.run(detach=args.detach, tail_logs=False)
         status = exp.status(return_dict=True) if args.detach else wait_terminal(exp, args.monitor_interval)
     for info in status.values():

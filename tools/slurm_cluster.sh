@@ -21,11 +21,14 @@
 # - one node = this host (NodeAddr 127.0.0.1), CPUs = nproc, RealMemory = the machine's memory,
 #   select/cons_tres with CR_CPU (memory is not a consumable: a job may use all of it); job steps
 #   of one job run side by side when they are started with `srun --overlap` (slurm/lib.sh does so
-#   on CPU). `start` is idempotent: a running healthy cluster is reused; a half-running one is
-#   stopped and started again.
+#   on CPU). CPU binding is on (TaskPlugin=task/affinity), as on most GPU clusters: a step's tasks
+#   may run only on the CPUs the step was given, so a step started without a CPU count is bound
+#   to one CPU (tests/slurm/test_step_cpus.py relies on this). `start` is idempotent: a running healthy cluster is reused; a half-running one is
+#   stopped and started again, and so is a running one whose slurm.conf is not what this script
+#   writes now (e.g. written by an older version of it).
 #
-# What it leaves out: cgroups (ProctrackType=proctrack/linuxproc, TaskPlugin=task/none: no CPU
-# binding, no memory limits), GPUs/GRES, MPI/PMIx (MpiDefault=none), more than one node, running
+# What it leaves out: cgroups (ProctrackType=proctrack/linuxproc; CPU binding by sched_setaffinity
+# only, no memory limits), GPUs/GRES, MPI/PMIx (MpiDefault=none), more than one node, running
 # as a non-root user, and any hardening (the database password is in the state folder).
 #
 # Settings (environment): MTEPO_SLURM_DIR (state folder), MTEPO_SLURM_PORT (first of three ports:
@@ -89,11 +92,12 @@ db_password() {
     cat "$DIR/etc/db.pass"
 }
 
-write_configs() {
+# The text of slurm.conf (stdout).
+slurm_conf_text() {
     local cpus mem_mb
     cpus=$(nproc)
     mem_mb=$(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo)
-    cat >"$CONF" <<EOF
+    cat <<EOF
 # written by tools/slurm_cluster.sh: a one-node cluster, all state under $DIR
 ClusterName=$CLUSTER
 SlurmctldHost=$HOST(127.0.0.1)
@@ -113,7 +117,7 @@ SlurmdLogFile=$DIR/log/slurmd.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
 MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
@@ -133,6 +137,10 @@ AccountingStoragePass=$MUNGE_SOCKET
 NodeName=$HOST NodeAddr=127.0.0.1 NodeHostname=$HOST CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
 PartitionName=local Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 EOF
+}
+
+write_configs() {
+    slurm_conf_text >"$CONF"
     (
         umask 077
         cat >"$DBD_CONF" <<EOF
@@ -270,9 +278,12 @@ case "$cmd" in
         mkdir -p "$DIR"/{etc,munge,db,spool/ctld,spool/d,log,run}
         export SLURM_CONF="$CONF"
         if [[ -f "$CONF" ]] && healthy; then
-            log "reusing the running cluster in $DIR"
-            print_env
-            exit 0
+            if [[ "$(slurm_conf_text)" == "$(<"$CONF")" ]]; then
+                log "reusing the running cluster in $DIR"
+                print_env
+                exit 0
+            fi
+            log "the running cluster's slurm.conf differs from this script's: restarting it"
         fi
         if any_running; then
             log "the cluster in $DIR is only partly up: restarting it"

@@ -9,9 +9,11 @@ function the fleet's ``launch_server`` uses, so the CPU flags and environment li
 The SGLang python is ``--python``, else ``$MTEPO_SGLANG_PYTHON`` / ``<repo>/.venv-sglang/bin/python``
 (the fleet's default); when neither exists, this python if it can import sglang. The process then
 *execs* SGLang (same pid, so ``srun`` and signals reach the server itself). The API key, if any, is
-read from the environment variable named by ``--api-key-env`` (default ``TEPO_SGLANG_API_KEY``),
-never from this command line (it is masked in what is printed). ``--print`` prints the command
-(and the environment it changes) instead of running it.
+read from the environment variable named by ``--api-key-env`` (default ``TEPO_SGLANG_API_KEY``)
+and handed on in the server's environment (``TEPO_SGLANG_API_KEY``, which
+``megatron_tepo/rollout/sglang_launch.py`` gives SGLang inside the process): it is on no command
+line, this one or SGLang's, and masked in what is printed. ``--print`` prints the command (and
+the environment it changes) instead of running it.
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key-env", default="TEPO_SGLANG_API_KEY",
                     help="environment variable holding the API key (unset or empty: no key)")
     ap.add_argument("--print", action="store_true", help="print the command instead of running it")
-    ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: passed to sglang.launch_server")
+    ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: passed to SGLang's launch_server")
     return ap
 
 
@@ -87,11 +89,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 2
-    shown = shlex.join("***" if prev == "--api-key" else a for prev, a in zip([""] + argv_out, argv_out))
+    from megatron_tepo.rollout.sglang_fleet import API_KEY_ENV
+
+    shown = shlex.join(argv_out)
     if args.print:
-        changed = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        changed = {k: v for k, v in env.items() if os.environ.get(k) != v or k == API_KEY_ENV}
         removed = sorted(k for k in os.environ if k not in env)
-        print(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(changed.items())),
+        print(" ".join([*(f"{k}={'***' if k == API_KEY_ENV else shlex.quote(v)}" for k, v in sorted(changed.items())),
                         *(f"-u {k}" for k in removed)]))
         print(shown)
         return 0

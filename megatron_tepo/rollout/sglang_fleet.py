@@ -1,8 +1,8 @@
 """A fleet of SGLang servers behind the :class:`RolloutEngine` interface.
 
-Servers are either started here as subprocesses (``python -m sglang.launch_server`` of the SGLang
-venv, each with a random API key -- its own, or one shared by the servers behind a router --
-bound to ``FleetConfig.host`` -- loopback by default -- on a free port) or attached to by URL
+Servers are either started here as subprocesses (SGLang's launch, through ``sglang_launch.py``
+under the SGLang venv's python, each with a random API key -- its own, or one shared by the
+servers behind a router -- handed over in the environment, never on the command line; bound to ``FleetConfig.host`` -- loopback by default -- on a free port) or attached to by URL
 (with their API key). A step's requests (one per prompt group) are spread over the healthy servers: by sglang-router where it is installed (``FleetConfig.router``;
 ``auto``: when the SGLang python imports ``sglang_router`` and there are two servers or more), a
 router process started here on loopback that holds the servers' API key and checks it on every
@@ -47,9 +47,12 @@ class FleetError(RuntimeError):
 
 
 class RequestFailed(Exception):
-    def __init__(self, msg: str, server_dead: bool = False, retryable: bool = True):
+    """``status``: the HTTP status when the server answered one (404: it has no such route)."""
+
+    def __init__(self, msg: str, server_dead: bool = False, retryable: bool = True,
+                 status: Optional[int] = None):
         super().__init__(msg)
-        self.server_dead, self.retryable = server_dead, retryable
+        self.server_dead, self.retryable, self.status = server_dead, retryable, status
 
 
 def default_sglang_python() -> str:
@@ -92,11 +95,16 @@ class FleetConfig:
 
 
 class SGLangServer:
-    """One server: its URL, key, (if launched here) its process, and its load."""
+    """One server: its URL, key, (if launched here) its process, its load, and its TP size.
+
+    ``tp_size``: the server's tensor-parallel size (how many TP workers join a weight-update
+    group), known when the fleet launched it (``FleetConfig.tp``); ``None`` for an attached
+    server until :meth:`resolve_tp_size` asks the server (``/server_info``)."""
 
     def __init__(self, url: str, api_key: Optional[str] = None, proc: Optional[subprocess.Popen] = None,
-                 log_path: Optional[str] = None):
+                 log_path: Optional[str] = None, tp_size: Optional[int] = None):
         self.url, self.api_key, self.proc, self.log_path = url.rstrip("/"), api_key, proc, log_path
+        self.tp_size = tp_size
         self.inflight = 0
         self.alive = True
         self.last_error: Optional[str] = None
@@ -118,14 +126,55 @@ class SGLangServer:
         except requests.ConnectionError as e:
             raise RequestFailed(f"{self.url}{path}: connection failed ({type(e).__name__})",
                                 server_dead=True) from e
+        return self._answer(path, r)
+
+    def get(self, path: str, timeout: float = 60.0) -> Any:
+        try:
+            r = requests.get(self.url + path, headers=self.headers(), timeout=timeout)
+        except requests.Timeout as e:
+            raise RequestFailed(f"{self.url}{path}: timed out after {timeout:.0f} s") from e
+        except requests.ConnectionError as e:
+            raise RequestFailed(f"{self.url}{path}: connection failed ({type(e).__name__})",
+                                server_dead=True) from e
+        return self._answer(path, r)
+
+    def _answer(self, path: str, r) -> Any:
         if r.status_code >= 500:
-            raise RequestFailed(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}")
+            raise RequestFailed(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}", status=r.status_code)
         if r.status_code >= 400:
-            raise RequestFailed(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}", retryable=False)
+            raise RequestFailed(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}", retryable=False,
+                                status=r.status_code)
         try:
             return r.json()
         except ValueError:
             return r.text
+
+    def server_info(self, timeout: float = 60.0) -> dict:
+        """The server's ``/server_info`` (``/get_server_info`` on an SGLang without it)."""
+        try:
+            out = self.get("/server_info", timeout=timeout)
+        except RequestFailed as e:
+            if e.status != 404:
+                raise
+            out = self.get("/get_server_info", timeout=timeout)
+        if not isinstance(out, dict):
+            raise RequestFailed(f"{self.url}/server_info: expected a JSON object, got {str(out)[:200]!r}",
+                                retryable=False)
+        return out
+
+    def resolve_tp_size(self, timeout: float = 60.0) -> int:
+        """The server's TP size: the known one, else asked of the server once (its
+        ``/server_info`` reports ``tp_size``). A missing or bad value is an error naming the field."""
+        if self.tp_size is None:
+            info = self.server_info(timeout)
+            if "tp_size" not in info:
+                raise ValueError(f"SGLang server {self.url}: /server_info reports no tp_size "
+                                 f"(keys: {sorted(info)[:20]})")
+            self.tp_size = info["tp_size"]
+        tp = self.tp_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"SGLang server {self.url}: tp_size must be an integer >= 1, got {tp!r}")
+        return tp
 
     def healthy(self, timeout: float = 5.0) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
@@ -146,11 +195,20 @@ class SGLangServer:
         return f"SGLangServer({self.describe()})"
 
 
+# run by path with the SGLang venv's python (which need not have megatron_tepo installed)
+SGLANG_LAUNCHER = str(Path(__file__).resolve().with_name("sglang_launch.py"))
+API_KEY_ENV = "TEPO_SGLANG_API_KEY"  # the servers' key, in their environment (sglang_launch.py reads it)
+
+
 def server_command(cfg: FleetConfig, port: int, api_key: Optional[str] = None,
                    base_env: Optional[Dict[str, str]] = None) -> Tuple[List[str], Dict[str, str]]:
     """The command line and environment of one SGLang server: the single place that knows SGLang's
     flags (the fleet's :func:`launch_server` and ``python -m megatron_tepo.rollout.serve``, which
     slurm/lib.sh runs, both use it). Pure: ``base_env`` (default ``os.environ``) is copied.
+
+    The server is ``cfg.python megatron_tepo/rollout/sglang_launch.py ARGS``, SGLang's own launch
+    with the API key read from the environment (``TEPO_SGLANG_API_KEY``, set here to ``api_key``;
+    removed when there is none): no key on a command line, where ``ps`` shows it to every user.
 
     ``cfg.device == "cpu"`` adds the CPU engine's flags (torch-native attention, PyTorch sampling,
     no CUDA graphs, sleep when idle) and env (``SGLANG_USE_CPU_ENGINE=1``, no visible GPU, ``threads_per_server``
@@ -160,10 +218,8 @@ def server_command(cfg: FleetConfig, port: int, api_key: Optional[str] = None,
         raise ValueError("FleetConfig.model_path is needed to launch SGLang servers")
     if cfg.device not in ("cpu", "cuda"):
         raise ValueError(f"FleetConfig.device: expected cpu or cuda, found {cfg.device!r}")
-    cmd = [cfg.python, "-m", "sglang.launch_server", "--model-path", str(cfg.model_path),
+    cmd = [cfg.python, SGLANG_LAUNCHER, "--model-path", str(cfg.model_path),
            "--host", cfg.host, "--port", str(int(port))]
-    if api_key:
-        cmd += ["--api-key", api_key]
     cmd += ["--dtype", cfg.dtype, "--device", cfg.device, "--mem-fraction-static", str(cfg.mem_fraction_static)]
     if cfg.skip_warmup:
         cmd += ["--skip-server-warmup"]
@@ -188,6 +244,9 @@ def server_command(cfg: FleetConfig, port: int, api_key: Optional[str] = None,
     cmd += list(cfg.extra_args)
     env.pop("PYTHONPATH", None)  # the server runs in its own venv
     env.update(cfg.env)
+    env.pop(API_KEY_ENV, None)
+    if api_key:
+        env[API_KEY_ENV] = api_key
     return cmd, env
 
 
@@ -209,7 +268,7 @@ def launch_server(cfg: FleetConfig, index: int = 0, api_key: Optional[str] = Non
     with open(log_path, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
-    return SGLangServer(f"http://{cfg.host}:{port}", key, proc, log_path)
+    return SGLangServer(f"http://{cfg.host}:{port}", key, proc, log_path, tp_size=cfg.tp)
 
 
 def _log_tail(path: Optional[str], n: int = 3000) -> str:
@@ -297,21 +356,34 @@ def use_router(cfg: FleetConfig, n_servers: int) -> bool:
     return True
 
 
+def router_command(cfg: FleetConfig, urls: Sequence[str], port: int, api_key: Optional[str] = None,
+                   base_env: Optional[Dict[str, str]] = None) -> Tuple[List[str], Dict[str, str]]:
+    """The command line and environment of sglang-router on loopback ``port`` in front of ``urls``.
+    Pure: ``base_env`` (default ``os.environ``) is copied. The router is ``cfg.python
+    megatron_tepo/rollout/sglang_launch.py router ARGS`` (sglang_router's own launch), its API key
+    in the environment (``TEPO_SGLANG_API_KEY``; removed when there is none), never on the command
+    line, where ``ps`` shows it to every user."""
+    cmd = [cfg.python, SGLANG_LAUNCHER, "router", "--host", "127.0.0.1", "--port", str(int(port)),
+           "--worker-urls", *urls, "--policy", cfg.router_policy,
+           "--request-timeout-secs", str(int(max(cfg.request_timeout, 1))), "--log-level", "warn"]
+    env = {k: v for k, v in (os.environ if base_env is None else base_env).items()
+           if k not in ("PYTHONPATH", API_KEY_ENV)}
+    if api_key:
+        env[API_KEY_ENV] = api_key
+    return cmd, env
+
+
 def launch_router(cfg: FleetConfig, servers: List[SGLangServer]) -> SGLangServer:
     """Start sglang-router on loopback in front of ``servers`` (one API key, which the router
-    passes to them and checks on every request), and wait until it has registered every one."""
+    passes to them and checks on every request; given to it in the environment, see
+    :func:`router_command`), and wait until it has registered every one."""
     keys = {s.api_key for s in servers}
     if len(keys) != 1:
         raise FleetError("sglang-router needs one API key for all servers; these have different keys: "
                          + ", ".join(s.url for s in servers))
     key = keys.pop()
     port = free_port("127.0.0.1")
-    cmd = [cfg.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-           "--worker-urls", *[s.url for s in servers], "--policy", cfg.router_policy,
-           "--request-timeout-secs", str(int(max(cfg.request_timeout, 1))), "--log-level", "warn"]
-    if key:
-        cmd += ["--api-key", key]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    cmd, env = router_command(cfg, [s.url for s in servers], port, key)
     log_dir = Path(cfg.log_dir or os.environ.get("TMPDIR", "/tmp"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = str(log_dir / f"sglang_router_{port}.log")

@@ -22,23 +22,42 @@ shared-memory copy), not the model; bucket boundaries never split a tensor (one 
 that iterated the export itself would all-gather while the sender gathers, and hang.
 Any other stream is cast and flattened here into one reused buffer.
 
-Modes (SGLang 0.5.23 HTTP API; every weight load sits inside ``/begin_weight_update`` ...
-``/end_weight_update``):
+Modes (SGLang HTTP API, 0.5.6 to 0.5.x; tested with 0.5.23). Where the server has them (recent
+versions), every weight load sits inside ``/begin_weight_update`` ... ``/end_weight_update``; each
+server is probed once -- its first ``/begin_weight_update`` -- and one that answers 404 is updated
+without the two from then on.
 
-``distributed``  a process group between the sender (rank 0) and every server's TP workers
-                 (``/init_weights_update_group``; gloo on CPU, nccl on GPU); per bucket one
-                 ``/update_weights_from_distributed`` with ``load_format="flattened_bucket"`` and
-                 one broadcast of the bucket's bytes. The request is answered once the servers
-                 have loaded the bucket; the sender does not wait for that before building the
-                 next bucket (it joins request k after sending request k+1 and its bytes), so the
-                 servers' load overlaps the next gather and no request waits for the answer to
-                 the previous one.
+``distributed``  a process group between the sender (rank 0) and every TP worker of every server
+                 (``/init_weights_update_group``; gloo on CPU, nccl on GPU). SGLang gives worker
+                 ``r`` of a server the rank ``rank_offset + r``, so the offsets are cumulative:
+                 server i gets ``1 + sum(tp_size of servers < i)`` and the world is
+                 ``1 + sum(tp_size)``. A server's TP size is known when the fleet launched it
+                 (``FleetConfig.tp``) and asked of it otherwise (``/server_info``: ``tp_size``).
+                 Per bucket one ``/update_weights_from_distributed`` with
+                 ``load_format="flattened_bucket"`` and one broadcast of the bucket's bytes; the
+                 request is answered once the servers have received and loaded the bucket.
+                 Ordering: request k+1 goes out only once every server answered request k. The
+                 bucket sizes a server receives come from the requests, in the order its update
+                 handler takes them; two bucket requests in flight at once may be taken in either
+                 order (two HTTP connections), and a server that takes k+1 first posts a receive
+                 of the wrong size (a hang, or bytes loaded under the wrong names). The completion
+                 of broadcast k does not rule that out: on gloo ``work.wait()`` returns once the
+                 servers received bucket k, but on NCCL it only orders CUDA streams and the CPU
+                 goes on at once. The answer is the one signal that holds on every backend. What
+                 still overlaps: the sender does not wait for request k's answer before building
+                 bucket k+1 (the actor's gather), so the servers' load of bucket k runs during
+                 the next gather; only the request's round trip is serial.
 ``tensor``       per bucket ``/update_weights_from_tensor`` with ``load_format="flattened_bucket"``:
-                 the bucket copied into one shared-memory buffer, serialised by ``ForkingPickler`` with its layout (the engine must be on the same
-                 host).
+                 the bucket copied into one shared-memory buffer, serialised by ``ForkingPickler``
+                 with its layout, one entry of ``serialized_named_tensors`` per TP rank of the
+                 server (its worker r reads entry r). The engine must be on the same host.
 ``disk``         per bucket one safetensors file in ``shared_dir`` (a file system the servers
-                 see; the flat bucket is written as the file's data section as it is), then one
+                 see; the flat bucket is written as the file's data section as it is; a bucket on
+                 a GPU goes through one reused host buffer, pinned), then one
                  ``/update_weights_from_disk``.
+
+Left out: servers with data or pipeline parallelism (SGLang refuses these updates at dp > 1),
+and tensor mode across hosts.
 """
 from __future__ import annotations
 
@@ -66,6 +85,8 @@ from megatron_tepo.rollout.net import free_port
 log = logging.getLogger(__name__)
 
 MODES = ("distributed", "tensor", "disk")
+# the weight-update session of recent SGLang (0.5.23 has it, 0.5.6 not); older versions load without one
+SESSION_ROUTES = ("/begin_weight_update", "/end_weight_update")
 NamedTensors = Iterable[Tuple[str, torch.Tensor]]
 
 
@@ -127,9 +148,26 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float
                        torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def write_safetensors(bucket: FlatBucket, path: str) -> None:
+def host_bytes(flat: torch.Tensor, staging: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``flat``'s bytes in host memory: ``flat`` itself when it is on the CPU (no copy); else one
+    copy into ``staging[:n]`` when that host buffer is large enough, or into a new host buffer,
+    pinned where CUDA is available (the device-to-host copy then runs at full speed, with no
+    bounce through pageable memory)."""
+    if flat.device.type == "cpu":
+        return flat
+    n = flat.numel()
+    if staging is None or staging.numel() < n:
+        staging = torch.empty(n, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    out = staging[:n]
+    out.copy_(flat)
+    return out
+
+
+def write_safetensors(bucket: FlatBucket, path: str, staging: Optional[torch.Tensor] = None) -> None:
     """The bucket as one safetensors file: a JSON header, then the flat buffer as it is (the
-    format's data section is exactly tensors back to back), so no per-tensor copy is made."""
+    format's data section is exactly tensors back to back), so no per-tensor copy is made. A
+    buffer on another device (a GPU) is copied once into host memory first (``staging``, see
+    :func:`host_bytes`)."""
     header = {n: {"dtype": _SAFETENSORS_DTYPES[d], "shape": list(s), "data_offsets": [o, o + math.prod(s) * d.itemsize]}
               for n, d, s, o in zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.offsets)}
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -137,7 +175,7 @@ def write_safetensors(bucket: FlatBucket, path: str) -> None:
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        f.write(memoryview(bucket.flat.numpy()))
+        f.write(memoryview(host_bytes(bucket.flat, staging).numpy()))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -230,8 +268,10 @@ class WeightSync:
         self.group_name = group_name
         self._pg = None
         self._pg_servers: Tuple[str, ...] = ()
-        self._pending = None
+        self._pending = None  # the last bucket's requests, until every server answered them
         self._bcast = None  # the last bucket's broadcast, until it completes
+        self._lacks: Dict[str, set] = {}  # per server URL: the optional routes it answered 404 to
+        self._staging: Optional[torch.Tensor] = None  # disk mode: host copy of a device bucket
         self._version = 0
         self.last_stats: Optional[SyncStats] = None
         # the export's bucket buffers, kept from one push to the next (see ExportBuffers)
@@ -244,13 +284,29 @@ class WeightSync:
             raise RuntimeError("weight sync: no live server")
         return servers
 
-    def _post_all(self, path: str, payload: Optional[dict] = None, servers=None) -> None:
+    def _tp_size(self, s) -> int:
+        """A server's TP size: known (a server the fleet launched), or asked of the server once
+        (``SGLangServer.resolve_tp_size``: ``/server_info``)."""
+        resolve = getattr(s, "resolve_tp_size", None)
+        tp = resolve(self.timeout) if callable(resolve) else getattr(s, "tp_size", None)
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"weight sync: server {getattr(s, 'url', s)} has tp_size {tp!r}; "
+                             "expected an integer >= 1")
+        return tp
+
+    def _post_all(self, path: str, payload: Optional[dict] = None, servers=None, optional: bool = False) -> None:
         """POST to every server concurrently; any failure is an error naming the server."""
-        threads, errors = self._start_all(path, payload or {}, servers or self._servers())
+        threads, errors = self._start_all(path, payload or {}, servers or self._servers(), optional)
         self._join(threads, errors, path)
 
-    def _start_all(self, path: str, payload: dict, servers) -> Tuple[List[threading.Thread], Dict]:
+    def _start_all(self, path: str, payload: dict, servers,
+                   optional: bool = False) -> Tuple[List[threading.Thread], Dict]:
+        """POST ``path`` to each server in its own thread. ``optional``: a route some SGLang
+        versions lack -- a server that answers 404 is remembered without it and skipped from then
+        on (a server without ``/begin_weight_update`` gets no ``/end_weight_update`` either)."""
         errors: Dict[str, str] = {}
+        if optional:
+            servers = [s for s in servers if path not in self._lacks.get(s.url, ())]
 
         def call(s):
             try:
@@ -258,6 +314,12 @@ class WeightSync:
                 if isinstance(out, dict) and out.get("success") is False:
                     errors[s.url] = str(out.get("message"))
             except Exception as e:  # noqa: BLE001
+                if optional and getattr(e, "status", None) == 404:
+                    lacks = SESSION_ROUTES if path in SESSION_ROUTES else (path,)
+                    self._lacks.setdefault(s.url, set()).update(lacks)
+                    log.info("weight sync: %s has no %s (an older SGLang): updating it without %s",
+                             s.url, path, " / ".join(lacks))
+                    return
                 errors[s.url] = str(e)
 
         threads = [threading.Thread(target=call, args=(s,), daemon=True) for s in servers]
@@ -277,9 +339,9 @@ class WeightSync:
         urls = tuple(s.url for s in servers)
         if self._pg is not None and urls == self._pg_servers:
             return
+        tp = [self._tp_size(s) for s in servers]  # each TP worker of a server joins the group
         self._destroy_group()
         port = self.master_port or free_port(self.master_address)
-        tp = [int(getattr(s, "tp_size", 1)) for s in servers]
         world = 1 + sum(tp)
         offsets = [1 + sum(tp[:i]) for i in range(len(servers))]
         errs: List[Dict[str, str]] = []
@@ -314,12 +376,12 @@ class WeightSync:
         self._pg, self._pg_servers = None, ()
 
     def _push_distributed(self, bucket: FlatBucket, servers) -> None:
-        """One request + one asynchronous broadcast. The sender waits neither for the bytes to
-        leave nor for the servers to load them: it builds the next bucket meanwhile (the bucket's
-        ``release`` makes the export wait for the broadcast before it reuses the buffer), and it
-        sends the next request before joining this one (at most two in flight). The order is
-        safe: request k+1 goes out only once the broadcast of bucket k completed, when each
-        server's request k holds its update lock, so request k+1 queues behind it."""
+        """One request + one asynchronous broadcast, sent once every server answered the previous
+        bucket's request (see the module docstring: on NCCL nothing else tells the sender that a
+        server took request k before request k+1 arrives). The sender does not wait for this
+        bucket's answer: it builds the next bucket meanwhile (the bucket's ``release`` makes the
+        export wait for the broadcast before it reuses the buffer)."""
+        self._wait_pending()  # request k-1 answered: the servers loaded bucket k-1
         self._wait_broadcast()
         payload = {"names": list(bucket.names), "dtypes": [dtype_name(d) for d in bucket.dtypes],
                    "shapes": [list(sh) for sh in bucket.shapes], "group_name": self.group_name,
@@ -327,7 +389,6 @@ class WeightSync:
         threads, errors = self._start_all("/update_weights_from_distributed", payload, servers)
         self._bcast = torch.distributed.broadcast(bucket.flat, src=0, group=self._pg, async_op=True)
         bucket.release = self._wait_broadcast
-        self._wait_pending()  # request k-1: answered by now (its servers moved on to bucket k)
         self._pending = (threads, errors)
 
     def _wait_broadcast(self) -> None:
@@ -368,7 +429,8 @@ class WeightSync:
             torch.multiprocessing.set_sharing_strategy(old)
         threads, errs = [], []
         for s in servers:
-            tp = int(getattr(s, "tp_size", 1))
+            # SGLang's TP worker r deserialises entry r (``deserialize_own_rank``): one per rank
+            tp = self._tp_size(s)
             th, err = self._start_all("/update_weights_from_tensor",
                                       {"serialized_named_tensors": [data] * tp, "load_format": "flattened_bucket",
                                        "flush_cache": False}, [s])
@@ -457,7 +519,8 @@ class WeightSync:
     def _push_paused(self, named_tensors, stats: SyncStats, servers, disk_dir, files: List[str],
                      flush_cache: bool) -> None:
         # the servers begin the update while the first bucket is exported
-        begun = self._start_all("/begin_weight_update", {}, servers) if self.mode != "disk" else None
+        begun = (self._start_all("/begin_weight_update", {}, servers, optional=True)
+                 if self.mode != "disk" else None)
         try:
             buckets = self._buckets(named_tensors, stats)
             while True:
@@ -475,7 +538,12 @@ class WeightSync:
                     self._push_tensor(bucket, servers)
                 else:
                     path = os.path.join(disk_dir, f"model-{len(files):05d}.safetensors")
-                    write_safetensors(bucket, path)
+                    if bucket.flat.device.type != "cpu" and (self._staging is None
+                                                             or self._staging.numel() < bucket.nbytes):
+                        self._staging = None
+                        self._staging = torch.empty(max(bucket.nbytes, self.bucket_bytes), dtype=torch.uint8,
+                                                    pin_memory=torch.cuda.is_available())
+                    write_safetensors(bucket, path, self._staging)
                     files.append(path)
                 stats.bytes += bucket.nbytes
                 stats.tensors += len(bucket.names)
@@ -493,7 +561,7 @@ class WeightSync:
                 except Exception as e:  # noqa: BLE001 -- the first error is the one raised
                     log.warning("weight sync: %s", e)
             if self.mode != "disk":
-                self._post_all("/end_weight_update", {}, servers)
+                self._post_all("/end_weight_update", {}, servers, optional=True)
         if self.mode == "disk":
             try:
                 self._post_all("/update_weights_from_disk",
@@ -527,6 +595,7 @@ class WeightSync:
             self._destroy_group()
         if self._export_buffers is not None:
             self._export_buffers.close()
+        self._staging = None
 
 
 # ---------------------------------------------------------------------- drift check

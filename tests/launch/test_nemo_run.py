@@ -2,6 +2,7 @@
 split, srun lines, torchrun line, run config), the same script executed against stand-in
 `scontrol`/`srun` (the split evaluated to host names), and launches that fail before anything is
 rendered. The real submission on a local Slurm cluster is tests/slurm/test_nemo_run_local.py."""
+import hashlib
 import json
 import os
 import re
@@ -105,6 +106,7 @@ def test_srun_lines_place_servers_and_trainer(rendered):
     assert _opt(srun, "--nodes") == "2" and _opt(srun, "--ntasks-per-node") == "1"
     assert _opt(srun, "--nodelist") == "$TEPO_ROLLOUT_NODELIST"
     assert _opt(srun, "--gpus-per-node") == "8"
+    assert _opt(srun, "--cpus-per-task") == "$TEPO_STEP_CPUS"
     assert _opt(step, "--ports") == "30000,30001,30002,30003"  # 8 GPUs / sglang.tp 2 = 4 servers a node
     assert _opt(step, "--gpus-per-server") == "2" and _opt(step, "--device") == "cuda"
     assert server[1:3] == ["-m", "megatron_tepo.rollout.serve"]
@@ -115,6 +117,7 @@ def test_srun_lines_place_servers_and_trainer(rendered):
     assert _opt(srun, "--nodes") == "2" and _opt(srun, "--ntasks-per-node") == "1"
     assert _opt(srun, "--nodelist") == "$TEPO_ACTOR_NODELIST"
     assert _opt(srun, "--gpus-per-node") == "8"
+    assert _opt(srun, "--cpus-per-task") == "$TEPO_STEP_CPUS"
     assert _opt(step, "--done-file") == _opt(_step(sglang[0], "step-sglang")[1], "--done-file")
     assert torchrun[1:3] == ["-m", "torch.distributed.run"]
     assert _opt(torchrun, "--nnodes") == "2"
@@ -123,6 +126,20 @@ def test_srun_lines_place_servers_and_trainer(rendered):
     assert _opt(torchrun, "--rdzv-endpoint") == "$TEPO_RDZV_HOST:29500"
     assert torchrun[torchrun.index("--rdzv-endpoint=$TEPO_RDZV_HOST:29500") + 2] == str(ROOT / "tools" / "train.py")
     assert _opt(torchrun, "--config") == str(rendered["run_config"])
+
+
+def test_every_srun_step_gets_the_nodes_cpus(rendered):
+    """Since Slurm 22.05 a step does not inherit the job's --cpus-per-task: every srun line of the
+    script (nemo-run's own `head_node_ip=$(srun ...)` too would be harmless, but the task lines must)
+    carries lib.sh's count, set by the setup lines before the first srun."""
+    text = rendered["text"]
+    sruns = _sruns(text)
+    assert len(sruns) == 2
+    for argv in sruns:
+        srun = argv[:argv.index("step-sglang" if "step-sglang" in argv else "step-trainer")]
+        assert _opt(srun, "--cpus-per-task") == "$TEPO_STEP_CPUS", argv
+    m = re.search(r"^TEPO_STEP_CPUS=\$\(tepo_cpus_per_node\) \|\| \{.*exit 1; \}$", text, re.M)
+    assert m and m.start() < text.index("\nsrun "), text
 
 
 def test_run_config_is_the_launch_files(rendered):
@@ -164,7 +181,7 @@ def test_rendered_script_runs_the_split(rendered, tmp_path):
         f.chmod(0o755)
     log = tmp_path / "srun.jsonl"
     env = _env(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(log), SLURM_JOB_ID="77",
-               SLURM_JOB_NODELIST="gpu[01-04]")
+               SLURM_JOB_NODELIST="gpu[01-04]", SLURM_JOB_CPUS_PER_NODE="96(x3),64")
     res = subprocess.run(["bash", str(rendered["script"])], capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -175,14 +192,37 @@ def test_rendered_script_runs_the_split(rendered, tmp_path):
     sg, tr = by_step["sglang"], by_step["trainer"]
     assert _opt(sg["argv"], "--nodelist") == "gpu03,gpu04"
     assert _opt(tr["argv"], "--nodelist") == "gpu01,gpu02"
+    # every step: the node's CPUs (lib.sh's tepo_cpus_per_node: the fewest of any node of the job)
+    assert _opt(sg["argv"], "--cpus-per-task") == "64" and _opt(tr["argv"], "--cpus-per-task") == "64"
     _, step, torchrun = _step(tr["argv"], "step-trainer")
     assert _opt(torchrun, "--rdzv-endpoint") == "gpu01:29500"
     assert _opt(torchrun, "--rdzv-id") == "77"
     urls = [f"http://{h}:{30000 + i}" for h in ("gpu03", "gpu04") for i in range(4)]
     assert tr["env"]["TEPO_SGLANG_URLS"] == ",".join(urls)
     assert tr["env"]["TEPO_RDZV_HOST"] == "gpu01"
+    # one random API key per job, in both steps' environment; on no command line, not in the script
+    key = tr["env"]["TEPO_SGLANG_API_KEY"]
+    assert re.fullmatch(r"[0-9a-f]{32}", key) and sg["env"]["TEPO_SGLANG_API_KEY"] == key
+    assert not any(key in w for c in calls for w in c["argv"]) and key not in rendered["text"]
     assert _opt(step, "--done-file") == str(rendered["run_config"].parent / "done.77.0")
     assert _opt(_step(sg["argv"], "step-sglang")[1], "--log-dir").endswith("/logs/nemo-run.77.0")
+
+
+def test_bad_cpu_count_stops_the_script(rendered, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(FAKE_SCONTROL.format(hosts=" ".join(HOSTS)))
+    (bin_dir / "srun").write_text(FAKE_SRUN.format())
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    log = tmp_path / "srun.jsonl"
+    env = _env(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(log), SLURM_JOB_ID="79",
+               SLURM_JOB_NODELIST="gpu[01-04]", TEPO_CPUS_PER_NODE="lots")
+    res = subprocess.run(["bash", str(rendered["script"])], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=120)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "TEPO_CPUS_PER_NODE: expected a positive CPU count per node, got 'lots'" in res.stderr
+    assert not log.exists()  # no task srun ran
 
 
 def test_too_few_nodes_in_the_allocation_stops_the_script(rendered, tmp_path):
@@ -232,6 +272,82 @@ def test_local_executor_dryrun_renders_both_tasks(tmp_path):
     for word in ("'step-sglang'", "'step-trainer'", "'megatron_tepo.rollout.serve'", "'torch.distributed.run'",
                  "'--nproc-per-node=2'", "'--standalone'", "'--device'", "'cpu'"):
         assert word in out, word
+
+
+def _decoded_files(folder: Path):
+    """(path, text) of every file under ``folder``, with nemo-run's zlib+base64 JSON blobs (_TASKS,
+    _CONFIG) decoded as well."""
+    import base64
+    import zlib
+
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        text = path.read_bytes().decode(errors="replace")
+        yield path, text
+        for blob in re.findall(r"eJ[A-Za-z0-9_\-]+=*", text):
+            try:
+                yield path, zlib.decompress(base64.urlsafe_b64decode(blob)).decode(errors="replace")
+            except (ValueError, zlib.error):
+                pass
+
+
+def test_local_executor_writes_no_api_key(tmp_path):
+    """nemo-run writes the executors' env_vars to its experiment folder (configs/*_executor.yaml,
+    _TASKS) and prints them in a dry run: the key is in none of them; the steps inherit it."""
+    key = "f00dfeed" * 4
+    home = tmp_path / "home"
+    res = subprocess.run([sys.executable, str(TOOL), "--launch", str(ROOT / "examples" / "models" / "tiny_cpu.yaml"),
+                          "--executor", "local", "--dryrun", "--nemorun-home", str(home),
+                          f"train.output_dir={tmp_path / 'out'}"],
+                         capture_output=True, text=True, env=_env(COLUMNS="400", TEPO_SGLANG_API_KEY=key),
+                         cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert key not in res.stdout + res.stderr
+    files = list(_decoded_files(home))
+    executor_yamls = [p for p, _ in files if p.name.endswith("_executor.yaml")]
+    assert len(executor_yamls) == 2 and any(p.name == "_TASKS" for p, _ in files), [str(p) for p, _ in files]
+    assert any("TEPO_SGLANG_URLS" in t for p, t in files if p.name == "_TASKS")  # decoded: env_vars seen
+    for path, text in files + list(_decoded_files(tmp_path / "out")):
+        assert key not in text, path
+        if path.name.endswith("_executor.yaml") or path.name == "_TASKS":
+            assert "TEPO_SGLANG_API_KEY" not in text, path  # not even another key of the user's
+
+
+def test_local_steps_inherit_the_key_from_the_launcher(tmp_path):
+    """What `launch` does before `exp.run` (local_api_key), then a real nemo-run LocalExecutor task:
+    it sees the key in its environment, and no file in the experiment folder holds it."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import hashlib, os\n"  # (a digest: the key itself must be in no file)
+                     "print('KEY=' + hashlib.sha256(os.environ.get('TEPO_SGLANG_API_KEY', 'unset').encode()).hexdigest())\n")
+    code = f"""
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("lnr", {str(TOOL)!r})
+lnr = sys.modules["lnr"] = importlib.util.module_from_spec(spec); spec.loader.exec_module(lnr)
+env = {{}}
+lnr.local_api_key(env)
+assert len(env["TEPO_SGLANG_API_KEY"]) == 32, env
+kept = {{"TEPO_SGLANG_API_KEY": "users-own-key"}}
+lnr.local_api_key(kept)
+assert kept == {{"TEPO_SGLANG_API_KEY": "users-own-key"}}, kept
+os.environ.pop("TEPO_SGLANG_API_KEY", None)
+lnr.local_api_key()
+print("LAUNCHER=" + os.environ["TEPO_SGLANG_API_KEY"], flush=True)
+import nemo_run as run
+with run.Experiment("keyprobe", executor=None, log_level="WARN") as exp:
+    exp.add(run.Script(path={str(probe)!r}, entrypoint=sys.executable), executor=run.LocalExecutor(), name="probe")
+    exp.run(sequential=True, detach=False, tail_logs=False)
+print("EXPDIR=" + exp._exp_dir, flush=True)
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=_env(NEMORUN_HOME=str(tmp_path / "home")), cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    key = re.search(r"^LAUNCHER=([0-9a-f]{32})$", res.stdout, re.M).group(1)
+    logs = [p for p in (tmp_path / "home").rglob("*.out")] + [p for p in (tmp_path / "home").rglob("*.log")]
+    seen = [t for p in logs for t in re.findall(r"KEY=(\S+)", p.read_text(errors="replace"))]
+    assert seen and set(seen) == {hashlib.sha256(key.encode()).hexdigest()}, (seen, [str(p) for p in logs], res.stdout[-2000:])
+    files = list(_decoded_files(tmp_path / "home"))
+    assert any(p.name == "_TASKS" for p, _ in files), [str(p) for p, _ in files]
+    for path, text in files:
+        assert key not in text, path
 
 
 def test_local_executor_refuses_a_multi_node_layout(tmp_path):

@@ -1,5 +1,6 @@
 """The Slurm scripts: bash -n and shellcheck on every one, lib.sh's node split, a dry run."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -120,11 +121,89 @@ def test_dry_run_qwen3_14b(tmp_path):
     assert f"--config {tmp_path}/run/run.yaml train.steps=3" in trainer
     assert "--overlap" not in trainer
     sglang = (logs / "sglang.n3.srun.log").read_text()
-    assert "--nodelist=n3" in sglang and "--gpus-per-node=8" in sglang and "--overlap" not in sglang
+    assert "--nodelist=n3 --gpus-per-node=8 --cpus-per-task=" in sglang and "--overlap" not in sglang
     assert sglang.count("megatron_tepo.rollout.serve") == 4
     assert "CUDA_VISIBLE_DEVICES=6\\,7" in sglang and "--tp\\ 2" in sglang and "--device\\ cuda" in sglang
     assert "--context-length\\ 10240" in sglang
     assert "total 39.6 GiB of 80 GiB: fits" in (logs / "fit.log").read_text()
+
+
+def _dry_run_output(tmp_path, res) -> str:
+    """All a dry run printed: its stdout and stderr and every file it wrote (logs, run.yaml, fit.env)."""
+    files = [p for p in sorted(tmp_path.rglob("*")) if p.is_file() and p.name != "python"]
+    return res.stdout + res.stderr + "".join(f"\n--- {p}\n{p.read_text(errors='replace')}" for p in files)
+
+
+def _srun_lines(tmp_path):
+    logs = next((tmp_path / "out" / "logs").iterdir())
+    lines = [line for p in sorted(logs.glob("*.log")) for line in p.read_text().splitlines()
+             if line.startswith("DRY-RUN: srun")]
+    return lines
+
+
+@pytest.mark.parametrize("slurm_cpus,want", [(None, None), ("96(x2),64(x2)", 64), ("72", 72)])
+def test_dry_run_every_step_has_a_cpu_count(tmp_path, slurm_cpus, want):
+    """Steps do not inherit the job's CPUs (Slurm >= 22.05): every srun step names a count, the
+    fewest CPUs of any node of the job (outside Slurm: this host's)."""
+    extra = {"SLURM_JOB_CPUS_PER_NODE": slurm_cpus} if slurm_cpus else {}
+    res = subprocess.run(["bash", str(ROOT / "slurm" / "qwen3_14b_tepo.sh")], cwd=tmp_path,
+                         env=_dry_env(tmp_path, **extra), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    if want is None:
+        want = len(os.sched_getaffinity(0))
+    lines = _srun_lines(tmp_path)
+    assert len(lines) == 3, lines  # two SGLang nodes, one trainer step
+    for line in lines:
+        assert re.search(r" --cpus-per-task=(\d+) ", line).group(1) == str(want), line
+
+
+def test_dry_run_cpu_count_of_the_users_srun_args_wins(tmp_path):
+    res = subprocess.run(["bash", str(ROOT / "slurm" / "qwen3_14b_tepo.sh")], cwd=tmp_path,
+                         env=_dry_env(tmp_path, TEPO_SRUN_ARGS="--gpus-per-node=8 --cpus-per-task=7"),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    for line in _srun_lines(tmp_path):
+        assert line.count("--cpus-per-task") == 1 and "--cpus-per-task=7" in line, line
+
+
+def test_bad_cpu_count_is_one_line_naming_the_variable(tmp_path):
+    res = subprocess.run(["bash", str(ROOT / "slurm" / "qwen3_14b_tepo.sh")], cwd=tmp_path,
+                         env=_dry_env(tmp_path, TEPO_CPUS_PER_NODE="lots"), capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 1
+    assert "TEPO_CPUS_PER_NODE: expected a positive CPU count per node, got 'lots'" in res.stderr
+
+
+def test_dry_run_prints_no_api_key(tmp_path):
+    """A job makes its own random key; neither it nor a user's key shows in anything a dry run
+    prints or writes (the steps get it in their environment)."""
+    res = subprocess.run(["bash", str(ROOT / "slurm" / "qwen3_14b_tepo.sh")], cwd=tmp_path,
+                         env=_dry_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "API key: a new random one for this job" in res.stderr
+    printed = _dry_run_output(tmp_path, res)
+    assert "megatron_tepo.rollout.serve" in printed and "--api-key" not in printed
+    assert not re.search(r"[0-9a-f]{32}", printed), re.search(r".{80}[0-9a-f]{32}.{20}", printed)
+
+    user = tmp_path / "user"
+    user.mkdir()
+    res = subprocess.run(["bash", str(ROOT / "slurm" / "qwen3_14b_tepo.sh")], cwd=user,
+                         env=_dry_env(user, TEPO_SGLANG_API_KEY="users-own-key-8d1e"), capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "API key: TEPO_SGLANG_API_KEY from the environment" in res.stderr
+    assert "users-own-key-8d1e" not in _dry_run_output(user, res)
+
+
+def test_api_key_is_random_per_job_and_exported():
+    cmd = (f'source "{ROOT}/slurm/lib.sh"; tepo_api_key; bash -c \'printf "%s\\n" "$TEPO_SGLANG_API_KEY"\'')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TEPO_"))}
+    keys = [subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True).stdout.strip()
+            for _ in range(2)]
+    assert all(re.fullmatch(r"[0-9a-f]{32}", k) for k in keys) and keys[0] != keys[1], keys
+    mine = subprocess.run(["bash", "-c", cmd], env=dict(env, TEPO_SGLANG_API_KEY="mine"), capture_output=True,
+                          text=True).stdout.strip()
+    assert mine == "mine"
 
 
 def test_misfit_stops_before_srun(tmp_path):
@@ -146,10 +225,12 @@ def test_dry_run_local_cpu(tmp_path):
     assert "memory: not checked (launch.device: cpu" in res.stderr
     logs = next((tmp_path / "out" / "logs").iterdir())
     trainer = (logs / "trainer.log").read_text()
-    assert "srun --nodes=1 --ntasks-per-node=1 --nodelist=cpu1 --overlap --kill-on-bad-exit=1" in trainer
+    cpus = len(os.sched_getaffinity(0))
+    assert (f"srun --nodes=1 --ntasks-per-node=1 --nodelist=cpu1 --overlap --cpus-per-task={cpus} "
+            "--kill-on-bad-exit=1") in trainer
     assert "--nproc-per-node=2 --standalone" in trainer and "gpus-per-node" not in trainer
     sglang = (logs / "sglang.cpu1.srun.log").read_text()
-    assert "--nodelist=cpu1 --overlap" in sglang and "gpus-per-node" not in sglang
+    assert f"--nodelist=cpu1 --overlap --cpus-per-task={cpus} " in sglang and "gpus-per-node" not in sglang
     assert sglang.count("megatron_tepo.rollout.serve") == 1 and "--device\\ cpu" in sglang
     assert "CUDA_VISIBLE_DEVICES" not in sglang and "--context-length" not in sglang
     run = (tmp_path / "run" / "run.yaml").read_text()

@@ -17,17 +17,42 @@ CPU_FLAGS = ["--attention-backend", "torch_native", "--sampling-backend", "pytor
              "--sleep-on-idle"]
 
 
+LAUNCHER = str(ROOT / "megatron_tepo" / "rollout" / "sglang_launch.py")
+
+
 def test_cpu_command_and_env():
     cfg = FleetConfig(model_path="/m", python="/py", threads_per_server=3, env={"X": "1"})
     base = {"PYTHONPATH": "/somewhere", "OMP_NUM_THREADS": "8", "KEEP": "k"}
-    argv, env = server_command(cfg, 1234, "key", base_env=base)
-    assert argv[:3] == ["/py", "-m", "sglang.launch_server"]
-    assert argv[3:] == ["--model-path", "/m", "--host", "127.0.0.1", "--port", "1234", "--api-key", "key",
+    argv, env = server_command(cfg, 1234, "key-1f2e", base_env=base)
+    assert argv[:2] == ["/py", LAUNCHER]
+    assert argv[2:] == ["--model-path", "/m", "--host", "127.0.0.1", "--port", "1234",
                         "--dtype", "bfloat16", "--device", "cpu", "--mem-fraction-static", "0.5",
                         "--skip-server-warmup", "--max-total-tokens", "4096", *CPU_FLAGS]
     assert env == {"KEEP": "k", "OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3", "SGLANG_USE_CPU_ENGINE": "1",
-                   "CUDA_VISIBLE_DEVICES": "", "X": "1"}
+                   "CUDA_VISIBLE_DEVICES": "", "X": "1", "TEPO_SGLANG_API_KEY": "key-1f2e"}
     assert base["OMP_NUM_THREADS"] == "8" and "PYTHONPATH" in base  # pure: the input is not touched
+
+
+def test_api_key_never_in_argv():
+    """The key goes to the server in its environment (ps shows a command line to every user)."""
+    cfg = FleetConfig(model_path="/m", python="/py", device="cuda")
+    argv, env = server_command(cfg, 1, "sekret-77", base_env={})
+    assert not any("sekret-77" in a for a in argv) and "--api-key" not in argv
+    assert env["TEPO_SGLANG_API_KEY"] == "sekret-77"
+    # no key: none inherited from the caller's environment either
+    argv, env = server_command(cfg, 1, None, base_env={"TEPO_SGLANG_API_KEY": "stale"})
+    assert "TEPO_SGLANG_API_KEY" not in env and "--api-key" not in argv
+
+
+def test_launcher_takes_the_key_from_the_environment():
+    from megatron_tepo.rollout import sglang_launch
+
+    assert sglang_launch.sglang_argv(["--port", "1"], {"TEPO_SGLANG_API_KEY": "k9"}) == [
+        "--port", "1", "--api-key", "k9"]
+    assert sglang_launch.sglang_argv(["--port", "1"], {"TEPO_SGLANG_API_KEY": ""}) == ["--port", "1"]
+    for bad in (["--api-key", "k"], ["--api-key=k"]):
+        with pytest.raises(SystemExit, match="TEPO_SGLANG_API_KEY"):
+            sglang_launch.sglang_argv(bad, {})
 
 
 def test_cuda_command():
@@ -35,7 +60,7 @@ def test_cuda_command():
                       max_total_tokens=None, max_running_requests=64, context_length=10240, skip_warmup=False,
                       extra_args=["--foo"])
     argv, env = server_command(cfg, 30000, None, base_env={"CUDA_VISIBLE_DEVICES": "2,3"})
-    assert argv[3:] == ["--model-path", "/m", "--host", "127.0.0.1", "--port", "30000", "--dtype", "bfloat16",
+    assert argv[2:] == ["--model-path", "/m", "--host", "127.0.0.1", "--port", "30000", "--dtype", "bfloat16",
                         "--device", "cuda", "--mem-fraction-static", "0.85", "--tp-size", "2",
                         "--max-running-requests", "64", "--context-length", "10240", "--foo"]
     assert env == {"CUDA_VISIBLE_DEVICES": "2,3"}
@@ -75,8 +100,9 @@ def test_serve_cli_prints_the_shared_command(tmp_path):
     cfg = FleetConfig(model_path="/m", python=str(py), host="0.0.0.0", threads_per_server=2,
                       extra_args=["--log-level", "warning"])
     want, _ = server_command(cfg, 31000, "sekret")
-    assert shlex.split(cmd_line) == [a if a != "sekret" else "***" for a in want]
+    assert shlex.split(cmd_line) == want
     assert "SGLANG_USE_CPU_ENGINE=1" in env_line and "OMP_NUM_THREADS=2" in env_line
+    assert "sekret" not in res.stdout + res.stderr and "TEPO_SGLANG_API_KEY=***" in env_line
 
 
 def test_serve_cli_cuda_defaults(tmp_path):
@@ -92,4 +118,15 @@ def test_serve_cli_execs_sglang_python(tmp_path):
     fake.chmod(0o755)
     res = _serve("--model-path", "/m", "--port", "5", "--device", "cpu", MTEPO_SGLANG_PYTHON=str(fake))
     assert res.returncode == 0, res.stderr
-    assert res.stdout.startswith("FAKE 1 -m sglang.launch_server --model-path /m --host 0.0.0.0 --port 5")
+    assert res.stdout.startswith(f"FAKE 1 {LAUNCHER} --model-path /m --host 0.0.0.0 --port 5")
+
+
+def test_serve_cli_passes_the_key_in_the_environment_only(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\necho "KEY=$TEPO_SGLANG_API_KEY ARGS=$*"\n')
+    fake.chmod(0o755)
+    res = _serve("--model-path", "/m", "--port", "5", "--device", "cpu", MTEPO_SGLANG_PYTHON=str(fake),
+                 TEPO_SGLANG_API_KEY="k-5150")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("KEY=k-5150 ARGS=") and "k-5150" not in res.stdout.split("ARGS=", 1)[1]
+    assert "--api-key" not in res.stdout and "k-5150" not in res.stderr

@@ -1,11 +1,14 @@
 """The fleet behind sglang-router (installed in the SGLang venv by tools/install_sglang_cpu.sh), two
 REAL SGLang CPU servers: requests go through the router, which spreads them over both servers and
-checks the API key; a server killed in the middle of a step costs nothing and is dropped from the
+checks the API key (which reaches it in the environment, on no command line: sglang_launch.py's
+router mode); a server killed in the middle of a step costs nothing and is dropped from the
 fleet; every server gone gives a clear error within the step time-out. Config errors without
 servers. The fault tests come last because they destroy the servers."""
 import sys
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 import requests
 
@@ -25,6 +28,57 @@ def test_router_setting_errors_name_the_field():
         use_router(FleetConfig(router="sglang_router", python=sys.executable), 2)
     assert not use_router(FleetConfig(router="auto", python=sys.executable), 2)
     assert not use_router(FleetConfig(router="auto"), 1)  # one server: nothing to spread
+
+
+def test_router_command_has_the_key_in_its_environment_only():
+    from megatron_tepo.rollout.sglang_fleet import API_KEY_ENV, SGLANG_LAUNCHER, router_command
+
+    key = "k3y-" + "5" * 28
+    cfg = FleetConfig(python="/venv/bin/python", router_policy="round_robin", request_timeout=30)
+    urls = ["http://127.0.0.1:30001", "http://127.0.0.1:30002"]
+    base = {"PATH": "/bin", "PYTHONPATH": "/elsewhere", API_KEY_ENV: "a stale key"}
+    cmd, env = router_command(cfg, urls, 31000, key, base_env=base)
+    assert cmd[:3] == ["/venv/bin/python", SGLANG_LAUNCHER, "router"]
+    assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--worker-urls") + 3] == urls
+    assert cmd[cmd.index("--port") + 1] == "31000" and cmd[cmd.index("--policy") + 1] == "round_robin"
+    assert not any(key in w or w.startswith("--api-key") for w in cmd), cmd
+    assert env[API_KEY_ENV] == key and "PYTHONPATH" not in env and env["PATH"] == "/bin"
+    assert base[API_KEY_ENV] == "a stale key"  # copied, not changed
+    _, env = router_command(cfg, urls, 31000, None, base_env=base)
+    assert API_KEY_ENV not in env  # no key: none inherited either
+
+
+def test_router_launcher_parses_with_sglang_routers_parser(sglang_python):
+    """sglang_launch.py's router mode hands sglang_router's parser the key of the environment (and
+    refuses one on the command line), in the SGLang venv, without starting a router."""
+    import subprocess
+
+    from megatron_tepo.rollout.sglang_fleet import SGLANG_LAUNCHER
+
+    probe = (f"import runpy, sys; m = runpy.run_path({SGLANG_LAUNCHER!r}, run_name='probe'); "
+             "from sglang_router.launch_router import parse_router_args; import os; "
+             "a = parse_router_args(m['sglang_argv'](sys.argv[1:], os.environ)); "
+             "print(a.api_key, a.worker_urls, a.policy)")
+    env = {"PATH": "/usr/bin:/bin", "TEPO_SGLANG_API_KEY": "sekrit-42"}
+    res = subprocess.run([sglang_python, "-c", probe, "--worker-urls", "http://h:1", "--policy", "random"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["sekrit-42", "['http://h:1']", "random"], res.stdout
+    res = subprocess.run([sglang_python, SGLANG_LAUNCHER, "router", "--worker-urls", "http://h:1",
+                          "--api-key", "x"], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode != 0 and "--api-key on the command line is refused" in res.stderr, res.stderr
+
+
+def _cmdlines(pid: int):
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    out = {}
+    for p in procs:
+        try:
+            out[p.pid] = Path(f"/proc/{p.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +103,18 @@ def test_groups_go_through_the_router_to_both_servers(fleet):
     key = fleet.router.api_key
     assert key and {s.api_key for s in fleet.servers} == {key}  # one key: the router passes it on
     assert requests.post(fleet.router.url + "/generate", json={"input_ids": [1, 2]}, timeout=10).status_code == 401
+    assert requests.post(fleet.router.url + "/generate", json={"input_ids": [1, 2]}, timeout=10,
+                         headers={"Authorization": "Bearer wrong"}).status_code == 401
+    # the key is on no command line that `ps` shows: not the one the router was exec'd with (which
+    # /proc/<pid>/cmdline shows until sglang_router's setproctitle("sglang::router") overwrites
+    # it, seconds later), nor what it shows now, nor any process the router starts
+    argv = [str(w) for w in fleet.router.proc.args]
+    assert not any(key in w or w.startswith("--api-key") for w in argv), argv
+    assert "sglang_launch.py" in argv[1] and argv[2] == "router", argv
+    cmdlines = _cmdlines(fleet.router.proc.pid)
+    for pid, cmd in cmdlines.items():
+        assert key not in cmd and "--api-key" not in cmd, (pid, cmd)
+    assert key not in Path(fleet.router.log_path).read_text(errors="replace")
     before = [_generate_lines(s.log_path) for s in fleet.servers]
     prompts = [[i + 3, i + 4, i + 5] for i in range(8)]
     groups = fleet.generate(prompts, n=2, temperature=1.0, max_new_tokens=6)

@@ -45,8 +45,10 @@ def slurm_cluster():
     return os.environ["SLURM_CONF"]
 
 
-def sbatch(script, *args, env=None, output=None, cwd=ROOT) -> str:
-    cmd = ["sbatch", "--parsable"] + ([f"--output={output}"] if output else []) + [str(script), *map(str, args)]
+def sbatch(script, *args, env=None, output=None, cwd=ROOT, extra=()) -> str:
+    """Submit ``script`` with ``args`` (the script's own); ``extra``: more sbatch options."""
+    cmd = (["sbatch", "--parsable"] + ([f"--output={output}"] if output else []) + list(extra)
+           + [str(script), *map(str, args)])
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=60)
     assert res.returncode == 0, f"sbatch failed: {res.stderr}"
     return res.stdout.strip().split(";")[0]

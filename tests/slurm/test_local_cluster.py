@@ -69,7 +69,9 @@ def test_local_cpu_job_completes_then_resumes(slurm_cluster, tmp_path):
     job, logs, stdout, trainer = _run(out, 2, sglang_python)
     assert "SGLang colocated on them" in stdout and "all 1 SGLang server(s) healthy" in stdout
     server_log = (logs / f"sglang.{host}.0.log").read_text()
-    assert "sglang.launch_server" in server_log and "--device cpu" in server_log
+    # SGLang's launch with the job's random API key from the environment: on no command line
+    assert "rollout/sglang_launch.py" in server_log and "--device cpu" in server_log
+    assert "--api-key" not in server_log and "API key: a new random one for this job" in stdout
     assert "starting at step 1" in trainer and "world 2, engine sglang" in trainer  # TP=2: two ranks
     metrics = _metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]

@@ -2,7 +2,8 @@
 server + a TP=2 trainer under torchrun, colocated on one node) submitted through nemo-run's
 SlurmExecutor (LocalTunnel) to the one-node Slurm cluster of tools/slurm_cluster.sh. Checks that
 nemo-run reports SUCCEEDED, sacct says COMPLETED, and the run wrote metrics.jsonl and a complete
-checkpoint. The offline rendering tests are tests/launch/test_nemo_run.py."""
+checkpoint, and that both task steps were given all of the node's CPUs. The offline rendering tests
+are tests/launch/test_nemo_run.py."""
 import json
 import os
 import re
@@ -66,6 +67,14 @@ def test_tiny_cpu_job_runs_through_nemo_run_slurm_executor(slurm_cluster, tmp_pa
                           capture_output=True, text=True, env=env, timeout=60)
     state, exit_code, elapsed = acct.stdout.strip().splitlines()[0].split("|")
     assert (state, exit_code) == ("COMPLETED", "0:0"), acct.stdout + detail
+    # both task steps had all of the node's CPUs (--cpus-per-task from lib.sh's tepo_cpus_per_node;
+    # without it a step gets one CPU, and CPU binding holds it to that core)
+    node_cpus = 2  # the job's: tiny_cpu.yaml's 2 trainer processes (--cpus-per-task on a CPU layout)
+    steps_acct = subprocess.run(["sacct", "-j", job, "-n", "-P", "-o", "JobID,JobName,AllocCPUS"],
+                                capture_output=True, text=True, env=env, timeout=60).stdout
+    task_steps = {jid: int(n) for jid, step, n in (line.split("|") for line in steps_acct.split())
+                  if re.fullmatch(rf"{job}\.\d+", jid) and step != "hostname"}  # (nemo-run's head_node_ip step)
+    assert len(task_steps) >= 2 and set(task_steps.values()) == {node_cpus}, (steps_acct, node_cpus)
     print(f"slurm job {job}: {state} in {elapsed} (launcher wall {wall:.0f} s)")
 
     # the run's outputs: metrics for every step, a complete checkpoint, the server's log

@@ -1,0 +1,92 @@
+"""A fake SGLang HTTP server for the weight sync's unit tests: it answers the routes the sync uses
+with success, reports a TP size on ``/server_info`` and ``/get_server_info``, can lack routes
+(HTTP 404, as an SGLang version without them answers), can take its time over a bucket, and
+records every request (path, JSON body, start and end time). It loads nothing: what a real
+server does with the bytes is tested against real servers (test_sglang_fleet.py,
+test_sglang_tp2_sync.py)."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Dict, Iterable, List, Optional
+
+
+class FakeSGLang:
+    def __init__(self, tp_size: int = 1, missing: Iterable[str] = (), delays: Optional[Dict[str, float]] = None):
+        self.tp_size, self.missing, self.delays = tp_size, set(missing), dict(delays or {})
+        self.requests: List[dict] = []  # {"method", "path", "body", "start", "end"}
+        self.inflight: Dict[str, int] = {}
+        self.max_inflight: Dict[str, int] = {}
+        self._lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _answer(self, method: str):
+                n = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(n) if n else b""
+                body = json.loads(raw) if raw else None
+                path = self.path.split("?")[0]
+                rec = {"method": method, "path": path, "body": body, "start": time.monotonic(), "end": None}
+                with fake._lock:
+                    fake.requests.append(rec)
+                    fake.inflight[path] = fake.inflight.get(path, 0) + 1
+                    fake.max_inflight[path] = max(fake.max_inflight.get(path, 0), fake.inflight[path])
+                try:
+                    if path in fake.missing:
+                        status, out = 404, {"detail": "Not Found"}
+                    elif method == "GET" and path in ("/server_info", "/get_server_info"):
+                        status, out = 200, {"tp_size": fake.tp_size, "dp_size": 1, "version": "fake"}
+                    elif method == "GET" and path == "/health":
+                        status, out = 200, {}
+                    else:
+                        time.sleep(fake.delays.get(path, 0.0))
+                        status, out = 200, {"success": True, "message": "ok"}
+                finally:
+                    with fake._lock:
+                        fake.inflight[path] -= 1
+                        rec["end"] = time.monotonic()
+                data = json.dumps(out).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._answer("GET")
+
+            def do_POST(self):
+                self._answer("POST")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    def paths(self, method: Optional[str] = None) -> List[str]:
+        return [r["path"] for r in self.requests if method is None or r["method"] == method]
+
+    def bodies(self, path: str) -> List[dict]:
+        return [r["body"] for r in self.requests if r["path"] == path]
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class FakeFleet:
+    """What :class:`~megatron_tepo.rollout.weight_sync.WeightSync` needs of a fleet."""
+
+    def __init__(self, servers):
+        self.servers = list(servers)
+
+    def alive_servers(self):
+        return self.servers
