@@ -118,19 +118,14 @@ class SGLangServer:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def post(self, path: str, payload: Optional[dict] = None, timeout: float = 60.0) -> Any:
-        try:
-            r = requests.post(self.url + path, json=payload if payload is not None else {},
-                              headers=self.headers(), timeout=timeout)
-        except requests.Timeout as e:
-            raise RequestFailed(f"{self.url}{path}: timed out after {timeout:.0f} s") from e
-        except requests.ConnectionError as e:
-            raise RequestFailed(f"{self.url}{path}: connection failed ({type(e).__name__})",
-                                server_dead=True) from e
-        return self._answer(path, r)
+        return self._request("post", path, timeout, json=payload if payload is not None else {})
 
     def get(self, path: str, timeout: float = 60.0) -> Any:
+        return self._request("get", path, timeout)
+
+    def _request(self, method: str, path: str, timeout: float, **kw) -> Any:
         try:
-            r = requests.get(self.url + path, headers=self.headers(), timeout=timeout)
+            r = requests.request(method, self.url + path, headers=self.headers(), timeout=timeout, **kw)
         except requests.Timeout as e:
             raise RequestFailed(f"{self.url}{path}: timed out after {timeout:.0f} s") from e
         except requests.ConnectionError as e:

@@ -7,7 +7,9 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -112,3 +114,16 @@ def error_with_all_servers_hung(fleet, **timeouts) -> str:
     for s in fleet.servers:
         assert s.url in msg
     return msg
+
+
+def cmdlines(pid: int) -> dict:
+    """``{pid: command line}`` of process ``pid`` and all its descendants, as ``ps`` shows them."""
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    out = {}
+    for p in procs:
+        try:
+            out[p.pid] = Path(f"/proc/{p.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out

@@ -4,26 +4,13 @@ detokenizer), nor in its start-up log. It reaches SGLang through the environment
 (``TEPO_SGLANG_API_KEY``, read inside the server by megatron_tepo/rollout/sglang_launch.py)."""
 from pathlib import Path
 
-import psutil
 import pytest
 import requests
 
 from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet
-from tests.rollout.helpers import save_tiny_qwen3
+from tests.rollout.helpers import cmdlines, save_tiny_qwen3
 
 pytestmark = pytest.mark.sglang
-
-
-def _cmdlines(pid: int):
-    procs = [psutil.Process(pid)]
-    procs += procs[0].children(recursive=True)
-    out = {}
-    for p in procs:
-        try:
-            out[p.pid] = Path(f"/proc/{p.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return out
 
 
 @pytest.mark.timeout(600)
@@ -37,11 +24,11 @@ def test_key_required_and_never_on_a_command_line(sglang_python, tmp_path):
         server = fleet.servers[0]
         key = server.api_key
         assert key and len(key) >= 32
-        cmdlines = _cmdlines(server.pid)
-        assert len(cmdlines) >= 2, cmdlines  # the launcher and SGLang's scheduler process at least
-        for pid, cmd in cmdlines.items():
+        seen = cmdlines(server.pid)
+        assert len(seen) >= 2, seen  # the launcher and SGLang's scheduler process at least
+        for pid, cmd in seen.items():
             assert key not in cmd and "--api-key" not in cmd, (pid, cmd)
-        assert any("sglang_launch.py" in c for c in cmdlines.values()), cmdlines
+        assert any("sglang_launch.py" in c for c in seen.values()), seen
         body = {"input_ids": [5, 17, 33], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
         assert requests.get(server.url + "/health", timeout=30).status_code == 200  # probes need no key
         assert requests.post(server.url + "/generate", json=body, timeout=60).status_code == 401

@@ -8,12 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import requests
 
 from megatron_tepo.rollout.sglang_fleet import FleetConfig, FleetError, SGLangFleet, use_router
-from tests.rollout.helpers import error_with_all_servers_hung, kill_during_step, save_tiny_qwen3
+from tests.rollout.helpers import cmdlines, error_with_all_servers_hung, kill_during_step, save_tiny_qwen3
 
 pytestmark = pytest.mark.sglang
 
@@ -69,18 +68,6 @@ def test_router_launcher_parses_with_sglang_routers_parser(sglang_python):
     assert res.returncode != 0 and "--api-key on the command line is refused" in res.stderr, res.stderr
 
 
-def _cmdlines(pid: int):
-    procs = [psutil.Process(pid)]
-    procs += procs[0].children(recursive=True)
-    out = {}
-    for p in procs:
-        try:
-            out[p.pid] = Path(f"/proc/{p.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return out
-
-
 @pytest.fixture(scope="module")
 def fleet(sglang_python, tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_qwen3")
@@ -111,8 +98,8 @@ def test_groups_go_through_the_router_to_both_servers(fleet):
     argv = [str(w) for w in fleet.router.proc.args]
     assert not any(key in w or w.startswith("--api-key") for w in argv), argv
     assert "sglang_launch.py" in argv[1] and argv[2] == "router", argv
-    cmdlines = _cmdlines(fleet.router.proc.pid)
-    for pid, cmd in cmdlines.items():
+    seen = cmdlines(fleet.router.proc.pid)
+    for pid, cmd in seen.items():
         assert key not in cmd and "--api-key" not in cmd, (pid, cmd)
     assert key not in Path(fleet.router.log_path).read_text(errors="replace")
     before = [_generate_lines(s.log_path) for s in fleet.servers]
