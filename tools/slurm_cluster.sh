@@ -5,6 +5,7 @@
 #                                        # the last stdout line is `export SLURM_CONF=...`
 #   bash tools/slurm_cluster.sh status   # exit 0 when sinfo shows the node up and sacct answers
 #   bash tools/slurm_cluster.sh env      # print the `export SLURM_CONF=...` line
+#   bash tools/slurm_cluster.sh conf     # print the slurm.conf that `start` writes (nothing started)
 #   bash tools/slurm_cluster.sh stop     # kill the daemons this script started (state is kept)
 #
 # What it does:
@@ -18,7 +19,8 @@
 #   mariadbd on 127.0.0.1 (a private data dir and port), slurmdbd (accounting, so `sacct` works;
 #   nemo-run polls it), the cluster/account/user in sacctmgr, slurmctld, slurmd; then waits until
 #   `sinfo` shows the node idle;
-# - one node = this host (NodeAddr 127.0.0.1), CPUs = nproc, RealMemory = the machine's memory,
+# - one node = this host (NodeAddr 127.0.0.1), CPUs = the CPUs this process may run on (nproc
+#   without OMP_NUM_THREADS, which nproc obeys and tools/test.sh sets to 1), RealMemory = the machine's memory,
 #   select/cons_tres with CR_CPU (memory is not a consumable: a job may use all of it); job steps
 #   of one job run side by side when they are started with `srun --overlap` (slurm/lib.sh does so
 #   on CPU). CPU binding is on (TaskPlugin=task/affinity), as on most GPU clusters: a step's tasks
@@ -95,7 +97,7 @@ db_password() {
 # The text of slurm.conf (stdout).
 slurm_conf_text() {
     local cpus mem_mb
-    cpus=$(nproc)
+    cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc obeys OMP_*: tools/test.sh sets OMP_NUM_THREADS=1
     mem_mb=$(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo)
     cat <<EOF
 # written by tools/slurm_cluster.sh: a one-node cluster, all state under $DIR
@@ -313,8 +315,11 @@ case "$cmd" in
     env)
         print_env
         ;;
+    conf)
+        slurm_conf_text
+        ;;
     *)
-        printf 'usage: %s {start|stop|status|env}\n' "$0" >&2
+        printf 'usage: %s {start|stop|status|env|conf}\n' "$0" >&2
         exit 2
         ;;
 esac
