@@ -6,7 +6,8 @@ Layout of one checkpoint directory (e.g. ``<root>/step_<N>``)::
     extra_state.json    the caller's JSON state (trainer step, data position, ...)
     rng/rank<R>.pt      RNG states of global rank R (python, numpy, torch CPU, CUDA, megatron tracker)
     metadata.json, common.pt, __*.distcp, ...   megatron-core dist_checkpointing (torch_dist):
-                        model (``sharded_state_dict``), optimizer, LR scheduler (common state)
+                        model (``sharded_state_dict``), optimizer, LR scheduler (common state;
+                        inside the .distcp files from megatron-core 0.19 on, no common.pt)
 
 :func:`save_actor_checkpoint` (a collective over all ranks) writes everything into
 ``<directory>.tmp-<id>``; after a barrier rank 0 writes the marker, renames the temporary
@@ -382,7 +383,8 @@ def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict
 def check_checkpoint_files(directory: PathLike, rank: Optional[int] = None, rng: bool = True) -> None:
     """Raise :class:`CheckpointError` naming the first file of ``directory`` that is missing,
     truncated or unreadable: the marker, ``extra_state.json``, ``rank``'s RNG file (default: this
-    rank's), megatron's ``metadata.json`` and ``common.pt``, PyTorch's ``.metadata`` and every data
+    rank's), megatron's ``metadata.json`` and ``common.pt`` (where it belongs:
+    ``compat.dist_ckpt_common_files``), PyTorch's ``.metadata`` and every data
     file it indexes (each at least as long as the byte ranges it is read at). Reads no tensor data
     besides the small common and RNG files; no process group needed."""
     d = Path(directory)
@@ -399,7 +401,9 @@ def check_checkpoint_files(directory: PathLike, rank: Optional[int] = None, rng:
         except (OSError, ValueError) as e:
             raise bad(name, f"unreadable ({e})") from None
     rank = _rank() if rank is None else rank
-    for name in ([f"{RNG_DIR}/rank{rank}.pt"] if rng else []) + ["common.pt"]:
+    from megatron_tepo.megatron.compat import dist_ckpt_common_files
+
+    for name in ([f"{RNG_DIR}/rank{rank}.pt"] if rng else []) + list(dist_ckpt_common_files(d)):
         if not (d / name).is_file():
             raise bad(name, "missing")
         try:

@@ -267,9 +267,9 @@ def _writer_class():
 
 
 def _strategy_base():
-    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+    from megatron_tepo.megatron.compat import save_strategy_base
 
-    return SaveShardedStrategy
+    return save_strategy_base()
 
 
 class StreamingTorchDistSave(_strategy_base()):

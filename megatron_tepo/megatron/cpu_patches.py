@@ -1,12 +1,13 @@
-"""Run-time work-arounds that let megatron-core 0.16.1 run without CUDA or without Transformer Engine.
+"""Run-time work-arounds that let megatron-core 0.16.1 - 0.19.x run without CUDA or without Transformer Engine.
 
 megatron-core hard-codes CUDA in many places that no config flag reaches, and one of its MoE
 functions assumes Transformer Engine. This module is THE one place that papers over them. Each
 work-around is a small named function (see :data:`PATCHES`) whose docstring names the
 megatron-core file/function it serves, and each is applied on exactly the condition that makes it
-necessary (:data:`CONDITIONS`):
+necessary (:data:`CONDITIONS`), and only on the megatron-core versions whose code needs it
+(:data:`VERSIONS`: a PEP 440 specifier and the reason, per patch):
 
-  * ``no_cuda`` (``torch.cuda.is_available()`` is False) -- patches 1-6: the CUDA calls they
+  * ``no_cuda`` (``torch.cuda.is_available()`` is False) -- patches 1-6 and 8: the CUDA calls they
     replace can only raise in such a process. On a GPU machine none of them is applied.
   * ``no_te`` (Transformer Engine does not import) -- patch 7 (``moe_router_gemm``): the NameError
     it prevents comes from the absence of TE, on a GPU as on a CPU. It binds a name only where
@@ -26,11 +27,15 @@ Scope of the lies told:
     tensors only while one of the three megatron functions that assert on that string is running; ``Tensor.cuda()`` is the
     identity only while the tied-embedding set-up of a pipelined model runs.
   * ``moe_router_gemm`` only binds a name megatron forgot to define without Transformer Engine.
+  * ``torch.cuda.current_stream()`` returns a no-op stream only inside
+    ``distributed/param_and_grad_buffer.py`` (its module-global ``torch`` is a proxy).
 
-Versions: the patches target megatron-core 0.16.1 (the newest for Python 3.11); newer releases
-move some of these calls (0.19 also calls ``torch.cuda.current_stream`` in
-``param_and_grad_buffer.start_grad_sync``, not patched here). A patch whose target is missing
-fails loudly (AttributeError) rather than silently doing nothing.
+Versions: the supported range is :data:`megatron_tepo.megatron.compat.SUPPORTED` (tested at both
+ends, 0.16.1 and 0.19.x). :data:`TARGETS` names, per patch, the megatron functions it serves and the
+CUDA construct each must still contain; ``tests/megatron/test_cpu_patches.py`` checks them against
+the installed megatron-core (a patch whose target changed shape fails there, not silently at run
+time), and shows on each end of the range that every patch in effect is necessary and that every
+patch out of its version range is not. A patch whose target is missing raises AttributeError.
 
 Deliberately left out (not probed, the actor does not use them on CPU): dist_checkpointing (its
 saver needs only patches 1 and 3), CUDA graphs, FP8/FP16 grad scaling, NCCL allocators, the MoE
@@ -45,8 +50,8 @@ from typing import Callable, Dict, Iterable, List, Tuple
 
 import torch
 
-__all__ = ["PATCHES", "CONDITIONS", "CONDITION_PROBES", "apply_cpu_patches", "revert_cpu_patches",
-           "applied_patches", "cuda_available", "te_available"]
+__all__ = ["PATCHES", "CONDITIONS", "CONDITION_PROBES", "VERSIONS", "TARGETS", "apply_cpu_patches",
+           "revert_cpu_patches", "applied_patches", "cuda_available", "te_available", "version_applies"]
 
 # (owner object, attribute name, original value) for every replaced attribute, per patch.
 _UNDO: Dict[str, List[Tuple[object, str, object]]] = {}
@@ -313,6 +318,57 @@ def patch_moe_router_gemm() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# 8. torch.cuda.current_stream in DDP's grad sync (megatron-core >= 0.19)
+# --------------------------------------------------------------------------------------------
+class _NoStream:
+    """The current "stream" of a CUDA-less process: work is already done when it is issued, so
+    waiting on an event or another stream is a no-op."""
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+
+class _StreamTorch:
+    """A stand-in for the ``torch`` module whose ``torch.cuda.current_stream()`` is a :class:`_NoStream`;
+    everything else (``torch.cuda.current_device`` included) is the real torch's."""
+
+    def __init__(self, real):
+        self.__dict__["_real"] = real
+        self.__dict__["cuda"] = _StreamCuda(real.cuda)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_real"], name)
+
+
+class _StreamCuda:
+    def __init__(self, real_cuda):
+        self.__dict__["_real"] = real_cuda
+
+    @staticmethod
+    def current_stream(device=None) -> _NoStream:
+        return _NoStream()
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_real"], name)
+
+
+def patch_grad_sync_stream() -> None:
+    """``torch.cuda.current_stream()`` -> a no-op stream, inside ``distributed/param_and_grad_buffer.py`` only.
+
+    From megatron-core 0.19, ``_ParamAndGradBucketGroup.start_grad_sync`` (every DDP grad
+    reduction, so every train step) starts with ``torch.cuda.current_stream()`` to wait on the
+    events of local CUDA-graph replays; without CUDA that call raises. The module-global ``torch``
+    of that module is swapped for a proxy; torch itself is untouched.
+    """
+    from megatron.core.distributed import param_and_grad_buffer
+
+    _replace("grad_sync_stream", param_and_grad_buffer, "torch", _StreamTorch(torch))
+
+
+# --------------------------------------------------------------------------------------------
 def cuda_available() -> bool:
     """The ``no_cuda`` probe's input (a function so tests can monkeypatch it)."""
     return torch.cuda.is_available()
@@ -339,6 +395,7 @@ PATCHES: Dict[str, Callable[[], None]] = {
     "tensor_type_checks": patch_tensor_type_checks,
     "tied_embedding_setup": patch_tied_embedding_setup,
     "moe_router_gemm": patch_moe_router_gemm,
+    "grad_sync_stream": patch_grad_sync_stream,
 }
 
 #: patch -> the condition (a key of :data:`CONDITION_PROBES`) under which it is applied
@@ -350,7 +407,78 @@ CONDITIONS: Dict[str, str] = {
     "tensor_type_checks": "no_cuda",
     "tied_embedding_setup": "no_cuda",
     "moe_router_gemm": "no_te",
+    "grad_sync_stream": "no_cuda",
 }
+
+#: patch -> (the megatron-core versions it applies to, why). Both ends of the supported range
+#: (0.16.1, 0.19.x) are tested; 0.17.0 / 0.18.0 were read, not run.
+VERSIONS: Dict[str, Tuple[str, str]] = {
+    "current_device": (">=0.16.1", "device=torch.cuda.current_device() in rotary embeddings, p2p, "
+                       "DDP buffers: unchanged 0.16.1 - 0.19.2"),
+    "rng_tracker": (">=0.16.1", "CudaRNGStatesTracker.add calls torch.cuda.get_rng_state: "
+                    "unchanged 0.16.1 - 0.19.2"),
+    "cuda_synchronize": (">=0.16.1", "P2PCommunicator._communicate_shapes calls "
+                         "torch.cuda.synchronize: unchanged 0.16.1 - 0.19.2"),
+    "cuda_tensor_factories": (">=0.16.1", "device='cuda' literals in schedules / optimizer / "
+                              "clip_grads / utils: unchanged 0.16.1 - 0.19.2"),
+    "tensor_type_checks": (">=0.16.1", "'torch.cuda.FloatTensor' checks in clip_grads / "
+                           "distrib_optimizer / Float16Optimizer: unchanged 0.16.1 - 0.19.2"),
+    "tied_embedding_setup": (">=0.16.1", "weight.data.cuda() in setup_embeddings_and_output_layer: "
+                             "unchanged 0.16.1 - 0.19.2"),
+    "moe_router_gemm": (">=0.16.1,<0.17", "0.17.0 binds te_general_gemm = None itself when "
+                        "Transformer Engine is missing"),
+    "grad_sync_stream": (">=0.19", "0.19.0 added torch.cuda.current_stream() at the top of "
+                         "start_grad_sync (CUDA-graph wgrad events)"),
+}
+
+#: patch -> the megatron functions it serves and the construct each must still contain (checked
+#: against the installed megatron-core by tests/megatron/test_cpu_patches.py): (module,
+#: qualified name, substring of its source)
+TARGETS: Dict[str, List[Tuple[str, str, str]]] = {
+    "current_device": [
+        ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.get_emb",
+         "torch.cuda.current_device()")],
+    "rng_tracker": [
+        ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.add", "torch.cuda.get_rng_state("),
+        ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork", "_set_cuda_rng_state("),
+        ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", "torch.cuda.random.get_rng_state("),
+        ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", "torch.cuda.default_generators"),
+    ],
+    "cuda_synchronize": [
+        ("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator._communicate_shapes",
+         "torch.cuda.synchronize()")],
+    "cuda_tensor_factories": [
+        ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining", 'device="cuda"'),
+        ("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__", "device='cuda'"),
+        ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", "device='cuda'"),
+        ("megatron.core.utils", "local_multi_tensor_l2_norm", 'device="cuda"'),
+    ],
+    "tensor_type_checks": [
+        ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32", "'torch.cuda.FloatTensor'"),
+        ("megatron.core.optimizer.distrib_optimizer",
+         "DistributedOptimizer._build_model_and_main_param_groups", "'torch.cuda.FloatTensor'"),
+        ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
+         "'torch.cuda.BFloat16Tensor'"),
+    ],
+    "tied_embedding_setup": [
+        ("megatron.core.models.common.language_module.language_module",
+         "LanguageModule.setup_embeddings_and_output_layer", ".cuda()")],
+    "moe_router_gemm": [
+        ("megatron.core.transformer.moe.moe_utils", "RouterGatingLinearFunction.forward",
+         "te_general_gemm is not None")],
+    "grad_sync_stream": [
+        ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.start_grad_sync",
+         "torch.cuda.current_stream()")],
+}
+
+
+def version_applies(name: str, version=None) -> bool:
+    """Whether patch ``name`` applies to megatron-core ``version`` (default: the installed one)."""
+    from packaging.specifiers import SpecifierSet
+
+    from megatron_tepo.megatron.compat import mcore_version
+
+    return (version or mcore_version()) in SpecifierSet(VERSIONS[name][0], prereleases=True)
 
 
 def applied_patches() -> List[str]:
@@ -359,15 +487,20 @@ def applied_patches() -> List[str]:
 
 
 def apply_cpu_patches(exclude: Iterable[str] = (), force: bool = False) -> List[str]:
-    """Apply every work-around whose condition holds here (minus ``exclude``); idempotent;
-    returns those now applied. ``force`` applies all of them whatever the conditions (tests)."""
+    """Apply every work-around whose condition holds here and whose :data:`VERSIONS` include the
+    installed megatron-core (minus ``exclude``); idempotent; returns those now applied. ``force``
+    ignores the conditions, never the versions (tests)."""
     exclude = set(exclude)
     unknown = exclude - set(PATCHES)
     if unknown:
         raise ValueError(f"unknown cpu patch(es) {sorted(unknown)}; known: {sorted(PATCHES)}")
+    from megatron_tepo.megatron.compat import check_supported
+
+    check_supported()  # a megatron-core outside the tested range: one clear error, here
     needed = {cond: force or probe() for cond, probe in CONDITION_PROBES.items()}
     for name, patch in PATCHES.items():
-        if name not in exclude and name not in _UNDO and needed[CONDITIONS[name]]:
+        if (name not in exclude and name not in _UNDO and needed[CONDITIONS[name]]
+                and version_applies(name)):
             patch()
     return applied_patches()
 

@@ -32,6 +32,7 @@ EXPECTED_FAILURE = {
     "tied_embedding_setup": {
         "probe_tied_embeddings_pp2": "language_module.py:setup_embeddings_and_output_layer"},
     "moe_router_gemm": {"probe_moe_router": "moe_utils.py:forward"},
+    "grad_sync_stream": {"probe_grad_sync": "param_and_grad_buffer.py:start_grad_sync"},
 }
 
 
@@ -50,13 +51,21 @@ def test_unknown_patch_name_is_rejected():
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the patches are a no-op with CUDA")
 def test_each_patch_is_necessary_and_all_suffice(tmp_path):
+    """On the installed megatron-core (CI runs this on both ends of the range): every patch of
+    its version range is needed where EXPECTED_FAILURE says, every patch outside it is not."""
+    from megatron_tepo.megatron.cpu_patches import version_applies
+
+    in_range = [name for name in PATCHES if version_applies(name)]
     results = torchrun(WORKER, 2, tmp_path=tmp_path, timeout=240)
     for rank, res in enumerate(results):
-        assert res["applied"] == list(PATCHES), rank
+        assert res["applied"] == in_range, (rank, res["version"])
         for patch, probes in EXPECTED_FAILURE.items():
             got = res["without"][patch]
             for probe, where in probes.items():
-                assert not got[probe]["ok"], (rank, patch, probe)
+                if patch not in in_range:  # dropped on this version: megatron no longer needs it
+                    assert got[probe]["ok"], (rank, res["version"], patch, probe, got[probe])
+                    continue
+                assert not got[probe]["ok"], (rank, res["version"], patch, probe)
                 assert got[probe]["where"] == where, (rank, patch, probe, got[probe])
             for probe, outcome in res["all"][patch].items():
                 assert outcome["ok"], (rank, patch, probe, outcome)
@@ -78,19 +87,32 @@ def _applied_under(monkeypatch, cuda: bool, te: bool):
         cpu_patches.revert_cpu_patches()
 
 
-CUDA_PATCHES = ["current_device", "rng_tracker", "cuda_synchronize", "cuda_tensor_factories",
-                "tensor_type_checks", "tied_embedding_setup"]
+ALL_CUDA_PATCHES = ["current_device", "rng_tracker", "cuda_synchronize", "cuda_tensor_factories",
+                    "tensor_type_checks", "tied_embedding_setup", "grad_sync_stream"]
+
+
+def _in_range(names):
+    from megatron_tepo.megatron.cpu_patches import version_applies
+
+    return [n for n in names if version_applies(n)]
+
+
+CUDA_PATCHES = ALL_CUDA_PATCHES[:-1]  # the ones not bound to a version
 
 
 def test_moe_router_patch_follows_te_not_cuda(monkeypatch):
     """Row 7 of #22: a GPU without Transformer Engine still needs the router work-around (its
-    NameError is about TE), and none of the CUDA ones."""
-    assert _applied_under(monkeypatch, cuda=True, te=False) == ["moe_router_gemm"]
+    NameError is about TE), and none of the CUDA ones -- on the versions that have the bug."""
+    assert _applied_under(monkeypatch, cuda=True, te=False) == _in_range(["moe_router_gemm"])
 
 
 def test_cuda_patches_follow_cuda(monkeypatch):
-    assert _applied_under(monkeypatch, cuda=False, te=True) == CUDA_PATCHES
-    assert _applied_under(monkeypatch, cuda=False, te=False) == CUDA_PATCHES + ["moe_router_gemm"]
+    cuda = _in_range(ALL_CUDA_PATCHES)
+    assert set(CUDA_PATCHES) <= set(cuda)  # the version-free ones apply on every version
+    order = list(PATCHES)
+    assert _applied_under(monkeypatch, cuda=False, te=True) == cuda
+    assert _applied_under(monkeypatch, cuda=False, te=False) == sorted(
+        cuda + _in_range(["moe_router_gemm"]), key=order.index)
     assert _applied_under(monkeypatch, cuda=True, te=True) == []
 
 
@@ -100,7 +122,7 @@ def test_every_patch_names_its_condition():
     assert set(cpu_patches.CONDITIONS) == set(PATCHES)
     for name, condition in cpu_patches.CONDITIONS.items():
         assert condition in cpu_patches.CONDITION_PROBES, name
-    assert {n for n, c in cpu_patches.CONDITIONS.items() if c == "no_cuda"} == set(CUDA_PATCHES)
+    assert {n for n, c in cpu_patches.CONDITIONS.items() if c == "no_cuda"} == set(ALL_CUDA_PATCHES)
     assert cpu_patches.CONDITIONS["moe_router_gemm"] == "no_te"
 
 
@@ -112,5 +134,88 @@ def test_moe_router_patch_is_a_no_op_when_megatron_bound_the_name(monkeypatch):
 
     sentinel = object()
     monkeypatch.setattr(moe_utils, "te_general_gemm", sentinel, raising=False)
-    assert "moe_router_gemm" in _applied_under(monkeypatch, cuda=True, te=False)
+    cpu_patches.revert_cpu_patches()
+    try:
+        cpu_patches.PATCHES["moe_router_gemm"]()  # the function itself, whatever the version
+        assert moe_utils.te_general_gemm is sentinel
+    finally:
+        cpu_patches.revert_cpu_patches()
     assert moe_utils.te_general_gemm is sentinel
+
+
+# ---------------------------------------------------------------- each patch on its versions
+def test_every_patch_names_its_versions_and_targets():
+    from packaging.specifiers import SpecifierSet
+
+    from megatron_tepo.megatron import cpu_patches
+
+    assert set(cpu_patches.VERSIONS) == set(PATCHES) == set(cpu_patches.TARGETS)
+    for name, (spec, why) in cpu_patches.VERSIONS.items():
+        SpecifierSet(spec)  # a valid PEP 440 specifier
+        assert len(why) > 20, name
+        assert cpu_patches.TARGETS[name], name
+
+
+@pytest.mark.parametrize("version, dropped", [
+    ("0.16.1", {"grad_sync_stream"}),
+    ("0.17.0", {"grad_sync_stream", "moe_router_gemm"}),
+    ("0.19.2", {"moe_router_gemm"}),
+])
+def test_version_ranges_at_both_ends(version, dropped):
+    """The patches in effect on each end of the range, and where the two version-bound ones switch
+    (read from the 0.17.0 and 0.19.0 wheels)."""
+    from packaging.version import Version
+
+    from megatron_tepo.megatron.cpu_patches import version_applies
+
+    assert {n for n in PATCHES if not version_applies(n, Version(version))} == dropped
+
+
+def _source_of(module: str, qualname: str) -> str:
+    import importlib
+    import inspect
+
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    obj = getattr(obj, "__func__", obj)
+    return inspect.getsource(inspect.unwrap(obj))
+
+
+@pytest.mark.parametrize("patch", list(PATCHES))
+def test_patch_targets_still_have_the_expected_shape(patch):
+    """Each patch in the installed megatron-core's range: the functions it serves still exist and
+    still contain the CUDA construct it replaces. A megatron-core that changed one of them fails
+    here (follow the change in cpu_patches.py, or narrow VERSIONS) instead of at run time."""
+    from megatron_tepo.megatron import cpu_patches
+    from megatron_tepo.megatron.compat import mcore_version
+
+    if not cpu_patches.version_applies(patch):
+        pytest.skip(f"{patch} does not apply to megatron-core {mcore_version()}")
+    before = cpu_patches.applied_patches()
+    cpu_patches.revert_cpu_patches()  # read megatron's own functions, not the wrappers
+    try:
+        for module, qualname, construct in cpu_patches.TARGETS[patch]:
+            src = _source_of(module, qualname)
+            assert construct in src, (f"megatron-core {mcore_version()}: {module}.{qualname} no longer "
+                                      f"contains {construct!r}: patch {patch!r} would do nothing")
+    finally:
+        if before:  # leave the process as it was (other tests of this process may rely on them)
+            cpu_patches.apply_cpu_patches(exclude=set(PATCHES) - set(before), force=True)
+
+
+def test_unsupported_megatron_core_is_refused_in_one_line(monkeypatch):
+    from packaging.version import Version
+
+    from megatron_tepo.megatron import compat
+
+    monkeypatch.delenv("MTEPO_ALLOW_UNTESTED_MCORE", raising=False)
+    for bad in ("0.15.0", "0.20.0"):
+        with pytest.raises(RuntimeError, match=r"megatron-core .* is not supported \(tested: ") as err:
+            compat.check_supported(Version(bad))
+        assert "\n" not in str(err.value)
+    assert compat.check_supported(Version("0.16.1")) == Version("0.16.1")
+    assert compat.check_supported(Version("0.19.2")) == Version("0.19.2")
+    monkeypatch.setenv("MTEPO_ALLOW_UNTESTED_MCORE", "1")
+    assert compat.check_supported(Version("0.20.0")) == Version("0.20.0")
+    assert compat.mcore_version() in compat.SUPPORTED  # what this suite runs on

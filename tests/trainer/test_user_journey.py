@@ -115,10 +115,10 @@ def test_damaged_newest_checkpoint_falls_back_and_stale_temporaries_go(tiny, tmp
     assert len(damaged) == 1 and str(victim) in damaged[0] and "truncated" in damaged[0]
     assert f"resumed from {ckpts / 'step_1'}" in proc.stdout
     assert not stale.exists() and steps(out) == [1, 2, 3]
-    (ckpts / "step_3" / "common.pt").unlink()  # a missing file: named too
+    (ckpts / "step_3" / "metadata.json").unlink()  # a missing file: named too
     (ckpts / "step_2" / ".metadata").unlink()
     proc = train(tiny, out, "train.steps=4", "train.save_every=1")
-    assert "step_3/common.pt: missing" in proc.stdout and "step_2/.metadata: missing" in proc.stdout
+    assert "step_3/metadata.json: missing" in proc.stdout and "step_2/.metadata: missing" in proc.stdout
     assert steps(out) == [1, 2, 3, 4]
 
 

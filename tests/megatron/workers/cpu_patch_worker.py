@@ -2,7 +2,9 @@
 
 For every patch P: revert everything, apply all patches but P, run P's probe operations (real
 megatron-core calls the actor makes) and record how each fails (exception and the innermost
-megatron frame). Then apply all patches and run every probe: all must pass. Probes either touch
+megatron frame) -- or that it passes, which the test expects of a patch outside its
+``cpu_patches.VERSIONS`` on the installed megatron-core. Then apply all patches and run every
+probe: all must pass. Probes either touch
 no other rank or fail symmetrically on both ranks, so a failure never leaves a peer waiting.
 """
 import os
@@ -124,6 +126,18 @@ def probe_moe_router():
     assert out.shape == (3, 2)
 
 
+def probe_grad_sync():
+    """A DDP backward and grad reduction over the data-parallel group (what every train step does)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    model = tiny_gpt()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    ids, pos, mask = gpt_inputs()
+    ddp(ids, pos, mask).sum().backward()
+    ddp.start_grad_sync()
+    ddp.finish_grad_sync()
+
+
 PROBES = {
     "current_device": [probe_gpt_forward],
     "rng_tracker": [probe_rng_seed],
@@ -132,6 +146,7 @@ PROBES = {
     "tensor_type_checks": [probe_clip_grads, probe_distributed_optimizer],
     "tied_embedding_setup": [probe_tied_embeddings_pp2],
     "moe_router_gemm": [probe_moe_router],
+    "grad_sync_stream": [probe_grad_sync],
 }
 
 
@@ -159,7 +174,10 @@ def main():
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
-    result = {"without": {}, "all": {}}
+    from megatron_tepo.megatron.compat import mcore_version
+
+    result = {"without": {}, "all": {}, "version": str(mcore_version()),
+              "in_range": {name: cpu_patches.version_applies(name) for name in PROBES}}
     for name, probes in PROBES.items():
         cpu_patches.revert_cpu_patches()
         cpu_patches.apply_cpu_patches(exclude={name})

@@ -1,0 +1,80 @@
+"""The one place where megatron_tepo asks which megatron-core it runs on.
+
+Supported: :data:`SUPPORTED` (megatron-core 0.16.1, the newest for Python 3.11, up to 0.19.x,
+which needs Python >= 3.12; both ends are tested). Everything that differs between those versions
+and that megatron_tepo calls goes through this module (or, for the CPU work-arounds, through
+``cpu_patches.VERSIONS``), so that no other module compares version numbers.
+
+Leaves out: versions outside the range (:func:`check_supported` refuses them with a one-line
+error; ``MTEPO_ALLOW_UNTESTED_MCORE=1`` lets a developer try one anyway).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+__all__ = ["SUPPORTED", "mcore_version", "check_supported", "LEGACY_COMMON_FILE", "common_state_in_dcp",
+           "dist_ckpt_common_files", "save_strategy_base"]
+
+#: the megatron-core versions this package is tested with (keep in step with pyproject.toml)
+SUPPORTED = SpecifierSet(">=0.16.1,<0.20")
+
+
+@functools.lru_cache(maxsize=None)
+def mcore_version() -> Version:
+    """The installed megatron-core's version (from its package metadata)."""
+    try:
+        return Version(importlib.metadata.version("megatron-core"))
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError("megatron-core is not installed: pip install 'megatron-core"
+                           f"{SUPPORTED}' (see README.md)") from None
+
+
+def check_supported(version: Version | None = None) -> Version:
+    """Return the megatron-core version, or raise RuntimeError when it is outside :data:`SUPPORTED`."""
+    version = version or mcore_version()
+    if version not in SUPPORTED and os.environ.get("MTEPO_ALLOW_UNTESTED_MCORE") != "1":
+        raise RuntimeError(f"megatron-core {version} is not supported (tested: {SUPPORTED}); "
+                           "install one in that range, or set MTEPO_ALLOW_UNTESTED_MCORE=1 to try it")
+    return version
+
+
+# ------------------------------------------------------------------ dist_checkpointing layout
+#: the file megatron-core <= 0.18 writes the common (non-tensor) state of a torch_dist checkpoint to
+LEGACY_COMMON_FILE = "common.pt"
+
+
+def common_state_in_dcp(version: Version | None = None) -> bool:
+    """Whether ``dist_checkpointing.save`` stores the common state inside the torch_dist files (a
+    ``ShardedObject`` keyed ``common_state``, megatron-core >= 0.19) rather than in ``common.pt``.
+    Either loads on 0.19 (it reads a legacy ``common.pt`` when present)."""
+    return (version or mcore_version()) >= Version("0.19.0")
+
+
+def dist_ckpt_common_files(directory, version: Version | None = None) -> tuple:
+    """The common-state files a torch_dist checkpoint in ``directory`` must have here: ``common.pt``
+    before 0.19, or when the checkpoint has one (written by an older megatron-core); none
+    otherwise (the common state is then part of the files PyTorch's ``.metadata`` indexes)."""
+    from pathlib import Path
+
+    if not common_state_in_dcp(version) or (Path(directory) / LEGACY_COMMON_FILE).exists():
+        return (LEGACY_COMMON_FILE,)
+    return ()
+
+
+def save_strategy_base() -> type:
+    """The class a custom torch_dist save strategy derives from. Up to 0.18:
+    ``dist_checkpointing.strategies.base.SaveShardedStrategy``. 0.19 removed that module, and its
+    ``dist_checkpointing.save`` silently replaces any strategy that is not a
+    ``TorchDistSaveShardedStrategy`` by a default one: so from 0.19, that class itself."""
+    if mcore_version() >= Version("0.19.0"):
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+        return TorchDistSaveShardedStrategy
+    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+
+    return SaveShardedStrategy
