@@ -6,11 +6,13 @@
 #
 # Writes (into the ignored folder .gpu/ of the checkout, ~3 MB):
 # * .gpu/wheels/: wheels for CPython 3.12 on manylinux x86-64, without their needs (--no-deps), of
-#   what that machine lacks: megatron-core 0.16.1 (the version pyproject.toml pins). Its needs
-#   (torch, numpy, packaging) and everything else the check imports (transformers, safetensors,
+#   what that machine lacks: megatron-core 0.19.2 (the newest end of pyproject.toml's range, the
+#   one tools/test.sh runs on Python 3.12; its wheel is cp312-only, ~3 MB). Its needs (its METADATA's
+#   Requires-Dist without extras: torch>=2.6.0, numpy, packaging>=24.2) and everything else the
+#   check imports (transformers, safetensors,
 #   triton, pytest, pytest-timeout, psutil, pyyaml, pyarrow, matplotlib) are in that machine's image
 #   (../.library/device/KINDS.md lists it); math-verify is not, and the check never imports it.
-#   EXTRA_WHEELS="name==version ..." adds more.
+#   EXTRA_WHEELS="name==version ..." adds more; MCORE_VERSION=0.16.1 carries the oldest end instead.
 # * .gpu/shared/: a copy of ../shared/gpu/ (the earlier GPU measurement scripts, e.g. the HF bf16
 #   baseline of actor_gpu.py), which does not travel by itself; if it exists.
 # Leaves out: Transformer Engine, apex, SGLang (too large to carry, or CUDA builds pip cannot
@@ -32,7 +34,7 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manyl
 done
 # shellcheck disable=SC2086  # EXTRA_WHEELS is a list of requirement strings
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  "${platforms[@]}" -d "$wheels" megatron-core==0.16.1 ${EXTRA_WHEELS:-}
+  "${platforms[@]}" -d "$wheels" "megatron-core==${MCORE_VERSION:-0.19.2}" ${EXTRA_WHEELS:-}
 if [[ -d "$repo/../shared/gpu" ]]; then
   rm -rf "$repo/.gpu/shared"
   cp -r "$repo/../shared/gpu" "$repo/.gpu/shared"

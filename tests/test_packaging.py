@@ -16,7 +16,21 @@ def test_megatron_core_is_a_base_dependency():
     base = [r for r in md.requires("megatron_tepo") if "extra ==" not in r]
     names = {r.split(";")[0].split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip() for r in base}
     assert {"megatron-core", "transformers", "safetensors", "torch", "math-verify"} <= names
-    assert "megatron-core==0.16.1" in [r.split(";")[0].strip() for r in base]
+
+def test_megatron_core_range_is_the_tested_one():
+    """pyproject.toml's megatron-core range is compat.SUPPORTED (the range both CI stacks test),
+    and the installed megatron-core is inside it."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    from megatron_tepo.megatron.compat import SUPPORTED, mcore_version
+
+    root = Path(__file__).resolve().parents[1]
+    deps = [Requirement(r) for r in tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]]
+    (mcore,) = [r for r in deps if r.name == "megatron-core"]
+    assert mcore.specifier == SUPPORTED, (str(mcore.specifier), str(SUPPORTED))
+    assert mcore_version() in SUPPORTED
 
 
 def test_console_commands_are_installed_and_run():

@@ -1,39 +1,74 @@
 #!/usr/bin/env bash
-# The whole test suite, as CI runs it: installs what it needs (tools/setup_env.sh, the SGLang CPU
-# venv, a one-node Slurm cluster), then pytest.
-# Extra arguments go to pytest (e.g. `bash tools/test.sh tests/algorithms -x`).
-# pytest's exit code 5 ("no tests collected") is a failure here, never a silent pass.
+# The whole test suite, as CI runs it, on both ends of the supported stack range:
+#   1. newest: the whole suite in .venv, made by tools/setup_env.sh with `python3.12` where one
+#      runs (megatron-core 0.19.x), else `python3`;
+#   2. oldest: the actor / conversion / distributed subset (OLDEST_TESTS below) in .venv-oldest,
+#      Python 3.11 with megatron-core 0.16.1 (MTEPO_OLDEST_PYTHON, default python3.11).
+# It installs what it needs (tools/setup_env.sh for both, the SGLang CPU venv, a one-node Slurm
+# cluster), then runs pytest once per stack. It exits non-zero when either run fails; pytest's
+# exit code 5 ("no tests collected") is a failure here, never a silent pass.
+# Extra arguments go to pytest's newest-stack run (e.g. `bash tools/test.sh tests/algorithms -x`).
+# MTEPO_STACKS=newest (or oldest) runs only that one (default: newest,oldest).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
-py="$(bash tools/setup_env.sh | tail -n 1)"
-# A real SGLang server on CPU for the rollout tests (marker `sglang`): its own venv, see the script.
-MTEPO_SGLANG_PYTHON="$(bash tools/install_sglang_cpu.sh | tail -n 1)"
-export MTEPO_SGLANG_PYTHON
+stacks="${MTEPO_STACKS:-newest,oldest}"
+# The oldest stack's share: the actor, the megatron glue (CPU patches at their versions), the
+# checkpoint conversion, the vocab-parallel op and the TP/PP/DP trainer runs -- everything that
+# calls megatron-core. The rest (algorithms, rewards, launchers, SGLang) does not depend on it.
+OLDEST_TESTS=(tests/megatron tests/checkpoint tests/ops tests/trainer/test_multiprocess.py)
+OLDEST_MARKS="not sglang and not slurm"
+
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=""
-# A real one-node Slurm cluster for the `slurm` tests (tools/slurm_cluster.sh: Debian's slurm +
-# munge + slurmdbd/MariaDB, state in /tmp/mtepo-slurm). They are never skipped here: if the cluster
-# cannot start they FAIL saying so. MTEPO_SKIP_SLURM=1 (a developer's explicit choice) skips them.
-# A cluster this script starts is stopped at the end; one that was already running is reused and
-# left running.
-if [ "${MTEPO_SKIP_SLURM:-0}" != 1 ]; then
-  unset SLURM_CONF
-  if ! bash tools/slurm_cluster.sh status >/dev/null 2>&1; then
-    trap 'bash tools/slurm_cluster.sh stop || true' EXIT
+
+run_pytest() {  # run_pytest <label> <python> <pytest args...>: returns 0 / 1
+  local label="$1" py="$2" rc start=$SECONDS
+  shift 2
+  echo "tools/test.sh: [$label] $("$py" -c 'import sys, importlib.metadata as m; print("Python %d.%d.%d" % sys.version_info[:3], "torch", m.version("torch"), "megatron-core", m.version("megatron-core"))')" >&2
+  set +e
+  "$py" -m pytest -ra --timeout=900 "$@"
+  rc=$?
+  set -e
+  echo "tools/test.sh: [$label] pytest exit $rc after $((SECONDS - start)) s" >&2
+  if [ "$rc" -eq 5 ]; then
+    echo "tools/test.sh: [$label] pytest collected no tests (exit 5): failing" >&2
+    return 1
   fi
-  if line="$(bash tools/slurm_cluster.sh start | tail -n 1)" && [[ "$line" == "export SLURM_CONF="* ]]; then
-    SLURM_CONF="${line#export SLURM_CONF=}"
-    export SLURM_CONF
-  else
-    echo "tools/test.sh: the local Slurm cluster did not start (see above): the slurm tests will fail" >&2
+  [ "$rc" -eq 0 ]
+}
+
+failed=()
+if [[ ",$stacks," == *",newest,"* ]]; then
+  py="$(bash tools/setup_env.sh | tail -n 1)"
+  # A real SGLang server on CPU for the rollout tests (marker `sglang`): its own venv, see the script.
+  MTEPO_SGLANG_PYTHON="$(bash tools/install_sglang_cpu.sh | tail -n 1)"
+  export MTEPO_SGLANG_PYTHON
+  # A real one-node Slurm cluster for the `slurm` tests (tools/slurm_cluster.sh: Debian's slurm +
+  # munge + slurmdbd/MariaDB, state in /tmp/mtepo-slurm). They are never skipped here: if the cluster
+  # cannot start they FAIL saying so. MTEPO_SKIP_SLURM=1 (a developer's explicit choice) skips them.
+  # A cluster this script starts is stopped at the end; one that was already running is reused and
+  # left running.
+  if [ "${MTEPO_SKIP_SLURM:-0}" != 1 ]; then
+    unset SLURM_CONF
+    if ! bash tools/slurm_cluster.sh status >/dev/null 2>&1; then
+      trap 'bash tools/slurm_cluster.sh stop || true' EXIT
+    fi
+    if line="$(bash tools/slurm_cluster.sh start | tail -n 1)" && [[ "$line" == "export SLURM_CONF="* ]]; then
+      SLURM_CONF="${line#export SLURM_CONF=}"
+      export SLURM_CONF
+    else
+      echo "tools/test.sh: the local Slurm cluster did not start (see above): the slurm tests will fail" >&2
+    fi
   fi
+  run_pytest newest "$py" "$@" || failed+=(newest)
 fi
-set +e
-"$py" -m pytest -ra --timeout=900 "$@"
-rc=$?
-set -e
-if [ "$rc" -eq 5 ]; then
-  echo "tools/test.sh: pytest collected no tests (exit 5): failing" >&2
+if [[ ",$stacks," == *",oldest,"* ]]; then
+  old_py="$(MTEPO_PYTHON="${MTEPO_OLDEST_PYTHON:-python3.11}" MTEPO_MCORE="megatron-core==0.16.1" \
+            MTEPO_VENV="$repo/.venv-oldest" MTEPO_EXTRAS=dev bash tools/setup_env.sh | tail -n 1)"
+  run_pytest oldest "$old_py" -m "$OLDEST_MARKS" "${OLDEST_TESTS[@]}" || failed+=(oldest)
+fi
+if [ "${#failed[@]}" -gt 0 ]; then
+  echo "tools/test.sh: FAILED on: ${failed[*]}" >&2
   exit 1
 fi
-exit "$rc"
+echo "tools/test.sh: passed on: $stacks" >&2
