@@ -90,7 +90,7 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     from megatron_tepo.actor.actor import MegatronActor, OptimConfig
-    from megatron_tepo.actor.parallel import ParallelLayout
+    from megatron_tepo.layout import ParallelLayout
     from megatron_tepo.checkpoint import hf_io
 
     model_dir = Path(args.model_dir)

@@ -217,7 +217,7 @@ def main(argv=None):
     cfg = hf_config(shape)
     from transformers import AutoConfig
 
-    from megatron_tepo.actor.parallel import single_process_env
+    from megatron_tepo.megatron.parallel import single_process_env
 
     single_process_env()
     rows = []

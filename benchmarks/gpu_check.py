@@ -245,7 +245,7 @@ def step_hf_load(smoke: bool) -> dict:
     from actor_step import SHAPES
 
     from megatron_tepo.actor import MegatronActor, RolloutBatch
-    from megatron_tepo.actor.parallel import single_process_env
+    from megatron_tepo.megatron.parallel import single_process_env
 
     dev = _device(smoke)
     shape = dict(SHAPES["tiny" if smoke else "qwen3-0.6b"], num_hidden_layers=2 if smoke else 4)

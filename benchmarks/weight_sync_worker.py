@@ -92,11 +92,11 @@ def chunks(total: int, bucket: int):
 def main():
     args = json.loads(sys.argv[1])
     from megatron_tepo.actor.actor import MegatronActor
-    from megatron_tepo.actor.parallel import ParallelLayout
+    from megatron_tepo.layout import ParallelLayout
     from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet
     from megatron_tepo.models import megatron_to_hf
     from megatron_tepo.buckets import ExportBuffers
-    from megatron_tepo.models.sharding import gather_full_tensors
+    from megatron_tepo.megatron.sharding import gather_full_tensors
     from megatron_tepo.rollout.weight_sync import WeightSync, flatten_bucket, iter_buckets, tensor_bytes
 
     class TimedSync(WeightSync):

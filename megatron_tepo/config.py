@@ -26,9 +26,11 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import yaml
 
+from megatron_tepo.layout import ParallelLayout
+
 __all__ = [
     "ConfigError", "RunConfig", "AlgorithmConfig", "RolloutCorrectionConfig", "AdvantageConfig", "RolloutConfig",
-    "OptimConfig", "TrainConfig", "ParallelConfig", "ActorConfig", "ModelConfig", "DataConfig", "RewardConfig",
+    "OptimConfig", "TrainConfig", "ParallelLayout", "ActorConfig", "ModelConfig", "DataConfig", "RewardConfig",
     "load_config",
     "from_dict", "to_dict", "apply_overrides", "dump_config", "validate", "read_yaml_file",
     "RESUME_MAY_CHANGE", "changed_settings",
@@ -159,15 +161,6 @@ class TrainConfig:
 
 
 @dataclass
-class ParallelConfig:
-    """Process-group sizes of the actor; data parallelism fills the rest of the world."""
-
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-
-
-@dataclass
 class ActorConfig:
     """How the Megatron actor computes: the one home of these settings. The trainer, the main job,
     the Slurm / nemo-run launchers and the fit check all read this section, and
@@ -266,7 +259,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelLayout = field(default_factory=ParallelLayout)
     actor: ActorConfig = field(default_factory=ActorConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -626,7 +619,9 @@ def validate(cfg: RunConfig) -> None:
     if r.prompts_per_step % t.mini_batch_prompts:
         raise ConfigError(f"train.mini_batch_prompts: {t.mini_batch_prompts} must divide "
                           f"rollout.prompts_per_step ({r.prompts_per_step})")
-    _positive(cfg.parallel, "parallel", ["tp", "pp", "ep"])
+    _positive(cfg.parallel, "parallel", ["tp", "pp", "ep", "cp"])
+    if cfg.parallel.cp != 1:
+        raise ConfigError(f"parallel.cp: context parallelism is not implemented yet; keep it 1, got {cfg.parallel.cp}")
     a = cfg.actor
     _positive(a, "actor", ["max_tokens_per_micro_batch", "recompute_num_layers"])
     if a.pack_sequences and a.attention == "unfused":

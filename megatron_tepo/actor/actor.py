@@ -60,12 +60,14 @@ import torch.distributed as dist
 from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.actor.batching import equalize_micro_batch_count, plan_micro_batches, plan_packed_micro_batches
 from megatron_tepo.actor.micro_batch import MicroBatch, build_micro_batch
-from megatron_tepo.actor.parallel import ParallelLayout, initialize_parallel, validate_layout
+from megatron_tepo.layout import ParallelLayout
+from megatron_tepo.megatron.parallel import initialize_parallel, validate_layout_here
 from megatron_tepo.config import ActorConfig, OptimConfig
 from megatron_tepo.megatron.gpt import build_gpt_chunk, family_spec, resolve_actor_config, transformer_config
 from megatron_tepo.actor.export import export_hf_state
 from megatron_tepo.checkpoint.hf_io import LazyHFCheckpoint
-from megatron_tepo.models import GPTFamilyConfig, family_config_from_hf, load_hf_checkpoint_into, load_hf_weights_into
+from megatron_tepo.megatron.hf_load import load_hf_checkpoint_into, load_hf_weights_into
+from megatron_tepo.models import GPTFamilyConfig, family_config_from_hf
 
 __all__ = ["OptimConfig", "ActorConfig", "MegatronActor", "plan_actor", "actor_transformer_config", "build_lr_scheduler", "token_log_probs", "SUMMED_METRICS"]
 
@@ -154,7 +156,7 @@ def plan_actor(hf_config, layout: ParallelLayout, actor_config: Optional[ActorCo
         raise ValueError("actor.pack_sequences=true needs actor.attention sdpa or te (megatron's unfused "
                          "attention cannot keep packed sequences apart)")
     family_cfg = family_config_from_hf(hf_config, spec=family_spec(resolved))
-    validate_layout(layout, family_cfg, world_size=world_size, sequence_parallel=resolved.sequence_parallel)
+    validate_layout_here(layout, family_cfg, world_size=world_size, sequence_parallel=resolved.sequence_parallel)
     return resolved, family_cfg
 
 
@@ -243,8 +245,7 @@ class MegatronActor:
 
     def _build_model_chunk(self):
         return build_gpt_chunk(self.config, self.family_cfg, self._ps.is_pipeline_first_stage(),
-                               self._ps.is_pipeline_last_stage(), attention=self.settings.attention,
-                               packed_attention=self.settings.packed_attention).to(self.device)
+                               self._ps.is_pipeline_last_stage(), actor=self.settings).to(self.device)
 
     def ddp_config(self):
         """megatron's ``DistributedDataParallelConfig`` from ``optim`` and ``actor`` settings:

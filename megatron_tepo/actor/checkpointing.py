@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megatron_tepo.actor.parallel import raise_if_any_rank_failed
+from megatron_tepo.megatron.parallel import raise_if_any_rank_failed
 
 __all__ = [
     "COMPLETE_MARKER",

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron_tepo.buckets import BucketHandoff, ExportBuffers, FlatBucket
 from megatron_tepo.models import GPTFamilyConfig, layer_mapping
 from megatron_tepo.models.common import MegatronToHFLayout
-from megatron_tepo.models.sharding import (expert_indices, group_for, is_expert_param, layer_offsets, local_tensor,
+from megatron_tepo.megatron.sharding import (expert_indices, group_for, is_expert_param, layer_offsets, local_tensor,
                                            parallel_groups, to_global_name, tp_partition, unwrap_model)
 
 EXPORT_BUCKET_BYTES = 64 << 20

@@ -89,10 +89,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_tepo.actor.parallel import (ParallelLayout, initialize_parallel, raise_if_any_rank_failed,
-                                          single_process_env, validate_layout)
+from megatron_tepo.layout import ParallelLayout, validate_layout
+from megatron_tepo.megatron.parallel import initialize_parallel, raise_if_any_rank_failed, single_process_env
+from megatron_tepo.megatron.sharding import expert_indices, layer_offsets, load_megatron_state_into
 from megatron_tepo.models import family_config_from_hf, hf_to_megatron, megatron_to_hf
-from megatron_tepo.models.sharding import expert_indices, layer_offsets, load_megatron_state_into
 
 from .hf_io import (
     LazyHFCheckpoint,
@@ -187,8 +187,9 @@ def check_hf_input(hf_dir, tp: int = 1, pp: int = 1, ep: int = 1, world_size: Op
     Returns ``(family_cfg, hf_config, LazyHFCheckpoint)``; raises naming the culprit."""
     raw = _read_raw_config(hf_dir)
     family_cfg = family_config_from_hf(raw, spec=spec)  # unknown architecture -> ValueError naming it
-    validate_layout(ParallelLayout(tp=tp, pp=pp, ep=ep), family_cfg,
-                    world_size=tp * pp * ep if world_size is None else world_size, te_available=False)
+    validate_layout(ParallelLayout(tp=tp, pp=pp, ep=ep), family_cfg.dims(),
+                    tp * pp * ep if world_size is None else world_size, te_available=False,
+                    cpu=not torch.cuda.is_available(), field="--", world="the converter's ranks")
     hf_config = load_hf_config(hf_dir)
     ckpt = LazyHFCheckpoint(hf_dir)
     check_hf_tensors(ckpt, hf_config)
@@ -202,7 +203,7 @@ def build_gpt_model(family_cfg, params_dtype: torch.dtype = torch.float32, initi
     """This rank's pipeline stage of the ``GPTModel`` for ``family_cfg``, with the actor's CPU-safe
     runtime flags. Needs megatron's ``parallel_state`` initialised (TP/PP read from it).
     ``initialize=False`` skips megatron's init -- and with it the ``tensor_model_parallel`` /
-    ``partition_dim`` / ``partition_stride`` attributes that ``models.sharding`` places by, so it
+    ``partition_dim`` / ``partition_stride`` attributes that ``megatron.sharding`` places by, so it
     is only right at TP=1 or when loading through ``sharded_state_dict`` (which does not use
     them); it is what the meta-device export model uses."""
     from megatron.core import parallel_state as ps
@@ -424,7 +425,7 @@ def _save_streaming(tmp: Path, family_cfg, ckpt: LazyHFCheckpoint, params_dtype,
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    from megatron_tepo.models.sharding import global_named_parameters
+    from megatron_tepo.megatron.sharding import global_named_parameters
 
     from .dist_writer import ShardSource, StreamingTorchDistSave
 
@@ -472,10 +473,10 @@ def _save_from_filled_model(tmp: Path, family_cfg, ckpt: LazyHFCheckpoint, param
 
 
 def _write_sidecars(tmp: Path, hf_dir, family_cfg, ckpt: LazyHFCheckpoint, params_dtype, tp, pp, ep):
-    write_conversion_sidecars(tmp, hf_dir, family_cfg, params_dtype, {"tp": tp, "pp": pp, "ep": ep}, ckpt)
+    write_conversion_sidecars(tmp, hf_dir, family_cfg, params_dtype, ParallelLayout(tp=tp, pp=pp, ep=ep), ckpt)
 
 
-def write_conversion_sidecars(directory, hf_dir, family_cfg, params_dtype, layout: dict,
+def write_conversion_sidecars(directory, hf_dir, family_cfg, params_dtype, layout: ParallelLayout,
                               ckpt: Optional[LazyHFCheckpoint] = None) -> None:
     """What makes a megatron checkpoint directory convertible back to HF by
     :func:`convert_megatron_to_hf`: ``hf_source/`` (config, generation config, tokenizer files of
@@ -493,7 +494,7 @@ def write_conversion_sidecars(directory, hf_dir, family_cfg, params_dtype, layou
         "family_config": {k: v for k, v in dataclasses.asdict(family_cfg).items() if k != "extra"},
         "spec": family_cfg.spec,
         "params_dtype": dtype_name(params_dtype),
-        "saved_layout": dict(layout),
+        "saved_layout": layout.as_dict(),
         "megatron_core_version": getattr(megatron.core, "__version__", "?"),
         "hf_tensors": {n: {"dtype": dtype_name(ckpt.dtype(n)), "shape": list(ckpt.shape(n))}
                        for n in ckpt.names()},
@@ -601,7 +602,7 @@ def _params_streamed(model, src):
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    from megatron_tepo.models.sharding import global_named_parameters
+    from megatron_tepo.megatron.sharding import global_named_parameters
 
     reader = _DistCheckpointReader(src)
     sharded = model.sharded_state_dict()

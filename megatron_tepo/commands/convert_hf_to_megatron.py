@@ -75,7 +75,7 @@ def main(argv=None) -> int:
                 convert_hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep,
                                        force=args.force, progress=not args.quiet)
         finally:
-            from megatron_tepo.actor.parallel import destroy_parallel
+            from megatron_tepo.megatron.parallel import destroy_parallel
 
             destroy_parallel()
         return 0

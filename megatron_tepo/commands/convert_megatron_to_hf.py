@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from megatron_tepo.actor.parallel import destroy_parallel
+    from megatron_tepo.megatron.parallel import destroy_parallel
     from megatron_tepo.checkpoint import convert_megatron_to_hf
 
     try:

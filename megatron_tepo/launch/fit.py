@@ -109,6 +109,7 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 import yaml
 
 from megatron_tepo.config import ConfigError, RunConfig, apply_overrides, load_config, read_yaml_file
+from megatron_tepo.layout import ModelDims, validate_layout
 
 __all__ = ["GiB", "FitError", "SGLangLayout", "LaunchLayout", "LaunchSpec", "ModelShape",
            "ActorMemory", "ServerMemory", "FitReport", "model_shape", "param_counts",
@@ -253,6 +254,12 @@ class ModelShape:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def dims(self) -> ModelDims:
+        """The sizes the layout rules read (:func:`megatron_tepo.layout.validate_layout`)."""
+        return ModelDims(num_attention_heads=self.heads, num_key_value_heads=self.kv_groups, vocab_size=self.vocab,
+                         intermediate_size=self.ffn, num_hidden_layers=self.num_layers,
+                         num_experts=self.num_experts)
 
 
 def model_shape(hf_config: Union[Dict[str, Any], str, Path]) -> ModelShape:
@@ -529,7 +536,7 @@ class FitReport:
         return "\n".join([
             self.model_line(),
             f"actor (cpu): {L.actor_nodes} node(s) x {L.gpus_per_node} processes = {L.actor_gpus}; "
-            f"tp={par.tp} pp={par.pp} ep={par.ep} dp={L.actor_gpus // (par.tp * par.pp)}",
+            f"tp={par.tp} pp={par.pp} ep={par.ep} dp={par.dp(L.actor_gpus)}",
             f"rollout (cpu): {L.servers} SGLang server(s) {where}, tp={L.sglang.tp}, "
             f"{L.sglang.threads} thread(s) each",
             "memory: not checked (launch.device: cpu; the GPU arithmetic does not apply)",
@@ -537,27 +544,15 @@ class FitReport:
 
 
 def check_layout(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> None:
-    """Divisibility rules of the actor (those of ``actor.parallel.validate_layout``) and the fleet."""
-    t, p, e = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep
-    world = launch.actor_gpus
+    """The actor's layout rules (:func:`megatron_tepo.layout.validate_layout`, the only copy) on the
+    launch's actor world, and the fleet's own rule."""
     errors = []
-    for what, value in (("num_attention_heads", m.heads), ("num_key_value_heads", m.kv_groups),
-                        ("vocab_size", m.vocab), ("intermediate_size", m.ffn)):
-        if value % t:
-            errors.append(f"parallel.tp={t} does not divide {what}={value}")
-    if m.num_layers % p:
-        errors.append(f"parallel.pp={p} does not divide num_hidden_layers={m.num_layers}")
-    if world % (t * p):
-        errors.append(f"parallel.tp*parallel.pp={t * p} does not divide the actor's "
-                      f"{world} GPUs (launch.actor_nodes x launch.gpus_per_node)")
-    elif (world // (t * p)) % e:
-        errors.append(f"parallel.ep={e} does not divide the data-parallel size {world // (t * p)}")
-    if e > 1 and not m.is_moe:
-        errors.append(f"parallel.ep={e} > 1 needs an MoE model")
-    if m.is_moe and m.num_experts % e:
-        errors.append(f"parallel.ep={e} does not divide num_experts={m.num_experts}")
-    if m.is_moe and t > 1 and not cfg.actor.sequence_parallel:
-        errors.append("MoE with parallel.tp > 1 needs actor.sequence_parallel: true")
+    try:
+        validate_layout(cfg.parallel, m.dims(), launch.actor_gpus, sequence_parallel=cfg.actor.sequence_parallel,
+                        cpu=launch.device == "cpu",
+                        world="the actor's ranks (launch.actor_nodes x launch.gpus_per_node)")
+    except ValueError as exc:
+        errors.append(str(exc).removeprefix("invalid parallel layout: "))
     if m.heads % launch.sglang.tp:
         errors.append(f"launch.sglang.tp={launch.sglang.tp} does not divide num_attention_heads={m.heads}")
     if errors:

@@ -1,9 +1,8 @@
 """A core attention on ``torch.nn.functional.scaled_dot_product_attention`` for megatron's local spec.
 
 :class:`SDPACoreAttention` has the constructor and ``forward`` signature of megatron-core's
-``DotProductAttention`` and takes its place at
-``spec.submodules.self_attention.submodules.core_attention`` (see
-:func:`megatron_tepo.megatron.gpt.build_gpt_chunk`): the layer code does not change. It is
+``DotProductAttention`` (plus ``packed_attention``) and takes its place in the local layer spec's
+core-attention slot (:func:`megatron_tepo.megatron.spec.layer_spec`): the layer code does not change. It is
 causal, handles grouped-query attention (``enable_gqa``), and never materialises the
 ``[b * heads, s, s]`` scores: torch picks a flash or memory-efficient kernel on GPU and its own
 fused CPU kernel on CPU.
@@ -11,8 +10,8 @@ fused CPU kernel on CPU.
 Inputs are megatron's: ``[s, b, heads, d]`` query / key / value (key and value with the local KV
 heads), output ``[s, b, heads * d]``. Packed sequences (``packed_seq_params`` with
 ``qkv_format == "thd"``): inputs ``[t, heads, d]``, the sequences laid end to end with boundaries
-``cu_seqlens_q``; attention never crosses two sequences. Three ways, chosen by
-``config.tepo_packed_attention`` (the resolved ``actor.packed_attention``):
+``cu_seqlens_q``; attention never crosses two sequences. Three ways, chosen by the constructor's
+``packed_attention`` (the resolved ``actor.packed_attention``, given by the layer spec):
 
 * ``varlen`` -- one ``torch.nn.attention.varlen.varlen_attn`` call (flash attention's varlen
   kernel: CUDA, bf16/fp16) per layer, causal via ``window_size=(-1, 0)``, GQA native;
@@ -159,7 +158,7 @@ class SDPACoreAttention(MegatronModule):
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None):
+                 cp_comm_type: Optional[str] = None, pg_collection=None, packed_attention: str = "loop"):
         super().__init__(config=config)
         from megatron.core.transformer.enums import AttnMaskType
 
@@ -173,7 +172,7 @@ class SDPACoreAttention(MegatronModule):
             raise NotImplementedError(f"attn_mask_type={attn_mask_type}: the sdpa core attention is causal only")
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
-        self.packed_mode = getattr(config, "tepo_packed_attention", "loop")
+        self.packed_mode = packed_attention
         if self.packed_mode not in PACKED_MODES:
             raise ValueError(f"actor.packed_attention: {self.packed_mode!r} (resolved) must be one of {list(PACKED_MODES)}")
 

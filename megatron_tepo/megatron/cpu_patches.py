@@ -375,8 +375,8 @@ def cuda_available() -> bool:
 
 
 def te_available() -> bool:
-    """The ``no_te`` probe's input: Transformer Engine imports (see :mod:`megatron_tepo.models.spec`)."""
-    from megatron_tepo.models.spec import te_available as probe
+    """The ``no_te`` probe's input: Transformer Engine imports (see :mod:`megatron_tepo.megatron.spec`)."""
+    from megatron_tepo.megatron.spec import te_available as probe
 
     return probe()
 

@@ -12,9 +12,13 @@ actor and the checkpoint converter both use it.
   pipeline tensors), activation recompute (``full``: megatron's ``uniform`` method over blocks of
   ``recompute_num_layers`` layers; ``selective``: the core attention), sequence parallelism and
   the fusions, all as megatron's own ``TransformerConfig`` fields.
-* :func:`build_gpt_chunk`: the layer spec for the attention (te: Transformer Engine's spec; sdpa:
-  the local spec with :class:`~megatron_tepo.megatron.attention.SDPACoreAttention` as its core
-  attention; unfused: the local spec as megatron ships it).
+* :func:`build_gpt_chunk`: a stage of ``GPTModel`` on the layer spec of :mod:`.spec` for the
+  resolved attention (te: Transformer Engine's spec; sdpa: the local spec whose backend answers
+  :class:`~megatron_tepo.megatron.attention.SDPACoreAttention` for the core attention; unfused:
+  the local spec as megatron ships it).
+
+``auto`` is decided once, by :func:`resolve_actor_config` (the actor's plan); the builders here
+refuse a config that still holds one.
 
 Fusions that need neither Transformer Engine nor apex (``bias_activation_fusion``: SwiGLU,
 ``bias_dropout_fusion``) are megatron's ``torch.compile``-d functions; with Transformer Engine the
@@ -25,7 +29,7 @@ with their own GEMM) and apex's ``fused_weight_gradient_mlp_cuda`` (megatron-cor
 it): it cannot run on a CPU torch, and a unit test checks only that the setting reaches
 ``TransformerConfig``. ``moe_grouped_gemm`` with TE selects ``TEGroupedMLP`` (one grouped GEMM
 for all local experts); its ``linear_fc*.weight{i}`` parameters are named as
-``local_experts.{i}.linear_fc*.weight`` for the HF mapping (:mod:`megatron_tepo.models.sharding`).
+``local_experts.{i}.linear_fc*.weight`` for the HF mapping (:mod:`megatron_tepo.megatron.sharding`).
 Left out: ``persist_layer_norm`` and the masked-softmax kernels of the unfused attention (apex),
 virtual pipeline stages, context parallelism.
 
@@ -42,12 +46,16 @@ import torch
 
 from megatron_tepo.config import ActorConfig
 from megatron_tepo.models import GPTFamilyConfig
-from megatron_tepo.models.spec import get_layer_spec, te_available
+from megatron_tepo.megatron.spec import family_spec_name, layer_spec, te_available
 
 __all__ = ["resolve_actor_config", "family_spec", "transformer_config", "build_gpt_chunk", "FP32_ACTOR"]
 
-#: What the checkpoint converter and other non-training builders use: fp32, no recompute.
-FP32_ACTOR = ActorConfig(precision="fp32", attention="unfused", pack_sequences=False, fusions="off")
+#: Settings whose ``auto`` values :func:`resolve_actor_config` decides (once: the actor's plan).
+AUTO_FIELDS = ("attention", "fusions", "gradient_accumulation_fusion", "moe_grouped_gemm", "packed_attention")
+#: What the checkpoint converter and other non-training builders use: fp32, no recompute, nothing
+#: that needs Transformer Engine or CUDA.
+FP32_ACTOR = ActorConfig(precision="fp32", attention="unfused", pack_sequences=False, fusions="off",
+                         gradient_accumulation_fusion="off", moe_grouped_gemm="off", packed_attention="loop")
 
 
 def resolve_actor_config(actor: ActorConfig, cuda: Optional[bool] = None,
@@ -117,7 +125,16 @@ def flex_available() -> bool:
 def family_spec(actor: ActorConfig) -> str:
     """The layer spec name of a resolved actor config ("te" or "local"): it also names the HF
     mapping's norm tensors (:attr:`GPTFamilyConfig.spec`)."""
-    return "te" if actor.attention == "te" else "local"
+    return family_spec_name(actor.attention)
+
+
+def require_resolved(actor: ActorConfig) -> ActorConfig:
+    """``actor`` itself when no setting is left ``auto``; a ValueError naming them otherwise."""
+    left = [f"actor.{name}" for name in AUTO_FIELDS if getattr(actor, name) == "auto"]
+    if left:
+        raise ValueError(f"{', '.join(left)}: still 'auto'; resolve_actor_config decides auto settings "
+                         f"once, for the machine the actor runs on, before anything is built")
+    return actor
 
 
 def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int = 1,
@@ -125,19 +142,19 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
                        initialize: bool = True, variable_seq_lengths: bool = False,
                        calculate_per_token_loss: bool = False):
     """megatron ``TransformerConfig`` for ``family_cfg`` at this layout with ``actor``'s settings
-    (resolved with :func:`resolve_actor_config` first). ``params_dtype`` overrides the parameters'
+    (resolved already: :func:`resolve_actor_config`). ``params_dtype`` overrides the parameters'
     dtype only (the checkpoint converter stores bf16 checkpoints in bf16 without bf16 compute).
 
     ``initialize=False`` skips megatron's weight init (no random numbers; the parameters are
     ``torch.empty``, untouched until loaded): what the actor does when weights are given.
     :func:`build_gpt_chunk` then sets the ``tensor_model_parallel`` / ``partition_dim`` /
     ``partition_stride`` attributes that megatron's own layers get only from their init
-    (:func:`megatron_tepo.models.sharding.mark_tensor_parallel_attributes`).
+    (:func:`megatron_tepo.megatron.sharding.mark_tensor_parallel_attributes`).
     ``variable_seq_lengths`` is needed with PP and micro-batches of varying shapes.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    actor = resolve_actor_config(actor)
+    require_resolved(actor)
     kw = family_cfg.transformer_config_kwargs()
     if family_cfg.extra.get("num_experts"):
         kw.update(family_cfg.extra["moe_transformer_kwargs"])
@@ -177,26 +194,20 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
 
 
 def build_gpt_chunk(config, family_cfg: GPTFamilyConfig, pre_process: bool, post_process: bool,
-                    attention: Optional[str] = None, packed_attention: str = "loop"):
-    """The ``GPTModel`` of one pipeline stage. ``attention`` (te / sdpa / unfused) picks the layer
-    spec; None follows ``family_cfg.spec`` (te, or the local spec with megatron's attention).
-    ``packed_attention`` (varlen / flex / loop, resolved): how the sdpa attention runs THD input."""
+                    actor: ActorConfig = FP32_ACTOR):
+    """The ``GPTModel`` of one pipeline stage, its layers from :func:`~megatron_tepo.megatron.spec.layer_spec`
+    for the resolved ``actor.attention`` (te / sdpa / unfused) and ``actor.packed_attention``."""
     from megatron.core.models.gpt import GPTModel
 
-    if attention is not None and (attention == "te") != (family_cfg.spec == "te"):
-        raise ValueError(f"attention {attention!r} does not match the family config's spec {family_cfg.spec!r}")
-    spec = get_layer_spec(family_cfg, num_experts=family_cfg.extra.get("num_experts"),
-                          moe_grouped_gemm=bool(getattr(config, "moe_grouped_gemm", False)))
-    if attention == "sdpa":
-        from megatron_tepo.megatron.attention import SDPACoreAttention
-
-        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-        config.tepo_packed_attention = packed_attention  # read by SDPACoreAttention
+    require_resolved(actor)
+    spec = layer_spec(family_cfg, actor.attention, packed_attention=actor.packed_attention,
+                      num_experts=family_cfg.extra.get("num_experts"),
+                      moe_grouped_gemm=bool(getattr(config, "moe_grouped_gemm", False)))
     model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process,
                      post_process=post_process, **family_cfg.gpt_model_kwargs())
     if not config.perform_initialization:
         # megatron sets its layers' TP attributes only inside the init it skipped
-        from megatron_tepo.models.sharding import mark_tensor_parallel_attributes
+        from megatron_tepo.megatron.sharding import mark_tensor_parallel_attributes
 
         mark_tensor_parallel_attributes(model)
     return model

@@ -31,6 +31,8 @@ from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron_tepo.layout import ModelDims
+
 SPECS = ("local", "te")
 
 
@@ -59,6 +61,12 @@ class GPTFamilyConfig:
     seq_len_interpolation_factor: Optional[float] = None  # "linear" rope scaling
     spec: str = "local"  # "local" (megatron modules) or "te" (Transformer Engine fused norms)
     extra: Dict[str, Any] = field(default_factory=dict)  # family-specific facts (e.g. MoE sizes)
+
+    def dims(self) -> ModelDims:
+        """The sizes the parallel layout rules read (:func:`megatron_tepo.layout.validate_layout`)."""
+        return ModelDims(num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_query_groups,
+                         vocab_size=self.vocab_size, intermediate_size=self.ffn_hidden_size,
+                         num_hidden_layers=self.num_layers, num_experts=int(self.extra.get("num_experts") or 0))
 
     def __post_init__(self):
         if self.spec not in SPECS:

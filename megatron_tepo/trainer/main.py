@@ -170,10 +170,8 @@ def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool
 def actor_args(cfg: RunConfig) -> dict:
     """``MegatronActor``'s keyword arguments from the run config: the layout (``parallel``), how it
     computes (``actor``), the optimizer (``optim``), the seed and the LR horizon."""
-    from megatron_tepo.actor import ParallelLayout
-
     updates_per_step = cfg.train.epochs_per_step * (cfg.rollout.prompts_per_step // cfg.train.mini_batch_prompts)
-    return dict(layout=ParallelLayout(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep),
+    return dict(layout=cfg.parallel,
                 optim=cfg.optim, actor_config=cfg.actor, seed=cfg.train.seed,
                 total_steps=cfg.train.steps * updates_per_step)
 
@@ -185,7 +183,7 @@ def build_actor_and_engine(cfg: RunConfig, model_dir: str, pad_token_id: int):
     seed. Outside torchrun it starts
     a one-process gloo world."""
     from megatron_tepo.actor import MegatronActor
-    from megatron_tepo.actor.parallel import single_process_env
+    from megatron_tepo.megatron.parallel import single_process_env
 
     single_process_env()
     actor = MegatronActor(model_dir, hf_weights=model_dir, **actor_args(cfg))
@@ -305,7 +303,7 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
             dump_config(cfg, tmp / RUN_CONFIG)
             write_conversion_sidecars(tmp, cfg.model.path, actor.family_cfg,
                                       next(actor.model[0].parameters()).dtype,
-                                      {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "ep": cfg.parallel.ep})
+                                      cfg.parallel)
 
         def report(line: str) -> None:
             print(f"[train] {line}", flush=True)

@@ -57,7 +57,8 @@ def megatron_logits(model, ids: torch.Tensor):
 def compare_logits(ckpt, hf_dir, tp: int, pp: int, ep: int = 1) -> dict:
     import json
 
-    from megatron_tepo.actor.parallel import ParallelLayout, initialize_parallel
+    from megatron_tepo.layout import ParallelLayout
+    from megatron_tepo.megatron.parallel import initialize_parallel
     from megatron_tepo.checkpoint import build_gpt_model, load_checkpoint_into
     from megatron_tepo.models import family_config_from_hf
 
@@ -138,7 +139,7 @@ def main():
     else:
         raise SystemExit(f"unknown mode {mode}")
     write_result(res)
-    from megatron_tepo.actor.parallel import destroy_parallel
+    from megatron_tepo.megatron.parallel import destroy_parallel
 
     destroy_parallel()
 

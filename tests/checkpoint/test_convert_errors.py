@@ -91,7 +91,7 @@ def test_unknown_architecture(hf, tmp_path, capsys):
 def test_tp_not_dividing_heads(hf, tmp_path, capsys):
     assert _main("--hf", str(hf), "--out", str(tmp_path / "out"), "--tp", "3") == 2
     err = capsys.readouterr().err
-    assert "num_attention_heads=4 is not divisible by tp=3" in err
+    assert "--tp=3 does not divide num_attention_heads=4" in err
     _no_output(tmp_path / "out")
 
 
@@ -144,5 +144,5 @@ def test_moe_fused_expert_names_refused(hf_moe, tmp_path, capsys):
 
 def test_ep_not_dividing_experts(hf_moe, tmp_path, capsys):
     assert _main("--hf", str(hf_moe), "--out", str(tmp_path / "out"), "--ep", "3") == 2
-    assert "num_experts=4 is not divisible by ep=3" in capsys.readouterr().err
+    assert "--ep=3 does not divide num_experts=4" in capsys.readouterr().err
     _no_output(tmp_path / "out")

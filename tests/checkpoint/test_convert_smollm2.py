@@ -60,7 +60,7 @@ def test_smollm2_pp2_logits_and_tp3_reshard(tmp_path):
     hf = smollm2_dir()
     from megatron_tepo.checkpoint import check_hf_input
 
-    with pytest.raises(ValueError, match="num_attention_heads=9 is not divisible by tp=2"):
+    with pytest.raises(ValueError, match="--tp=2 does not divide num_attention_heads=9"):
         check_hf_input(hf, tp=2)
     os.symlink(hf, tmp_path / "hf-smollm2")
     ckpt = tmp_path / "mg-smollm2-tp1pp2"

@@ -35,10 +35,10 @@ def run_case(case):
     from megatron.core import parallel_state as ps
 
     from megatron_tepo.actor.actor import MegatronActor, OptimConfig
-    from megatron_tepo.actor.parallel import ParallelLayout
+    from megatron_tepo.layout import ParallelLayout
     from megatron_tepo.config import ActorConfig, RunConfig
     from megatron_tepo.launch.fit import LaunchLayout, actor_memory, model_shape
-    from megatron_tepo.models.sharding import unwrap_model
+    from megatron_tepo.megatron.sharding import unwrap_model
 
     hf_cfg = tiny_hf_config(case["family"], tie=case["tie"])
     settings = ActorConfig(precision=case["precision"], max_tokens_per_micro_batch=64)

@@ -23,7 +23,7 @@ def main():
 
     from megatron_tepo.actor import MegatronActor
     from megatron_tepo.config import load_config
-    from megatron_tepo.models.sharding import unwrap_model
+    from megatron_tepo.megatron.sharding import unwrap_model
     from megatron_tepo.trainer.main import actor_args
 
     cfg = load_config(args["run_config"])

@@ -1,52 +1,19 @@
-"""Parallel-layout validation (before any process group), batch format, token-budget batching."""
+"""The actor's layout check before any process group (the rules themselves: tests/test_layout.py),
+batch format, token-budget batching."""
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_tepo.actor import RolloutBatch, balance_to_count, plan_micro_batches
 from megatron_tepo.actor.batching import padded_tokens
-from megatron_tepo.actor.parallel import ParallelLayout, initialize_parallel, validate_layout
+from megatron_tepo.layout import ParallelLayout
+from megatron_tepo.megatron.parallel import initialize_parallel, validate_layout_here
 from megatron_tepo.models import family_config_from_hf
 from tests.megatron.helpers import make_batch, tiny_hf_config
 
 
 def cfg(**overrides):
     return family_config_from_hf(tiny_hf_config("qwen3", **overrides), spec="local")
-
-
-def test_valid_layouts_give_dp():
-    assert validate_layout(ParallelLayout(tp=2, pp=2), cfg(), world_size=8, te_available=False) == 2
-    assert validate_layout(ParallelLayout(), cfg(), world_size=2, te_available=False) == 2
-
-
-@pytest.mark.parametrize("layout, overrides, world, pattern, sp", [
-    (ParallelLayout(tp=3), {"num_attention_heads": 6, "num_key_value_heads": 6}, 3, r"vocab_size=256 .*tp=3", False),
-    (ParallelLayout(tp=4), {}, 4, r"num_query_groups=2 .*tp=4", False),
-    (ParallelLayout(tp=2), {"num_attention_heads": 5, "num_key_value_heads": 5}, 2,
-     r"num_attention_heads=5 .*tp=2", False),
-    (ParallelLayout(pp=3), {}, 3, r"num_layers=4 .*pp=3", False),
-    (ParallelLayout(tp=2), {}, 3, r"world_size=3 .*tp\*pp=2\*1=2", False),
-    (ParallelLayout(tp=2), {}, 2, r"actor.sequence_parallel=true needs Transformer Engine", True),
-    (ParallelLayout(tp=1), {}, 1, r"actor.sequence_parallel=true needs tp > 1", True),
-])
-def test_bad_layouts_raise_before_any_process_group(layout, overrides, world, pattern, sp):
-    c = cfg(**overrides)
-    with pytest.raises(ValueError, match=pattern):
-        validate_layout(layout, c, world_size=world, te_available=False, sequence_parallel=sp)
-    assert not dist.is_initialized()
-
-
-def test_moe_layouts():
-    moe = family_config_from_hf(tiny_hf_config("qwen3_moe"), spec="local")
-    assert validate_layout(ParallelLayout(ep=2), moe, world_size=2, te_available=False) == 2
-    with pytest.raises(ValueError, match=r"num_experts=4 .*ep=3"):
-        validate_layout(ParallelLayout(ep=3), moe, world_size=3, te_available=False)
-    with pytest.raises(ValueError, match=r"MoE with tp=2 needs actor.sequence_parallel"):
-        validate_layout(ParallelLayout(tp=2), moe, world_size=2, te_available=False)
-    with pytest.raises(ValueError, match=r"MoE with pp=2 does not run on CPU"):
-        validate_layout(ParallelLayout(pp=2), moe, world_size=2, te_available=False)
-    with pytest.raises(ValueError, match=r"ep=2 > 1 needs an MoE model"):
-        validate_layout(ParallelLayout(ep=2), cfg(), world_size=2, te_available=False)
 
 
 def test_padded_micro_batch_adds_masked_rows_and_columns():
@@ -59,9 +26,19 @@ def test_padded_micro_batch_adds_masked_rows_and_columns():
 
 def test_initialize_parallel_validates_first(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match=r"num_layers=4 .*pp=3"):
+    with pytest.raises(ValueError, match=r"parallel.pp=3 does not divide num_hidden_layers=4"):
         initialize_parallel(ParallelLayout(pp=3), cfg())
     assert not dist.is_initialized()
+
+
+def test_the_actor_check_fills_in_this_machine():
+    """No TE and no CUDA here: sequence parallelism and MoE with PP are refused by the actor's check."""
+    with pytest.raises(ValueError, match=r"actor.sequence_parallel=true needs Transformer Engine"):
+        validate_layout_here(ParallelLayout(tp=2), cfg(), world_size=2, sequence_parallel=True)
+    moe = family_config_from_hf(tiny_hf_config("qwen3_moe"), spec="local")
+    with pytest.raises(ValueError, match=r"MoE with parallel.pp=2 does not run on CPU"):
+        validate_layout_here(ParallelLayout(pp=2), moe, world_size=2)
+    assert validate_layout_here(ParallelLayout(ep=2), moe, world_size=4) == 4
 
 
 def test_rollout_batch_fields_and_lengths():

@@ -10,7 +10,7 @@ from megatron_tepo.models import (
     resolve_family,
 )
 from megatron_tepo.models.common import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
-from megatron_tepo.models.sharding import shard_tensor, unshard_tensors
+from megatron_tepo.megatron.sharding import shard_tensor, unshard_tensors
 from tests.megatron.helpers import hf_state, make_hf_model, tiny_hf_config
 
 

@@ -122,7 +122,7 @@ def test_shard_reads_equal_shard_tensor_for_every_split(tmp_path, dtype):
     from safetensors.torch import save_file
 
     from megatron_tepo.checkpoint.hf_io import LazyHFCheckpoint
-    from megatron_tepo.models.sharding import _read_into, _shard_reads, shard_tensor
+    from megatron_tepo.megatron.sharding import _read_into, _shard_reads, shard_tensor
 
     g = torch.Generator().manual_seed(0)
     st = getattr(torch, dtype)

@@ -51,30 +51,33 @@ def test_on_without_te_is_refused(field, value, match):
 
 def test_grad_accum_fusion_reaches_transformer_config(with_te):
     fam = family_config_from_hf(tiny_hf_config("qwen3"), spec="te")
-    cfg = gpt.transformer_config(fam, tp=1, pp=1, actor=ActorConfig(precision="fp32", attention="te"))
+    cfg = gpt.transformer_config(fam, tp=1, pp=1,
+                                 actor=gpt.resolve_actor_config(ActorConfig(precision="fp32", attention="te")))
     assert cfg.gradient_accumulation_fusion is True
-    off = gpt.transformer_config(fam, tp=1, pp=1, actor=ActorConfig(precision="fp32", attention="te",
-                                                                    gradient_accumulation_fusion="off"))
+    off = gpt.transformer_config(fam, tp=1, pp=1, actor=gpt.resolve_actor_config(ActorConfig(
+        precision="fp32", attention="te", gradient_accumulation_fusion="off")))
     assert off.gradient_accumulation_fusion is False
 
 
 def test_grouped_gemm_reaches_transformer_config(with_te):
     fam = family_config_from_hf(tiny_hf_config("qwen3_moe"), spec="te")
-    cfg = gpt.transformer_config(fam, tp=1, pp=1, actor=ActorConfig(precision="fp32", attention="te"))
+    cfg = gpt.transformer_config(fam, tp=1, pp=1,
+                                 actor=gpt.resolve_actor_config(ActorConfig(precision="fp32", attention="te")))
     assert cfg.moe_grouped_gemm is True
-    off = gpt.transformer_config(fam, tp=1, pp=1, actor=ActorConfig(precision="fp32", attention="te",
-                                                                    moe_grouped_gemm="off"))
+    off = gpt.transformer_config(fam, tp=1, pp=1, actor=gpt.resolve_actor_config(ActorConfig(
+        precision="fp32", attention="te", moe_grouped_gemm="off")))
     assert off.moe_grouped_gemm is False
 
 
 def test_cpu_transformer_config_keeps_them_off():
     fam = family_config_from_hf(tiny_hf_config("qwen3_moe"), spec="local")
-    cfg = gpt.transformer_config(fam, tp=1, pp=1, actor=ActorConfig(precision="fp32", attention="sdpa"))
+    cfg = gpt.transformer_config(fam, tp=1, pp=1,
+                                 actor=gpt.resolve_actor_config(ActorConfig(precision="fp32", attention="sdpa")))
     assert cfg.gradient_accumulation_fusion is False and cfg.moe_grouped_gemm is False
 
 
 def test_grouped_expert_names_map_to_sequential_names():
-    from megatron_tepo.models.sharding import to_global_name
+    from megatron_tepo.megatron.sharding import to_global_name
 
     offsets, experts = {0: 2}, {0: [4, 5]}
     assert to_global_name("decoder.layers.0.mlp.experts.linear_fc1.weight1", offsets, experts) == \
@@ -88,3 +91,28 @@ def test_bad_value_names_the_field():
 
     with pytest.raises(ConfigError, match="actor.packed_attention"):
         from_dict({"actor": {"packed_attention": "fast"}})
+
+
+def test_auto_is_decided_once_before_anything_is_built():
+    fam = family_config_from_hf(tiny_hf_config("qwen3"), spec="local")
+    with pytest.raises(ValueError, match=r"actor.attention, .*actor.packed_attention: still 'auto'"):
+        gpt.transformer_config(fam, tp=1, pp=1, actor=ActorConfig(precision="fp32"))
+    assert gpt.require_resolved(gpt.FP32_ACTOR) is gpt.FP32_ACTOR
+
+
+def test_the_layer_spec_answers_the_attention():
+    """sdpa: the core-attention slot holds SDPACoreAttention with its packed mode as a constructor
+    argument (nothing is set on the TransformerConfig); unfused: megatron's own; te: refused here."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_tepo.megatron.attention import SDPACoreAttention
+    from megatron_tepo.megatron.spec import layer_spec
+
+    fam = family_config_from_hf(tiny_hf_config("qwen3"), spec="local")
+    core = layer_spec(fam, "sdpa", packed_attention="flex").submodules.self_attention.submodules.core_attention
+    assert core.module is SDPACoreAttention and core.params == {"packed_attention": "flex"}
+    assert layer_spec(fam, "unfused").submodules.self_attention.submodules.core_attention is DotProductAttention
+    with pytest.raises(ValueError, match="does not match the family config's spec 'local'"):
+        layer_spec(fam, "te")
+    with pytest.raises(ValueError, match="actor.attention: 'flash'"):
+        layer_spec(fam, "flash")

@@ -23,7 +23,7 @@ def main():
     from safetensors.torch import load_file
 
     from megatron_tepo.actor.actor import MegatronActor
-    from megatron_tepo.actor.parallel import ParallelLayout
+    from megatron_tepo.layout import ParallelLayout
     from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet
     from megatron_tepo.rollout.weight_sync import WeightSync
 

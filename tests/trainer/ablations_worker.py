@@ -13,7 +13,7 @@ sys.path.insert(0, str(REPO / "examples" / "tiny_tepo"))
 
 
 def main(out_path):
-    from megatron_tepo.actor.parallel import single_process_env
+    from megatron_tepo.megatron.parallel import single_process_env
 
     single_process_env()
     import torch

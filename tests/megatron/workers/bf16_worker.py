@@ -20,7 +20,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
-from megatron_tepo.models.sharding import unwrap_model
+from megatron_tepo.megatron.sharding import unwrap_model
 from tests.dist_utils import write_result
 from tests.megatron.helpers import hf_log_probs, hf_state, make_batch, make_hf_model, tiny_hf_config
 
@@ -43,7 +43,7 @@ def run_case(case):
     from megatron.core import parallel_state as ps
 
     from megatron_tepo.actor.actor import MegatronActor, OptimConfig
-    from megatron_tepo.actor.parallel import ParallelLayout
+    from megatron_tepo.layout import ParallelLayout
 
     hf_cfg = tiny_hf_config(case["family"], tie=case.get("tie", False))
     model = make_hf_model(hf_cfg, seed=0)

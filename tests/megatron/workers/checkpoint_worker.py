@@ -66,7 +66,7 @@ def run_case(case, root: Path):
 
     from megatron_tepo.actor.actor import MegatronActor, OptimConfig
     from megatron_tepo.actor.checkpointing import CheckpointError, find_latest_checkpoint
-    from megatron_tepo.actor.parallel import ParallelLayout
+    from megatron_tepo.layout import ParallelLayout
 
     hf_cfg = tiny_hf_config("qwen3", tie=False)
     weights = hf_state(make_hf_model(hf_cfg, seed=0))

@@ -43,7 +43,7 @@ def _rel_l2(a, b):
 
 def _outputs(actor, local, loss_cfg):
     """(log-probs, entropy, loss, full gradients by Megatron name) of one forward/backward."""
-    from megatron_tepo.models.sharding import gather_full_tensors
+    from megatron_tepo.megatron.sharding import gather_full_tensors
 
     lp, ent = actor.compute_log_probs(local)
     m = actor.forward_backward(local, loss_cfg)
@@ -67,8 +67,8 @@ def run_case(case):
     from megatron.core import parallel_state as ps
 
     from megatron_tepo.actor.actor import MegatronActor, OptimConfig
-    from megatron_tepo.actor.parallel import ParallelLayout
-    from megatron_tepo.models.sharding import gather_full_tensors
+    from megatron_tepo.layout import ParallelLayout
+    from megatron_tepo.megatron.sharding import gather_full_tensors
 
     torch.manual_seed(0)
     hf_cfg = tiny_hf_config(case["family"], tie=case["tie"])

@@ -36,11 +36,11 @@ def run_case(case):
     import torch.distributed as dist
 
     from megatron_tepo.actor.actor import MegatronActor
-    from megatron_tepo.actor.parallel import ParallelLayout
+    from megatron_tepo.layout import ParallelLayout
     from megatron_tepo.actor.export import export_hf_state
     from megatron_tepo.buckets import ExportBuffers
     from megatron_tepo.models import megatron_to_hf
-    from megatron_tepo.models.sharding import gather_full_tensors
+    from megatron_tepo.megatron.sharding import gather_full_tensors
 
     hf_cfg = tiny_hf_config(case["family"], tie=case["tie"])
     model = make_hf_model(hf_cfg, seed=3)

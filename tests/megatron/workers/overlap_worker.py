@@ -21,8 +21,8 @@ def _run(model, batch, dist_opt: bool, overlap: bool):
     from megatron.core import parallel_state as ps
 
     from megatron_tepo.actor.actor import MegatronActor, OptimConfig
-    from megatron_tepo.actor.parallel import ParallelLayout
-    from megatron_tepo.models.sharding import gather_full_tensors
+    from megatron_tepo.layout import ParallelLayout
+    from megatron_tepo.megatron.sharding import gather_full_tensors
 
     actor = MegatronActor(model.config, hf_weights=hf_state(model), layout=ParallelLayout(),
                           optim=OptimConfig(**OPT, use_distributed_optimizer=dist_opt),

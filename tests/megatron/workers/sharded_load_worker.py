@@ -124,7 +124,7 @@ def expected_shards(actor, state, family_cfg):
     import torch.distributed as dist
 
     from megatron_tepo.models import hf_to_megatron
-    from megatron_tepo.models.sharding import (EMBEDDING, TIED_OUTPUT, global_named_parameters, group_for,
+    from megatron_tepo.megatron.sharding import (EMBEDDING, TIED_OUTPUT, global_named_parameters, group_for,
                                                parallel_groups, shard_tensor, tp_partition)
 
     full = dict(hf_to_megatron(state, family_cfg))
@@ -142,8 +142,8 @@ def expected_shards(actor, state, family_cfg):
 
 def run_case(case):
     from megatron_tepo.actor.actor import MegatronActor, OptimConfig
-    from megatron_tepo.actor.parallel import ParallelLayout
-    from megatron_tepo.models.sharding import global_named_parameters
+    from megatron_tepo.layout import ParallelLayout
+    from megatron_tepo.megatron.sharding import global_named_parameters
 
     torch.manual_seed(0)
     hf_cfg = tiny_hf_config(case["family"], tie=case["tie"])
@@ -190,7 +190,8 @@ def attrs_case(case):
     from megatron.core import parallel_state as ps
 
     from megatron_tepo.actor.actor import actor_transformer_config, plan_actor
-    from megatron_tepo.actor.parallel import ParallelLayout, initialize_parallel
+    from megatron_tepo.layout import ParallelLayout
+    from megatron_tepo.megatron.parallel import initialize_parallel
     from megatron_tepo.megatron.gpt import build_gpt_chunk
 
     hf_cfg = tiny_hf_config(case["family"], tie=case["tie"])
@@ -202,7 +203,7 @@ def attrs_case(case):
         cfg = actor_transformer_config(family_cfg, layout, settings)
         cfg.perform_initialization = init
         chunk = build_gpt_chunk(cfg, family_cfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage(),
-                                attention="sdpa")
+                                actor=settings)
         got[init] = {n: [getattr(p, a, None) for a in ATTRS] for n, p in chunk.named_parameters()}
     diff = {n: {"init": got[True][n], "no_init": got[False].get(n)} for n in got[True]
             if got[True][n] != got[False].get(n)}
@@ -214,7 +215,7 @@ def error_case(case):
     """A checkpoint with one tensor missing (``drop``) or one tensor of the wrong shape
     (``reshape``): the build must fail with a ValueError; its message is reported."""
     from megatron_tepo.actor.actor import MegatronActor, OptimConfig
-    from megatron_tepo.actor.parallel import ParallelLayout
+    from megatron_tepo.layout import ParallelLayout
 
     hf_cfg = tiny_hf_config(case["family"], tie=case["tie"])
     state = hf_state(make_hf_model(hf_cfg))

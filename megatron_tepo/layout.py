@@ -1,0 +1,109 @@
+"""The parallel layout of the actor and its rules: the one home of both.
+
+:class:`ParallelLayout` is the run config's ``parallel`` section (tensor, pipeline, expert and
+context parallel sizes; data parallelism fills the rest of the world). :func:`validate_layout`
+holds every divisibility rule, written once: the actor checks it before it starts a process group,
+the HF -> Megatron converter before it reads a tensor, the fit check on the login node. Each
+caller says what it knows (the world size, whether Transformer Engine imports, whether the ranks
+run on CPU) and how the world size is set, so the one message names the user's own knobs.
+
+Pure arithmetic: nothing here imports torch or megatron. Starting the process groups is the
+megatron backend's (:func:`megatron_tepo.megatron.parallel.initialize_parallel`).
+
+Left out: context parallelism (``cp`` is a slot, refused above 1), virtual pipeline stages,
+expert-tensor parallelism.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["ParallelLayout", "ModelDims", "validate_layout"]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Tensor / pipeline / expert / context parallel sizes; data parallelism fills the rest of the
+    world. (Sequence parallelism is a setting of how the actor computes: ``actor.sequence_parallel``.)"""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1  # context parallelism: not implemented yet, must stay 1
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that hold one replica of the model: tp x pp x cp."""
+        return self.tp * self.pp * self.cp
+
+    def dp(self, world_size: int) -> int:
+        """The data-parallel size in a world of ``world_size`` ranks (checked by :func:`validate_layout`)."""
+        return world_size // self.model_parallel
+
+    def as_dict(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "cp": self.cp}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes of a model that the layout rules read, under their Hugging Face names."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_experts: int = 0  # 0: dense
+
+
+def validate_layout(layout: ParallelLayout, model: ModelDims, world_size: int, *,
+                    sequence_parallel: bool = False, te_available: Optional[bool] = None,
+                    cpu: bool = False, field: str = "parallel.", world: str = "the world size") -> int:
+    """Check ``layout`` against ``model`` in a world of ``world_size`` ranks; return the
+    data-parallel size. Raises ValueError (one line) naming every rule broken.
+
+    ``te_available``: whether Transformer Engine imports where the actor runs (None: unknown, its
+    rule is skipped); ``cpu``: the actor runs on CPU (MoE with PP is refused there); ``field``: how
+    the sizes are named to the user (``parallel.`` for the config, ``--`` for a command line);
+    ``world``: what sets the world size, for the message.
+    """
+    tp, pp, ep, cp = layout.tp, layout.pp, layout.ep, layout.cp
+    f = field
+    errors = []
+    bad = [f"{f}{name}={value}" for name, value in layout.as_dict().items()
+           if not isinstance(value, int) or value < 1]
+    if bad:
+        raise ValueError("invalid parallel layout: " + ", ".join(bad) + " must be integers >= 1")
+    if cp != 1:
+        errors.append(f"{f}cp={cp}: context parallelism is not implemented (keep it 1)")
+    for name in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
+        value = getattr(model, name)
+        if value % tp:
+            note = " (the actor does not pad the vocabulary)" if name == "vocab_size" else ""
+            errors.append(f"{f}tp={tp} does not divide {name}={value}{note}")
+    if model.num_hidden_layers % pp:
+        errors.append(f"{f}pp={pp} does not divide num_hidden_layers={model.num_hidden_layers}")
+    if world_size % layout.model_parallel:
+        errors.append(f"{f}tp x {f}pp" + (f" x {f}cp" if cp > 1 else "")
+                      + f" = {layout.model_parallel} does not divide {world} ({world_size})")
+    elif ep > 1 and layout.dp(world_size) % ep:
+        errors.append(f"{f}ep={ep} does not divide the data-parallel size {layout.dp(world_size)}")
+    moe = model.num_experts > 0
+    if ep > 1 and not moe:
+        errors.append(f"{f}ep={ep} > 1 needs an MoE model")
+    elif moe and model.num_experts % ep:
+        errors.append(f"{f}ep={ep} does not divide num_experts={model.num_experts}")
+    if moe and pp > 1 and cpu:
+        errors.append(f"MoE with {f}pp={pp} does not run on CPU (the only CPU token dispatcher, allgather, "
+                      f"refuses the variable_seq_lengths that PP needs; see models/qwen3_moe/README.md)")
+    if moe and tp > 1 and not sequence_parallel:
+        errors.append(f"MoE with {f}tp={tp} needs actor.sequence_parallel=true (megatron's MoELayer refuses "
+                      f"tensor parallelism without it in training)")
+    if sequence_parallel and te_available is False:
+        errors.append("actor.sequence_parallel=true needs Transformer Engine (not importable here: "
+                      "megatron's torch norms refuse sequence parallelism)")
+    if sequence_parallel and tp == 1:
+        errors.append(f"actor.sequence_parallel=true needs {f}tp > 1")
+    if errors:
+        raise ValueError("invalid parallel layout: " + "; ".join(errors))
+    return layout.dp(world_size)

@@ -1,0 +1,108 @@
+"""megatron's process groups for a :class:`~megatron_tepo.layout.ParallelLayout`.
+
+:func:`validate_layout_here` checks the layout with the rules of :mod:`megatron_tepo.layout` (the
+only copy) and the facts of this machine, BEFORE any process group exists.
+:func:`initialize_parallel` validates, then pins one compute thread (CPU), applies the CPU patches when
+there is no CUDA, joins the default process group (gloo on CPU, nccl on GPU) if needed, builds
+megatron's ``parallel_state`` groups and seeds the model-parallel RNG tracker.
+
+Left out: context parallelism, virtual pipeline stages, expert-tensor parallelism.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_tepo.layout import ParallelLayout, validate_layout
+
+
+def world_size_here(world_size: Optional[int] = None) -> int:
+    """``world_size``, else the default process group's, else torchrun's ``WORLD_SIZE`` (1 outside it)."""
+    if world_size is not None:
+        return world_size
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def validate_layout_here(layout: ParallelLayout, family_cfg, world_size: Optional[int] = None,
+                         te_available: Optional[bool] = None, sequence_parallel: bool = False) -> int:
+    """:func:`megatron_tepo.layout.validate_layout` with the facts of this machine: its world size
+    (see :func:`world_size_here`), whether Transformer Engine imports, whether CUDA is there.
+    Returns the data-parallel size."""
+    if te_available is None:
+        from megatron_tepo.megatron.spec import te_available as _te
+
+        te_available = _te()
+    return validate_layout(layout, family_cfg.dims(), world_size_here(world_size),
+                           sequence_parallel=sequence_parallel, te_available=te_available,
+                           cpu=not torch.cuda.is_available())
+
+
+def initialize_parallel(layout: ParallelLayout, family_cfg, seed: int = 1234,
+                        backend: Optional[str] = None, sequence_parallel: bool = False) -> int:
+    """Validate, then start the process groups; returns the data-parallel size. Idempotent only in
+    the sense that an already-initialized default group is reused."""
+    dp = validate_layout_here(layout, family_cfg, sequence_parallel=sequence_parallel)
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        torch.set_num_threads(1)
+    from megatron_tepo.megatron import apply_cpu_patches
+
+    apply_cpu_patches()  # each work-around on its own condition (no CUDA / no TE), GPU included
+    if not dist.is_initialized():
+        if on_gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend or ("nccl" if on_gpu else "gloo"))
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return dp
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups and the default process group (for tests / clean exits)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def raise_if_any_rank_failed(error: Optional[BaseException], what: str,
+                             exc_type: type = RuntimeError) -> None:
+    """Collective: re-raise ``error`` on the rank that hit it and raise ``exc_type`` naming the
+    failed rank(s) and their errors on every other rank, so that no rank is left waiting in a
+    later collective. A no-op when every rank succeeded."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errs = [None] * dist.get_world_size()
+        dist.all_gather_object(errs, None if error is None else f"{type(error).__name__}: {error}")
+        bad = [(r, e) for r, e in enumerate(errs) if e is not None]
+        if bad and error is None:
+            raise exc_type(f"{what} failed on rank(s) " + "; ".join(f"{r}: {e}" for r, e in bad))
+    if error is not None:
+        raise error
+
+
+def single_process_env() -> None:
+    """Outside torchrun (no ``RANK`` set): the ``env://`` variables of a one-process world on a
+    free loopback port, so ``init_process_group`` works in a plain ``python`` run."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
