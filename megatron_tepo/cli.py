@@ -6,7 +6,7 @@ Every tool (``tools/train.py``, ``tools/evaluate.py``, the converters, ``tools/f
 * a user error -- a bad setting (:class:`~megatron_tepo.config.ConfigError`), a bad value or file
   (``ValueError``, ``OSError``: missing, unreadable, already there), an unsupported model
   (``NotImplementedError``), a checkpoint that cannot be used
-  (:class:`~megatron_tepo.actor.checkpointing.CheckpointError`), a missing optional package -- is
+  (:class:`~megatron_tepo.checkpoint.store.CheckpointError`), a missing optional package -- is
   printed as ``<tool>: error: <message>`` on one line (``ErrorType: message`` where the type says
   something), and the process exits with status 2;
 * ``--traceback`` (every tool has it) prints the full traceback instead;
@@ -49,7 +49,7 @@ def missing_package_message(exc: ModuleNotFoundError) -> str:
 
 
 def _user_error_types():
-    from megatron_tepo.actor.checkpointing import CheckpointError
+    from megatron_tepo.checkpoint.store import CheckpointError
 
     return (UserError, ValueError, OSError, NotImplementedError, CheckpointError, ModuleNotFoundError)
 

@@ -97,7 +97,7 @@ def main(argv=None):
                         max_new_tokens=cfg.rollout.max_new_tokens)["avg@1"]
 
     t0 = time.time()
-    from megatron_tepo.actor.checkpointing import find_latest_checkpoint
+    from megatron_tepo.checkpoint.store import find_latest_checkpoint
 
     log_path, ckpt_root = out / "metrics.jsonl", out / "checkpoints"
     resuming = cfg.train.resume and find_latest_checkpoint(ckpt_root) is not None

@@ -12,7 +12,7 @@ Layout of one checkpoint directory (e.g. ``<root>/step_<N>``)::
 :func:`save_actor_checkpoint` (a collective over all ranks) writes everything into
 ``<directory>.tmp-<id>``; after a barrier rank 0 writes the marker, renames the temporary
 directory to ``<directory>`` and fsyncs the parent. A crash at any point leaves either a
-``*.tmp-*`` directory or nothing: :func:`find_latest_checkpoint` ignores both, and
+``*.tmp-*`` directory or nothing: the store (:mod:`megatron_tepo.checkpoint.store`) ignores both, and
 :func:`load_actor_checkpoint` refuses any directory without the marker.
 
 The model tensors use megatron's sharded keys, so the model part is loadable at another TP/PP
@@ -28,119 +28,24 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_tepo.checkpoint.store import (COMPLETE_MARKER, EXTRA_STATE, FORMAT, RNG_DIR, CheckpointError,
+                                             PathLike, check_checkpoint_files, global_rank, fsync_dir,
+                                             list_complete_checkpoints, read_marker, write_file_atomic)
 from megatron_tepo.megatron.parallel import raise_if_any_rank_failed
 
-__all__ = [
-    "COMPLETE_MARKER",
-    "CheckpointError",
-    "checkpoint_dir_for_step",
-    "find_latest_checkpoint",
-    "is_complete_checkpoint",
-    "list_complete_checkpoints",
-    "prune_checkpoints",
-    "read_marker",
-    "check_checkpoint_files",
-    "load_newest_checkpoint",
-    "remove_partial_checkpoints",
-    "save_actor_checkpoint",
-    "load_actor_checkpoint",
-]
+__all__ = ["save_actor_checkpoint", "load_actor_checkpoint", "load_newest_checkpoint", "get_rng_state",
+           "set_rng_state", "actor_layout"]
 
-COMPLETE_MARKER = "complete"
-EXTRA_STATE = "extra_state.json"
-RNG_DIR = "rng"
-FORMAT = "megatron_tepo.actor_checkpoint/1"
 DIST_OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-PathLike = Union[str, os.PathLike]
-
-
-class CheckpointError(RuntimeError):
-    """A directory is not a usable (complete, compatible) actor checkpoint."""
-
-
-# ---------------------------------------------------------------------------------------------
-# directory helpers (no process group needed)
-# ---------------------------------------------------------------------------------------------
-def checkpoint_dir_for_step(root: PathLike, step: int) -> Path:
-    return Path(root) / f"step_{int(step)}"
-
-
-def is_complete_checkpoint(directory: PathLike) -> bool:
-    d = Path(directory)
-    return d.is_dir() and (d / COMPLETE_MARKER).is_file() and ".tmp-" not in d.name
-
-
-def read_marker(directory: PathLike) -> Dict[str, Any]:
-    """The ``complete`` marker's contents; raises :class:`CheckpointError` naming the directory
-    when it is not a complete checkpoint."""
-    d = Path(directory)
-    if not d.is_dir():
-        raise CheckpointError(f"checkpoint directory {d} does not exist")
-    if ".tmp-" in d.name:
-        raise CheckpointError(f"{d} is a temporary (unfinished) checkpoint directory; refusing to load it")
-    marker = d / COMPLETE_MARKER
-    if not marker.is_file():
-        raise CheckpointError(f"{d} has no '{COMPLETE_MARKER}' marker: it is a partial / unfinished "
-                              f"checkpoint (the save did not finish); refusing to load it")
-    try:
-        info = json.loads(marker.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{marker} is not valid JSON ({e}); refusing to load {d}") from e
-    if info.get("format") != FORMAT:
-        raise CheckpointError(f"{marker}: unknown format {info.get('format')!r} (expected {FORMAT!r})")
-    return info
-
-
-def list_complete_checkpoints(root: PathLike) -> List[Path]:
-    """Complete ``step_<N>`` directories under ``root``, oldest (smallest N) first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for d in root.iterdir():
-        m = _STEP_DIR.match(d.name)  # (``step_3.tmp-ab`` does not match)
-        if m and is_complete_checkpoint(d):
-            found.append((int(m.group(1)), d))
-    return [d for _, d in sorted(found)]
-
-
-def find_latest_checkpoint(root: PathLike) -> Optional[Path]:
-    """The complete ``step_<N>`` subdirectory of ``root`` with the largest N, or None.
-    Temporary ``*.tmp-*`` directories and directories without the marker are ignored."""
-    done = list_complete_checkpoints(root)
-    return done[-1] if done else None
-
-
-def prune_checkpoints(root: PathLike, keep_last: int, remove_partial: bool = False) -> List[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints under ``root``. With
-    ``remove_partial`` also delete ``step_*.tmp-*`` leftovers and markerless ``step_*`` directories
-    (only safe when no save is in flight). Returns the paths removed. Not a collective: every rank
-    may call it, but when a process group is up only global rank 0 deletes."""
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    done = list_complete_checkpoints(root)
-    removed = done[:-keep_last]
-    if remove_partial and Path(root).is_dir():
-        keep = set(done)
-        for d in Path(root).iterdir():
-            if d.is_dir() and d.name.startswith("step_") and d not in keep and d not in removed:
-                removed.append(d)
-    if _rank() == 0:
-        for d in removed:
-            shutil.rmtree(d, ignore_errors=True)
-    return removed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,10 +82,6 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------
 # save / load
 # ---------------------------------------------------------------------------------------------
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
@@ -197,28 +98,6 @@ def _broadcast_obj(obj):
 def _agree_ok(error: Optional[BaseException]) -> None:
     """Raise on every rank if any rank failed (so no rank is left waiting in a collective)."""
     raise_if_any_rank_failed(error, "checkpoint", CheckpointError)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_file_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".part")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def actor_layout(actor) -> Dict[str, Any]:
@@ -333,11 +212,11 @@ def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict
     final = Path(directory).absolute()
     extra_json = json.dumps(extra_state if extra_state is not None else {}, sort_keys=True)  # fail early
     layout = actor_layout(actor)
-    tag = _broadcast_obj(f"{os.getpid()}-{uuid.uuid4().hex[:8]}" if _rank() == 0 else None)
+    tag = _broadcast_obj(f"{os.getpid()}-{uuid.uuid4().hex[:8]}" if global_rank() == 0 else None)
     tmp = final.with_name(f"{final.name}.tmp-{tag}")
 
     err = None
-    if _rank() == 0:
+    if global_rank() == 0:
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
             tmp.mkdir()  # empty: megatron-core warns of an "incomplete / corrupted checkpoint" otherwise
@@ -352,81 +231,32 @@ def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict
     dist_checkpointing.save(state, str(tmp), content_metadata={"format": FORMAT})
     set_rng_state(rng)
     (tmp / RNG_DIR).mkdir(exist_ok=True)  # by every rank: no extra collective
-    torch.save(rng, tmp / RNG_DIR / f"rank{_rank()}.pt")
+    torch.save(rng, tmp / RNG_DIR / f"rank{global_rank()}.pt")
     _barrier()
 
     err = None
-    if _rank() == 0:
+    if global_rank() == 0:
         try:
             if write_extra is not None:
                 write_extra(tmp)
-            _write_file_atomic(tmp / EXTRA_STATE, extra_json)
+            write_file_atomic(tmp / EXTRA_STATE, extra_json)
             marker = {"format": FORMAT, "step": (extra_state or {}).get("step"), "time": time.time(),
                       "layout": layout}
-            _fsync_dir(tmp / RNG_DIR)
-            _write_file_atomic(tmp / COMPLETE_MARKER, json.dumps(marker, sort_keys=True))  # last
-            _fsync_dir(tmp)
+            fsync_dir(tmp / RNG_DIR)
+            write_file_atomic(tmp / COMPLETE_MARKER, json.dumps(marker, sort_keys=True))  # last
+            fsync_dir(tmp)
             old = None
             if final.exists():
                 old = final.with_name(f"{final.name}.tmp-old-{tag}")
                 os.replace(final, old)
             os.replace(tmp, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
         except Exception as e:  # noqa: BLE001 -- agreed on below, so no rank is left waiting
             err = e
     _agree_ok(err)
     return final
-
-
-def check_checkpoint_files(directory: PathLike, rank: Optional[int] = None, rng: bool = True) -> None:
-    """Raise :class:`CheckpointError` naming the first file of ``directory`` that is missing,
-    truncated or unreadable: the marker, ``extra_state.json``, ``rank``'s RNG file (default: this
-    rank's), megatron's ``metadata.json`` and ``common.pt`` (where it belongs:
-    ``compat.dist_ckpt_common_files``), PyTorch's ``.metadata`` and every data
-    file it indexes (each at least as long as the byte ranges it is read at). Reads no tensor data
-    besides the small common and RNG files; no process group needed."""
-    d = Path(directory)
-    read_marker(d)
-
-    def bad(name: str, why: str) -> CheckpointError:
-        return CheckpointError(f"{d / name}: {why}")
-
-    for name in (EXTRA_STATE, "metadata.json"):
-        try:
-            json.loads((d / name).read_text())
-        except FileNotFoundError:
-            raise bad(name, "missing") from None
-        except (OSError, ValueError) as e:
-            raise bad(name, f"unreadable ({e})") from None
-    rank = _rank() if rank is None else rank
-    from megatron_tepo.megatron.compat import dist_ckpt_common_files
-
-    for name in ([f"{RNG_DIR}/rank{rank}.pt"] if rng else []) + list(dist_ckpt_common_files(d)):
-        if not (d / name).is_file():
-            raise bad(name, "missing")
-        try:
-            torch.load(d / name, map_location="cpu", weights_only=False)
-        except Exception as e:  # noqa: BLE001 -- a truncated pickle raises EOFError, RuntimeError, ...
-            raise bad(name, f"unreadable ({type(e).__name__}: {e})") from None
-    if not (d / ".metadata").is_file():
-        raise bad(".metadata", "missing")
-    try:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        meta = FileSystemReader(str(d)).read_metadata()
-    except Exception as e:  # noqa: BLE001
-        raise bad(".metadata", f"unreadable ({type(e).__name__}: {e})") from None
-    need: Dict[str, int] = {}
-    for info in (meta.storage_data or {}).values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), int(info.offset) + int(info.length))
-    for name, size in sorted(need.items()):
-        path = d / name
-        if not path.is_file():
-            raise bad(name, "missing")
-        if path.stat().st_size < size:
-            raise bad(name, f"truncated ({path.stat().st_size} bytes, {size} needed)")
 
 
 def load_actor_checkpoint(actor, directory: PathLike, model_only: bool = False) -> dict:
@@ -469,24 +299,9 @@ def load_actor_checkpoint(actor, directory: PathLike, model_only: bool = False) 
                 actor.apply_optim_settings()
                 actor.scheduler.step(increment=0)  # this actor's LR / weight decay from the next step on
     if not model_only:
-        set_rng_state(torch.load(d / RNG_DIR / f"rank{_rank()}.pt", weights_only=False))
+        set_rng_state(torch.load(d / RNG_DIR / f"rank{global_rank()}.pt", weights_only=False))
     _barrier()
     return json.loads((d / EXTRA_STATE).read_text())
-
-
-def remove_partial_checkpoints(root: PathLike) -> List[Path]:
-    """Delete what interrupted saves left under ``root`` (``step_*.tmp-*`` folders, ``step_*``
-    folders without the marker); only safe when no save is running. Global rank 0 deletes;
-    returns what was (or, elsewhere, would be) removed."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    stale = sorted(d for d in root.iterdir()
-                   if d.is_dir() and d.name.startswith("step_") and not is_complete_checkpoint(d))
-    if _rank() == 0:
-        for d in stale:
-            shutil.rmtree(d, ignore_errors=True)
-    return stale
 
 
 def load_newest_checkpoint(actor, root: PathLike, report: Optional[Callable[[str], None]] = None):

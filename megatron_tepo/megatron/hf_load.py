@@ -2,7 +2,7 @@
 (:mod:`megatron_tepo.models`) composed with the generic placement of :mod:`.sharding`.
 
 * :func:`load_hf_weights_into` -- from an HF state dict in memory (every rank holds it whole).
-* :func:`load_hf_checkpoint_into` -- from an HF safetensors checkpoint, each rank reading only
+* :func:`load_hf_checkpoint_into` -- from an open HF safetensors reader, each rank reading only
   its own slices (its TP shards, pipeline stage and experts); bit for bit the same result.
 
 Left out: writing HF weights (the actor's :mod:`megatron_tepo.actor.export` and the converter's
@@ -39,38 +39,29 @@ def load_hf_weights_into(model_chunks: List[torch.nn.Module], hf_state_dict,
 
 def load_hf_checkpoint_into(model_chunks: List[torch.nn.Module], ckpt, family_cfg: GPTFamilyConfig,
                             tp_group=None) -> List[str]:
-    """Fill this rank's chunks from an HF safetensors checkpoint (a directory or a
-    :class:`~megatron_tepo.checkpoint.hf_io.LazyHFCheckpoint`), reading only this rank's slices
-    (:func:`.sharding.load_checkpoint_slices_into`); bit for bit what :func:`load_hf_weights_into`
-    gives from the loaded state dict. The checkpoint's names are checked first, on every rank
-    alike: a missing tensor of the model or a tensor the mapping does not know is a ValueError
-    naming it (and the checkpoint / file). A tied ``lm_head.weight`` stored beside the embedding
-    must equal it (each rank compares its own embedding rows)."""
-    from megatron_tepo.checkpoint.hf_io import LazyHFCheckpoint
-
-    own = not isinstance(ckpt, LazyHFCheckpoint)
-    if own:
-        ckpt = LazyHFCheckpoint(ckpt)
-    try:
-        mapping = layer_mapping(family_cfg)
-        expected = expected_hf_names(family_cfg, mapping)
-        known = set(expected)
-        tied = family_cfg.tie_word_embeddings
-        for name in ckpt.names():
-            if name not in known and not (tied and name == "lm_head.weight"):
-                raise ValueError(f"HF tensor {name!r} in {ckpt.file_of(name)} has no Megatron counterpart "
-                                 f"in the {family_cfg.family} mapping (spec={family_cfg.spec})")
-        missing = [n for n in expected if n not in ckpt]
-        if missing:
-            raise ValueError(f"HF checkpoint {ckpt.path} lacks {len(missing)} tensor(s) of the "
-                             f"{family_cfg.family} model, e.g. {missing[:8]}")
-        filled = load_checkpoint_slices_into(model_chunks, ckpt, MegatronToHFLayout(family_cfg, mapping),
-                                             tied, tp_group=tp_group)
-        if tied and "lm_head.weight" in ckpt and not checkpoint_slices_equal(
-                model_chunks, ckpt, EMBEDDING, "lm_head.weight", tp_group=tp_group):
-            raise ValueError(f"tie_word_embeddings=True but HF tensor 'lm_head.weight' in "
-                             f"{ckpt.file_of('lm_head.weight')} differs from 'model.embed_tokens.weight'")
-        return filled
-    finally:
-        if own:
-            ckpt.close()
+    """Fill this rank's chunks from an open HF safetensors checkpoint reader (a
+    :class:`~megatron_tepo.checkpoint.hf_io.LazyHFCheckpoint`; the caller opens and closes it),
+    reading only this rank's slices (:func:`.sharding.load_checkpoint_slices_into`); bit for bit
+    what :func:`load_hf_weights_into` gives from the loaded state dict. The checkpoint's names are
+    checked first, on every rank alike: a missing tensor of the model or a tensor the mapping does
+    not know is a ValueError naming it (and the checkpoint / file). A tied ``lm_head.weight`` stored
+    beside the embedding must equal it (each rank compares its own embedding rows)."""
+    mapping = layer_mapping(family_cfg)
+    expected = expected_hf_names(family_cfg, mapping)
+    known = set(expected)
+    tied = family_cfg.tie_word_embeddings
+    for name in ckpt.names():
+        if name not in known and not (tied and name == "lm_head.weight"):
+            raise ValueError(f"HF tensor {name!r} in {ckpt.file_of(name)} has no Megatron counterpart "
+                             f"in the {family_cfg.family} mapping (spec={family_cfg.spec})")
+    missing = [n for n in expected if n not in ckpt]
+    if missing:
+        raise ValueError(f"HF checkpoint {ckpt.path} lacks {len(missing)} tensor(s) of the "
+                         f"{family_cfg.family} model, e.g. {missing[:8]}")
+    filled = load_checkpoint_slices_into(model_chunks, ckpt, MegatronToHFLayout(family_cfg, mapping),
+                                         tied, tp_group=tp_group)
+    if tied and "lm_head.weight" in ckpt and not checkpoint_slices_equal(
+            model_chunks, ckpt, EMBEDDING, "lm_head.weight", tp_group=tp_group):
+        raise ValueError(f"tie_word_embeddings=True but HF tensor 'lm_head.weight' in "
+                         f"{ckpt.file_of('lm_head.weight')} differs from 'model.embed_tokens.weight'")
+    return filled

@@ -43,7 +43,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
-from megatron_tepo.actor.checkpointing import load_newest_checkpoint, prune_checkpoints, remove_partial_checkpoints
+from megatron_tepo.actor.checkpointing import load_newest_checkpoint
+from megatron_tepo.checkpoint.store import prune_checkpoints, remove_partial_checkpoints
 from megatron_tepo.algorithms import compute_group_advantages, filter_groups, get_loss_defaults
 from megatron_tepo.algorithms.advantages import gpg_correction
 from megatron_tepo.batch import RolloutBatch

@@ -248,7 +248,7 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
         raise ValueError(f"model.path: {cfg.model.path} is not a Hugging Face model folder (no config.json)")
     from transformers import AutoTokenizer
 
-    from megatron_tepo.actor.checkpointing import find_latest_checkpoint
+    from megatron_tepo.checkpoint.store import find_latest_checkpoint
     from megatron_tepo.checkpoint import export_actor_to_hf, write_conversion_sidecars
     from megatron_tepo.metrics import MetricsLogger
     from megatron_tepo.rewards import MathRewardPool

@@ -1,4 +1,5 @@
-"""Checkpoints of the Megatron actor (megatron_tepo/actor/checkpointing.py).
+"""Checkpoints of the Megatron actor (megatron_tepo/actor/checkpointing.py; folders and markers:
+megatron_tepo/checkpoint/store.py).
 
 * resume is bit-exact: save at step 2, a FRESH actor (other init seed) loads it, and its step 3
   equals the uninterrupted step 3 (every parameter ``torch.equal``, loss / grad norm / lr equal);
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tepo.actor.checkpointing import (
+from megatron_tepo.checkpoint.store import (
     COMPLETE_MARKER,
     CheckpointError,
     find_latest_checkpoint,

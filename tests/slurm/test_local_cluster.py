@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tepo.actor.checkpointing import is_complete_checkpoint, list_complete_checkpoints
+from megatron_tepo.checkpoint.store import is_complete_checkpoint, list_complete_checkpoints
 from tests.rollout.conftest import require_sglang
 from tests.slurm.conftest import ROOT, job_state, sacct, sbatch, wait_job
 

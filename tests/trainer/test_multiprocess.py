@@ -48,7 +48,7 @@ def test_two_processes_match_one(tiny, tmp_path, layout):
         for key in ("loss", "entropy", "grad_norm", "approx_kl"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
         assert b["drift_max"] < 1e-4  # the fp32 engine holds exactly the actor's weights after each sync
-    from megatron_tepo.actor.checkpointing import find_latest_checkpoint
+    from megatron_tepo.checkpoint.store import find_latest_checkpoint
 
     assert find_latest_checkpoint(tmp_path / "two" / "checkpoints").name == "step_2"
 

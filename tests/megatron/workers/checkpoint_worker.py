@@ -65,7 +65,7 @@ def run_case(case, root: Path):
     from megatron.core import parallel_state as ps
 
     from megatron_tepo.actor.actor import MegatronActor, OptimConfig
-    from megatron_tepo.actor.checkpointing import CheckpointError, find_latest_checkpoint
+    from megatron_tepo.checkpoint.store import CheckpointError, find_latest_checkpoint
     from megatron_tepo.layout import ParallelLayout
 
     hf_cfg = tiny_hf_config("qwen3", tie=False)

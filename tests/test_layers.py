@@ -1,0 +1,77 @@
+"""The package's layers point one way. Read from the source (every import, lazy ones included):
+the top-level modules and packages of ``megatron_tepo`` import each other without a cycle, and the
+seams the restructuring drew hold: the models know names, not ranks (nothing of the megatron
+backend); the megatron backend knows nothing of the actor, the checkpoint tools or the trainer;
+``checkpoint/`` and ``cli.py`` import nothing from ``actor/`` or ``trainer/``. (``rollout/`` and
+``algorithms/`` have their own tests: tests/rollout/test_import_direction.py,
+tests/algorithms/test_import_purity.py.)"""
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "megatron_tepo"
+
+
+def _unit(path: Path) -> str:
+    return path.relative_to(PKG).with_suffix("").parts[0]
+
+
+def _imports(path: Path):
+    parts = ("megatron_tepo",) + path.relative_to(PKG).with_suffix("").parts
+    pkg = list(parts[:-1])  # the package a relative import starts from (for __init__.py: its own)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
+            yield base
+
+
+def _graph():
+    edges = {}
+    for f in sorted(PKG.rglob("*.py")):
+        for m in _imports(f):
+            if m.startswith("megatron_tepo."):
+                target = m.split(".")[1]
+                if target != _unit(f):
+                    edges.setdefault(_unit(f), {}).setdefault(target, set()).add(str(f.relative_to(PKG)))
+    return edges
+
+
+def test_the_graph_is_read():
+    edges = _graph()
+    assert "megatron" in edges["actor"] and "layout" in edges["config"]  # the reader sees imports
+
+
+def test_no_cycle_between_top_level_units():
+    edges = _graph()
+    seen, stack = set(), []
+
+    def visit(n):
+        assert n not in stack, f"import cycle: {' -> '.join(stack + [n])} ({edges[stack[-1]][n]})"
+        if n in seen:
+            return
+        stack.append(n)
+        for m in sorted(edges.get(n, {})):
+            visit(m)
+        stack.pop()
+        seen.add(n)
+
+    for n in sorted(edges):
+        visit(n)
+
+
+def test_the_seams_hold():
+    edges = _graph()
+    forbidden = {
+        "models": {"megatron", "actor", "checkpoint", "trainer", "rollout", "launch"},
+        "megatron": {"actor", "checkpoint", "trainer", "rollout", "launch"},
+        "checkpoint": {"actor", "trainer"},
+        "cli": {"actor", "trainer"},
+        "layout": set(edges) - {"layout"},
+        "launch": {"actor", "megatron", "trainer", "rollout"},
+    }
+    broken = {f"{u} -> {v}": sorted(edges[u][v]) for u, bad in forbidden.items() for v in edges.get(u, {})
+              if v in bad}
+    assert broken == {}
