@@ -136,6 +136,7 @@ def _peak(cuda: bool, base_rss: int) -> float:
 
 def run(cfg: dict, model_dir: str, variant: dict, batches, repeats: int, cuda: bool, label: str = "") -> list:
     from megatron_tepo.actor import MegatronActor
+    from megatron_tepo.algorithms import PolicyLoss
 
     out = []
     if cuda:
@@ -164,7 +165,7 @@ def run(cfg: dict, model_dir: str, variant: dict, batches, repeats: int, cuda: b
                 _sync(cuda)
                 t1 = time.perf_counter()
                 batch.old_log_probs, batch.old_entropy = lp, ent
-                m = actor.train_step(batch, {"name": "tepo", "kl_coef": 1e-3})
+                m = actor.train_step(batch, PolicyLoss.of("tepo", kl_coef=1e-3))
                 _sync(cuda)
                 t2 = time.perf_counter()
                 if it:  # the first is the warm-up (allocator, compilation)

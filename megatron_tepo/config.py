@@ -592,6 +592,10 @@ def validate(cfg: RunConfig) -> None:
         RolloutCorrection(rc.rollout_is, rc.rollout_is_cap, rc.rollout_rs, rc.rollout_rs_bounds)
     except ValueError as exc:
         raise ConfigError(f"algorithm.rollout_correction.{exc}") from None  # the message starts with the key
+    try:
+        losses.PolicyLoss.from_config(alg)  # what the trainer builds: anything else the loss refuses
+    except ValueError as exc:
+        raise ConfigError(f"algorithm: {exc}") from None
     if alg.old_log_prob == "rollout":
         if alg.loss == "steer":
             raise ConfigError("algorithm.old_log_prob: 'rollout' gives no old-policy entropy, which loss 'steer' "

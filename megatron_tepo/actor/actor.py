@@ -26,8 +26,8 @@ rows are right-padded to the micro-batch's longest. Log-probs and entropy are co
 every position of the micro-batch and gathered into ``[B, R]``, so packing changes neither the
 per-token outputs nor the loss.
 
-Exact gradient bookkeeping. ``compute_policy_loss`` receives ``normalizer`` = the count of the
-WHOLE mini-batch (summed over micro-batches and all-reduced over DP ranks), so each micro-batch
+Exact gradient bookkeeping. The :class:`~megatron_tepo.algorithms.PolicyLoss` receives
+``normalizer`` = the count of the WHOLE mini-batch (summed over micro-batches and all-reduced over DP ranks), so each micro-batch
 loss is already its share of the mini-batch loss and the wanted gradient is the plain SUM over
 micro-batches and DP ranks. Megatron would otherwise divide twice: the schedule divides each
 micro-batch loss by ``num_microbatches`` and DDP scales grads by ``1/dp``. The actor therefore sets
@@ -57,6 +57,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_tepo.algorithms import PolicyLoss
 from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.actor.batching import equalize_micro_batch_count, plan_micro_batches, plan_packed_micro_batches
 from megatron_tepo.actor.micro_batch import MicroBatch, build_micro_batch
@@ -69,10 +70,8 @@ from megatron_tepo.checkpoint.hf_io import LazyHFCheckpoint
 from megatron_tepo.megatron.hf_load import load_hf_checkpoint_into, load_hf_weights_into
 from megatron_tepo.models import GPTFamilyConfig, family_config_from_hf
 
-__all__ = ["OptimConfig", "ActorConfig", "MegatronActor", "plan_actor", "actor_transformer_config", "build_lr_scheduler", "token_log_probs", "SUMMED_METRICS"]
-
-#: Loss metrics already divided by the global normaliser: the mini-batch value is their sum.
-SUMMED_METRICS = ("pg_loss",)
+__all__ = ["OptimConfig", "ActorConfig", "MegatronActor", "plan_actor", "actor_transformer_config", "build_lr_scheduler",
+           "token_log_probs"]
 
 
 def _load_hf_config(hf_config):
@@ -398,32 +397,22 @@ class MegatronActor:
         self._broadcast_from_last_stage(out)
         return out[0].cpu(), out[1].cpu()
 
-    def _loss_settings(self, loss_cfg: Mapping[str, Any]) -> Tuple[str, str, Dict[str, Any]]:
-        from megatron_tepo.algorithms import get_loss_defaults
-
-        kwargs = dict(loss_cfg)
-        if "name" not in kwargs:
-            raise ValueError("loss_cfg needs a 'name' (a registered policy loss)")
-        name = kwargs.pop("name")
-        agg = kwargs.pop("agg", None) or get_loss_defaults(name)["agg"]
-        return name, agg, kwargs
-
-    def _global_normalizer(self, batch: RolloutBatch, agg: str) -> torch.Tensor:
-        from megatron_tepo.algorithms import count_for_normalizer
-
-        count = count_for_normalizer(batch.response_mask, agg).to(self.device, torch.float64)
+    def _global_normalizer(self, batch: RolloutBatch, loss) -> torch.Tensor:
+        count = loss.count(batch.response_mask).to(self.device, torch.float64)
         dist.all_reduce(count, group=self._ps.get_data_parallel_group())
         return count
 
-    def forward_backward(self, batch: RolloutBatch, loss_cfg: Mapping[str, Any]) -> Dict[str, float]:
-        """Zero the grads, run every micro-batch forward+backward, leave the summed grads in the
-        DDP buffers (``param.main_grad``). Returns the mini-batch loss metrics (all ranks)."""
-        from megatron_tepo.algorithms import compute_policy_loss
-
+    def forward_backward(self, batch: RolloutBatch, loss: PolicyLoss) -> Dict[str, float]:
+        """Zero the grads, run every micro-batch forward+backward with ``loss`` (a
+        :class:`~megatron_tepo.algorithms.PolicyLoss`: its settings, its normaliser count and how its
+        metrics reduce), leave the summed grads in the DDP buffers (``param.main_grad``). Returns the
+        mini-batch loss metrics (all ranks)."""
+        if not isinstance(loss, PolicyLoss):
+            raise TypeError(f"loss must be a megatron_tepo.algorithms.PolicyLoss, got {type(loss).__name__} "
+                            f"(PolicyLoss.of(name, **settings) builds one from keyword settings)")
         if batch.advantages is None or batch.old_log_probs is None:
             raise ValueError("train batches need advantages and old_log_probs")
-        name, agg, kwargs = self._loss_settings(loss_cfg)
-        normalizer = self._global_normalizer(batch, agg)
+        normalizer = self._global_normalizer(batch, loss)
         mbs = self._micro_batches(batch)
 
         def loss_func(mb, output):
@@ -433,37 +422,26 @@ class MegatronActor:
             def opt(t):
                 return None if t is None else t.to(d)
 
-            loss, metrics = compute_policy_loss(
-                name, lp, rows.old_log_probs.to(d), rows.advantages.to(d), rows.response_mask.to(d),
+            value, metrics = loss(
+                lp, rows.old_log_probs.to(d), rows.advantages.to(d), rows.response_mask.to(d),
                 entropy=ent, old_entropy=opt(rows.old_entropy), ref_log_prob=opt(rows.ref_log_probs),
-                rollout_log_prob=opt(rows.rollout_log_probs), agg=agg, normalizer=normalizer, **kwargs)
+                rollout_log_prob=opt(rows.rollout_log_probs), normalizer=normalizer)
             tokens = (rows.response_mask != 0).sum()
-            return loss, torch.tensor(1, dtype=torch.int), {"loss": loss.detach(), "tokens": tokens,
-                                                            "metrics": metrics}
+            return value, torch.tensor(1, dtype=torch.int), {"loss": value.detach(), "tokens": tokens,
+                                                             "metrics": metrics}
 
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         store = self._run_schedule(mbs, loss_func, forward_only=False)
-        metrics = self._reduce_metrics(store)
+        metrics = self._reduce_metrics(store, loss)
         metrics["num_micro_batches"] = float(len(mbs))
         return metrics
 
-    @staticmethod
-    def _metric_weight(key: str, metrics: Mapping[str, Any], tokens):
-        """How a micro-batch's metric enters the mini-batch value (see :meth:`_reduce_metrics`);
-        ``tokens`` and the result may be tensors (no host sync)."""
-        if key in SUMMED_METRICS or key.startswith("num_"):
-            return 1.0
-        if key == "kl":  # a mean over the KL-mask tokens only
-            return metrics.get("kl_mask_frac", 1.0) * tokens
-        return tokens
-
-    def _reduce_metrics(self, store: List[Dict[str, Any]]) -> Dict[str, float]:
+    def _reduce_metrics(self, store: List[Dict[str, Any]], loss: PolicyLoss) -> Dict[str, float]:
         """Mini-batch metrics from the micro-batches of every DP rank (last stage, then broadcast
-        over the pipeline): ``loss`` and ``pg_loss`` (already normalised by the global count) and
-        ``num_*`` counts are summed; ``kl`` is averaged over KL-mask tokens; every other metric
-        (masked means over valid tokens) is averaged with the micro-batch token counts as weights."""
+        over the pipeline): ``loss`` (already normalised by the global count) is summed, and each
+        metric reduces as the loss says (:meth:`PolicyLoss.metric_weight`, :meth:`PolicyLoss.is_summed`)."""
         result = [None]
         if self.is_last_stage:
             keys = sorted(store[0]["metrics"]) if store else []
@@ -477,7 +455,7 @@ class MegatronActor:
                 n = f64(item["tokens"])
                 row = [f64(item["loss"]), n]
                 for key in keys:
-                    w = f64(self._metric_weight(key, {k: f64(v) for k, v in item["metrics"].items()}, n))
+                    w = f64(loss.metric_weight(key, {k: f64(v) for k, v in item["metrics"].items()}, n))
                     row += [f64(item["metrics"][key]) * w, w]
                 rows.append(torch.stack([r.reshape(()) for r in row]))
             sums = (torch.stack(rows).sum(0) if rows
@@ -486,7 +464,7 @@ class MegatronActor:
             values = sums.tolist()  # the one host read of the step
             out = {"loss": values[0], "tokens": values[1]}
             for k, key in enumerate(keys):
-                summed = key in SUMMED_METRICS or key.startswith("num_")
+                summed = loss.is_summed(key)
                 out[key] = values[2 + 2 * k] if summed else values[2 + 2 * k] / max(values[3 + 2 * k], 1e-30)
             result = [out]
         if self._ps.get_pipeline_model_parallel_world_size() > 1:
@@ -503,9 +481,9 @@ class MegatronActor:
         self.scheduler.step(increment=1)
         return {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "lr": lr}
 
-    def train_step(self, batch: RolloutBatch, loss_cfg: Mapping[str, Any]) -> Dict[str, float]:
+    def train_step(self, batch: RolloutBatch, loss: PolicyLoss) -> Dict[str, float]:
         """One optimizer step over a DP-local mini-batch; returns loss, grad_norm, lr and metrics."""
-        metrics = self.forward_backward(batch, loss_cfg)
+        metrics = self.forward_backward(batch, loss)
         metrics.update(self.optimizer_step())
         return metrics
 

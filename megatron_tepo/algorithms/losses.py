@@ -27,13 +27,13 @@ pass ``steer_omega_max`` to make it invariant).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional
 
 import torch
 
-from .aggregation import AGG_MODES, Normalizer, aggregate, compute_dtype, masked_mean
+from .aggregation import AGG_MODES, Normalizer, aggregate, compute_dtype, count_for_normalizer, masked_mean
 from .correction import RolloutCorrection, rollout_correction_weights
 from .kl import (
     KL_ESTIMATORS,
@@ -52,6 +52,7 @@ __all__ = [
     "LossContext",
     "LossTerms",
     "PolicyLossSpec",
+    "PolicyLoss",
     "POLICY_LOSSES",
     "register_policy_loss",
     "get_loss_defaults",
@@ -461,6 +462,217 @@ def _resolve_clip(value: Optional[float], default: Optional[float], name: str, l
     return float(value)
 
 
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A policy loss with every setting resolved and checked once: the object the trainer builds from
+    the run config's ``algorithm`` section (:meth:`from_config`) and the actor calls per
+    micro-batch. It also says how its normaliser is counted (:meth:`count`) and how each metric of
+    a micro-batch reduces over micro-batches and data-parallel ranks (:meth:`metric_weight`,
+    :meth:`is_summed`), so the actor knows nothing of loss semantics.
+
+    Fields: ``name`` (a key of :data:`POLICY_LOSSES`), the shared settings of
+    :func:`compute_policy_loss` (None = the loss's registered default), ``correction`` (the
+    rollout correction) and ``options`` (the loss's own settings, defaults filled in). A shared
+    setting is a field here and a field of ``AlgorithmConfig`` under the same name; nothing
+    between the two copies it. Raises ValueError naming a bad setting.
+    """
+
+    name: str = "tepo"
+    clip_low: Optional[float] = None
+    clip_high: Optional[float] = None
+    agg: Optional[str] = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_mask: str = "pos_adv_dec_entropy"
+    delta_entropy: str = "measured"
+    entropy_coef: float = 0.0
+    entropy_adv_alpha: float = 0.0
+    entropy_adv_kappa: float = 2.0
+    correction: RolloutCorrection = field(default_factory=RolloutCorrection)
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    #: metrics that are sums over the mini-batch (already divided by the global count), not token means
+    SUMMED_METRICS: ClassVar[tuple[str, ...]] = ("pg_loss",)
+    #: config fields read under another name (``algorithm.loss`` -> ``name`` ...)
+    CONFIG_NAMES: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {"name": "loss", "options": "loss_args", "correction": "rollout_correction"})
+
+    def __post_init__(self) -> None:
+        name, kl_coef, kl_estimator, kl_mask = self.name, self.kl_coef, self.kl_estimator, self.kl_mask
+        delta_entropy, entropy_coef = self.delta_entropy, self.entropy_coef
+        entropy_adv_alpha, entropy_adv_kappa = self.entropy_adv_alpha, self.entropy_adv_kappa
+        clip_low, clip_high, agg, loss_specific = self.clip_low, self.clip_high, self.agg, dict(self.options)
+        spec = _spec(name)
+        options = _resolve_options(spec, loss_specific)
+        clip_low = _resolve_clip(clip_low, spec.defaults["clip_low"], "clip_low", name)
+        clip_high = _resolve_clip(clip_high, spec.defaults["clip_high"], "clip_high", name)
+        agg = spec.defaults["agg"] if agg is None else agg
+        if agg not in AGG_MODES:
+            raise ValueError(f"unknown aggregation mode agg={agg!r}; valid modes: {list(AGG_MODES)}")
+        if kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"unknown KL estimator {kl_estimator!r}; valid estimators: {list(KL_ESTIMATORS)}")
+        if kl_mask not in KL_MASKS:
+            raise ValueError(f"unknown KL mask {kl_mask!r}; valid masks: {list(KL_MASKS)}")
+        if delta_entropy not in DELTA_ENTROPY_MODES:
+            raise ValueError(f"unknown delta_entropy {delta_entropy!r}; valid modes: {list(DELTA_ENTROPY_MODES)}")
+        for key, value in (("kl_coef", kl_coef), ("entropy_coef", entropy_coef)):
+            _check_number(value, key, name)
+        if _check_number(entropy_adv_alpha, "entropy_adv_alpha", name) < 0:
+            raise ValueError(f"entropy_adv_alpha must be >= 0, got {entropy_adv_alpha!r}")
+        if not _check_number(entropy_adv_kappa, "entropy_adv_kappa", name) > 0:
+            raise ValueError(f"entropy_adv_kappa must be > 0, got {entropy_adv_kappa!r}")
+        if not isinstance(self.correction, RolloutCorrection):
+            raise ValueError(f"correction must be a RolloutCorrection, got {type(self.correction).__name__}")
+        for key, value in (("clip_low", clip_low), ("clip_high", clip_high), ("agg", agg),
+                           ("options", MappingProxyType(options))):
+            object.__setattr__(self, key, value)
+
+    @classmethod
+    def of(cls, name: str, *, rollout_is: str = "none", rollout_is_cap: float = 2.0, rollout_rs: str = "none",
+           rollout_rs_bounds: tuple[float, float] = (0.5, 2.0), **settings: Any) -> "PolicyLoss":
+        """From the flat keyword arguments of :func:`compute_policy_loss` (shared settings,
+        ``rollout_*``, and the loss's own options)."""
+        shared = {f.name for f in fields(cls)} - {"name", "correction", "options"}
+        return cls(name=name, correction=RolloutCorrection(rollout_is, rollout_is_cap, rollout_rs, rollout_rs_bounds),
+                   options={k: v for k, v in settings.items() if k not in shared},
+                   **{k: v for k, v in settings.items() if k in shared})
+
+    @classmethod
+    def from_config(cls, section: Any) -> "PolicyLoss":
+        """From a config section holding every field under its own name (or :attr:`CONFIG_NAMES`):
+        the run config's ``algorithm``. Its ``rollout_correction`` may be any object with the
+        fields of :class:`RolloutCorrection`."""
+        values = {f.name: getattr(section, cls.CONFIG_NAMES.get(f.name, f.name)) for f in fields(cls)}
+        rc = values["correction"]
+        if not isinstance(rc, RolloutCorrection):
+            values["correction"] = RolloutCorrection(**{f.name: getattr(rc, f.name) for f in fields(RolloutCorrection)})
+        return cls(**values)
+
+    def count(self, response_mask: torch.Tensor) -> torch.Tensor:
+        """This batch's share of the normaliser (sum it over micro-batches and ranks, then pass it
+        as ``normalizer``): :func:`~megatron_tepo.algorithms.aggregation.count_for_normalizer`."""
+        return count_for_normalizer(response_mask, self.agg)
+
+    @classmethod
+    def is_summed(cls, key: str) -> bool:
+        """A metric that adds up over micro-batches and ranks (``pg_loss``, ``num_*`` counts)."""
+        return key in cls.SUMMED_METRICS or key.startswith("num_")
+
+    def metric_weight(self, key: str, metrics: Mapping[str, Any], tokens: Any) -> Any:
+        """The weight of a micro-batch's metric in its mini-batch value (the value is
+        ``sum(metric * weight) / sum(weight)``, or the plain sum for :meth:`is_summed` ones):
+        ``kl`` is a mean over the KL-mask tokens, every other mean is over valid tokens.
+        ``tokens`` (the micro-batch's valid tokens) and the result may be tensors: no host sync."""
+        if self.is_summed(key):
+            return 1.0
+        if key == "kl":
+            return metrics.get("kl_mask_frac", 1.0) * tokens
+        return tokens
+
+    def __call__(self, log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                 response_mask: torch.Tensor, *, entropy: Optional[torch.Tensor] = None,
+                 old_entropy: Optional[torch.Tensor] = None, ref_log_prob: Optional[torch.Tensor] = None,
+                 rollout_log_prob: Optional[torch.Tensor] = None,
+                 normalizer: Normalizer = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(loss, metrics)`` of one (micro-)batch: see :func:`compute_policy_loss`."""
+        correction = self.correction
+        _check_shapes(
+            log_prob,
+            {
+                "old_log_prob": old_log_prob,
+                "advantages": advantages,
+                "response_mask": response_mask,
+                "entropy": entropy,
+                "old_entropy": old_entropy,
+                "ref_log_prob": ref_log_prob,
+                "rollout_log_prob": rollout_log_prob,
+            },
+        )
+        if correction.active and rollout_log_prob is None:
+            raise ValueError(f"rollout_is={correction.rollout_is!r}, rollout_rs={correction.rollout_rs!r} "
+                             f"(rollout correction) requires rollout_log_prob")
+        if entropy is None and self.entropy_coef != 0:
+            raise ValueError(f"entropy_coef={self.entropy_coef!r} (entropy regularisation) "
+                             f"requires the `entropy` tensor")
+        if entropy is None and self.entropy_adv_alpha > 0:
+            raise ValueError(f"entropy_adv_alpha={self.entropy_adv_alpha!r} (entropy-based advantage) "
+                             f"requires `entropy`")
+
+        mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+        dtype = compute_dtype(log_prob, old_log_prob, advantages, entropy, old_entropy, ref_log_prob, rollout_log_prob)
+        lp = _clean(log_prob, mask, dtype)
+        old_lp = _clean(old_log_prob, mask, dtype).detach()
+        adv = _clean(advantages, mask, dtype).detach()
+        ent = _clean(entropy, mask, dtype)
+        old_ent = _clean(old_entropy, mask, dtype)
+        old_ent = None if old_ent is None else old_ent.detach()
+        ref = old_lp if ref_log_prob is None else _clean(ref_log_prob, mask, dtype).detach()
+
+        if self.entropy_adv_alpha > 0:  # Cheng et al. 2025: A' = A + min(alpha sg(H), |A| / kappa)
+            adv = adv + torch.minimum(self.entropy_adv_alpha * ent.detach(), adv.abs() / self.entropy_adv_kappa)
+
+        ctx = LossContext(lp, old_lp, adv, mask, old_ent, self.clip_low, self.clip_high, self.options)
+        terms = _spec(self.name).fn(ctx)
+        per_token = terms.per_token
+        correction_values: dict[str, torch.Tensor] = {}
+        if rollout_log_prob is not None:
+            rollout_lp = _clean(rollout_log_prob, mask, dtype).detach()
+            weight, correction_values = rollout_correction_weights(old_lp, rollout_lp, mask, correction)
+            if weight is not None:
+                per_token = per_token * weight
+        pg_loss = aggregate(per_token, mask, self.agg, normalizer)
+        total = pg_loss
+        if self.entropy_coef != 0:
+            total = total - self.entropy_coef * aggregate(ent, mask, self.agg, normalizer)
+
+        # Entropy change dH (for the KL mask and the quadrant metrics).
+        with torch.no_grad():
+            d_h: Optional[torch.Tensor] = None
+            if self.delta_entropy == "measured" and ent is not None and old_ent is not None:
+                d_h = measured_entropy_change(ent, old_ent)
+            elif self.delta_entropy == "predicted" and (ent is not None or old_ent is not None):
+                d_h = predicted_entropy_change(lp, ent if ent is not None else old_ent, adv)
+        needs_dh = kl_mask_needs_entropy_change(self.kl_mask)
+        if self.kl_coef != 0 and needs_dh and d_h is None:
+            missing = "entropy and old_entropy" if self.delta_entropy == "measured" else "entropy or old_entropy"
+            raise ValueError(f"kl_mask={self.kl_mask!r} with delta_entropy={self.delta_entropy!r} needs {missing}")
+        if needs_dh and d_h is None:  # KL off and dH unknown: the mask is reported as empty.
+            m_kl = torch.zeros_like(mask)
+        else:
+            m_kl = build_kl_mask(self.kl_mask, adv, mask, d_h)
+
+        zero = torch.zeros((), dtype=dtype, device=lp.device)
+        kl_values = kl_penalty(lp, ref, self.kl_estimator)
+        if self.kl_coef != 0:
+            total = total + self.kl_coef * aggregate(torch.where(m_kl, kl_values, zero), mask, self.agg, normalizer)
+
+        with torch.no_grad():
+
+            def frac(x: torch.Tensor) -> torch.Tensor:
+                return masked_mean(x.to(dtype), mask).float()
+
+            no_clip = torch.zeros((), dtype=torch.float32, device=lp.device)
+            metrics: dict[str, torch.Tensor] = {
+                "pg_loss": pg_loss.detach().float(),
+                "clip_frac": no_clip if terms.clipped is None else frac(terms.clipped),
+                "approx_kl": frac(kl_penalty(lp, old_lp, "k3")),
+                "kl_mask_frac": frac(m_kl),
+                "kl": masked_mean(kl_values.detach(), m_kl).float(),
+                "num_tokens": mask.sum().float(),
+            }
+            if ent is not None:
+                metrics["entropy"] = frac(ent)
+            if d_h is not None:
+                pos, neg = adv > 0, adv < 0
+                metrics["quad_pos_adv_inc_ent"] = frac(pos & (d_h > 0))
+                metrics["quad_pos_adv_dec_ent"] = frac(pos & (d_h < 0))
+                metrics["quad_neg_adv_inc_ent"] = frac(neg & (d_h > 0))
+                metrics["quad_neg_adv_dec_ent"] = frac(neg & (d_h < 0))
+            for key, values in (*terms.extra.items(), *correction_values.items()):
+                metrics[key] = frac(values)
+        return total, metrics
+
+
 def compute_policy_loss(
     name: str,
     log_prob: torch.Tensor,
@@ -532,116 +744,10 @@ def compute_policy_loss(
         ValueError: unknown loss/agg/estimator/mask/delta_entropy or loss-specific key, shape
             mismatch, a missing tensor that an option needs, or an invalid numeric setting.
     """
-    spec = _spec(name)
-    options = _resolve_options(spec, loss_specific)
-    clip_low = _resolve_clip(clip_low, spec.defaults["clip_low"], "clip_low", name)
-    clip_high = _resolve_clip(clip_high, spec.defaults["clip_high"], "clip_high", name)
-    agg = spec.defaults["agg"] if agg is None else agg
-    if agg not in AGG_MODES:
-        raise ValueError(f"unknown aggregation mode agg={agg!r}; valid modes: {list(AGG_MODES)}")
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {kl_estimator!r}; valid estimators: {list(KL_ESTIMATORS)}")
-    if kl_mask not in KL_MASKS:
-        raise ValueError(f"unknown KL mask {kl_mask!r}; valid masks: {list(KL_MASKS)}")
-    if delta_entropy not in DELTA_ENTROPY_MODES:
-        raise ValueError(f"unknown delta_entropy {delta_entropy!r}; valid modes: {list(DELTA_ENTROPY_MODES)}")
-    for key, value in (("kl_coef", kl_coef), ("entropy_coef", entropy_coef)):
-        _check_number(value, key, name)
-    if _check_number(entropy_adv_alpha, "entropy_adv_alpha", name) < 0:
-        raise ValueError(f"entropy_adv_alpha must be >= 0, got {entropy_adv_alpha!r}")
-    if not _check_number(entropy_adv_kappa, "entropy_adv_kappa", name) > 0:
-        raise ValueError(f"entropy_adv_kappa must be > 0, got {entropy_adv_kappa!r}")
-    _check_shapes(
-        log_prob,
-        {
-            "old_log_prob": old_log_prob,
-            "advantages": advantages,
-            "response_mask": response_mask,
-            "entropy": entropy,
-            "old_entropy": old_entropy,
-            "ref_log_prob": ref_log_prob,
-            "rollout_log_prob": rollout_log_prob,
-        },
-    )
-    correction = RolloutCorrection(rollout_is, rollout_is_cap, rollout_rs, rollout_rs_bounds)
-    if correction.active and rollout_log_prob is None:
-        raise ValueError(f"rollout_is={rollout_is!r}, rollout_rs={rollout_rs!r} (rollout correction) "
-                         f"requires rollout_log_prob")
-    if entropy is None and entropy_coef != 0:
-        raise ValueError(f"entropy_coef={entropy_coef!r} (entropy regularisation) requires the `entropy` tensor")
-    if entropy is None and entropy_adv_alpha > 0:
-        raise ValueError(f"entropy_adv_alpha={entropy_adv_alpha!r} (entropy-based advantage) requires `entropy`")
-
-    mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
-    dtype = compute_dtype(log_prob, old_log_prob, advantages, entropy, old_entropy, ref_log_prob, rollout_log_prob)
-    lp = _clean(log_prob, mask, dtype)
-    old_lp = _clean(old_log_prob, mask, dtype).detach()
-    adv = _clean(advantages, mask, dtype).detach()
-    ent = _clean(entropy, mask, dtype)
-    old_ent = _clean(old_entropy, mask, dtype)
-    old_ent = None if old_ent is None else old_ent.detach()
-    ref = old_lp if ref_log_prob is None else _clean(ref_log_prob, mask, dtype).detach()
-
-    if entropy_adv_alpha > 0:  # Cheng et al. 2025: A' = A + min(alpha sg(H), |A| / kappa)
-        adv = adv + torch.minimum(entropy_adv_alpha * ent.detach(), adv.abs() / entropy_adv_kappa)
-
-    ctx = LossContext(lp, old_lp, adv, mask, old_ent, clip_low, clip_high, MappingProxyType(options))
-    terms = spec.fn(ctx)
-    per_token = terms.per_token
-    correction_values: dict[str, torch.Tensor] = {}
-    if rollout_log_prob is not None:
-        rollout_lp = _clean(rollout_log_prob, mask, dtype).detach()
-        weight, correction_values = rollout_correction_weights(old_lp, rollout_lp, mask, correction)
-        if weight is not None:
-            per_token = per_token * weight
-    pg_loss = aggregate(per_token, mask, agg, normalizer)
-    total = pg_loss
-    if entropy_coef != 0:
-        total = total - entropy_coef * aggregate(ent, mask, agg, normalizer)
-
-    # Entropy change dH (for the KL mask and the quadrant metrics).
-    with torch.no_grad():
-        d_h: Optional[torch.Tensor] = None
-        if delta_entropy == "measured" and ent is not None and old_ent is not None:
-            d_h = measured_entropy_change(ent, old_ent)
-        elif delta_entropy == "predicted" and (ent is not None or old_ent is not None):
-            d_h = predicted_entropy_change(lp, ent if ent is not None else old_ent, adv)
-    needs_dh = kl_mask_needs_entropy_change(kl_mask)
-    if kl_coef != 0 and needs_dh and d_h is None:
-        missing = "entropy and old_entropy" if delta_entropy == "measured" else "entropy or old_entropy"
-        raise ValueError(f"kl_mask={kl_mask!r} with delta_entropy={delta_entropy!r} needs {missing}")
-    if needs_dh and d_h is None:  # KL off and dH unknown: the mask is reported as empty.
-        m_kl = torch.zeros_like(mask)
-    else:
-        m_kl = build_kl_mask(kl_mask, adv, mask, d_h)
-
-    zero = torch.zeros((), dtype=dtype, device=lp.device)
-    kl_values = kl_penalty(lp, ref, kl_estimator)
-    if kl_coef != 0:
-        total = total + kl_coef * aggregate(torch.where(m_kl, kl_values, zero), mask, agg, normalizer)
-
-    with torch.no_grad():
-
-        def frac(x: torch.Tensor) -> torch.Tensor:
-            return masked_mean(x.to(dtype), mask).float()
-
-        no_clip = torch.zeros((), dtype=torch.float32, device=lp.device)
-        metrics: dict[str, torch.Tensor] = {
-            "pg_loss": pg_loss.detach().float(),
-            "clip_frac": no_clip if terms.clipped is None else frac(terms.clipped),
-            "approx_kl": frac(kl_penalty(lp, old_lp, "k3")),
-            "kl_mask_frac": frac(m_kl),
-            "kl": masked_mean(kl_values.detach(), m_kl).float(),
-            "num_tokens": mask.sum().float(),
-        }
-        if ent is not None:
-            metrics["entropy"] = frac(ent)
-        if d_h is not None:
-            pos, neg = adv > 0, adv < 0
-            metrics["quad_pos_adv_inc_ent"] = frac(pos & (d_h > 0))
-            metrics["quad_pos_adv_dec_ent"] = frac(pos & (d_h < 0))
-            metrics["quad_neg_adv_inc_ent"] = frac(neg & (d_h > 0))
-            metrics["quad_neg_adv_dec_ent"] = frac(neg & (d_h < 0))
-        for key, values in (*terms.extra.items(), *correction_values.items()):
-            metrics[key] = frac(values)
-    return total, metrics
+    return PolicyLoss.of(
+        name, clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, kl_estimator=kl_estimator, kl_mask=kl_mask,
+        agg=agg, delta_entropy=delta_entropy, entropy_coef=entropy_coef, entropy_adv_alpha=entropy_adv_alpha,
+        entropy_adv_kappa=entropy_adv_kappa, rollout_is=rollout_is, rollout_is_cap=rollout_is_cap,
+        rollout_rs=rollout_rs, rollout_rs_bounds=rollout_rs_bounds, **loss_specific,
+    )(log_prob, old_log_prob, advantages, response_mask, entropy=entropy, old_entropy=old_entropy,
+      ref_log_prob=ref_log_prob, rollout_log_prob=rollout_log_prob, normalizer=normalizer)

@@ -1,4 +1,4 @@
 """The RL trainer: composes the actor, a rollout engine, rewards and the losses."""
-from .loop import Task, evaluate, generate_groups, loss_settings, sync_weights, train
+from .loop import Task, evaluate, generate_groups, sync_weights, train
 
-__all__ = ["Task", "train", "generate_groups", "evaluate", "sync_weights", "loss_settings"]
+__all__ = ["Task", "train", "generate_groups", "evaluate", "sync_weights"]

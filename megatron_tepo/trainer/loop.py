@@ -45,7 +45,7 @@ import torch
 
 from megatron_tepo.actor.checkpointing import load_newest_checkpoint
 from megatron_tepo.checkpoint.store import prune_checkpoints, remove_partial_checkpoints
-from megatron_tepo.algorithms import compute_group_advantages, filter_groups, get_loss_defaults
+from megatron_tepo.algorithms import PolicyLoss, compute_group_advantages, filter_groups, get_loss_defaults
 from megatron_tepo.algorithms.advantages import gpg_correction
 from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.config import AlgorithmConfig, RunConfig
@@ -200,20 +200,6 @@ def data_parallel_coords(actor) -> tuple:
     return parallel_state.get_data_parallel_rank(), size
 
 
-def loss_settings(alg: AlgorithmConfig) -> Dict:
-    """The actor's ``loss_cfg`` from the run config's algorithm section: the keyword arguments of
-    ``compute_policy_loss`` (the sampling temperature travels in the batch)."""
-    if alg.kl_target != "old":
-        raise NotImplementedError("algorithm.kl_target: 'ref' needs a reference policy, not wired yet")
-    rc = alg.rollout_correction
-    return dict(name=alg.loss, clip_low=alg.clip_low, clip_high=alg.clip_high, agg=alg.agg,
-                kl_coef=alg.kl_coef, kl_estimator=alg.kl_estimator, kl_mask=alg.kl_mask,
-                delta_entropy=alg.delta_entropy, entropy_coef=alg.entropy_coef,
-                entropy_adv_alpha=alg.entropy_adv_alpha, entropy_adv_kappa=alg.entropy_adv_kappa,
-                rollout_is=rc.rollout_is, rollout_is_cap=rc.rollout_is_cap, rollout_rs=rc.rollout_rs,
-                rollout_rs_bounds=tuple(rc.rollout_rs_bounds), **alg.loss_args)
-
-
 def generate_groups(engine, task: Task, indices: List[int], cfg: RunConfig, rng: random.Random):
     """Groups for ``prompts_per_step`` prompts, with DAPO dynamic sampling: groups whose rewards
     are all equal are dropped and fresh prompts drawn, for at most ``max_sampling_rounds`` rounds
@@ -265,10 +251,10 @@ def evaluate(engine, prompts, answers, reward_fn: RewardFn, stop_token_ids, *, n
     return {f"avg@{n}": float(rewards.mean()), f"pass@{n}": float((rewards.max(1).values > 0).float().mean())}
 
 
-def policy_update(actor, mb: RolloutBatch, loss_cfg: Dict) -> Dict[str, float]:
+def policy_update(actor, mb: RolloutBatch, loss: PolicyLoss) -> Dict[str, float]:
     """One optimizer step, skipped (and reported as ``skipped_update``) when the loss or the
     gradient norm is not finite: the weights, and so any checkpoint, never see a NaN."""
-    metrics = actor.forward_backward(mb, loss_cfg)
+    metrics = actor.forward_backward(mb, loss)
     grad_norm = float(actor.optimizer.get_grad_norm()) if math.isfinite(metrics["loss"]) else math.nan
     if not math.isfinite(grad_norm):
         actor.optimizer.zero_grad()
@@ -369,7 +355,9 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
     returned metrics are the same on every rank."""
     rng = random.Random(cfg.train.seed)
     order = list(range(len(task.train_prompts)))
-    loss_cfg = loss_settings(cfg.algorithm)
+    if cfg.algorithm.kl_target != "old":
+        raise NotImplementedError("algorithm.kl_target: 'ref' needs a reference policy, not wired yet")
+    loss = PolicyLoss.from_config(cfg.algorithm)  # the loss, built once: the actor only calls it
     n = cfg.rollout.n_samples
     history = []
     extra = extra_state if extra_state is not None else {}
@@ -465,7 +453,7 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         for _ in range(cfg.train.epochs_per_step):
             for first in range(0, batch.batch_size, local_rows_per_mb):
                 mb = batch.select(range(first, min(first + local_rows_per_mb, batch.batch_size)))
-                updates.append(policy_update(actor, mb, loss_cfg))
+                updates.append(policy_update(actor, mb, loss))
         # 5. weight sync to the rollout engine, once the next step's rollout is in (no request runs
         #    across a weight update)
         t = time.time()

@@ -17,6 +17,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 import torch.distributed as dist
 
+from megatron_tepo.algorithms import PolicyLoss
 from tests.dist_utils import write_result
 from tests.megatron.helpers import hf_state, make_batch, make_hf_model, tiny_hf_config
 
@@ -49,7 +50,7 @@ def run_case(case):
     batch = make_batch(seed=1)
     batch.old_log_probs = torch.zeros_like(batch.response_mask)
     actor.train_step(batch.split_for_data_parallel(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()),
-                     {"name": "grpo"})
+                     PolicyLoss.of("grpo"))
     ddp = actor.model[0]
     params = list(unwrap_model(ddp).parameters())
     model_storages = {p.untyped_storage().data_ptr() for p in params}

@@ -13,6 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
+from megatron_tepo.algorithms import PolicyLoss
 from tests.dist_utils import write_result
 from tests.megatron.helpers import make_batch
 
@@ -33,7 +34,7 @@ def main():
     batch.old_log_probs = torch.full_like(batch.response_mask, -2.0) * batch.response_mask
     before = {n: t.clone() for n, t in actor.export_hf_state()}
     m = actor.train_step(batch.split_for_data_parallel(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()),
-                         {"name": cfg.algorithm.loss})
+                         PolicyLoss.of(cfg.algorithm.loss))
     after = dict(actor.export_hf_state())
     write_result({
         "tc": {"bf16": c.bf16, "params_dtype": str(c.params_dtype), "sequence_parallel": c.sequence_parallel,

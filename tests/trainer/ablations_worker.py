@@ -47,7 +47,8 @@ def main(out_path):
         }
     # A NaN loss: the update is skipped and reported, the weights stay finite and unchanged.
     from megatron_tepo.batch import RolloutBatch
-    from megatron_tepo.trainer.loop import generate_groups, loss_settings, policy_update
+    from megatron_tepo.algorithms import PolicyLoss
+    from megatron_tepo.trainer.loop import generate_groups, policy_update
     import random
 
     cfg = load_config(REPO / "examples/tiny_tepo/config.yaml", overrides)
@@ -57,12 +58,12 @@ def main(out_path):
     batch.advantages = torch.where(batch.response_mask != 0, torch.full_like(batch.advantages, float("nan")),
                                    batch.advantages)
     before = {n: t.clone() for n, t in actor.export_hf_state()}
-    m = policy_update(actor, batch, loss_settings(cfg.algorithm))
+    m = policy_update(actor, batch, PolicyLoss.from_config(cfg.algorithm))
     after = dict(actor.export_hf_state())
     results["_nan"] = {"skipped": m["skipped_update"], "loss": m["loss"],
                        "unchanged": all(torch.equal(before[n], after[n]) for n in before)}
     batch.advantages = torch.nan_to_num(batch.advantages, nan=1.0) * batch.response_mask
-    m = policy_update(actor, batch, loss_settings(cfg.algorithm))
+    m = policy_update(actor, batch, PolicyLoss.from_config(cfg.algorithm))
     after2 = dict(actor.export_hf_state())
     results["_after_nan"] = {"skipped": m["skipped_update"],
                              "finite": all(bool(torch.isfinite(t).all()) for t in after2.values()),

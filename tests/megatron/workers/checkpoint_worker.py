@@ -19,12 +19,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np
 import torch
 
+from megatron_tepo.algorithms import PolicyLoss
 from tests.dist_utils import write_result
 from tests.megatron.helpers import hf_state, make_batch, make_hf_model, tiny_hf_config
 
 OPT = dict(lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-6, weight_decay=0.1, clip_grad=0.5,
            lr_warmup_steps=1, lr_warmup_init=1e-4, lr_decay_style="cosine", min_lr=1e-5)
-LOSS = {"name": "grpo"}
+LOSS = PolicyLoss.of("grpo")
 
 
 def _batches(n=3):

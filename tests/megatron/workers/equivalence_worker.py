@@ -19,6 +19,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
+from megatron_tepo.algorithms import PolicyLoss
 from tests.dist_utils import write_result
 from tests.megatron.helpers import (
     hf_log_probs,
@@ -111,7 +112,7 @@ def run_case(case):
         grads = {}
         for budget in (10**6, 1):
             actor.max_tokens_per_micro_batch = budget
-            m = actor.forward_backward(local, case["loss"])
+            m = actor.forward_backward(local, PolicyLoss.of(**case["loss"]))
             grads[int(m["num_micro_batches"])] = dict(gather_full_tensors(actor.model, "grad"))
         out["mb_counts"] = sorted(grads)
         a, b = (grads[k] for k in sorted(grads))
@@ -119,10 +120,10 @@ def run_case(case):
         actor.max_tokens_per_micro_batch = case.get("mb_tokens", 64)
 
     if case.get("pack_check"):
-        out["pack_check"] = _pack_check(actor, local, case["loss"])
+        out["pack_check"] = _pack_check(actor, local, PolicyLoss.of(**case["loss"]))
 
     # --- one training step
-    metrics = actor.forward_backward(local, case["loss"])
+    metrics = actor.forward_backward(local, PolicyLoss.of(**case["loss"]))
     grads = dict(actor.export_hf_state("grad"))
     mgrads = dict(gather_full_tensors(actor.model, "grad"))
     ref_loss, ref_metrics, ref_grads, ref_after, ref_norm = hf_reference_step(
@@ -151,7 +152,7 @@ def run_case(case):
         other = MegatronActor(source_cfg, hf_weights=source_weights, layout=layout, optim=optim,
                               **dict(settings, recompute="full", recompute_num_layers=1))
         assert other.config.recompute_granularity == "full" and other.config.recompute_method == "uniform"
-        m2 = other.forward_backward(local, case["loss"])
+        m2 = other.forward_backward(local, PolicyLoss.of(**case["loss"]))
         out["recompute_grad_rel_err"] = _rel_l2(dict(gather_full_tensors(other.model, "grad")), mgrads)
         out["recompute_loss_rel_err"] = abs(m2["loss"] - metrics["loss"]) / abs(metrics["loss"])
     if case.get("from_dir"):

@@ -10,11 +10,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
+from megatron_tepo.algorithms import PolicyLoss
 from tests.dist_utils import write_result
 from tests.megatron.helpers import hf_state, make_batch, make_hf_model, tiny_hf_config
 
 OPT = dict(lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-6, weight_decay=0.1, clip_grad=0.5)
-LOSS = {"name": "grpo"}
+LOSS = PolicyLoss.of("grpo")
 
 
 def _run(model, batch, dist_opt: bool, overlap: bool):
