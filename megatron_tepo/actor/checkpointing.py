@@ -291,6 +291,10 @@ def load_actor_checkpoint(actor, directory: PathLike, model_only: bool = False) 
         if not model_only:
             loaded_optimizer = loaded["optimizer"]
             saved_steps = _saved_adam_steps(actor, loaded_optimizer)
+            if getattr(actor, "keep_optim_settings", False):  # this run's LR replaces the saved one below
+                from megatron_tepo.megatron.compat import adopt_current_lr_in_saved_groups
+
+                adopt_current_lr_in_saved_groups(loaded_optimizer, actor.optimizer)
             actor.optimizer.load_state_dict(loaded_optimizer)
             _fix_torch_adam_steps(actor, saved_steps)
             actor.scheduler.num_steps = 0  # load_state_dict ADDS the saved step count

@@ -18,7 +18,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 __all__ = ["SUPPORTED", "mcore_version", "check_supported", "LEGACY_COMMON_FILE", "common_state_in_dcp",
-           "dist_ckpt_common_files", "save_strategy_base"]
+           "dist_ckpt_common_files", "save_strategy_base", "adopt_current_lr_in_saved_groups"]
 
 #: the megatron-core versions this package is tested with (keep in step with pyproject.toml)
 SUPPORTED = SpecifierSet(">=0.16.1,<0.20")
@@ -78,3 +78,36 @@ def save_strategy_base() -> type:
     from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
 
     return SaveShardedStrategy
+
+
+def adopt_current_lr_in_saved_groups(saved_optimizer_state, current_optimizer) -> int:
+    """Before loading an optimizer state whose learning rates this run replaces anyway
+    (``train.allow_config_change``): give every saved parameter group the current groups'
+    ``max_lr`` / ``min_lr``. From 0.19 megatron-core pairs saved and current groups by their
+    settings (``optimizer.param_group_identifier_keys``: ``max_lr``, ``min_lr``, weight-decay
+    multipliers, ...), up to 0.18 by position; with a changed learning rate 0.19 finds no pair and
+    refuses the load. The actor gives every group the same ``max_lr`` / ``min_lr``
+    (``MegatronActor.apply_optim_settings``), so the saved groups then pair as before. Changes
+    ``saved_optimizer_state`` in place; returns how many saved groups it changed (0 when the
+    current groups disagree among themselves, which this does not handle)."""
+    current = {(g.get("max_lr"), g.get("min_lr"))
+               for opt in getattr(current_optimizer, "chained_optimizers", [current_optimizer])
+               for g in opt.optimizer.param_groups}
+    if len(current) != 1:
+        return 0
+    (max_lr, min_lr), = current
+    changed = 0
+    todo = [saved_optimizer_state]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            groups = node.get("param_groups")
+            if isinstance(groups, list):
+                for g in groups:
+                    if isinstance(g, dict) and "max_lr" in g:
+                        g["max_lr"], g["min_lr"] = max_lr, min_lr
+                        changed += 1
+            todo.extend(v for k, v in node.items() if k != "param_groups")
+        elif isinstance(node, (list, tuple)):
+            todo.extend(node)
+    return changed
