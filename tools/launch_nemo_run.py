@@ -7,13 +7,13 @@
 
 What it does, in order (the same steps as slurm/lib.sh's ``tepo_main``, from the same sources):
 
-1. **Fit check, before anything is rendered**: :func:`megatron_tepo.launch.fit.load_launch` +
-   :func:`~megatron_tepo.launch.fit.check_fit` on the launch file and the overrides (the code
+1. **Fit check, before anything is rendered**: :func:`megatron_tepo.launch.load_launch` +
+   :func:`~megatron_tepo.launch.check_fit` on the launch file and the overrides (the code
    tools/fit_check.py runs). A misfit or an invalid layout exits with status 2 and the error
    naming the setting; no nemo-run experiment is created. Node counts, GPUs per node, SGLang TP,
    servers per node, ports and context length then come from
-   :func:`~megatron_tepo.launch.fit.shell_vars` (the ``FIT_*`` numbers of the sbatch path), and
-   :func:`~megatron_tepo.launch.fit.write_run_config` writes the trainer's RunConfig to
+   :func:`~megatron_tepo.launch.shell_vars` (the ``FIT_*`` numbers of the sbatch path), and
+   :func:`~megatron_tepo.launch.write_run_config` writes the trainer's RunConfig to
    ``<train.output_dir>/launch/nemo-run/<experiment id>/run.yaml``. No arithmetic is repeated here.
 2. **One nemo-run experiment with one job of two tasks**, ``sglang`` and ``trainer``, run as a
    group (``exp.add([sglang, trainer], executor=[...])``). With ``--executor slurm`` nemo-run
@@ -140,7 +140,7 @@ def free_port() -> int:
 class Plan:
     name: str  # launch file stem, e.g. qwen3_14b
     launch_file: Path
-    fit: Dict[str, str]  # megatron_tepo.launch.fit.shell_vars: the FIT_* values of slurm/lib.sh
+    fit: Dict[str, str]  # megatron_tepo.launch.shell_vars: the FIT_* values of slurm/lib.sh
     report: str  # the fit check's arithmetic, for the log
     spec: object = field(repr=False, default=None)
 
@@ -188,7 +188,7 @@ class Plan:
 
 def make_plan(launch_file: str, overrides: Sequence[str]) -> Plan:
     """Load the launch file and run the fit check; raises ConfigError/FitError naming the setting."""
-    from megatron_tepo.launch.fit import check_fit, load_launch, shell_vars
+    from megatron_tepo.launch import check_fit, load_launch, shell_vars
 
     spec = load_launch(launch_file, list(overrides))
     report = check_fit(spec.shape(), spec.cfg, spec.launch)
@@ -292,7 +292,7 @@ def build_experiment(plan: Plan, args, extra: Sequence[str]):
     """Create the experiment and write the run config; returns (exp, run_dir, sbatch path, add):
     ``add()`` adds the job (inside ``with exp:``, as nemo-run requires)."""
     import nemo_run as run
-    from megatron_tepo.launch.fit import write_run_config
+    from megatron_tepo.launch import write_run_config
 
     name = args.job_name or f"{plan.name}_tepo"
     exp = run.Experiment(name, executor=None, log_level=args.log_level)
@@ -546,7 +546,7 @@ def launch(args) -> int:
         print("launch_nemo_run: --account is required with --executor slurm", file=sys.stderr)
         return 2
     from megatron_tepo.config import ConfigError
-    from megatron_tepo.launch.fit import FitError
+    from megatron_tepo.launch import FitError
 
     try:
         plan = make_plan(args.launch, env_overrides() + list(args.overrides))
