@@ -6,8 +6,8 @@
 * :mod:`.memory` -- parameters, activations, actor and server memory per GPU (pure arithmetic);
 * :mod:`.report` -- the report text and the errors naming the settings (:class:`FitReport`);
 * :mod:`.fit` -- the layout rules and the verdict (:func:`check_layout`, :func:`check_fit`);
-* :mod:`.spec` -- the launch file (:func:`load_launch`), the run config it writes and the
-  ``FIT_*`` shell variables.
+* :mod:`.spec` -- the launch file (:func:`load_launch`), the run config it writes, the servers'
+  serve command and the ``FIT_*`` shell variables.
 
 The arithmetic and how the launchers use all this: docs/LAUNCH.md. Nothing here imports
 megatron-core, the actor or the trainer."""
@@ -15,7 +15,8 @@ from .fit import FitError, check_fit, check_layout
 from .report import FitReport
 from .schema import LaunchLayout, SGLangLayout
 from .shape import ModelShape, model_shape
-from .spec import LaunchSpec, load_launch, render_shell, shell_vars, write_run_config
+from .spec import LaunchSpec, load_launch, render_shell, serve_args, shell_vars, write_run_config
 
 __all__ = ["FitError", "FitReport", "LaunchLayout", "LaunchSpec", "ModelShape", "SGLangLayout", "check_fit",
-           "check_layout", "load_launch", "model_shape", "render_shell", "shell_vars", "write_run_config"]
+           "check_layout", "load_launch", "model_shape", "render_shell", "serve_args", "shell_vars",
+           "write_run_config"]

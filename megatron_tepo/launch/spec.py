@@ -1,6 +1,7 @@
 """A launch file, read (:func:`load_launch` -> :class:`LaunchSpec`) and handed on: the run config
-the trainer is started with (:func:`write_run_config`) and the ``FIT_*`` shell variables of
-slurm/lib.sh (:func:`shell_vars`, :func:`render_shell`).
+the trainer is started with (:func:`write_run_config`), the serve command of every SGLang server
+(:func:`serve_args`: the one place where ``launch.sglang`` becomes the server's command-line
+options) and the ``FIT_*`` shell variables of slurm/lib.sh (:func:`shell_vars`, :func:`render_shell`).
 
 A launch file (``examples/models/<model>.yaml``) holds the model's HF ``config.json`` numbers
 (``architecture``, or a path to one; a ``config.json`` in ``model.path`` wins), the placement
@@ -23,9 +24,12 @@ from megatron_tepo.config import ConfigError, RunConfig, apply_overrides, from_f
 from megatron_tepo.launch.schema import LaunchLayout, read_layout
 from megatron_tepo.launch.shape import ModelShape, model_shape
 
-__all__ = ["LaunchSpec", "load_launch", "write_run_config", "shell_vars", "render_shell"]
+__all__ = ["LaunchSpec", "load_launch", "write_run_config", "SERVE_MODULE", "serve_args", "shell_vars",
+           "render_shell"]
 
 LAUNCH_KEYS = ("architecture", "launch")
+#: the serve command (one SGLang server in the foreground), run with the project's python on the nodes
+SERVE_MODULE = "megatron_tepo.rollout.serve"
 
 
 @dataclass
@@ -98,8 +102,30 @@ def write_run_config(spec: LaunchSpec, out: Union[str, Path]) -> Path:
     return out
 
 
+def serve_args(spec: LaunchSpec) -> List[str]:
+    """The words after the python of every SGLang server of the job, all but ``--port`` (one per
+    server): ``-m megatron_tepo.rollout.serve`` and the options the launch file sets. The only
+    place where ``launch.sglang`` (and the device, model path and context length) become the
+    server's options: slurm/lib.sh reads them as ``FIT_SERVE_ARGS``, the nemo-run launcher calls
+    this; the serve command turns them into SGLang's flags (the rollout fleet's ``server_command``)."""
+    L, cfg = spec.launch, spec.cfg
+    s = L.sglang
+    args = ["-m", SERVE_MODULE, "--model-path", cfg.model.path, "--host", "0.0.0.0", "--tp", str(s.tp),
+            "--device", L.device, "--mem-fraction-static", f"{s.mem_fraction_static:g}",
+            "--max-running-requests", str(s.max_running_requests)]
+    if L.device == "cpu":
+        args += ["--threads", str(s.threads)]
+    else:
+        args += ["--context-length", str(cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens)]
+    if s.max_total_tokens:
+        args += ["--max-total-tokens", str(s.max_total_tokens)]
+    return args
+
+
 def shell_vars(spec: LaunchSpec) -> Dict[str, str]:
-    """What slurm/lib.sh needs, as ``FIT_*`` shell variables."""
+    """What slurm/lib.sh needs, as ``FIT_*`` shell variables. ``FIT_SERVE_ARGS`` is :func:`serve_args`,
+    shell-quoted; the values it is made of (``FIT_SGLANG_*``, ``FIT_MODEL_PATH``, ``FIT_CONTEXT_LEN``)
+    are there as before, though lib.sh reads only ``FIT_SGLANG_TP`` and ``FIT_SGLANG_PORT`` of them."""
     L = spec.launch
     return {
         "FIT_DEVICE": L.device,
@@ -113,6 +139,7 @@ def shell_vars(spec: LaunchSpec) -> Dict[str, str]:
         "FIT_SGLANG_PORT": str(L.sglang.port),
         "FIT_MODEL_PATH": spec.cfg.model.path, "FIT_OUTPUT_DIR": spec.cfg.train.output_dir,
         "FIT_CONTEXT_LEN": str(spec.cfg.rollout.max_prompt_len + spec.cfg.rollout.max_new_tokens),
+        "FIT_SERVE_ARGS": shlex.join(serve_args(spec)),
     }
 
 
