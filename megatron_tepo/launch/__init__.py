@@ -7,10 +7,12 @@
 * :mod:`.report` -- the report text and the errors naming the settings (:class:`FitReport`);
 * :mod:`.fit` -- the layout rules and the verdict (:func:`check_layout`, :func:`check_fit`);
 * :mod:`.spec` -- the launch file (:func:`load_launch`), the run config it writes, the servers'
-  serve command and the ``FIT_*`` shell variables.
+  serve command and the ``FIT_*`` shell variables;
+* :mod:`.nemo_run` -- the nemo-run launcher (``tools/launch_nemo_run.py``; imports nemo-run).
 
 The arithmetic and how the launchers use all this: docs/LAUNCH.md. Nothing here imports
-megatron-core, the actor or the trainer."""
+megatron-core, the actor or the trainer; the nemo-run launcher reuses the SGLang fleet's process
+code (health wait, stop) from ``megatron_tepo.rollout``."""
 from .fit import FitError, check_fit, check_layout
 from .report import FitReport
 from .schema import LaunchLayout, SGLangLayout

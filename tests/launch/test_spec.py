@@ -1,5 +1,5 @@
 """A launch file's SGLang settings reach the servers from one place (``launch.spec.serve_args``):
-slurm/lib.sh's serve command and what the serve command makes of them;
+slurm/lib.sh's serve command, the nemo-run launcher's, and what the serve command makes of them;
 and a bad launch file is an error naming the key and its line (the run config's own loader)."""
 import importlib.util
 import os
@@ -27,7 +27,7 @@ def test_serve_module_exists():
     ("qwen3_14b", ["--context-length", "10240"]),
     ("tiny_cpu", ["--threads", "1", "--max-total-tokens", "4096"]),
 ])
-def test_one_serve_command_for_slurm_and_the_fit_check(tmp_path, name, device_args):
+def test_one_serve_command_for_both_launchers(tmp_path, name, device_args):
     spec = load_launch(MODELS / f"{name}.yaml", ["model.path=/models/m x", "launch.sglang.mem_fraction_static=0.7"])
     args = serve_args(spec)
     assert args[args.index("--mem-fraction-static") + 1] == "0.7" and args[-len(device_args):] == device_args
@@ -40,6 +40,10 @@ def test_one_serve_command_for_slurm_and_the_fit_check(tmp_path, name, device_ar
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True,
                          env={"PATH": os.environ["PATH"], "TEPO_PYTHON": "/py/bin/python"}).stdout
     assert shlex.split(out) == ["/py/bin/python", *args, "--port", "30001"]
+    # the nemo-run launcher
+    from megatron_tepo.launch.nemo_run import Plan, server_command
+
+    assert server_command(Plan(name, spec, ""), "/py/bin/python") == ["/py/bin/python", *args, "--port", "{port}"]
 
 
 def test_serve_command_makes_sglang_flags_of_them(monkeypatch):
