@@ -32,7 +32,8 @@ __all__ = [
     "ConfigError", "RunConfig", "AlgorithmConfig", "RolloutCorrectionConfig", "AdvantageConfig", "RolloutConfig",
     "OptimConfig", "TrainConfig", "ParallelLayout", "ActorConfig", "ModelConfig", "DataConfig", "RewardConfig",
     "load_config",
-    "from_dict", "to_dict", "apply_overrides", "dump_config", "validate", "read_yaml_file",
+    "from_dict", "from_file_data", "build_section", "to_dict", "apply_overrides", "dump_config", "validate",
+    "read_yaml_file",
     "RESUME_MAY_CHANGE", "changed_settings",
 ]
 
@@ -304,17 +305,22 @@ def yaml_error(path: Union[str, Path], exc: "yaml.YAMLError") -> ConfigError:
     return ConfigError(f"{where}: invalid YAML: {' '.join(problem.split())}")
 
 
-def read_yaml_file(path: Union[str, Path]) -> Any:
-    """A plain YAML file's data (launch files, benchmark lists); errors name file, line, column."""
+def read_yaml_file(path: Union[str, Path], where: Optional[Dict[str, str]] = None) -> Any:
+    """A plain YAML file's data (launch files, benchmark lists); errors name file, line, column.
+    ``where``, when given, gets the ``file:line`` of every key (dotted path), as the run config's
+    own reader records them, and a duplicate key is then an error; ``_base_`` is left as data."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     try:
-        return yaml.safe_load(text)
+        if where is None:
+            return yaml.safe_load(text)
+        node = yaml.compose(text)
     except yaml.YAMLError as exc:
         raise yaml_error(path, exc) from None
+    return None if node is None else _construct(node, where, "", str(path))
 
 
 def _read_yaml(path: Path, where: Dict[str, str], _seen: Tuple[Path, ...] = ()) -> Dict[str, Any]:
@@ -333,8 +339,14 @@ def _read_yaml(path: Path, where: Dict[str, str], _seen: Tuple[Path, ...] = ()) 
     data = _construct(node, own_where, "", str(path))
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, found {type(data).__name__}")
-    bases = data.pop(BASE_KEY, [])
     own_where.pop(BASE_KEY, None)
+    merged = _read_bases(data.pop(BASE_KEY, []), path, where, _seen)
+    where.update(own_where)
+    return _deep_merge(merged, data)
+
+
+def _read_bases(bases: Any, path: Path, where: Dict[str, str], _seen: Tuple[Path, ...] = ()) -> Dict[str, Any]:
+    """The ``_base_`` files of ``path`` (relative to its folder), merged left to right."""
     if isinstance(bases, str):
         bases = [bases]
     if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
@@ -342,8 +354,7 @@ def _read_yaml(path: Path, where: Dict[str, str], _seen: Tuple[Path, ...] = ()) 
     merged: Dict[str, Any] = {}
     for base in bases:
         merged = _deep_merge(merged, _read_yaml(path.parent / base, where, _seen + (path,)))
-    where.update(own_where)
-    return _deep_merge(merged, data)
+    return merged
 
 
 def _deep_merge(base: Dict[str, Any], top: Dict[str, Any]) -> Dict[str, Any]:
@@ -461,6 +472,9 @@ MOVED_KEYS = {
     "parallel.sequence_parallel": "actor.sequence_parallel",
     "train.max_tokens_per_micro_batch": "actor.max_tokens_per_micro_batch",
     "model.dtype": "actor.precision (bf16 or fp32)",
+    # a launch file's ``launch`` section (megatron_tepo/launch/schema.py reads it with build_section)
+    "launch.actor_precision": "actor.precision",
+    "launch.recompute": "actor.recompute",
 }
 
 
@@ -492,6 +506,26 @@ def from_dict(data: Dict[str, Any], where: Optional[Dict[str, str]] = None) -> R
     cfg = _build(RunConfig, data, "", where or {})
     validate(cfg)
     return cfg
+
+
+def from_file_data(path: Union[str, Path], data: Dict[str, Any], where: Dict[str, str]) -> RunConfig:
+    """Build and validate a :class:`RunConfig` from the data of the file ``path``, already read
+    (:func:`read_yaml_file` with ``where``) and patched by the caller -- the RunConfig part of a
+    launch file --: its ``_base_`` files merged under it as :func:`load_config` does; errors name
+    the file and line (or the override) of the key."""
+    path = Path(path).resolve()
+    data, own_where = dict(data), dict(where)
+    merged = _read_bases(data.pop(BASE_KEY, []), path, where)
+    where.update(own_where)
+    return from_dict(_deep_merge(merged, data), where)
+
+
+def build_section(cls: type, data: Any, prefix: str, where: Optional[Dict[str, str]] = None) -> Any:
+    """One section (a dataclass) from plain data by the run config's own typed rules -- unknown
+    keys with the closest valid ones, moved keys (:data:`MOVED_KEYS`), types, ``Literal`` choices --;
+    errors name the dotted path under ``prefix`` and, where ``where`` knows it, the file and line.
+    For sections that are not the run config's (a launch file's ``launch``)."""
+    return _coerce(data, cls, prefix, where or {})
 
 
 def to_dict(cfg: Any) -> Dict[str, Any]:

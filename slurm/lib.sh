@@ -10,8 +10,9 @@
 #   2. the node split (tepo_split_nodes), NCCL settings (tepo_nccl_env);
 #   3. SGLang servers with srun on the rollout nodes (GPUS_PER_NODE / SGLANG_TP servers per node,
 #      one port each), then a wait for every /health. Each server is
-#      `python -m megatron_tepo.rollout.serve` (the SGLang command line is built in Python, in
-#      megatron_tepo/rollout/sglang_fleet.py's server_command, shared with the SGLang fleet);
+#      `python -m megatron_tepo.rollout.serve` with the options the fit check made of the launch
+#      file (FIT_SERVE_ARGS); SGLang's command line is built in Python, in
+#      megatron_tepo/rollout/sglang_fleet.py's server_command, shared with the SGLang fleet;
 #   4. the trainer: srun (one task per actor node) + torchrun, c10d rendezvous on the first actor
 #      node (torchrun --standalone when there is one actor node); the SGLang URLs are passed in
 #      TEPO_SGLANG_URLS.
@@ -236,22 +237,13 @@ tepo_run() {
     fi
 }
 
-# The serve command of one server (megatron_tepo.rollout.serve; the SGLang flags live in Python).
+# The serve command of one server: the python, then FIT_SERVE_ARGS as the fit check wrote it
+# (already shell-quoted: `-m megatron_tepo.rollout.serve` and the options of the launch file's
+# SGLang settings, made in one place, megatron_tepo/launch/spec.py's serve_args, which the nemo-run
+# launcher calls too; the serve command turns them into SGLang's flags), then the port.
 # tepo_serve_cmd PORT: one shell-quoted command line.
 tepo_serve_cmd() {
-    local port=$1
-    local -a cmd=("$(tepo_python)" -m megatron_tepo.rollout.serve --model-path "$FIT_MODEL_PATH"
-        --port "$port" --host 0.0.0.0 --tp "$FIT_SGLANG_TP" --device "${FIT_DEVICE:-cuda}"
-        --mem-fraction-static "$FIT_SGLANG_MEM_FRACTION" --max-running-requests "$FIT_SGLANG_MAX_RUNNING")
-    if [[ "${FIT_DEVICE:-cuda}" == cpu ]]; then
-        cmd+=(--threads "${FIT_SGLANG_THREADS:-1}")
-    else
-        cmd+=(--context-length "$FIT_CONTEXT_LEN")
-    fi
-    if [[ "${FIT_SGLANG_MAX_TOTAL_TOKENS:-0}" != 0 ]]; then
-        cmd+=(--max-total-tokens "$FIT_SGLANG_MAX_TOTAL_TOKENS")
-    fi
-    printf '%q ' "${cmd[@]}"
+    printf '%q %s --port %q ' "$(tepo_python)" "$FIT_SERVE_ARGS" "$1"
 }
 
 # Start FIT_SERVERS_PER_NODE servers on every rollout node (one srun step per node, in the

@@ -12,7 +12,7 @@ to change and exits 2 (``--traceback`` for the whole story).
 prints ``FIT_*=value`` lines for slurm/lib.sh (on stdout; the report then goes to stderr). A launch
 file with ``launch.device: cpu`` (examples/models/tiny_cpu.yaml) gets no GPU arithmetic, only the
 layout rules, and still writes the run config and the FIT_* lines.
-See megatron_tepo/launch/fit.py for the formulas.
+The formulas: docs/LAUNCH.md ("The fit-check arithmetic"); the code: megatron_tepo/launch/.
 """
 import argparse
 import sys
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
 def _run(args) -> int:
     from megatron_tepo.cli import UserError
     from megatron_tepo.config import ConfigError
-    from megatron_tepo.launch.fit import FitError, check_fit, load_launch, render_shell, write_run_config
+    from megatron_tepo.launch import FitError, check_fit, load_launch, render_shell, write_run_config
 
     overrides = list(args.overrides)
     if args.gpu_mem_gib is not None:

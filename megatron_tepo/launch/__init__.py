@@ -1,5 +1,24 @@
-"""Launching a run on a cluster: the memory fit check (:mod:`.fit`) used by ``tools/fit_check.py``
-and ``slurm/lib.sh`` before anything starts."""
-from .fit import FitError, LaunchLayout, SGLangLayout, check_fit, load_launch, model_shape
+"""Launching a run on a cluster, before anything starts: the launch file and the fit check, read by
+``tools/fit_check.py``, ``slurm/lib.sh`` and the nemo-run launcher. One module per concern:
 
-__all__ = ["FitError", "LaunchLayout", "SGLangLayout", "check_fit", "load_launch", "model_shape"]
+* :mod:`.schema` -- the ``launch`` section (:class:`LaunchLayout`, :class:`SGLangLayout`);
+* :mod:`.shape` -- the model's shape from its HF config (:class:`ModelShape`);
+* :mod:`.memory` -- parameters, activations, actor and server memory per GPU (pure arithmetic);
+* :mod:`.report` -- the report text and the errors naming the settings (:class:`FitReport`);
+* :mod:`.fit` -- the layout rules and the verdict (:func:`check_layout`, :func:`check_fit`);
+* :mod:`.spec` -- the launch file (:func:`load_launch`), the run config it writes, the servers'
+  serve command and the ``FIT_*`` shell variables;
+* :mod:`.nemo_run` -- the nemo-run launcher (``tools/launch_nemo_run.py``; imports nemo-run).
+
+The arithmetic and how the launchers use all this: docs/LAUNCH.md. Nothing here imports
+megatron-core, the actor or the trainer; the nemo-run launcher reuses the SGLang fleet's process
+code (health wait, stop) from ``megatron_tepo.rollout``."""
+from .fit import FitError, check_fit, check_layout
+from .report import FitReport
+from .schema import LaunchLayout, SGLangLayout
+from .shape import ModelShape, model_shape
+from .spec import LaunchSpec, load_launch, render_shell, serve_args, shell_vars, write_run_config
+
+__all__ = ["FitError", "FitReport", "LaunchLayout", "LaunchSpec", "ModelShape", "SGLangLayout", "check_fit",
+           "check_layout", "load_launch", "model_shape", "render_shell", "serve_args", "shell_vars",
+           "write_run_config"]

@@ -5,7 +5,7 @@ rank builds the actor, takes one optimizer step (Adam's states exist from the fi
 reports, in bytes: its parameters (unique storages), its DDP gradient buffers, and its optimizer's
 own tensors (Adam's moments, and the main parameters that do not share storage with the model's:
 fp32 copies with bf16; none in fp32, where megatron's main parameters are the model's own, or
-views of them with the distributed optimizer). It also reports what ``launch.fit.actor_memory``
+views of them with the distributed optimizer). It also reports what ``launch.memory.actor_memory``
 prices for the same model, layout and ``actor`` section.
 """
 import json
@@ -38,7 +38,8 @@ def run_case(case):
     from megatron_tepo.actor.actor import MegatronActor, OptimConfig
     from megatron_tepo.layout import ParallelLayout
     from megatron_tepo.config import ActorConfig, RunConfig
-    from megatron_tepo.launch.fit import LaunchLayout, actor_memory, model_shape
+    from megatron_tepo.launch import LaunchLayout, model_shape
+    from megatron_tepo.launch.memory import actor_memory
     from megatron_tepo.megatron.sharding import unwrap_model
 
     hf_cfg = tiny_hf_config(case["family"], tie=case["tie"])

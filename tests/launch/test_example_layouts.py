@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from megatron_tepo.config import load_config
-from megatron_tepo.launch.fit import load_launch, write_run_config
+from megatron_tepo.launch import load_launch, write_run_config
 from tests.dist_utils import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,11 +1,12 @@
-"""Fit check arithmetic against hand-computed numbers (formulas: megatron_tepo/launch/fit.py)."""
+"""Fit check arithmetic against hand-computed numbers (formulas: docs/LAUNCH.md, "The fit-check
+arithmetic"; code: megatron_tepo/launch/)."""
 from pathlib import Path
 
 import pytest
 import yaml
 
-from megatron_tepo.launch.fit import (GiB, FitError, actor_memory, check_fit, load_launch, param_counts,
-                                      server_memory, total_params, write_run_config)
+from megatron_tepo.launch import FitError, check_fit, load_launch, write_run_config
+from megatron_tepo.launch.memory import GiB, actor_memory, param_counts, server_memory, total_params
 from megatron_tepo.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,9 +80,9 @@ def test_tiny_actor_bytes_by_hand(tmp_path):
 
 def test_moved_settings_are_named(tmp_path):
     from megatron_tepo.config import ConfigError
-    with pytest.raises(ConfigError, match=r"launch.actor_precision: moved to actor.precision"):
+    with pytest.raises(ConfigError, match=r"launch.actor_precision \(.*tiny.yaml:\d+\): moved to actor.precision"):
         tiny(tmp_path, launch={"actor_precision": "bf16"})
-    with pytest.raises(ConfigError, match=r"launch.recompute: moved to actor.recompute"):
+    with pytest.raises(ConfigError, match=r"launch.recompute \(.*tiny.yaml:\d+\): moved to actor.recompute"):
         tiny(tmp_path, launch={"recompute": "full"})
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel .*moved to actor.sequence_parallel"):
         tiny(tmp_path, parallel={"sequence_parallel": True})
@@ -220,7 +221,7 @@ def cpu_launch(**kw):
 
 
 def test_cpu_mode_skips_gpu_arithmetic(tmp_path):
-    from megatron_tepo.launch.fit import shell_vars
+    from megatron_tepo.launch import shell_vars
     spec = tiny(tmp_path, launch=cpu_launch(gpu_mem_gib=0.001))  # would never fit a GPU
     report = check_fit(spec.shape(), spec.cfg, spec.launch)
     assert report.actor is None and report.server is None and report.actor_fits and report.server_fits
@@ -248,7 +249,7 @@ def test_colocated_needs_cpu(tmp_path):
     from megatron_tepo.config import ConfigError
     with pytest.raises(ConfigError, match="rollout_nodes: 0 .* needs launch.device: cpu"):
         tiny(tmp_path, launch=dict(rollout_nodes=0))
-    with pytest.raises(ConfigError, match="launch.device: expected cuda or cpu"):
+    with pytest.raises(ConfigError, match="launch.device .*: expected one of 'cuda', 'cpu', found 'tpu'"):
         tiny(tmp_path, launch=dict(device="tpu"))
     with pytest.raises(ConfigError, match="servers_per_node: 3 servers x tp 2 need more"):
         tiny(tmp_path, launch=dict(sglang=dict(tp=2, servers_per_node=3)))

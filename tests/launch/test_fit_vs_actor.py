@@ -1,6 +1,6 @@
 """The fit check prices what the actor really allocates (see fit_worker.py): per rank, the bytes of
 the parameters, of megatron DDP's gradient buffers and of the optimizer's own tensors after one
-step agree with ``launch.fit.actor_memory`` within 10%, in bf16 and fp32, at TP=2 (plain optimizer,
+step agree with ``launch.memory.actor_memory`` within 10%, in bf16 and fp32, at TP=2 (plain optimizer,
 untied embeddings) and at DP=2 (distributed optimizer, tied embeddings)."""
 import json
 from pathlib import Path

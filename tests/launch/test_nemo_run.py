@@ -319,9 +319,8 @@ def test_local_steps_inherit_the_key_from_the_launcher(tmp_path):
     probe.write_text("import hashlib, os\n"  # (a digest: the key itself must be in no file)
                      "print('KEY=' + hashlib.sha256(os.environ.get('TEPO_SGLANG_API_KEY', 'unset').encode()).hexdigest())\n")
     code = f"""
-import importlib.util, os, sys
-spec = importlib.util.spec_from_file_location("lnr", {str(TOOL)!r})
-lnr = sys.modules["lnr"] = importlib.util.module_from_spec(spec); spec.loader.exec_module(lnr)
+import os, sys
+import megatron_tepo.launch.nemo_run as lnr
 env = {{}}
 lnr.local_api_key(env)
 assert len(env["TEPO_SGLANG_API_KEY"]) == 32, env
@@ -412,13 +411,51 @@ def test_step_sglang_stops_with_the_trainers_status(tmp_path):
                                       "import sys, time; print('port', sys.argv[1], flush=True); time.sleep(600)",
                                       "{port}"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    time.sleep(3)
+    logs = tmp_path / "logs"
+    deadline = time.monotonic() + 90  # the step imports the fleet's code (torch) before it starts them
+    while [p.read_text().strip() for p in sorted(logs.glob("sglang.*.log"))] != ["port 40001", "port 40002"]:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=60)[1]
+        time.sleep(0.2)
+    time.sleep(1)
     assert proc.poll() is None  # the stand-in servers keep running
     done.write_text("5\n")
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 5, err
-    logs = sorted((tmp_path / "logs").glob("sglang.*.log"))
-    assert [p.read_text().strip() for p in logs] == ["port 40001", "port 40002"]
+    assert "the trainer finished with status 5: stopping the servers" in err
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie (killed, waiting for whoever reaps orphans)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def test_step_sglang_stops_each_servers_process_group(tmp_path):
+    """The SGLang fleet's stop_server: TERM to a server's whole process group, KILL after the grace.
+    A stand-in server that ignores TERM, and a worker it forked that ignores it too, are both gone
+    when the step returns."""
+    done, pids = tmp_path / "done", tmp_path / "pids"
+    worker = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    server = ("import os, signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              f"w = subprocess.Popen([sys.executable, '-c', {worker!r}]); "
+              f"open({str(pids)!r} + '.tmp', 'w').write(f'{{os.getpid()}} {{w.pid}}'); "
+              f"os.replace({str(pids)!r} + '.tmp', {str(pids)!r}); time.sleep(600)")
+    proc = subprocess.Popen(_step_cmd("step-sglang", "--ports", "40005", "--gpus-per-server", "1", "--device", "cpu",
+                                      "--done-file", str(done), "--log-dir", str(tmp_path / "logs"), "--poll", "0.2",
+                                      "--grace", "1", "--", sys.executable, "-c", server),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    deadline = time.monotonic() + 90
+    while not pids.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=60)[1]
+        time.sleep(0.2)
+    server_pid, worker_pid = map(int, pids.read_text().split())
+    assert not _gone(server_pid) and not _gone(worker_pid)
+    done.write_text("0\n")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert _gone(server_pid) and _gone(worker_pid), err
 
 
 def test_step_sglang_fails_when_a_server_dies(tmp_path):

@@ -1,0 +1,187 @@
+"""Memory per GPU, in bytes: parameters on one rank (:func:`param_counts`), activations kept for
+backward (:func:`layer_activation_bytes`), the logits working set, and the totals of the actor's
+largest pipeline stage (:func:`actor_memory`, priced from the run config's ``actor`` section, what
+the trainer hands to the actor) and of one SGLang server GPU (:func:`server_memory`). Pure
+arithmetic; the formulas, their conventions and what they leave out are in docs/LAUNCH.md ("The
+fit-check arithmetic"); tests/launch/test_fit_vs_actor.py checks the weight, gradient and optimizer
+bytes against a built actor. Left out: deciding whether it fits (:mod:`megatron_tepo.launch.fit`)
+and saying so (:mod:`megatron_tepo.launch.report`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+from megatron_tepo.config import RunConfig
+from megatron_tepo.launch.schema import LaunchLayout
+from megatron_tepo.launch.shape import ModelShape
+
+__all__ = ["GiB", "param_counts", "total_params", "layer_activation_bytes", "logits_bytes", "ActorMemory",
+           "ServerMemory", "actor_memory", "server_memory"]
+
+GiB = 2 ** 30
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------------
+def _layer_params(m: ModelShape, t: int, e: int) -> Tuple[int, int]:
+    """(non-expert, expert) parameters of one layer on one GPU; exact integer division."""
+    h, d = m.hidden, m.head_dim
+    attn = (h * m.heads * d + 2 * h * m.kv_groups * d + m.heads * d * h) // t + h
+    if m.qkv_bias:
+        attn += (m.heads + 2 * m.kv_groups) * d // t
+    if m.qk_norm:
+        attn += 2 * d
+    if m.is_moe:
+        return attn + h * m.num_experts + h, (m.num_experts // e) * 3 * h * m.moe_ffn // t
+    return attn + 3 * h * m.ffn // t + h, 0
+
+
+def param_counts(m: ModelShape, t: int = 1, p: int = 1, e: int = 1) -> Dict[str, Tuple[int, int]]:
+    """(non-expert, expert) parameters on one GPU of the first and of the last pipeline stage;
+    ``t=p=e=1`` gives the whole model (``"first"`` == ``"last"``)."""
+    dense, expert = _layer_params(m, t, e)
+    n = m.num_layers // p
+    emb = m.vocab * m.hidden // t
+    first = n * dense + emb
+    last = n * dense + m.hidden + (emb if (not m.tied or p > 1) else 0)
+    if p == 1:
+        first = last = n * dense + emb + m.hidden + (0 if m.tied else emb)
+    return {"first": (first, n * expert), "last": (last, n * expert)}
+
+
+def total_params(m: ModelShape) -> int:
+    dense, expert = param_counts(m)["first"]
+    return dense + expert
+
+
+# --------------------------------------------------------------------------------------------
+# Activations
+# --------------------------------------------------------------------------------------------
+def layer_activation_bytes(m: ModelShape, t: int, sp: bool, elem: int = 2, fused: bool = True,
+                           unfused_seq: int = 0, selective: bool = False) -> float:
+    """Bytes per token of one layer kept for backward (docs/LAUNCH.md): ``elem`` bytes per
+    activation element, ``fused`` SwiGLU, ``unfused_seq`` the padded row length when the
+    attention materialises its scores (0: flash-style), ``selective`` core-attention recompute."""
+    h, d = m.hidden, m.head_dim
+    whole = 4 * h  # two norm inputs + two linear inputs
+    sharded = (m.heads + 2 * m.kv_groups) * d + (1 if selective else 2) * m.heads * d
+    if m.qk_norm:
+        sharded += (m.heads + m.kv_groups) * d
+    extra_bytes_sharded = 0 if selective else 4 * m.heads
+    if unfused_seq and not selective:
+        extra_bytes_sharded += (4 + (elem if elem < 4 else 0)) * m.heads * unfused_seq
+    extra_bytes_whole = 0
+    if m.is_moe:
+        whole += m.topk * h  # dispatched tokens (not split by TP)
+        sharded += m.topk * 3 * m.moe_ffn
+        extra_bytes_whole = 4 * m.num_experts + 4 * m.topk
+    else:
+        sharded += (3 if fused else 4) * m.ffn
+    if sp:
+        return (elem * (whole + sharded) + extra_bytes_sharded + extra_bytes_whole) / t
+    return elem * whole + extra_bytes_whole + (elem * sharded + extra_bytes_sharded) / t
+
+
+def logits_bytes(m: ModelShape, t: int, elem: int = 2) -> float:
+    """Bytes per token of the logits working set on the last stage: the logits and their
+    gradient in the parameters' dtype, ``2 * elem * V / t``."""
+    return 2 * elem * m.vocab / t
+
+
+# --------------------------------------------------------------------------------------------
+# Reports
+# --------------------------------------------------------------------------------------------
+@dataclass
+class ActorMemory:
+    stage: str
+    dense_params: int
+    expert_params: int
+    weights: float
+    grads: float
+    optimizer: float
+    reference: float
+    activations: float
+    logits: float
+    reserve: float
+    dp: int
+    edp: int
+    tokens: int
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.grads + self.optimizer + self.reference + self.activations
+                + self.logits + self.reserve)
+
+
+@dataclass
+class ServerMemory:
+    params: int
+    weights: float
+    kv_bytes_per_token: int
+    kv_tokens: int
+    kv_cache: float
+    budget: float
+    servers: int
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.kv_cache
+
+
+def _precision_bytes(precision: str) -> Tuple[int, int, int]:
+    """(weight, grad, optimizer) bytes per parameter."""
+    return (2, 4, 12) if precision == "bf16" else (4, 4, 8)
+
+
+def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> ActorMemory:
+    """Per-GPU memory of the actor's largest pipeline stage (bytes; docs/LAUNCH.md),
+    priced from the run config's ``actor`` section."""
+    t, p, e = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep
+    act = cfg.actor
+    sp = act.sequence_parallel
+    world = launch.actor_gpus
+    dp, edp = world // (t * p), world // (p * e * t)
+    w_b, g_b, o_b = _precision_bytes(act.precision)
+    elem = w_b  # activations are in the parameters' dtype
+    dist = cfg.optim.use_distributed_optimizer
+    ref = cfg.algorithm.kl_target == "ref"
+    longest = cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens
+    s = max(act.max_tokens_per_micro_batch, longest)
+    n = m.num_layers // p
+    fused = act.fusions == "on" or (act.fusions == "auto" and launch.device == "cuda")
+    unfused_seq = min(s, longest) if act.attention == "unfused" else 0
+    per_layer = layer_activation_bytes(m, t, sp, elem, fused, unfused_seq, act.recompute == "selective")
+    if act.recompute == "full":
+        kept = elem * m.hidden / t if sp else elem * m.hidden
+        working = per_layer * s * min(act.recompute_num_layers, n)  # one block re-run at a time
+    else:
+        kept, working = per_layer, 0.0
+    counts = param_counts(m, t, p, e)
+    best = None
+    for stage, in_flight, has_logits in (("first", p, p == 1), ("last", 1, True)):
+        dense, expert = counts[stage]
+        opt = (o_b * dense / dp + o_b * expert / edp) if dist else o_b * (dense + expert)
+        mem = ActorMemory(
+            stage=stage if p > 1 else "only", dense_params=dense, expert_params=expert,
+            weights=w_b * (dense + expert), grads=g_b * (dense + expert), optimizer=opt,
+            reference=(w_b * (dense + expert) if ref else 0.0),
+            activations=in_flight * n * kept * s + working,
+            logits=logits_bytes(m, t, elem) * s if has_logits else 0.0,
+            reserve=launch.reserve_gib * GiB, dp=dp, edp=edp, tokens=s)
+        if best is None or mem.total > best.total:
+            best = mem
+    return best
+
+
+def server_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> ServerMemory:
+    """Per-GPU memory of one SGLang server GPU (bytes; docs/LAUNCH.md)."""
+    ts = launch.sglang.tp
+    dense, expert = param_counts(m, ts, 1, 1)["first"]
+    kv_per_token = 2 * m.num_layers * math.ceil(m.kv_groups / ts) * m.head_dim * 2
+    kv_tokens = launch.sglang.max_running_requests * (cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens)
+    return ServerMemory(params=dense + expert, weights=2 * (dense + expert), kv_bytes_per_token=kv_per_token,
+                        kv_tokens=kv_tokens, kv_cache=float(kv_per_token * kv_tokens),
+                        budget=launch.sglang.mem_fraction_static * launch.gpu_mem_gib * GiB,
+                        servers=launch.servers)

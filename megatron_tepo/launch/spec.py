@@ -1,0 +1,147 @@
+"""A launch file, read (:func:`load_launch` -> :class:`LaunchSpec`) and handed on: the run config
+the trainer is started with (:func:`write_run_config`), the serve command of every SGLang server
+(:func:`serve_args`: the one place where ``launch.sglang`` becomes the server's command-line
+options) and the ``FIT_*`` shell variables of slurm/lib.sh (:func:`shell_vars`, :func:`render_shell`).
+
+A launch file (``examples/models/<model>.yaml``) holds the model's HF ``config.json`` numbers
+(``architecture``, or a path to one; a ``config.json`` in ``model.path`` wins), the placement
+(``launch``: :mod:`megatron_tepo.launch.schema`) and a :class:`~megatron_tepo.config.RunConfig`
+fragment (everything else, ``_base_`` naming the method file), which is typed and validated by the
+run config's own loader, errors naming the key and its line in the launch file. docs/LAUNCH.md
+says how the Slurm scripts and the nemo-run launcher use it. Left out: the memory arithmetic and
+the fit check (:mod:`megatron_tepo.launch.fit`)."""
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import yaml
+
+from megatron_tepo.config import ConfigError, RunConfig, apply_overrides, from_file_data, load_config, read_yaml_file
+from megatron_tepo.launch.schema import LaunchLayout, read_layout
+from megatron_tepo.launch.shape import ModelShape, model_shape
+
+__all__ = ["LaunchSpec", "load_launch", "write_run_config", "SERVE_MODULE", "serve_args", "shell_vars",
+           "render_shell"]
+
+LAUNCH_KEYS = ("architecture", "launch")
+#: the serve command (one SGLang server in the foreground), run with the project's python on the nodes
+SERVE_MODULE = "megatron_tepo.rollout.serve"
+
+
+@dataclass
+class LaunchSpec:
+    path: Path
+    launch: LaunchLayout
+    cfg: RunConfig
+    run_data: Dict[str, Any]  # the RunConfig fragment, ``_base_`` made absolute
+    architecture: Dict[str, Any]
+    architecture_source: str
+
+    def shape(self) -> ModelShape:
+        return model_shape(self.architecture)
+
+
+def _split_overrides(overrides: Sequence[str]) -> Tuple[List[str], List[str]]:
+    launch, run = [], []
+    for item in overrides:
+        (launch if item.split("=", 1)[0].strip().split(".")[0] in LAUNCH_KEYS else run).append(item)
+    return launch, run
+
+
+def load_launch(path: Union[str, Path], overrides: Sequence[str] = (),
+                hf_config: Optional[Union[str, Path]] = None) -> LaunchSpec:
+    """Read a launch file; ``overrides`` are dotted ``KEY=VALUE`` (``launch.actor_nodes=4``,
+    ``parallel.tp=8``, ``model.path=/models/x``); ``hf_config`` a ``config.json`` that wins."""
+    path = Path(path).resolve()
+    where: Dict[str, str] = {}  # dotted key -> "file:line" or "override '...'", for the errors
+    data = read_yaml_file(path, where) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    launch_ov, run_ov = _split_overrides(overrides)
+    data = apply_overrides(data, launch_ov, where)
+    arch = data.pop("architecture", None)
+    launch = read_layout(data.pop("launch", None) or {}, where)
+    bases = data.pop("_base_", None)
+    data = apply_overrides(data, run_ov, where)
+    cfg = from_file_data(path, data if bases is None else {"_base_": bases, **data}, where)
+    bases = [bases] if isinstance(bases, str) else bases or []
+    run_data = {"_base_": [str((path.parent / b).resolve()) for b in bases], **data} if bases else data
+    source = ""
+    if hf_config is not None:
+        arch, source = str(hf_config), str(hf_config)
+    elif cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
+        arch = source = str(Path(cfg.model.path) / "config.json")
+    elif isinstance(arch, str):
+        arch = source = str((path.parent / arch).resolve())
+    elif isinstance(arch, dict):
+        source = f"{path} (architecture)"
+    else:
+        raise ConfigError(f"{path}: no architecture: give an 'architecture' mapping (HF config.json "
+                          f"numbers) or path, a model.path holding config.json, or --hf-config")
+    if isinstance(arch, str):
+        try:
+            arch = json.loads(Path(arch).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read HF config {source}: {exc}") from None
+    return LaunchSpec(path, launch, cfg, run_data, arch, source)
+
+
+def write_run_config(spec: LaunchSpec, out: Union[str, Path]) -> Path:
+    """Write the RunConfig file the trainer is started with (same numbers as the check)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(f"# written by tools/fit_check.py from {spec.path}\n"
+                   + yaml.safe_dump(spec.run_data, sort_keys=False), encoding="utf-8")
+    tmp.replace(out)
+    load_config(out)  # what the trainer will read must validate
+    return out
+
+
+def serve_args(spec: LaunchSpec) -> List[str]:
+    """The words after the python of every SGLang server of the job, all but ``--port`` (one per
+    server): ``-m megatron_tepo.rollout.serve`` and the options the launch file sets. The only
+    place where ``launch.sglang`` (and the device, model path and context length) become the
+    server's options: slurm/lib.sh reads them as ``FIT_SERVE_ARGS``, the nemo-run launcher calls
+    this; the serve command turns them into SGLang's flags (the rollout fleet's ``server_command``)."""
+    L, cfg = spec.launch, spec.cfg
+    s = L.sglang
+    args = ["-m", SERVE_MODULE, "--model-path", cfg.model.path, "--host", "0.0.0.0", "--tp", str(s.tp),
+            "--device", L.device, "--mem-fraction-static", f"{s.mem_fraction_static:g}",
+            "--max-running-requests", str(s.max_running_requests)]
+    if L.device == "cpu":
+        args += ["--threads", str(s.threads)]
+    else:
+        args += ["--context-length", str(cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens)]
+    if s.max_total_tokens:
+        args += ["--max-total-tokens", str(s.max_total_tokens)]
+    return args
+
+
+def shell_vars(spec: LaunchSpec) -> Dict[str, str]:
+    """What slurm/lib.sh needs, as ``FIT_*`` shell variables. ``FIT_SERVE_ARGS`` is :func:`serve_args`,
+    shell-quoted; the values it is made of (``FIT_SGLANG_*``, ``FIT_MODEL_PATH``, ``FIT_CONTEXT_LEN``)
+    are there as before, though lib.sh reads only ``FIT_SGLANG_TP`` and ``FIT_SGLANG_PORT`` of them."""
+    L = spec.launch
+    return {
+        "FIT_DEVICE": L.device,
+        "FIT_ACTOR_NODES": str(L.actor_nodes), "FIT_ROLLOUT_NODES": str(L.rollout_nodes),
+        "FIT_GPUS_PER_NODE": str(L.gpus_per_node), "FIT_SGLANG_TP": str(L.sglang.tp),
+        "FIT_SERVERS_PER_NODE": str(L.servers_per_node),
+        "FIT_SGLANG_MAX_TOTAL_TOKENS": str(L.sglang.max_total_tokens),
+        "FIT_SGLANG_THREADS": str(L.sglang.threads),
+        "FIT_SGLANG_MAX_RUNNING": str(L.sglang.max_running_requests),
+        "FIT_SGLANG_MEM_FRACTION": f"{L.sglang.mem_fraction_static:g}",
+        "FIT_SGLANG_PORT": str(L.sglang.port),
+        "FIT_MODEL_PATH": spec.cfg.model.path, "FIT_OUTPUT_DIR": spec.cfg.train.output_dir,
+        "FIT_CONTEXT_LEN": str(spec.cfg.rollout.max_prompt_len + spec.cfg.rollout.max_new_tokens),
+        "FIT_SERVE_ARGS": shlex.join(serve_args(spec)),
+    }
+
+
+def render_shell(spec: LaunchSpec) -> str:
+    return "\n".join(f"{k}={shlex.quote(v)}" for k, v in shell_vars(spec).items())
