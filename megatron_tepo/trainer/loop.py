@@ -255,9 +255,9 @@ def sync_weights(actor, engine) -> float:
 
 
 def evaluate(engine, prompts, answers, reward_fn: RewardFn, stop_token_ids, *, n: int = 1,
-             temperature: float = 1e-5, max_new_tokens: int = 16) -> Dict[str, float]:
+             temperature: float = 1e-5, top_p: float = 1.0, max_new_tokens: int = 16) -> Dict[str, float]:
     """avg@n (mean reward) and pass@n (any sample correct) over held-out prompts."""
-    groups = engine.generate(prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens,
+    groups = engine.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                              stop_token_ids=stop_token_ids)
     flat = [s.token_ids for g in groups for s in g]
     rewards = torch.tensor(reward_fn(flat, [a for a in answers for _ in range(n)])).view(len(prompts), n)
