@@ -27,6 +27,7 @@ from pathlib import Path
 
 
 from megatron_tepo.cli import UserError, add_traceback_flag, prog, user_errors
+from megatron_tepo.rewards import REWARD_KINDS
 
 GREEDY_T = 1e-5  # temperature 0 in a benchmark file: sampling at this temperature is argmax
 FILE_SAMPLING = {"n": 1, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 1024}  # --file's defaults
@@ -83,7 +84,7 @@ def run(model_dir: str, benchmarks: dict, *, workers: int = 2, timeout_s: float 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_tepo.data import load_prompts
-    from megatron_tepo.rewards import MathRewardPool, exact_match_rewards
+    from megatron_tepo.rewards import MathRewardPool, token_reward
     from megatron_tepo.rollout.embedded import EmbeddedEngine
     from megatron_tepo.trainer import evaluate
 
@@ -96,12 +97,10 @@ def run(model_dir: str, benchmarks: dict, *, workers: int = 2, timeout_s: float 
     report = {}
     with MathRewardPool(num_workers=workers, timeout_s=timeout_s) as pool:
         counts = {}
+        score = token_reward(reward, tok, pool)
 
         def reward_fn(responses, answers):
-            texts = [tok.decode(r, skip_special_tokens=True) for r in responses]
-            if reward == "exact_match":
-                return exact_match_rewards(texts, answers)
-            res = pool.score(texts, answers)
+            res = score(responses, answers)
             for key in ("num_timeouts", "num_errors", "num_no_answer"):
                 counts[key] = counts.get(key, 0) + getattr(res, key)
             return res.rewards
@@ -141,7 +140,7 @@ def command(argv=None) -> dict:
     ap.add_argument("--max-prompt-len", type=int)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=5.0, help="seconds per answer check")
-    ap.add_argument("--reward", choices=("math_verify", "exact_match"), default="math_verify",
+    ap.add_argument("--reward", choices=REWARD_KINDS, default="math_verify",
                     help="math_verify: the last \\boxed{} against the answer; exact_match: the whole response")
     ap.add_argument("--out", type=Path, help="JSON report (its folder is created)")
     add_traceback_flag(ap)

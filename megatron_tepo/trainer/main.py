@@ -35,7 +35,7 @@ from megatron_tepo.config import RunConfig, dump_config, load_config
 
 def build_task(cfg: RunConfig, tokenizer, pool):
     from megatron_tepo.data import load_prompts
-    from megatron_tepo.rewards import exact_match_rewards
+    from megatron_tepo.rewards import token_reward
     from megatron_tepo.trainer.loop import Task
 
     if not cfg.data.train_files:
@@ -48,14 +48,10 @@ def build_task(cfg: RunConfig, tokenizer, pool):
         raise ValueError(f"data.train_files: no usable prompts in {cfg.data.train_files} "
                          f"({train.num_too_long} too long, {train.num_bad_rows} malformed)")
     counters = {"reward_timeouts": 0, "reward_errors": 0, "reward_no_answer": 0}
+    score = token_reward(cfg.reward.kind, tokenizer, pool)
 
     def reward_fn(responses: List[List[int]], answers: List[str]) -> List[float]:
-        texts = [tokenizer.decode(r, skip_special_tokens=True) for r in responses]
-        if cfg.reward.kind == "exact_match":
-            return exact_match_rewards(texts, answers)
-        if pool is None:
-            raise RuntimeError("reward: math-verify scoring runs on the driver (global rank 0) only")
-        res = pool.score(texts, answers)
+        res = score(responses, answers)
         counters["reward_timeouts"] += res.num_timeouts
         counters["reward_errors"] += res.num_errors
         counters["reward_no_answer"] += res.num_no_answer
