@@ -84,7 +84,7 @@ def run(model_dir: str, benchmarks: dict, *, workers: int = 2, timeout_s: float 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_tepo.data import load_prompts
-    from megatron_tepo.rewards import MathRewardPool, token_reward
+    from megatron_tepo.rewards import COUNT_NAMES, MathRewardPool, token_reward
     from megatron_tepo.rollout.embedded import EmbeddedEngine
     from megatron_tepo.trainer import evaluate
 
@@ -96,26 +96,18 @@ def run(model_dir: str, benchmarks: dict, *, workers: int = 2, timeout_s: float 
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
     report = {}
     with MathRewardPool(num_workers=workers, timeout_s=timeout_s) as pool:
-        counts = {}
-        score = token_reward(reward, tok, pool)
-
-        def reward_fn(responses, answers):
-            res = score(responses, answers)
-            for key in ("num_timeouts", "num_errors", "num_no_answer"):
-                counts[key] = counts.get(key, 0) + getattr(res, key)
-            return res.rewards
-
+        reward_fn = token_reward(reward, tok, pool)
         for name, spec in benchmarks.items():
             t0 = time.time()
             data = load_prompts(spec["file"], tok, max_prompt_len=max_prompt_len)
             records = data.records[:limit] if limit else data.records
             if not records:
                 raise UserError(f"benchmark {name!r}: no prompts in {spec['file']}")
-            counts.clear()
             temperature = spec["temperature"] if spec["temperature"] > 0 else GREEDY_T
             scores = evaluate(engine, [r.input_ids for r in records], [r.answer for r in records], reward_fn,
                               stop, n=spec["n"], temperature=temperature, top_p=spec["top_p"],
                               max_new_tokens=spec["max_new_tokens"])
+            counts = {f"num_{k.removeprefix('reward_')}": scores.pop(k) for k in COUNT_NAMES}  # the report's names
             report[name] = {**scores, "num_prompts": len(records), "n": spec["n"],
                             "temperature": spec["temperature"], "top_p": spec["top_p"],
                             "dropped_too_long": data.num_too_long,

@@ -3,12 +3,16 @@ math_verify``), and exact match of the whole response (``reward.kind: exact_matc
 
 :func:`token_reward` is the one reward on token ids, used by the trainer and by ``evaluate``: each
 response decoded with the tokenizer, then scored by kind."""
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from .math import MathRewardPool, RewardBatchResult, extract_boxed, math_verify_reward
+from .math import COUNT_NAMES, MathRewardPool, RewardBatchResult, extract_boxed, math_verify_reward
 
 __all__ = ["MathRewardPool", "RewardBatchResult", "extract_boxed", "math_verify_reward", "exact_match_rewards",
-           "token_reward", "REWARD_KINDS"]
+           "token_reward", "REWARD_KINDS", "COUNT_NAMES", "RewardFn", "scores_and_counts"]
+
+#: A reward on token ids: ``fn(response token ids per sample, answer per sample)`` -> one reward
+#: per sample, as a list, or as a :class:`RewardBatchResult` whose counts then join the metrics.
+RewardFn = Callable[[List[List[int]], List[str]], Union[Sequence[float], RewardBatchResult]]
 
 REWARD_KINDS = ("math_verify", "exact_match")
 
@@ -37,3 +41,11 @@ def token_reward(kind: str, tokenizer, pool: Optional[MathRewardPool] = None
         return pool.score(texts, answers)
 
     return score
+
+
+def scores_and_counts(result: Union[Sequence[float], RewardBatchResult]) -> Tuple[List[float], Dict[str, int]]:
+    """A :data:`RewardFn`'s result as (rewards, counts): a :class:`RewardBatchResult`'s counts
+    (:data:`COUNT_NAMES`), none for a plain list."""
+    if isinstance(result, RewardBatchResult):
+        return list(result.rewards), result.counts()
+    return [float(r) for r in result], {}
