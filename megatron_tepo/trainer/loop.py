@@ -454,7 +454,7 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
                                          temperature=cfg.rollout.temperature)
         response_length_mean = float(batch.response_mask.sum(1).mean())
         if dp_size > 1:  # this rank's share of every mini-batch (rows_per_mb is a multiple of dp_size)
-            batch = batch.select(range(dp_rank, batch.batch_size, dp_size))
+            batch = batch.split_for_data_parallel(dp_rank, dp_size)
         # 3. old log-probs: the actor's (and its entropy), or the engine's own
         t_train, drift = time.time(), {}
         if cfg.algorithm.old_log_prob == "rollout":
