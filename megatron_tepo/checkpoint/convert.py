@@ -91,6 +91,7 @@ import torch.distributed as dist
 
 from megatron_tepo.actor.parallel import (ParallelLayout, initialize_parallel, raise_if_any_rank_failed,
                                           single_process_env, validate_layout)
+from megatron_tepo.dtypes import dtype_from_name, dtype_name
 from megatron_tepo.models import family_config_from_hf, hf_to_megatron, megatron_to_hf
 from megatron_tepo.models.sharding import expert_indices, layer_offsets, load_megatron_state_into
 
@@ -99,8 +100,6 @@ from .hf_io import (
     ShardedSafetensorsWriter,
     check_hf_tensors,
     copy_side_files,
-    dtype_from_name,
-    dtype_name,
     hf_layer_index,
     load_hf_config,
     streaming_order,
