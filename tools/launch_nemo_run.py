@@ -127,12 +127,6 @@ def env_overrides(environ=os.environ) -> List[str]:
     return out
 
 
-def free_port() -> int:
-    from megatron_tepo.rollout.net import free_port as pick  # outside the ephemeral range
-
-    return pick("127.0.0.1")
-
-
 # --------------------------------------------------------------------------------------------
 # The plan: everything the job needs, from the fit check's numbers
 # --------------------------------------------------------------------------------------------
@@ -299,6 +293,8 @@ def build_experiment(plan: Plan, args, extra: Sequence[str]):
     run_dir = plan.output_dir / "launch" / "nemo-run" / exp._id
     write_run_config(plan.spec, run_dir / "run.yaml")
     (run_dir / "fit.log").write_text(plan.report + "\n", encoding="utf-8")
+    from megatron_tepo.net import free_port  # outside the ephemeral range
+
     python = args.python or default_python()
     slurm = args.executor == "slurm"
     ports = [] if slurm else ([free_port() for _ in range(plan.servers_per_node)] if plan.first_port == 0

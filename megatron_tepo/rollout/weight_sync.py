@@ -81,7 +81,7 @@ import torch
 
 from megatron_tepo.buckets import BucketHandoff, ExportBuffers, FlatBucket
 from megatron_tepo.dtypes import SAFETENSORS_NAMES, dtype_name
-from megatron_tepo.rollout.net import free_port
+from megatron_tepo.net import free_port
 
 log = logging.getLogger(__name__)
 
