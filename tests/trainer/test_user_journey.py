@@ -93,6 +93,17 @@ def test_same_command_resumes_and_refuses_changed_settings(tiny, tmp_path):
     assert "holds checkpoints of an earlier run" in proc.stderr
 
 
+def test_a_run_folder_moved_elsewhere_resumes_from_its_new_place(tiny, tmp_path):
+    old, new = tmp_path / "run", tmp_path / "elsewhere" / "moved"
+    train(tiny, old, "train.steps=2")
+    shutil.copytree(old, new)
+    shutil.rmtree(old)  # nothing may be read from the old place
+    proc = train(tiny, new, "train.steps=3")
+    assert f"resumed from {new / 'checkpoints' / 'step_2'}: continuing at step 3" in proc.stdout
+    assert steps(new) == [1, 2, 3] and not old.exists()
+    assert f"output_dir: {new}" in (new / "config.yaml").read_text()
+
+
 def test_no_duplicate_steps_after_a_run_died_before_its_first_checkpoint(tiny, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
