@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 
 from megatron_tepo.config import ActorConfig
+from megatron_tepo.megatron.compat import whole_layer_cuda_graph_kwargs
 from megatron_tepo.models import GPTFamilyConfig
 from megatron_tepo.models.spec import get_layer_spec, te_available
 
@@ -173,6 +174,7 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
         masked_softmax_fusion=False,
         variable_seq_lengths=variable_seq_lengths,
         calculate_per_token_loss=calculate_per_token_loss,
+        **whole_layer_cuda_graph_kwargs(TransformerConfig),
     )
 
 
