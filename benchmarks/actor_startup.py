@@ -146,7 +146,7 @@ def main(argv=None):
         args.shape, REPO / ".cache" / "actor_startup" / f"{args.shape}-{args.shard_mb}mb", args.shard_mb)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    from tests.dist_utils import free_port
+    from megatron_tepo.net import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc or args.tp}",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", __file__, "--worker",

@@ -52,7 +52,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from megatron_tepo.rollout.net import free_port  # noqa: E402
+from megatron_tepo.net import free_port  # noqa: E402
 
 SIZES = {"addition": "examples/tiny_tepo/sizes.yaml", "chain": "examples/chain_task/sizes.yaml"}
 OFF = ["rollout.max_staleness=1"]  # one-step-off generation

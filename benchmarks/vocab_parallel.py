@@ -67,7 +67,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -176,18 +175,15 @@ def worker(args) -> dict:
 
 
 # --------------------------------------------------------------------------------------- driver
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(args, variant: str, vocab: int, tp: int) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     if args.thp:
         env["THP_MEM_ALLOC_ENABLE"] = "1"
-    port = _free_port()
+    sys.path.insert(0, str(REPO))
+    from megatron_tepo.net import free_port
+
+    port = free_port()
     procs = []
     for rank in range(tp):
         cmd = [sys.executable, __file__, "--worker", variant, "--tokens", str(args.tokens),

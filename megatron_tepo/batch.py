@@ -150,6 +150,11 @@ class RolloutBatch:
         return RolloutBatch(**fields)
 
     def split_for_data_parallel(self, dp_rank: int, dp_size: int) -> "RolloutBatch":
-        """The contiguous block of rows of data-parallel rank ``dp_rank`` (sizes differ by <= 1)."""
-        bounds = torch.linspace(0, self.batch_size, dp_size + 1).round().long().tolist()
-        return self.select(range(bounds[dp_rank], bounds[dp_rank + 1]))
+        """The rows of data-parallel rank ``dp_rank``: every ``dp_size``-th row from row ``dp_rank``
+        (``i % dp_size == dp_rank``; sizes differ by <= 1). Strided, so that a mini-batch of
+        ``dp_size * m`` consecutive rows is, on every rank, the same ``m`` consecutive rows of its
+        share: the trainer cuts each rank's share into mini-batches, and every rank's k-th one then
+        holds rows of the k-th global mini-batch."""
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is not in [0, {dp_size})")
+        return self.select(range(dp_rank, self.batch_size, dp_size))

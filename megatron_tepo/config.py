@@ -445,12 +445,14 @@ def _coerce(value: Any, tp: Any, path: str, where: Dict[str, str]) -> Any:
 
 
 #: Settings a resumed run may change without ``train.allow_config_change``: how long it runs, how
-#: often it saves / evaluates, and where it finds its servers and workers (a requeued job's servers
-#: have new addresses).
+#: often it saves / evaluates, where it finds its servers and workers (a requeued job's servers
+#: have new addresses), and where the run folder itself is (the checkpoint resumed from is found in
+#: ``train.output_dir``, so a different one there means the folder was moved, or is named by
+#: another path).
 RESUME_MAY_CHANGE = (
     "train.steps", "train.save_every", "train.keep_checkpoints", "train.eval_every", "train.export_hf",
-    "train.resume", "train.allow_config_change", "rollout.sglang_urls", "rollout.request_timeout_s",
-    "rollout.router", "rollout.sync_address", "reward.workers", "notes",
+    "train.resume", "train.allow_config_change", "train.output_dir", "rollout.sglang_urls",
+    "rollout.request_timeout_s", "rollout.router", "rollout.sync_address", "reward.workers", "notes",
 )
 
 

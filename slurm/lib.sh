@@ -221,9 +221,9 @@ tepo_api_key() {
 # A free TCP port on this host (launch.sglang.port: 0, one-node jobs).
 tepo_free_port() {
     # outside the kernel's ephemeral range, which outgoing connections draw from (a server that
-    # binds late under load could find an OS-picked port taken): megatron_tepo/rollout/net.py
+    # binds late under load could find an OS-picked port taken): megatron_tepo/net.py
     PYTHONPATH="$TEPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$(tepo_python)" -c \
-        'from megatron_tepo.rollout.net import free_port; print(free_port(""))'
+        'from megatron_tepo.net import free_port; print(free_port(""))'
 }
 
 # tepo_run CMD...: run a command, or print it with TEPO_DRY_RUN=1.

@@ -42,7 +42,24 @@ def test_the_data_parallel_split_and_padding_keep_every_field():
     grown = half.padded(3, 9)
     assert grown.temperature == 0.5 and grown.rollout_log_probs.shape == (3, 3)
     assert grown.rollout_log_probs[2].abs().sum() == 0
-    assert torch.equal(b.split_for_data_parallel(0, 2).rollout_log_probs, b.rollout_log_probs[:2])
+    assert torch.equal(b.split_for_data_parallel(0, 2).rollout_log_probs, b.rollout_log_probs[[0, 2]])
+    assert torch.equal(b.split_for_data_parallel(1, 2).old_log_probs, half.old_log_probs)
+
+
+def test_each_ranks_k_th_mini_batch_holds_rows_of_the_k_th_global_one():
+    """The trainer cuts every rank's share into mini-batches of ``rows / dp`` consecutive rows."""
+    b = RolloutBatch.from_groups([[row + 1] for row in range(12)], [[Sample([1], [0.0], "stop")]] * 12, pad_id=0)
+    dp, global_mb = 3, 6
+    for rank in range(dp):
+        share = b.split_for_data_parallel(rank, dp)
+        assert share.batch_size == 4
+        for k in range(2):
+            rows = share.input_ids[k * 2:(k + 1) * 2, 0] - 1  # (the prompt token names the row)
+            assert all(k * global_mb <= int(r) < (k + 1) * global_mb for r in rows), (rank, k, rows)
+    uneven = b.select(range(5))
+    assert [uneven.split_for_data_parallel(r, 2).batch_size for r in range(2)] == [3, 2]
+    with pytest.raises(ValueError, match="dp_rank 2"):
+        b.split_for_data_parallel(2, 2)
 
 
 def test_bad_batches_name_the_field():

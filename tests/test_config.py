@@ -131,3 +131,16 @@ def test_old_log_prob_rollout_refuses_what_needs_the_old_entropy():
                              "algorithm.rollout_correction.rollout_rs_bounds=[0.25, 4]"])
     assert cfg.algorithm.rollout_correction.rollout_is == "geometric"
     assert cfg.algorithm.rollout_correction.rollout_rs_bounds == [0.25, 4.0]
+
+
+def test_resume_check_takes_a_moved_run_folder_and_refuses_a_changed_setting(tmp_path):
+    """The checkpoint a run resumes from is found in ``train.output_dir``: a different folder there
+    is the same run moved (or named by another path), not a changed setting."""
+    from megatron_tepo.trainer.main import RUN_CONFIG, check_resume
+
+    ckpt = tmp_path / "moved" / "checkpoints" / "step_2"
+    ckpt.mkdir(parents=True)
+    dump_config(load_config([], [f"train.output_dir={tmp_path / 'run'}"]), ckpt / RUN_CONFIG)
+    check_resume(load_config([], [f"train.output_dir={tmp_path / 'moved'}"]), ckpt)
+    with pytest.raises(ConfigError, match=r"\(optim.lr 5e-07 -> 0.1\)"):  # and nothing else listed
+        check_resume(load_config([], [f"train.output_dir={tmp_path / 'moved'}", "optim.lr=0.1"]), ckpt)

@@ -17,8 +17,10 @@ class ScriptedEngine(RolloutEngine):
 
     def __init__(self, script):
         self.script = script
+        self.top_p = []  # per call
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=128, stop_token_ids=()):
+        self.top_p.append(top_p)
         return [[Sample(list(t), [0.0] * len(t), "stop") for t in self.script[p[0]][:n]] for p in prompts]
 
     def update_weights(self, named_tensors):
@@ -31,6 +33,33 @@ def test_avg_and_pass_at_k():
                    [], n=4)
     assert out["avg@4"] == pytest.approx((2 + 0 + 4) / 12)
     assert out["pass@4"] == pytest.approx(2 / 3)
+    evaluate(engine, [[0]], ["1"], lambda rs, ans: [0.0] * len(rs), [], n=2, top_p=0.25)
+    assert engine.top_p == [1.0, 0.25]  # the default samples from every token; a given top-p reaches the engine
+
+
+def test_cli_top_p_reaches_the_sampling(tmp_path, monkeypatch, capsys):
+    """``--top-p`` (one --file) and a benchmark's ``top_p`` are what the engine samples with, and the
+    report says so."""
+    from megatron_tepo.commands.evaluate import command
+    from megatron_tepo.rollout.embedded import EmbeddedEngine
+    from tests.checkpoint.fixtures import make_hf_dir
+
+    model = make_hf_dir(tmp_path / "m", "qwen3", tie=False, vocab_size=320)
+    (tmp_path / "b.jsonl").write_text('{"prompt": "1+2=", "answer": "3"}\n')
+    (tmp_path / "bench.yaml").write_text("defaults: {max_new_tokens: 2, top_p: 0.9}\nbenchmarks:\n"
+                                         "  a: {file: b.jsonl, n: 2, temperature: 0.7, top_p: 0.3}\n  b: {file: b.jsonl}\n")
+    seen = []
+    generate = EmbeddedEngine.generate
+    monkeypatch.setattr(EmbeddedEngine, "generate", lambda self, *a, **kw: seen.append(kw["top_p"]) or generate(self, *a, **kw))
+    common = ["--model", str(model), "--reward", "exact_match"]
+    report = command([*common, "--file", str(tmp_path / "b.jsonl"), "--top-p", "0.5", "--max-new-tokens", "2"])
+    assert seen == [0.5] and report["b"]["top_p"] == 0.5
+    report = command([*common, "--benchmarks", str(tmp_path / "bench.yaml")])
+    assert seen[1:] == [0.3, 0.9] and (report["a"]["top_p"], report["b"]["top_p"]) == (0.3, 0.9)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:  # a per-benchmark flag beside a benchmark list: refused, not dropped
+        command([*common, "--benchmarks", str(tmp_path / "bench.yaml"), "--top-p", "0.5"])
+    assert exc.value.code == 2 and "--top-p: set per benchmark in the --benchmarks file" in capsys.readouterr().err
 
 
 def test_cli_on_tiny_model(tmp_path):
@@ -69,6 +98,7 @@ def _evaluate(*args):
     ("benchmarks:\n  x: {n: 1}\n", "benchmark 'x': missing 'file'"),
     ("benchmarks:\n  x: {file: [a\n", "bench.yaml:3:1: invalid YAML"),
     ("benchmark: {}\n", "unknown top-level keys ['benchmark']"),
+    ("benchmarks:\n  x: {file: a.jsonl, top_p: 0}\n", "benchmark 'x': top_p: must be a number in (0, 1], got 0"),
 ])
 def test_cli_bad_benchmark_file_is_one_line_and_status_2(tmp_path, text, needle):
     (tmp_path / "bench.yaml").write_text(text)
@@ -87,3 +117,5 @@ def test_cli_out_that_cannot_be_written_fails_before_evaluating(tmp_path):
     assert proc.returncode == 2 and "report.json: cannot write there" in proc.stderr and "Traceback" not in proc.stderr
     proc = _evaluate("--model", str(tmp_path / "no_model"), "--file", str(tmp_path / "b.jsonl"))
     assert proc.returncode == 2 and "no_model: not a Hugging Face model folder" in proc.stderr
+    proc = _evaluate("--model", str(tmp_path / "no_model"), "--file", str(tmp_path / "b.jsonl"), "--top-p", "1.5")
+    assert proc.returncode == 2 and "--top-p: must be a number in (0, 1], got 1.5" in proc.stderr

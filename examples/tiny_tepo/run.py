@@ -110,7 +110,7 @@ def main(argv=None):
 
     def progress(step, m):
         if m.get("updates", 1.0) == 0:
-            print(f"[step {step:3d}/{cfg.train.steps}] NO UPDATE: {no_update_cause(m, {}, cfg.rollout.n_samples)}"
+            print(f"[step {step:3d}/{cfg.train.steps}] NO UPDATE: {no_update_cause(m, cfg.rollout.n_samples)}"
                   + (f"  held-out accuracy {m['eval_acc']:.3f}" if "eval_acc" in m else ""), flush=True)
             return
         print(f"[step {step:3d}/{cfg.train.steps}] reward {m['reward_mean']:.3f}  entropy {m.get('entropy', 0):.3f}  "

@@ -89,6 +89,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_tepo.dtypes import dtype_from_name, dtype_name
 from megatron_tepo.layout import ParallelLayout, validate_layout
 from megatron_tepo.megatron.parallel import initialize_parallel, raise_if_any_rank_failed, single_process_env
 from megatron_tepo.megatron.sharding import expert_indices, layer_offsets, load_megatron_state_into
@@ -99,8 +100,6 @@ from .hf_io import (
     ShardedSafetensorsWriter,
     check_hf_tensors,
     copy_side_files,
-    dtype_from_name,
-    dtype_name,
     hf_layer_index,
     load_hf_config,
     streaming_order,

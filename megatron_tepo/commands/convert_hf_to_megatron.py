@@ -83,11 +83,9 @@ def main(argv=None) -> int:
 
 
 def launch_torchrun(nproc: int, argv) -> int:
-    import socket
+    from megatron_tepo.net import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",

@@ -3,8 +3,9 @@
 
 Reads a benchmark list (``--benchmarks FILE``, see examples/eval/paper_benchmarks.yaml: per
 benchmark a prompt file, ``n`` samples, temperature, top-p, max new tokens; temperature 0 means
-greedy) or one ad-hoc ``--file`` with ``--n/--temperature``. Prompts go through the tokenizer's
-chat template. ``--reward math_verify`` (default): each response's last ``\\boxed{}`` is checked
+greedy, top-p 1 no nucleus cut) or one ad-hoc ``--file`` with ``--n/--temperature/--top-p/
+--max-new-tokens`` (with ``--benchmarks`` these flags are refused: the file sets them). Prompts go
+through the tokenizer's chat template. ``--reward math_verify`` (default): each response's last ``\\boxed{}`` is checked
 with math-verify in a process pool with a per-answer time-out (time-outs and parser errors score
 0 and are counted); ``--reward exact_match``: the response, stripped, equals the answer (the
 trainer's ``reward.kind: exact_match``). Prints a table and writes a JSON report (atomically) with
@@ -26,8 +27,10 @@ from pathlib import Path
 
 
 from megatron_tepo.cli import UserError, add_traceback_flag, prog, user_errors
+from megatron_tepo.rewards import REWARD_KINDS
 
 GREEDY_T = 1e-5  # temperature 0 in a benchmark file: sampling at this temperature is argmax
+FILE_SAMPLING = {"n": 1, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 1024}  # --file's defaults
 
 
 def load_benchmarks(path: Path) -> dict:
@@ -39,7 +42,7 @@ def load_benchmarks(path: Path) -> dict:
     unknown = set(data) - {"defaults", "benchmarks"}
     if unknown:
         raise UserError(f"{path}: unknown top-level keys {sorted(unknown)} (expected defaults, benchmarks)")
-    defaults = {"n": 1, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 1024, **(data.get("defaults") or {})}
+    defaults = {**FILE_SAMPLING, **(data.get("defaults") or {})}
     out = {}
     for name, spec in (data.get("benchmarks") or {}).items():
         spec = {**defaults, **(spec or {})}
@@ -48,11 +51,18 @@ def load_benchmarks(path: Path) -> dict:
             raise UserError(f"{path}: benchmark {name!r}: unknown keys {sorted(bad)}")
         if "file" not in spec:
             raise UserError(f"{path}: benchmark {name!r}: missing 'file'")
+        check_top_p(spec["top_p"], f"{path}: benchmark {name!r}: top_p")
         spec["file"] = str((path.parent / spec["file"]).resolve()) if not Path(spec["file"]).is_absolute() else spec["file"]
         out[name] = spec
     if not out:
         raise UserError(f"{path}: no benchmarks listed")
     return out
+
+
+def check_top_p(value, where: str) -> None:
+    """top-p must be a number in (0, 1] (1: no nucleus cut)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise UserError(f"{where}: must be a number in (0, 1], got {value!r}")
 
 
 def prepare_out(out: Path) -> None:
@@ -74,7 +84,7 @@ def run(model_dir: str, benchmarks: dict, *, workers: int = 2, timeout_s: float 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_tepo.data import load_prompts
-    from megatron_tepo.rewards import MathRewardPool, exact_match_rewards
+    from megatron_tepo.rewards import COUNT_NAMES, MathRewardPool, token_reward
     from megatron_tepo.rollout.embedded import EmbeddedEngine
     from megatron_tepo.trainer import evaluate
 
@@ -86,29 +96,21 @@ def run(model_dir: str, benchmarks: dict, *, workers: int = 2, timeout_s: float 
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
     report = {}
     with MathRewardPool(num_workers=workers, timeout_s=timeout_s) as pool:
-        counts = {}
-
-        def reward_fn(responses, answers):
-            texts = [tok.decode(r, skip_special_tokens=True) for r in responses]
-            if reward == "exact_match":
-                return exact_match_rewards(texts, answers)
-            res = pool.score(texts, answers)
-            for key in ("num_timeouts", "num_errors", "num_no_answer"):
-                counts[key] = counts.get(key, 0) + getattr(res, key)
-            return res.rewards
-
+        reward_fn = token_reward(reward, tok, pool)
         for name, spec in benchmarks.items():
             t0 = time.time()
             data = load_prompts(spec["file"], tok, max_prompt_len=max_prompt_len)
             records = data.records[:limit] if limit else data.records
             if not records:
                 raise UserError(f"benchmark {name!r}: no prompts in {spec['file']}")
-            counts.clear()
             temperature = spec["temperature"] if spec["temperature"] > 0 else GREEDY_T
             scores = evaluate(engine, [r.input_ids for r in records], [r.answer for r in records], reward_fn,
-                              stop, n=spec["n"], temperature=temperature, max_new_tokens=spec["max_new_tokens"])
+                              stop, n=spec["n"], temperature=temperature, top_p=spec["top_p"],
+                              max_new_tokens=spec["max_new_tokens"])
+            counts = {f"num_{k.removeprefix('reward_')}": scores.pop(k) for k in COUNT_NAMES}  # the report's names
             report[name] = {**scores, "num_prompts": len(records), "n": spec["n"],
-                            "temperature": spec["temperature"], "dropped_too_long": data.num_too_long,
+                            "temperature": spec["temperature"], "top_p": spec["top_p"],
+                            "dropped_too_long": data.num_too_long,
                             **counts, "seconds": round(time.time() - t0, 2)}
     return report
 
@@ -119,20 +121,27 @@ def command(argv=None) -> dict:
     ap.add_argument("--model", required=True, help="HF model directory (weights + tokenizer)")
     ap.add_argument("--benchmarks", type=Path, help="benchmark list (YAML)")
     ap.add_argument("--file", help="one prompt file instead of --benchmarks")
-    ap.add_argument("--n", type=int, default=1)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--max-new-tokens", type=int, default=1024)
+    # --file's sampling (a benchmark list sets its own per benchmark)
+    ap.add_argument("--n", type=int, help=f"samples per prompt (default {FILE_SAMPLING['n']})")
+    ap.add_argument("--temperature", type=float,
+                    help=f"0: greedy (default {FILE_SAMPLING['temperature']})")
+    ap.add_argument("--top-p", type=float, help="nucleus sampling: the smallest set of tokens whose probability "
+                    f"reaches this (default {FILE_SAMPLING['top_p']}: every token)")
+    ap.add_argument("--max-new-tokens", type=int, help=f"default {FILE_SAMPLING['max_new_tokens']}")
     ap.add_argument("--limit", type=int, help="first N prompts of each benchmark")
     ap.add_argument("--max-prompt-len", type=int)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=5.0, help="seconds per answer check")
-    ap.add_argument("--reward", choices=("math_verify", "exact_match"), default="math_verify",
+    ap.add_argument("--reward", choices=REWARD_KINDS, default="math_verify",
                     help="math_verify: the last \\boxed{} against the answer; exact_match: the whole response")
     ap.add_argument("--out", type=Path, help="JSON report (its folder is created)")
     add_traceback_flag(ap)
     args = ap.parse_args(argv)
     if bool(args.benchmarks) == bool(args.file):
         ap.error("give exactly one of --benchmarks or --file")
+    given = [f"--{k.replace('_', '-')}" for k in FILE_SAMPLING if getattr(args, k) is not None]
+    if args.benchmarks and given:
+        ap.error(f"{', '.join(given)}: set per benchmark in the --benchmarks file (these go with --file)")
     with user_errors(prog(), args.traceback):
         return _main(args)
 
@@ -143,8 +152,9 @@ def _main(args):
     if args.benchmarks:
         benchmarks = load_benchmarks(args.benchmarks)
     else:
-        benchmarks = {Path(args.file).stem: {"file": args.file, "n": args.n, "temperature": args.temperature,
-                                             "top_p": 1.0, "max_new_tokens": args.max_new_tokens}}
+        spec = {k: v if (v := getattr(args, k)) is not None else default for k, default in FILE_SAMPLING.items()}
+        check_top_p(spec["top_p"], "--top-p")
+        benchmarks = {Path(args.file).stem: {"file": args.file, **spec}}
     report = run(args.model, benchmarks, workers=args.workers, timeout_s=args.timeout,
                  max_prompt_len=args.max_prompt_len, limit=args.limit, reward=args.reward)
     for name, r in report.items():

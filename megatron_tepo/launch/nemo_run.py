@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from megatron_tepo.launch.spec import LaunchSpec, serve_args
+from megatron_tepo.net import free_port  # outside the ephemeral range
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout the job runs (its tools/, slurm/, .venv)
 TOOL = ROOT / "tools" / "launch_nemo_run.py"  # what the steps run on the nodes
@@ -67,12 +68,6 @@ def env_overrides(environ=os.environ) -> List[str]:
         if environ.get(var):
             out.append(f"{key}={environ[var]}")
     return out
-
-
-def free_port() -> int:
-    from megatron_tepo.rollout.net import free_port as pick  # outside the ephemeral range
-
-    return pick("127.0.0.1")
 
 
 # --------------------------------------------------------------------------------------------

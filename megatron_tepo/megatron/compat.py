@@ -10,6 +10,7 @@ error; ``MTEPO_ALLOW_UNTESTED_MCORE=1`` lets a developer try one anyway).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.metadata
 import os
@@ -18,7 +19,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 __all__ = ["SUPPORTED", "mcore_version", "check_supported", "LEGACY_COMMON_FILE", "common_state_in_dcp",
-           "dist_ckpt_common_files", "save_strategy_base", "adopt_current_lr_in_saved_groups"]
+           "dist_ckpt_common_files", "save_strategy_base", "adopt_current_lr_in_saved_groups",
+           "whole_layer_cuda_graph_kwargs"]
 
 #: the megatron-core versions this package is tested with (keep in step with pyproject.toml)
 SUPPORTED = SpecifierSet(">=0.16.1,<0.20")
@@ -111,3 +113,14 @@ def adopt_current_lr_in_saved_groups(saved_optimizer_state, current_optimizer) -
         elif isinstance(node, (list, tuple)):
             todo.extend(node)
     return changed
+
+
+# ------------------------------------------------------------------ TransformerConfig
+def whole_layer_cuda_graph_kwargs(config_cls: type) -> dict:
+    """``TransformerConfig`` keyword arguments that say what megatron's default says -- CUDA graphs,
+    where enabled, capture the whole layer -- the way it no longer warns about: its default
+    ``"full"`` is deprecated in favour of an empty list ("full scope is deprecated" on every actor
+    build). The field was ``cuda_graph_scope`` and is ``cuda_graph_modules`` in 0.19 (where
+    ``cuda_graph_scope`` itself is deprecated); which one ``config_cls`` has decides."""
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    return {"cuda_graph_modules": []} if "cuda_graph_modules" in fields else {"cuda_graph_scope": []}

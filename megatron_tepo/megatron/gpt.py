@@ -45,6 +45,7 @@ from typing import Optional
 import torch
 
 from megatron_tepo.config import ActorConfig
+from megatron_tepo.megatron.compat import whole_layer_cuda_graph_kwargs
 from megatron_tepo.models import GPTFamilyConfig
 from megatron_tepo.megatron.spec import family_spec_name, layer_spec, te_available
 
@@ -190,6 +191,7 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
         masked_softmax_fusion=False,
         variable_seq_lengths=variable_seq_lengths,
         calculate_per_token_loss=calculate_per_token_loss,
+        **whole_layer_cuda_graph_kwargs(TransformerConfig),
     )
 
 

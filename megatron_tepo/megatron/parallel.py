@@ -99,10 +99,8 @@ def single_process_env() -> None:
     free loopback port, so ``init_process_group`` works in a plain ``python`` run."""
     if "RANK" in os.environ:
         return
-    import socket
+    from megatron_tepo.net import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port("127.0.0.1")
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 

@@ -17,9 +17,9 @@ import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["extract_boxed", "math_verify_reward", "MathRewardPool", "RewardBatchResult"]
+__all__ = ["extract_boxed", "math_verify_reward", "MathRewardPool", "RewardBatchResult", "COUNT_NAMES"]
 
 _BOXED = ("\\boxed", "\\fbox")
 
@@ -70,6 +70,10 @@ def math_verify_reward(response: str, answer: str) -> Tuple[float, str]:
         return 0.0, "error"
 
 
+#: What a :class:`RewardBatchResult` counts, by the names of the trainer's metrics.
+COUNT_NAMES = ("reward_timeouts", "reward_errors", "reward_no_answer")
+
+
 @dataclass
 class RewardBatchResult:
     rewards: List[float]
@@ -77,6 +81,10 @@ class RewardBatchResult:
     num_errors: int = 0
     num_no_answer: int = 0
     statuses: List[str] = field(default_factory=list)
+
+    def counts(self) -> Dict[str, int]:
+        """Time-outs, checker errors and responses without an answer, named as in :data:`COUNT_NAMES`."""
+        return dict(zip(COUNT_NAMES, (self.num_timeouts, self.num_errors, self.num_no_answer)))
 
 
 def _die_with_parent(parent_pid: int) -> None:

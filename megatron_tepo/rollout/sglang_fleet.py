@@ -36,7 +36,7 @@ import torch
 
 from megatron_tepo.rollout.engine import (FINISH_LENGTH, FINISH_STOP, Group, RolloutEngine, Sample,
                                           make_params, validate_prompts)
-from megatron_tepo.rollout.net import free_port
+from megatron_tepo.net import free_port
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]

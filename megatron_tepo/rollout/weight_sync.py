@@ -80,7 +80,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 
 from megatron_tepo.buckets import BucketHandoff, ExportBuffers, FlatBucket
-from megatron_tepo.rollout.net import free_port
+from megatron_tepo.dtypes import SAFETENSORS_NAMES, dtype_name
+from megatron_tepo.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -143,11 +144,6 @@ def to_flat_bucket(bucket: List[Tuple[str, torch.Tensor]], out: Optional[torch.T
                       offsets, flatten_bucket(bucket, out))
 
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL"}
-
-
 def host_bytes(flat: torch.Tensor, staging: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``flat``'s bytes in host memory: ``flat`` itself when it is on the CPU (no copy); else one
     copy into ``staging[:n]`` when that host buffer is large enough, or into a new host buffer,
@@ -168,7 +164,7 @@ def write_safetensors(bucket: FlatBucket, path: str, staging: Optional[torch.Ten
     format's data section is exactly tensors back to back), so no per-tensor copy is made. A
     buffer on another device (a GPU) is copied once into host memory first (``staging``, see
     :func:`host_bytes`)."""
-    header = {n: {"dtype": _SAFETENSORS_DTYPES[d], "shape": list(s), "data_offsets": [o, o + math.prod(s) * d.itemsize]}
+    header = {n: {"dtype": SAFETENSORS_NAMES[d], "shape": list(s), "data_offsets": [o, o + math.prod(s) * d.itemsize]}
               for n, d, s, o in zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.offsets)}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -176,10 +172,6 @@ def write_safetensors(bucket: FlatBucket, path: str, staging: Optional[torch.Ten
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         f.write(memoryview(host_bytes(bucket.flat, staging).numpy()))
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int,

@@ -49,6 +49,7 @@ from megatron_tepo.algorithms import PolicyLoss, compute_group_advantages, filte
 from megatron_tepo.algorithms.advantages import gpg_correction
 from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.config import AlgorithmConfig, RunConfig
+from megatron_tepo.rewards import RewardFn, scores_and_counts
 from megatron_tepo.rollout.engine import Sample, gathered_tensors
 from megatron_tepo.rollout.weight_sync import DriftCheck
 
@@ -57,15 +58,13 @@ try:
 except ImportError:  # pragma: no cover
     dist = None
 
-RewardFn = Callable[[List[List[int]], List[str]], List[float]]
-
 
 @dataclass
 class Task:
     """What to train on: tokenized prompts with answers, a reward, and how responses end."""
     train_prompts: List[List[int]]
     train_answers: List[str]
-    reward_fn: RewardFn  # (response token ids per sample, answer per sample) -> rewards
+    reward_fn: RewardFn  # (response token ids per sample, answer per sample) -> rewards (and counts)
     stop_token_ids: Sequence[int]
     pad_token_id: int = 0
     eval_prompts: Optional[List[List[int]]] = None
@@ -73,11 +72,12 @@ class Task:
 
 
 class Generated(NamedTuple):
-    """One step's rollout: kept prompts, their groups and rewards, the sampling statistics, and
-    the weights that generated it (``weights_version`` k: the weights step k started from)."""
+    """One step's rollout: kept prompts, their groups, their rewards (one tensor, group after group),
+    the sampling statistics (the reward's counts included), and the weights that generated it
+    (``weights_version`` k: the weights step k started from)."""
     prompts: List[List[int]]
     groups: list
-    rewards: List[torch.Tensor]
+    rewards: torch.Tensor
     stats: Dict
     weights_version: int
 
@@ -203,10 +203,11 @@ def data_parallel_coords(actor) -> tuple:
 def generate_groups(engine, task: Task, indices: List[int], cfg: RunConfig, rng: random.Random):
     """Groups for ``prompts_per_step`` prompts, with DAPO dynamic sampling: groups whose rewards
     are all equal are dropped and fresh prompts drawn, for at most ``max_sampling_rounds`` rounds
-    (counted). Returns (prompt ids, samples per group, rewards per group, stats)."""
+    (counted). Returns (prompt ids, samples per group, the kept samples' rewards as one tensor in
+    group order, stats: the sampling's and the reward's counts over every round)."""
     r = cfg.rollout
     want = r.prompts_per_step
-    kept_prompts, kept_groups, kept_rewards = [], [], []
+    kept_prompts, kept_groups, kept_rewards = [], [], []  # kept_rewards: one tensor per round
     stats = {"sampling_rounds": 0, "groups_dropped": 0, "groups_generated": 0}
     queue = list(indices)
     while len(kept_prompts) < want and stats["sampling_rounds"] < r.max_sampling_rounds:
@@ -218,18 +219,19 @@ def generate_groups(engine, task: Task, indices: List[int], cfg: RunConfig, rng:
                                  max_new_tokens=r.max_new_tokens, stop_token_ids=task.stop_token_ids)
         flat = [s.token_ids for g in groups for s in g]
         answers = [task.train_answers[i] for i in batch_idx for _ in range(r.n_samples)]
-        rewards = torch.tensor(task.reward_fn(flat, answers), dtype=torch.float32)
+        scores, counts = scores_and_counts(task.reward_fn(flat, answers))
+        rewards = torch.tensor(scores, dtype=torch.float32)
+        for k, v in counts.items():
+            stats[k] = stats.get(k, 0) + v
         stats["groups_generated"] += len(groups)
         keep = filter_groups(rewards, r.n_samples).keep_groups.tolist() if r.dynamic_sampling else [True] * len(groups)
-        for g, (i, group) in enumerate(zip(batch_idx, groups)):
-            if keep[g] and len(kept_prompts) < want:
-                kept_prompts.append(task.train_prompts[i])
-                kept_groups.append(group)
-                kept_rewards.append(rewards[g * r.n_samples:(g + 1) * r.n_samples])
-            elif not keep[g]:
-                stats["groups_dropped"] += 1
+        kept = [g for g in range(len(groups)) if keep[g]]  # at most `need`: the round drew that many
+        stats["groups_dropped"] += len(groups) - len(kept)
+        kept_prompts += [task.train_prompts[batch_idx[g]] for g in kept]
+        kept_groups += [groups[g] for g in kept]
+        kept_rewards.append(rewards.view(len(groups), r.n_samples)[kept].flatten())
         stats.setdefault("reward_mean_all", float(rewards.mean()))
-    return kept_prompts, kept_groups, kept_rewards, stats
+    return kept_prompts, kept_groups, torch.cat(kept_rewards), stats
 
 
 def sync_weights(actor, engine) -> float:
@@ -242,13 +244,16 @@ def sync_weights(actor, engine) -> float:
 
 
 def evaluate(engine, prompts, answers, reward_fn: RewardFn, stop_token_ids, *, n: int = 1,
-             temperature: float = 1e-5, max_new_tokens: int = 16) -> Dict[str, float]:
-    """avg@n (mean reward) and pass@n (any sample correct) over held-out prompts."""
-    groups = engine.generate(prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens,
+             temperature: float = 1e-5, top_p: float = 1.0, max_new_tokens: int = 16) -> Dict[str, float]:
+    """avg@n (mean reward) and pass@n (any sample correct) over held-out prompts, and the reward's
+    counts when it gives them (:data:`~megatron_tepo.rewards.COUNT_NAMES`)."""
+    groups = engine.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                              stop_token_ids=stop_token_ids)
     flat = [s.token_ids for g in groups for s in g]
-    rewards = torch.tensor(reward_fn(flat, [a for a in answers for _ in range(n)])).view(len(prompts), n)
-    return {f"avg@{n}": float(rewards.mean()), f"pass@{n}": float((rewards.max(1).values > 0).float().mean())}
+    scores, counts = scores_and_counts(reward_fn(flat, [a for a in answers for _ in range(n)]))
+    rewards = torch.tensor(scores).view(len(prompts), n)
+    return {f"avg@{n}": float(rewards.mean()), f"pass@{n}": float((rewards.max(1).values > 0).float().mean()),
+            **counts}
 
 
 def policy_update(actor, mb: RolloutBatch, loss: PolicyLoss) -> Dict[str, float]:
@@ -290,7 +295,10 @@ def _read_pending(path: Path) -> Generated:
     try:
         d = torch.load(path, weights_only=True)
         groups = [[Sample(list(t), list(lp), fr) for t, lp, fr in grp] for grp in d["groups"]]
-        return Generated(d["prompts"], groups, d["rewards"], d["stats"], int(d["weights_version"]))
+        rewards = d["rewards"]
+        if isinstance(rewards, list):  # written before the rewards were one tensor: one per group
+            rewards = torch.cat(rewards)
+        return Generated(d["prompts"], groups, rewards, d["stats"], int(d["weights_version"]))
     except Exception as exc:  # noqa: BLE001 -- any unreadable file: one line naming it
         raise ValueError(f"{path}: the next step's rollout saved with this checkpoint cannot be read "
                          f"({type(exc).__name__}: {exc}); resume from an earlier checkpoint") from None
@@ -415,7 +423,7 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         t0 = time.time()
         # 1. generate -> reward -> dynamic sampling; one-step-off: this step's rollout was generated
         #    while the previous step trained, and the next one's starts now, with this step's weights
-        prompts, groups, rewards, gen, version = driver.run(lambda: pending or generate(step))
+        prompts, groups, reward, gen, version = driver.run(lambda: pending or generate(step))
         rollout_s = time.time() - t0  # waiting for the rollout (generating it, when not done ahead)
         # (every rank knows whether a rollout runs ahead: waiting for it is a collective)
         overlap = bool(cfg.rollout.max_staleness) and step < cfg.train.steps
@@ -427,7 +435,6 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
             finish(step, {"skipped_step": 1.0, "updates": 0.0, **gen, "rollout_s": rollout_s + time.time() - t,
                           "step_s": time.time() - t0}, pending)
             continue
-        reward = torch.cat(rewards)
         # 2. advantages (eq. 9), GPG's correction when configured
         adv = compute_group_advantages(reward, n, std_normalize=cfg.advantage.std_normalize, eps=cfg.advantage.eps)
         if cfg.advantage.gpg_correction:
@@ -436,7 +443,7 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
                                          temperature=cfg.rollout.temperature)
         response_length_mean = float(batch.response_mask.sum(1).mean())
         if dp_size > 1:  # this rank's share of every mini-batch (rows_per_mb is a multiple of dp_size)
-            batch = batch.select(range(dp_rank, batch.batch_size, dp_size))
+            batch = batch.split_for_data_parallel(dp_rank, dp_size)
         # 3. old log-probs: the actor's (and its entropy), or the engine's own
         t_train, drift = time.time(), {}
         if cfg.algorithm.old_log_prob == "rollout":

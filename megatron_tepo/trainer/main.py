@@ -35,7 +35,7 @@ from megatron_tepo.config import RunConfig, dump_config, load_config
 
 def build_task(cfg: RunConfig, tokenizer, pool):
     from megatron_tepo.data import load_prompts
-    from megatron_tepo.rewards import exact_match_rewards
+    from megatron_tepo.rewards import token_reward
     from megatron_tepo.trainer.loop import Task
 
     if not cfg.data.train_files:
@@ -47,28 +47,15 @@ def build_task(cfg: RunConfig, tokenizer, pool):
     if not train.records:
         raise ValueError(f"data.train_files: no usable prompts in {cfg.data.train_files} "
                          f"({train.num_too_long} too long, {train.num_bad_rows} malformed)")
-    counters = {"reward_timeouts": 0, "reward_errors": 0, "reward_no_answer": 0}
-
-    def reward_fn(responses: List[List[int]], answers: List[str]) -> List[float]:
-        texts = [tokenizer.decode(r, skip_special_tokens=True) for r in responses]
-        if cfg.reward.kind == "exact_match":
-            return exact_match_rewards(texts, answers)
-        if pool is None:
-            raise RuntimeError("reward: math-verify scoring runs on the driver (global rank 0) only")
-        res = pool.score(texts, answers)
-        counters["reward_timeouts"] += res.num_timeouts
-        counters["reward_errors"] += res.num_errors
-        counters["reward_no_answer"] += res.num_no_answer
-        return res.rewards
-
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop[0] if stop else 0)
-    task = Task([r.input_ids for r in train.records], [r.answer for r in train.records], reward_fn, stop, pad,
+    task = Task([r.input_ids for r in train.records], [r.answer for r in train.records],
+                token_reward(cfg.reward.kind, tokenizer, pool), stop, pad,
                 [r.input_ids for r in evals.records] if evals else None,
                 [r.answer for r in evals.records] if evals else None)
     data_stats = {"train_prompts": len(train), "train_too_long": train.num_too_long,
                   "train_bad_rows": train.num_bad_rows}
-    return task, counters, data_stats
+    return task, data_stats
 
 
 def sglang_urls(cfg: RunConfig) -> List[str]:
@@ -217,12 +204,12 @@ def check_resume(cfg: RunConfig, latest: Optional[Path]) -> None:
                           f"the new ones set train.allow_config_change=true, or start a new train.output_dir")
 
 
-def no_update_cause(metrics: dict, step_counters: dict, n_samples: int) -> str:
-    """Why a step made no update, as far as the metrics tell."""
+def no_update_cause(metrics: dict, n_samples: int) -> str:
+    """Why a step made no update, as far as its metrics tell (the reward's counts among them)."""
     if metrics.get("skipped_step"):
         answers = metrics.get("groups_generated", 0) * n_samples
-        no_answer = step_counters.get("reward_no_answer", 0)
-        timeouts = step_counters.get("reward_timeouts", 0)
+        no_answer = metrics.get("reward_no_answer", 0)
+        timeouts = metrics.get("reward_timeouts", 0)
         mean = metrics.get("reward_mean_all", 0.0)
         why = (f"every group had equal rewards in {metrics.get('sampling_rounds', 0):g} sampling round(s) "
                f"(reward mean {mean:.3f})")
@@ -251,7 +238,7 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
     from megatron_tepo.checkpoint.store import find_latest_checkpoint
     from megatron_tepo.checkpoint import export_actor_to_hf, write_conversion_sidecars
     from megatron_tepo.metrics import MetricsLogger
-    from megatron_tepo.rewards import MathRewardPool
+    from megatron_tepo.rewards import COUNT_NAMES, MathRewardPool
     from megatron_tepo.trainer.loop import evaluate, train
 
     driver = int(os.environ.get("RANK", "0")) == 0
@@ -271,7 +258,7 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
     torch.manual_seed(cfg.train.seed)
     scoring = driver and cfg.reward.kind == "math_verify"
     with (MathRewardPool(cfg.reward.workers, cfg.reward.timeout_s) if scoring else contextlib.nullcontext()) as pool:
-        task, counters, data_stats = build_task(cfg, tokenizer, pool)
+        task, data_stats = build_task(cfg, tokenizer, pool)
         actor, engine = build_actor_and_engine(cfg, cfg.model.path, task.pad_token_id)
         if cfg.train.allow_config_change:
             actor.prefer_settings_over_checkpoint()  # the new optim.* win over the checkpoint's
@@ -286,15 +273,10 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
                                                            task.stop_token_ids,
                                                            max_new_tokens=cfg.rollout.max_new_tokens).items()}
 
-        seen = dict(counters)
-
         def on_step(step, metrics):
-            step_counters = {k: counters[k] - seen[k] for k in counters}
-            seen.update(counters)
-            metrics.update(counters)
             if metrics.get("updates", 1.0) == 0:
                 print(f"[step {step}/{cfg.train.steps}] NO UPDATE: "
-                      f"{no_update_cause(metrics, step_counters, cfg.rollout.n_samples)}", flush=True)
+                      f"{no_update_cause(metrics, cfg.rollout.n_samples)}", flush=True)
                 return
             print(f"[step {step}/{cfg.train.steps}] reward {metrics['reward_mean']:.3f} "
                   f"loss {metrics.get('loss', float('nan')):.4f} grad_norm {metrics.get('grad_norm', 0):.3f}", flush=True)
@@ -323,7 +305,8 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
                 logger.close()
             if engine is not None:
                 engine.close()
-    summary = {**data_stats, **counters, "steps_run": len(history), "updates": int(updates),
+    counts = {k: sum(m.get(k, 0) for m in history) for k in COUNT_NAMES}  # the rollouts' of the steps run here
+    summary = {**data_stats, **counts, "steps_run": len(history), "updates": int(updates),
                "steps_without_update": sum(1 for m in history if m.get("updates", 0.0) == 0),
                "resumed_from": state.get("resumed_from"),
                "last_checkpoint": str(find_latest_checkpoint(ckpt_root)) if find_latest_checkpoint(ckpt_root) else None,
@@ -339,5 +322,5 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
         dist.destroy_process_group()
     if history and updates == 0:
         raise NoUpdateError(f"no update in {len(history)} step(s): the policy did not change "
-                            f"({no_update_cause(history[-1], {}, cfg.rollout.n_samples)}); see {out / 'metrics.jsonl'}")
+                            f"({no_update_cause(history[-1], cfg.rollout.n_samples)}); see {out / 'metrics.jsonl'}")
     return summary

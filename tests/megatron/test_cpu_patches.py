@@ -219,3 +219,21 @@ def test_unsupported_megatron_core_is_refused_in_one_line(monkeypatch):
     monkeypatch.setenv("MTEPO_ALLOW_UNTESTED_MCORE", "1")
     assert compat.check_supported(Version("0.20.0")) == Version("0.20.0")
     assert compat.mcore_version() in compat.SUPPORTED  # what this suite runs on
+
+
+def test_the_actors_transformer_config_says_whole_layer_without_the_deprecation_warning():
+    """megatron-core's default CUDA-graph scope "full" warns that it is deprecated on every actor
+    build; the actor passes the empty list that means the same (compat picks the field's name)."""
+    import warnings
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_tepo.megatron.compat import whole_layer_cuda_graph_kwargs
+
+    base = dict(num_layers=1, hidden_size=32, num_attention_heads=4)
+    for kwargs, expect in ((whole_layer_cuda_graph_kwargs(TransformerConfig), []), ({}, ["full scope is deprecated"])):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            TransformerConfig(**base, **kwargs)
+        said = [str(w.message) for w in caught if "scope" in str(w.message)]
+        assert [m for m in said if any(e in m for e in expect)] == said and len(said) == len(expect), said

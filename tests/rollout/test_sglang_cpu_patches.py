@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tepo.rollout.net import free_port
+from megatron_tepo.net import free_port
 
 WORKER = Path(__file__).parent / "recv_buffer_worker.py"
 

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_tepo.rewards import COUNT_NAMES
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -30,8 +32,9 @@ def test_train_tool_on_files(tmp_path):
     assert summary["train_prompts"] == 9 and summary["train_bad_rows"] == 1 and summary["steps_run"] == 2
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2]
-    # A random model writes no \boxed{}: every sample is counted, none crashes the pool.
-    assert lines[-1]["reward_no_answer"] + lines[-1]["reward_errors"] + lines[-1]["reward_timeouts"] == 2 * 4 * 2
+    # A random model writes no \boxed{}: every sample is counted, in its own step, none crashes the pool.
+    counts = [r["reward_no_answer"] + r["reward_errors"] + r["reward_timeouts"] for r in lines]
+    assert counts == [4 * 2, 4 * 2] and sum(summary[k] for k in COUNT_NAMES) == 2 * 4 * 2
     assert lines[-1]["reward_mean"] == 0.0 and lines[-1]["drift_max"] < 1e-4
 
     bad = subprocess.run(cmd[:4] + [f"model.path={model}", "data.train_files=[]", f"train.output_dir={out}2"],

@@ -6,6 +6,7 @@ that trains nothing."""
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -91,6 +92,32 @@ def test_same_command_resumes_and_refuses_changed_settings(tiny, tmp_path):
     assert "lr: 0.0003" in (out / "config.yaml").read_text()
     proc = train(tiny, out, "train.steps=5", "train.resume=false", expect=2)
     assert "holds checkpoints of an earlier run" in proc.stderr
+
+
+def test_a_run_folder_moved_elsewhere_resumes_from_its_new_place(tiny, tmp_path):
+    old, new = tmp_path / "run", tmp_path / "elsewhere" / "moved"
+    train(tiny, old, "train.steps=2")
+    shutil.copytree(old, new)
+    shutil.rmtree(old)  # nothing may be read from the old place
+    proc = train(tiny, new, "train.steps=3")
+    assert f"resumed from {new / 'checkpoints' / 'step_2'}: continuing at step 3" in proc.stdout
+    assert steps(new) == [1, 2, 3] and not old.exists()
+    assert f"output_dir: {new}" in (new / "config.yaml").read_text()
+
+
+def test_a_short_run_prints_no_library_warning_a_user_can_do_nothing_about(tiny, tmp_path):
+    """No TE / Apex fall-back notices, no deprecations of megatron-core's own defaults or of the
+    PyTorch calls its checkpoint loader makes -- and a warning about the run's settings still shows."""
+    from megatron_tepo import KNOWN_LIBRARY_WARNINGS
+
+    known = [re.compile(message) for message, *_ in KNOWN_LIBRARY_WARNINGS] + [re.compile("full scope is deprecated")]
+    stale = ["rollout.max_staleness=1", "algorithm.clip_low=0.2", "algorithm.clip_high=0.28"]  # warned about
+    for steps_ in (1, 2):  # the second resumes: a checkpoint loads
+        proc = train(tiny, tmp_path / "run", f"train.steps={steps_}", *stale)
+        lines = (proc.stdout + proc.stderr).splitlines()
+        assert [line for line in lines if any(k.search(line) for k in known)] == [], proc.stderr
+        assert sum("RuntimeWarning: rollout.max_staleness=1 with algorithm.loss=tepo" in line for line in lines) == 1
+    assert "resumed from" in proc.stdout
 
 
 def test_no_duplicate_steps_after_a_run_died_before_its_first_checkpoint(tiny, tmp_path):

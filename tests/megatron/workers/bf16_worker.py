@@ -66,8 +66,7 @@ def run_case(case):
     for precision in ("fp32", "bf16"):
         actor = MegatronActor(hf_cfg, hf_weights=weights, layout=layout, optim=optim, precision=precision,
                               max_tokens_per_micro_batch=64)
-        rows = slice(*[int(x) for x in torch.linspace(0, batch.batch_size, ps.get_data_parallel_world_size() + 1)
-                       .round()[ps.get_data_parallel_rank():ps.get_data_parallel_rank() + 2]])
+        rows = slice(ps.get_data_parallel_rank(), None, ps.get_data_parallel_world_size())  # this rank's share
         local = batch.split_for_data_parallel(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
         start = {n: p.detach().float().clone() for n, p in unwrap_model(actor.model[0]).named_parameters()}
         lp, ent = actor.compute_log_probs(local)
