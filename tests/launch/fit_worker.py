@@ -69,7 +69,7 @@ def run_case(case):
                 "optimizer": _bytes(state) + _bytes(mains)}
     hf = hf_cfg.to_dict()
     cfg = RunConfig()
-    cfg.parallel.tp, cfg.actor, cfg.optim = case["tp"], settings, optim
+    cfg.parallel, cfg.actor, cfg.optim = layout, settings, optim  # (ParallelLayout is frozen)
     fit = actor_memory(model_shape(hf), cfg, LaunchLayout(gpus_per_node=dist.get_world_size(), actor_nodes=1))
     return {"case": case, "measured": measured,
             "fit": {"weights": fit.weights, "grads": fit.grads, "optimizer": fit.optimizer},
