@@ -38,6 +38,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 import torch.distributed as dist
 
+from megatron_tepo.buckets import BucketStream
 from tests.dist_utils import write_result
 
 MiB = 1 << 20
@@ -74,13 +75,13 @@ class RssPeak:
         self.delta = self.peak - self.base
 
 
-class Precomputed:
+class Precomputed(BucketStream):
     """Buckets exported beforehand, handed to ``WeightSync.push`` as if they were the export."""
 
     def __init__(self, buckets):
         self.buckets = buckets
 
-    def flat_buckets(self, *args, **kwargs):
+    def flat_buckets(self, bucket_bytes=None, dtype=None, dst=None, reuse=False, buffers=None):
         return iter(self.buckets)
 
 
@@ -95,9 +96,9 @@ def main():
     from megatron_tepo.layout import ParallelLayout
     from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet
     from megatron_tepo.models import megatron_to_hf
-    from megatron_tepo.buckets import ExportBuffers
+    from megatron_tepo.buckets import ExportBuffers, flatten_bucket, iter_buckets, tensor_bytes
     from megatron_tepo.megatron.sharding import gather_full_tensors
-    from megatron_tepo.rollout.weight_sync import WeightSync, flatten_bucket, iter_buckets, tensor_bytes
+    from megatron_tepo.rollout.weight_sync import WeightSync
 
     class TimedSync(WeightSync):
         push_s = 0.0

@@ -34,14 +34,10 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from megatron_tepo.buckets import SAFETENSORS_DTYPES, dtype_name
+
 INDEX_NAME = "model.safetensors.index.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
-
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 class _ByteCounter:
@@ -51,10 +47,6 @@ class _ByteCounter:
 
 
 BYTES_READ = _ByteCounter()
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -111,9 +103,9 @@ class LazyHFCheckpoint:
         header.pop("__metadata__", None)
         out = {}
         for name, info in header.items():
-            if info["dtype"] not in _ST_DTYPES:
+            if info["dtype"] not in SAFETENSORS_DTYPES:
                 raise ValueError(f"HF tensor {name!r} in {file.name} has unsupported dtype {info['dtype']}")
-            entry = (tuple(info["shape"]), _ST_DTYPES[info["dtype"]])
+            entry = (tuple(info["shape"]), SAFETENSORS_DTYPES[info["dtype"]])
             if with_offsets:
                 begin, end = info["data_offsets"]
                 entry += ((8 + n + int(begin), 8 + n + int(end)),)

@@ -5,8 +5,8 @@ any iterator of ``(HF name, full tensor)``. Only the *sender* (global rank 0 by 
 ``sender_rank``) talks to the servers; every rank of the actor calls :meth:`WeightSync.push`, the
 others just drain the export, which is collective.
 
-With the actor's export the sync asks it for flat buckets (``HFExport.flat_buckets``): per bucket
-of at most ``bucket_bytes`` each TP rank casts its shards to ``wire_dtype`` (before anything
+With the actor's export (a :class:`~megatron_tepo.buckets.BucketStream`) the sync asks it for flat
+buckets (``HFExport.flat_buckets``): per bucket of at most ``bucket_bytes`` each TP rank casts its shards to ``wire_dtype`` (before anything
 moves: half the bytes of an fp32 actor for a bf16 server), the other TP ranks send theirs point
 to point into the sender's receive buffer (the sender casts its own in place; MoE with expert
 parallelism: each EP rank's experts follow the same way, so every expert is sent under its global
@@ -63,12 +63,10 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import logging
 import math
 import os
 import shutil
-import struct
 import tempfile
 import threading
 import time
@@ -79,7 +77,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron_tepo.buckets import BucketHandoff, ExportBuffers, FlatBucket
+from megatron_tepo.buckets import (BucketHandoff, BucketStream, ExportBuffers, FlatBucket, dtype_name, iter_buckets,
+                                   tensor_bytes, to_flat_bucket, write_safetensors)
 from megatron_tepo.rollout.net import free_port
 
 log = logging.getLogger(__name__)
@@ -88,98 +87,6 @@ MODES = ("distributed", "tensor", "disk")
 # the weight-update session of recent SGLang (0.5.23 has it, 0.5.6 not); older versions load without one
 SESSION_ROUTES = ("/begin_weight_update", "/end_weight_update")
 NamedTensors = Iterable[Tuple[str, torch.Tensor]]
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def iter_buckets(named_tensors: NamedTensors, bucket_bytes: int,
-                 wire_dtype: Optional[torch.dtype] = None,
-                 align: bool = False) -> Iterator[List[Tuple[str, torch.Tensor]]]:
-    """Group the stream into lists of at most ``bucket_bytes`` (a bigger tensor goes alone).
-
-    ``wire_dtype`` casts floating tensors; ``align`` closes a bucket early when the next tensor's
-    byte offset would not be a multiple of its item size (needed by flattened buckets)."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    bucket: List[Tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named_tensors:
-        t = t.detach()
-        if wire_dtype is not None and t.is_floating_point() and t.dtype != wire_dtype:
-            t = t.to(wire_dtype)
-        t = t.contiguous()
-        nb = tensor_bytes(t)
-        misaligned = align and size % t.element_size() != 0
-        if bucket and (size + nb > bucket_bytes or misaligned):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nb
-    if bucket:
-        yield bucket
-
-
-def flatten_bucket(bucket: List[Tuple[str, torch.Tensor]], out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The bytes of the bucket's tensors back to back (SGLang's ``flattened_bucket`` layout), in
-    ``out[:total]`` when given (a reused uint8 buffer at least that large)."""
-    total = sum(tensor_bytes(t) for _, t in bucket)
-    flat = torch.empty(total, dtype=torch.uint8, device=bucket[0][1].device) if out is None else out[:total]
-    off = 0
-    for _, t in bucket:
-        nb = tensor_bytes(t)
-        flat[off:off + nb].copy_(t.reshape(-1).view(torch.uint8))
-        off += nb
-    return flat
-
-
-def to_flat_bucket(bucket: List[Tuple[str, torch.Tensor]], out: Optional[torch.Tensor] = None) -> FlatBucket:
-    offsets, off = [], 0
-    for _, t in bucket:
-        offsets.append(off)
-        off += tensor_bytes(t)
-    return FlatBucket([n for n, _ in bucket], [t.dtype for _, t in bucket], [tuple(t.shape) for _, t in bucket],
-                      offsets, flatten_bucket(bucket, out))
-
-
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL"}
-
-
-def host_bytes(flat: torch.Tensor, staging: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``flat``'s bytes in host memory: ``flat`` itself when it is on the CPU (no copy); else one
-    copy into ``staging[:n]`` when that host buffer is large enough, or into a new host buffer,
-    pinned where CUDA is available (the device-to-host copy then runs at full speed, with no
-    bounce through pageable memory)."""
-    if flat.device.type == "cpu":
-        return flat
-    n = flat.numel()
-    if staging is None or staging.numel() < n:
-        staging = torch.empty(n, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-    out = staging[:n]
-    out.copy_(flat)
-    return out
-
-
-def write_safetensors(bucket: FlatBucket, path: str, staging: Optional[torch.Tensor] = None) -> None:
-    """The bucket as one safetensors file: a JSON header, then the flat buffer as it is (the
-    format's data section is exactly tensors back to back), so no per-tensor copy is made. A
-    buffer on another device (a GPU) is copied once into host memory first (``staging``, see
-    :func:`host_bytes`)."""
-    header = {n: {"dtype": _SAFETENSORS_DTYPES[d], "shape": list(s), "data_offsets": [o, o + math.prod(s) * d.itemsize]}
-              for n, d, s, o in zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.offsets)}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        f.write(memoryview(host_bytes(bucket.flat, staging).numpy()))
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int,
@@ -453,18 +360,17 @@ class WeightSync:
 
     # ------------------------------------------------------------------ public
     def _buckets(self, named_tensors, stats: SyncStats) -> Iterator[FlatBucket]:
-        """The stream as flat buckets. An export that can bucket itself (``flat_buckets``, e.g.
-        :class:`~megatron_tepo.actor.export.HFExport`) is asked for buckets gathered to the sender, cast
+        """The stream as flat buckets. A :class:`~megatron_tepo.buckets.BucketStream` (the actor's
+        export, :class:`~megatron_tepo.actor.export.HFExport`) is asked for buckets gathered to the sender, cast
         to the wire dtype before its collectives, in reused buffers; any other stream of
         ``(name, tensor)`` is cast and flattened here into one reused buffer. A bucket may still be
         on the wire when the next is asked for: its ``release`` (set by the push) must be called
         before its buffer is written again (both paths do, with a ``BucketHandoff``)."""
-        flat_buckets = getattr(named_tensors, "flat_buckets", None)
-        if callable(flat_buckets):
+        if isinstance(named_tensors, BucketStream):
             stats.bucketed_export = True
             dst = self.sender_rank if _dist_rank() is not None else None
             kw = {"buffers": self._export_buffers} if self._export_buffers is not None else {}
-            return flat_buckets(self.bucket_bytes, dtype=self.wire_dtype, dst=dst, reuse=True, **kw)
+            return named_tensors.flat_buckets(self.bucket_bytes, dtype=self.wire_dtype, dst=dst, reuse=True, **kw)
         if not self.is_sender:  # a plain stream: nothing to send from this rank, just drain it
             return (None for _ in named_tensors)
 

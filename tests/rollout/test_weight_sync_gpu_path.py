@@ -18,10 +18,10 @@ import time
 import pytest
 import torch
 
-from megatron_tepo.buckets import FlatBucket
+from megatron_tepo.buckets import FlatBucket, write_safetensors
 from megatron_tepo.rollout import weight_sync as ws_mod
 from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangServer, launch_server, stop_server
-from megatron_tepo.rollout.weight_sync import WeightSync, write_safetensors
+from megatron_tepo.rollout.weight_sync import WeightSync
 from tests.rollout.fake_sglang import FakeFleet, FakeSGLang
 
 UPDATE_DIST = "/update_weights_from_distributed"
@@ -253,7 +253,7 @@ def test_disk_mode_writes_a_bucket_whose_buffer_is_not_on_the_cpu(tmp_path):
 def test_host_bytes_copies_only_off_the_cpu():
     """On the CPU the bucket's own buffer is written (no copy); off it one copy into a host
     buffer, reused when it is large enough (pinned where CUDA is available)."""
-    from megatron_tepo.rollout.weight_sync import host_bytes
+    from megatron_tepo.buckets import host_bytes
 
     bucket, _, _ = _bucket(lambda flat: flat)
     assert host_bytes(bucket.flat) is bucket.flat
