@@ -1,4 +1,4 @@
-"""Megatron -> rollout engine weight sync, bucketed, in three modes; and the log-prob drift check.
+"""Megatron -> rollout engine weight sync, bucketed, in three modes.
 
 Input: :meth:`MegatronActor.export_hf_state` (a lazy :class:`~megatron_tepo.actor.export.HFExport`), or
 any iterator of ``(HF name, full tensor)``. Only the *sender* (global rank 0 by default,
@@ -70,7 +70,6 @@ import shutil
 import tempfile
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
@@ -502,44 +501,3 @@ class WeightSync:
         if self._export_buffers is not None:
             self._export_buffers.close()
         self._staging = None
-
-
-# ---------------------------------------------------------------------- drift check
-@dataclass
-class DriftCheck:
-    """Mean / max |engine log-prob - actor log-prob| over the same tokens; warns over a threshold."""
-    mean_threshold: float = 0.05
-    max_threshold: float = 1.0
-    prefix: str = "rollout/logprob_drift"
-
-    def __call__(self, engine_log_probs, actor_log_probs, mask=None, warn: bool = True) -> Dict[str, float]:
-        e = _as_flat(engine_log_probs)
-        a = _as_flat(actor_log_probs)
-        if e.shape != a.shape:
-            raise ValueError(f"drift check: {tuple(e.shape)} engine log-probs vs {tuple(a.shape)} actor's")
-        diff = (e.double() - a.double()).abs()
-        if mask is not None:
-            diff = diff[_as_flat(mask).bool()]
-        if diff.numel() == 0:
-            return self.report(0.0, 0.0, 0, warn=False)
-        return self.report(float(diff.mean()), float(diff.max()), int(diff.numel()), warn=warn)
-
-    def report(self, mean: float, max_: float, tokens: int, warn: bool = True) -> Dict[str, float]:
-        """The metrics for drift already measured (e.g. combined over ranks); warns (``warn``)
-        when the mean or the max is over its threshold."""
-        if warn and (mean > self.mean_threshold or max_ > self.max_threshold):
-            msg = (f"log-prob drift between rollout engine and actor: mean {mean:.4g} "
-                   f"(threshold {self.mean_threshold}), max {max_:.4g} "
-                   f"(threshold {self.max_threshold}) over {tokens} tokens")
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
-            log.warning(msg)
-        return {f"{self.prefix}_mean": mean, f"{self.prefix}_max": max_, f"{self.prefix}_tokens": tokens}
-
-
-def _as_flat(x) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x.reshape(-1)
-    if len(x) and isinstance(x[0], (list, tuple, torch.Tensor)):
-        return torch.cat([torch.as_tensor(list(r) if not isinstance(r, torch.Tensor) else r,
-                                          dtype=torch.float64).reshape(-1) for r in x]) if len(x) else torch.zeros(0)
-    return torch.as_tensor(list(x), dtype=torch.float64)

@@ -47,10 +47,10 @@ from megatron_tepo.actor.checkpointing import load_newest_checkpoint
 from megatron_tepo.checkpoint.store import prune_checkpoints, remove_partial_checkpoints
 from megatron_tepo.algorithms import compute_group_advantages, filter_groups, get_loss_defaults
 from megatron_tepo.algorithms.advantages import gpg_correction
+from megatron_tepo.algorithms.drift import DriftCheck
 from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.config import AlgorithmConfig, RunConfig
 from megatron_tepo.rollout.engine import Sample, gathered_tensors
-from megatron_tepo.rollout.weight_sync import DriftCheck
 
 try:
     import torch.distributed as dist
