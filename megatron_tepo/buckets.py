@@ -5,7 +5,7 @@ hand-over of a reused buffer, and the bucket as a safetensors file.
 Pure torch, shared by both sides: the actor's export (:mod:`megatron_tepo.actor.export`) is a
 :class:`BucketStream` of :class:`FlatBucket` s, the engines read it (the embedded engine through
 :func:`megatron_tepo.rollout.engine.gathered_tensors`, the SGLang weight sync,
-:mod:`megatron_tepo.rollout.weight_sync`, as buckets); any other ``(name, tensor)`` stream
+:mod:`megatron_tepo.rollout.sglang.weight_sync`, as buckets); any other ``(name, tensor)`` stream
 is grouped and flattened here (:func:`iter_buckets`, :func:`to_flat_bucket`).
 
 Left out: how buckets are gathered across ranks (the actor's export) and how they travel (the
@@ -101,7 +101,7 @@ class BucketHandoff:
 
 class ExportBuffers:
     """Scratch memory of the actor's export that outlives one export: pass the same object to every ``iter_flat_buckets(..., reuse=True, buffers=...)`` call (the weight sync keeps one
-    per :class:`~megatron_tepo.rollout.weight_sync.WeightSync`) and the buckets' buffers are
+    per :class:`~megatron_tepo.rollout.sglang.weight_sync.WeightSync`) and the buckets' buffers are
     allocated, and page-faulted, once instead of at every push -- on CPU a fresh 64-256 MiB buffer
     costs about as much to fault in as to fill. Cost: the memory stays held between exports
     (about two buckets per rank); :meth:`close` frees it. Holds the shared-memory buckets of

@@ -622,9 +622,9 @@ class SGLangFleet(RolloutEngine):
         """Push the stream to every live server (the fleet's :class:`WeightSync`; ``tensor`` mode
         unless the trainer set another up), servers paused, then one cache flush."""
         if self.weight_sync is None:
-            from megatron_tepo.rollout.weight_sync import WeightSync
+            from megatron_tepo.rollout.sglang.weight_sync import TensorSync
 
-            self.weight_sync = WeightSync(self, mode="tensor")
+            self.weight_sync = TensorSync(self)
         self.weight_sync.push(named_tensors)
 
     def flush_cache(self) -> None:

@@ -169,7 +169,7 @@ class Driver:
 class FollowerEngine:
     """What a rank other than the driver holds in place of the rollout engine: it takes part in
     the weight sync (the export is collective; with a fleet, ``weight_sync`` is a
-    :class:`~megatron_tepo.rollout.weight_sync.WeightSync` with ``is_sender=False``, so its export
+    :class:`~megatron_tepo.rollout.sglang.weight_sync.WeightSync` with ``is_sender=False``, so its export
     calls match the sender's) and refuses to generate."""
 
     def __init__(self, weight_sync=None):

@@ -20,10 +20,8 @@ Left out: a reference policy (``algorithm.kl_target: ref``) and launching SGLang
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import os
-import socket
 from pathlib import Path
 from typing import List, Optional
 from urllib.parse import urlparse
@@ -85,60 +83,13 @@ def sglang_urls(cfg: RunConfig) -> List[str]:
     return urls
 
 
-SYNC_ADDRESS_ENV = "TEPO_SYNC_ADDRESS"
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
-def sync_master_address(urls: List[str], setting: Optional[str] = None) -> str:
-    """The address the servers reach this (sender) process at for ``sync_mode: distributed``.
-
-    ``TEPO_SYNC_ADDRESS`` if set, else ``setting`` (``rollout.sync_address``): an IP address or a
-    host name that resolves here (else a one-line :class:`ConfigError` naming the variable or
-    field). Neither: the address of this host's interface on the route to the first server that is
-    not on loopback (the first server when all are), found by connecting a UDP socket to it (no
-    packet is sent) -- loopback for local servers. Not ``gethostbyname(gethostname())``, which is
-    often 127.0.1.1 (/etc/hosts) or a management NIC the servers cannot reach."""
-    from megatron_tepo.config import ConfigError
-
-    env = os.environ.get(SYNC_ADDRESS_ENV, "").strip()
-    explicit, name = (env, SYNC_ADDRESS_ENV) if env else ((setting or "").strip(), "rollout.sync_address")
-    if explicit:
-        try:
-            socket.getaddrinfo(explicit, None)
-        except (OSError, UnicodeError) as exc:
-            raise ConfigError(f"{name}: {explicit!r} is not an IP address or a host name that resolves "
-                              f"here ({exc})") from None
-        return explicit
-    if not urls:
-        raise ValueError("sync_master_address: no server URL to find the route to")
-    hosts = [(urlparse(u).hostname, urlparse(u).port or (443 if urlparse(u).scheme == "https" else 80))
-             for u in urls]
-    host, port = next((h for h in hosts if not _is_loopback(h[0])), hosts[0])
-    try:
-        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(addr)  # UDP: picks the route and its source address, sends nothing
-            return s.getsockname()[0]
-    except OSError as exc:
-        raise ConfigError(f"{SYNC_ADDRESS_ENV} / rollout.sync_address: unset, and no route to the SGLang server "
-                          f"{host}:{port} to take this host's address from ({exc}); set one") from None
-
-
 def _weight_sync(cfg: RunConfig, fleet, urls: List[str], is_sender: bool):
-    from megatron_tepo.rollout.weight_sync import WeightSync
+    from megatron_tepo.rollout.sglang.weight_sync import SYNC_MODES, make_weight_sync
 
     r = cfg.rollout
-    address = sync_master_address(urls, r.sync_address) if r.sync_mode == "distributed" else "127.0.0.1"
-    return WeightSync(fleet, mode=r.sync_mode, bucket_bytes=r.sync_bucket_mb << 20,
-                      wire_dtype=getattr(torch, r.sync_dtype), shared_dir=r.sync_dir,
-                      master_address=address, is_sender=is_sender,
-                      keep_buffers=r.sync_keep_buffers)
+    return make_weight_sync(r.sync_mode, fleet, bucket_bytes=r.sync_bucket_mb << 20,
+                            wire_dtype=getattr(torch, r.sync_dtype), is_sender=is_sender,
+                            keep_buffers=r.sync_keep_buffers, **SYNC_MODES[r.sync_mode].options_from(r, urls))
 
 
 def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool = True):

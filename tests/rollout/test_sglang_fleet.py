@@ -10,7 +10,7 @@ import torch
 from megatron_tepo.rollout.engine import FINISH_LENGTH, FINISH_STOP
 from megatron_tepo.rollout.sglang_fleet import FleetConfig, FleetError, SGLangFleet
 from megatron_tepo.algorithms.drift import DriftCheck
-from megatron_tepo.rollout.weight_sync import WeightSync
+from megatron_tepo.rollout.sglang.weight_sync import TensorSync, make_weight_sync
 from tests.rollout.helpers import (VOCAB, error_with_all_servers_hung, hf_response_log_probs,
                                    kill_during_step, save_tiny_qwen3, tiny_qwen3)
 
@@ -84,7 +84,8 @@ def test_weight_sync_modes_single_process(fleet, mode, tmp_path):
     # distributed: bf16 on the wire, as the trainer sends (rollout.sync_dtype), and a first push of
     # other weights: the second is received straight into the parameters (CPU server patch 3)
     wire = torch.bfloat16 if mode == "distributed" else None
-    ws = WeightSync(fleet, mode=mode, bucket_bytes=100_000, shared_dir=str(tmp_path), wire_dtype=wire)
+    own = {"shared_dir": str(tmp_path)} if mode == "disk" else {}
+    ws = make_weight_sync(mode, fleet, bucket_bytes=100_000, wire_dtype=wire, **own)
     try:
         if mode == "distributed":
             ws.push(tiny_qwen3(seed=seed + 100, scale=SCALE).state_dict().items())
@@ -171,7 +172,7 @@ def test_sync_while_a_request_still_runs(fleet, tmp_path):
     new = tiny_qwen3(seed=33, scale=SCALE)
     t = start()
     time.sleep(0.5)
-    ws = WeightSync(fleet, mode="tensor")
+    ws = TensorSync(fleet)
     ws.push(list(new.state_dict().items()))
     t.join(300)
     assert not t.is_alive()
