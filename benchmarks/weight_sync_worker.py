@@ -94,7 +94,7 @@ def main():
     args = json.loads(sys.argv[1])
     from megatron_tepo.actor.actor import MegatronActor
     from megatron_tepo.layout import ParallelLayout
-    from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet
+    from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
     from megatron_tepo.models import megatron_to_hf
     from megatron_tepo.buckets import ExportBuffers, flatten_bucket, iter_buckets, tensor_bytes
     from megatron_tepo.megatron.sharding import gather_full_tensors

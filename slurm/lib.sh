@@ -10,8 +10,8 @@
 #   2. the node split (tepo_split_nodes), NCCL settings (tepo_nccl_env);
 #   3. SGLang servers with srun on the rollout nodes (GPUS_PER_NODE / SGLANG_TP servers per node,
 #      one port each), then a wait for every /health. Each server is
-#      `python -m megatron_tepo.rollout.serve` (the SGLang command line is built in Python, in
-#      megatron_tepo/rollout/sglang_fleet.py's server_command, shared with the SGLang fleet);
+#      `python -m megatron_tepo.rollout.sglang.server` (the SGLang command line is built in Python,
+#      in megatron_tepo/rollout/sglang/server.py's server_command, shared with the SGLang fleet);
 #   4. the trainer: srun (one task per actor node) + torchrun, c10d rendezvous on the first actor
 #      node (torchrun --standalone when there is one actor node); the SGLang URLs are passed in
 #      TEPO_SGLANG_URLS.
@@ -41,7 +41,7 @@
 #   TEPO_CPUS_PER_NODE          CPUs of every step on each node (default: the job's, from
 #                               SLURM_JOB_CPUS_PER_NODE / SLURM_CPUS_ON_NODE; steps do not inherit them)
 #   MTEPO_SGLANG_PYTHON         the python with sglang (default .venv-sglang/bin/python, else TEPO_PYTHON
-#                               if it imports sglang); read by megatron_tepo.rollout.serve
+#                               if it imports sglang); read by megatron_tepo.rollout.sglang.server
 #   TEPO_SGLANG_API_KEY         the API key every server requires (the trainer reads the same
 #                               variable); unset: a random one per job. Passed to the steps in the
 #                               environment only (no command line shows it, nor a dry run)
@@ -205,7 +205,7 @@ tepo_srun_args() {
 
 # TEPO_SGLANG_API_KEY: the user's, else a new random one (32 hex digits) for this job; exported,
 # so that it reaches the servers and the trainer through srun's environment, never a command line
-# (megatron_tepo.rollout.serve hands it to SGLang inside the server process).
+# (megatron_tepo.rollout.sglang.server hands it to SGLang inside the server process).
 tepo_api_key() {
     if [[ -z "${TEPO_SGLANG_API_KEY:-}" ]]; then
         TEPO_SGLANG_API_KEY=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')
@@ -236,11 +236,11 @@ tepo_run() {
     fi
 }
 
-# The serve command of one server (megatron_tepo.rollout.serve; the SGLang flags live in Python).
+# The serve command of one server (megatron_tepo.rollout.sglang.server; the SGLang flags live in Python).
 # tepo_serve_cmd PORT: one shell-quoted command line.
 tepo_serve_cmd() {
     local port=$1
-    local -a cmd=("$(tepo_python)" -m megatron_tepo.rollout.serve --model-path "$FIT_MODEL_PATH"
+    local -a cmd=("$(tepo_python)" -m megatron_tepo.rollout.sglang.server --model-path "$FIT_MODEL_PATH"
         --port "$port" --host 0.0.0.0 --tp "$FIT_SGLANG_TP" --device "${FIT_DEVICE:-cuda}"
         --mem-fraction-static "$FIT_SGLANG_MEM_FRACTION" --max-running-requests "$FIT_SGLANG_MAX_RUNNING")
     if [[ "${FIT_DEVICE:-cuda}" == cpu ]]; then

@@ -33,7 +33,7 @@ What it does, in order (the same steps as slurm/lib.sh's ``tepo_main``, from the
    * ``sglang`` task: ``srun --nodes=R --ntasks-per-node=1 --nodelist=$TEPO_ROLLOUT_NODELIST``
      running ``tools/launch_nemo_run.py step-sglang`` on every rollout node: one server per port,
      each its own ``CUDA_VISIBLE_DEVICES`` slice of ``sglang.tp`` GPUs; the server command is
-     lib.sh's ``tepo_serve_cmd`` (``python -m megatron_tepo.rollout.serve`` ..., evaluated at
+     lib.sh's ``tepo_serve_cmd`` (``python -m megatron_tepo.rollout.sglang.server`` ..., evaluated at
      submission), logs in ``<output_dir>/logs/nemo-run.<job>.<restart>/sglang.<host>.<i>.log``.
    * ``trainer`` task: ``srun --nodes=A --ntasks-per-node=1 --nodelist=$TEPO_ACTOR_NODELIST``
      running ``step-trainer``, which waits for every server's ``/health`` and then runs the
@@ -202,7 +202,7 @@ def make_plan(launch_file: str, overrides: Sequence[str]) -> Plan:
 
 def server_command(plan: Plan, python: str) -> List[str]:
     """One SGLang server, ``{port}`` filled in per server by step-sglang: slurm/lib.sh's
-    ``tepo_serve_cmd`` (``python -m megatron_tepo.rollout.serve`` + the FIT_* flags), run here."""
+    ``tepo_serve_cmd`` (``python -m megatron_tepo.rollout.sglang.server`` + the FIT_* flags), run here."""
     env = {**os.environ, **plan.fit, "TEPO_PYTHON": python, "TEPO_ROOT": str(ROOT)}
     res = subprocess.run(["bash", "-c", 'source "$TEPO_ROOT/slurm/lib.sh" && tepo_serve_cmd "{port}"'],
                          env=env, capture_output=True, text=True, check=True)

@@ -1,7 +1,7 @@
 """The rollout engine interface: what the trainer needs from anything that generates responses.
 
 Every engine (the in-process :class:`~megatron_tepo.rollout.embedded.EmbeddedEngine`, the SGLang
-fleet :class:`~megatron_tepo.rollout.sglang_fleet.SGLangFleet`) takes prompts as token ids and
+fleet :class:`~megatron_tepo.rollout.sglang.fleet.SGLangFleet`) takes prompts as token ids and
 returns, per prompt, a *group* of ``n`` samples, each with its response token ids, the engine's
 log-probability of every sampled token under the distribution it sampled from (``softmax(logits /
 temperature)``, after top-p) and why it stopped. Weights arrive as a stream of ``(HF name,

@@ -107,7 +107,7 @@ def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool
 
         return EmbeddedEngine(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
                               seed=cfg.train.seed, pad_token_id=pad_token_id)
-    from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet
+    from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
 
     r = cfg.rollout
     urls = sglang_urls(cfg)

@@ -12,9 +12,10 @@ ROLLOUT = Path(__file__).resolve().parents[2] / "megatron_tepo" / "rollout"
 FORBIDDEN = ("megatron_tepo.models", "megatron_tepo.megatron", "megatron_tepo.actor", "megatron_tepo.trainer",
              "megatron_tepo.checkpoint", "megatron.")
 # every module of the package (the check imports them all)
-MODULES = ("engine", "embedded", "net", "sglang_fleet", "serve", "sglang.weight_sync", "sglang.weight_sync.base",
-           "sglang.weight_sync.distributed", "sglang.weight_sync.tensor", "sglang.weight_sync.disk")
-SHARED_HELPER_USERS = ("sglang.weight_sync.distributed", "sglang_fleet")  # of net.free_port
+MODULES = ("engine", "embedded", "net", "sglang.server", "sglang.launch", "sglang.fleet", "sglang.weight_sync",
+           "sglang.weight_sync.base", "sglang.weight_sync.distributed", "sglang.weight_sync.tensor",
+           "sglang.weight_sync.disk")
+SHARED_HELPER_USERS = ("sglang.weight_sync.distributed", "sglang.server")  # of net.free_port
 
 
 def _module(path: Path) -> str:

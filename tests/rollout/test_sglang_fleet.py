@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_tepo.rollout.engine import FINISH_LENGTH, FINISH_STOP
-from megatron_tepo.rollout.sglang_fleet import FleetConfig, FleetError, SGLangFleet
+from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
+from megatron_tepo.rollout.sglang.server import FleetError, RequestFailed, ServerConfig
 from megatron_tepo.algorithms.drift import DriftCheck
 from megatron_tepo.rollout.sglang.weight_sync import TensorSync, make_weight_sync
 from tests.rollout.helpers import (VOCAB, error_with_all_servers_hung, hf_response_log_probs,
@@ -29,9 +30,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fleet(sglang_python, model_dir, tmp_path_factory):
-    cfg = FleetConfig(model_path=model_dir, num_servers=2, python=sglang_python,
-                      log_dir=str(tmp_path_factory.mktemp("sglang_logs")), request_timeout=60,
-                      step_timeout=120, startup_timeout=240, router="none")  # test_sglang_router.py: routed
+    cfg = FleetConfig(num_servers=2, request_timeout=60, step_timeout=120,
+                      router="none",  # test_sglang_router.py: routed
+                      server=ServerConfig(model_path=model_dir, python=sglang_python, startup_timeout=240,
+                                          log_dir=str(tmp_path_factory.mktemp("sglang_logs"))))
     f = SGLangFleet(cfg)
     yield f
     f.close()
@@ -142,8 +144,6 @@ def test_sync_while_a_request_still_runs(fleet, tmp_path):
     another) made the cache flush of a sync fail with HTTP 400. The sync aborts it, updates,
     flushes and lets generation continue."""
     import threading
-
-    from megatron_tepo.rollout.sglang_fleet import RequestFailed
 
     s = fleet.servers[0]
     result = {}

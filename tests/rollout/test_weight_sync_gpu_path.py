@@ -21,7 +21,7 @@ import torch
 from megatron_tepo.buckets import FlatBucket, write_safetensors
 from megatron_tepo.rollout.sglang.weight_sync import DistributedSync, TensorSync, make_weight_sync
 from megatron_tepo.rollout.sglang.weight_sync import distributed as ws_distributed
-from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangServer, launch_server, stop_server
+from megatron_tepo.rollout.sglang.server import ServerConfig, SGLangServer, launch_server, stop_server
 from tests.rollout.fake_sglang import FakeFleet, FakeSGLang
 
 UPDATE_DIST = "/update_weights_from_distributed"
@@ -127,7 +127,7 @@ def test_tensor_mode_sends_one_payload_per_tp_rank(fakes):
 def test_fleet_launched_server_knows_its_tp_size(tmp_path):
     """A server the fleet starts with ``--tp-size 2`` is a TP=2 server without asking it
     (``/bin/true`` stands in for the SGLang python: only the returned handle is checked)."""
-    cfg = FleetConfig(model_path=str(tmp_path), python="/bin/true", tp=2, log_dir=str(tmp_path))
+    cfg = ServerConfig(model_path=str(tmp_path), python="/bin/true", tp=2, log_dir=str(tmp_path))
     s = launch_server(cfg, 0)
     try:
         assert s.tp_size == 2

@@ -24,7 +24,7 @@ def main():
 
     from megatron_tepo.actor.actor import MegatronActor
     from megatron_tepo.layout import ParallelLayout
-    from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet
+    from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
     from megatron_tepo.rollout.sglang.weight_sync import DistributedSync
 
     actor = MegatronActor(args["config_dir"], hf_weights=load_file(args["weights"]),

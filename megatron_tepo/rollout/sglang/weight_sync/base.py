@@ -78,7 +78,7 @@ class WeightSync(abc.ABC):
     """Pushes ``(HF name, tensor)`` streams to every live server of a fleet; a mode subclasses it
     with :meth:`_send` (one bucket to the servers) and, where it needs them, the other hooks.
 
-    ``target``: an :class:`~megatron_tepo.rollout.sglang_fleet.SGLangFleet` (or anything with
+    ``target``: an :class:`~megatron_tepo.rollout.sglang.fleet.SGLangFleet` (or anything with
     ``alive_servers()``). ``wire_dtype``: cast before sending (e.g. ``torch.bfloat16`` for a bf16
     server; halves the bytes of a float32 actor); ``None`` sends as exported. ``sender_rank``:
     the global rank that talks to the servers (``is_sender`` defaults to being it; when

@@ -5,7 +5,7 @@ The group (``/init_weights_update_group``; gloo on CPU, nccl on GPU) is made onc
 the live servers stay the same. SGLang gives worker ``r`` of a server the rank
 ``rank_offset + r``, so the offsets are cumulative: server i gets ``1 + sum(tp_size of servers <
 i)`` and the world is ``1 + sum(tp_size)``. A server's TP size is known when the fleet launched
-it (``FleetConfig.tp``) and asked of it otherwise (``/server_info``: ``tp_size``). Per bucket one
+it (``ServerConfig.tp``) and asked of it otherwise (``/server_info``: ``tp_size``). Per bucket one
 ``/update_weights_from_distributed`` with ``load_format="flattened_bucket"`` and one broadcast of
 the bucket's bytes; the request is answered once the servers have received and loaded the bucket.
 
