@@ -97,7 +97,8 @@ class RolloutConfig:
     max_new_tokens: int = 8192
     dynamic_sampling: bool = True  # DAPO: drop groups whose rewards are all equal, resample
     max_sampling_rounds: int = 4  # bound on over-sampling rounds per step
-    # Which engine generates. embedded: in-process HF model on global rank 0 (one machine).
+    # Which engine generates (a name of rollout/registry.py). embedded: in-process HF model on
+    # global rank 0 (one machine).
     # sglang: a fleet of SGLang servers, attached by URL (env TEPO_SGLANG_URLS, comma-separated,
     # wins over sglang_urls; the Slurm launchers set it); weights pushed after every update.
     engine: Literal["embedded", "sglang"] = "embedded"

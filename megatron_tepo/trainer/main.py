@@ -3,7 +3,8 @@
 ``python tools/train.py --config METHOD.yaml --config MODEL.yaml [override ...]`` (one process) or
 ``torchrun --nproc-per-node N tools/train.py ...`` (a TP / PP / DP actor) loads the HF checkpoint at
 ``model.path`` (weights + tokenizer) into the Megatron actor and the rollout engine
-(``rollout.engine``: ``embedded``, an in-process HF model, or ``sglang``, a fleet of SGLang servers
+(``rollout.engine``, built by the engine registry :mod:`megatron_tepo.rollout.registry`:
+``embedded``, an in-process HF model, or ``sglang``, a fleet of SGLang servers
 attached by URL from ``TEPO_SGLANG_URLS`` / ``rollout.sglang_urls``, kept in sync after every update by
 ``rollout.sync_mode``; in ``distributed`` mode the servers connect back to ``TEPO_SYNC_ADDRESS`` /
 ``rollout.sync_address``, by default this host's interface on the route to the first server; the
@@ -24,7 +25,6 @@ import json
 import os
 from pathlib import Path
 from typing import List, Optional
-from urllib.parse import urlparse
 
 import torch
 
@@ -69,53 +69,16 @@ def build_task(cfg: RunConfig, tokenizer, pool):
     return task, counters, data_stats
 
 
-def sglang_urls(cfg: RunConfig) -> List[str]:
-    """The SGLang servers to attach to: env ``TEPO_SGLANG_URLS`` (comma-separated; set by the Slurm
-    launchers) if set, else ``rollout.sglang_urls``."""
-    env = os.environ.get("TEPO_SGLANG_URLS", "").strip()
-    urls = [u.strip() for u in env.split(",") if u.strip()] if env else list(cfg.rollout.sglang_urls)
-    if not urls:
-        raise ValueError("rollout.engine is 'sglang' but no server is given: set TEPO_SGLANG_URLS "
-                         "(comma-separated URLs) or rollout.sglang_urls")
-    for u in urls:
-        if urlparse(u).scheme not in ("http", "https") or not urlparse(u).hostname:
-            raise ValueError(f"rollout.sglang_urls / TEPO_SGLANG_URLS: {u!r} is not an http(s) URL")
-    return urls
-
-
-def _weight_sync(cfg: RunConfig, fleet, urls: List[str], is_sender: bool):
-    from megatron_tepo.rollout.sglang.weight_sync import SYNC_MODES, make_weight_sync
-
-    r = cfg.rollout
-    return make_weight_sync(r.sync_mode, fleet, bucket_bytes=r.sync_bucket_mb << 20,
-                            wire_dtype=getattr(torch, r.sync_dtype), is_sender=is_sender,
-                            keep_buffers=r.sync_keep_buffers, **SYNC_MODES[r.sync_mode].options_from(r, urls))
-
-
 def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool = True):
-    """The rollout engine of ``rollout.engine`` on the driver; a
+    """The rollout engine of ``rollout.engine`` (from the engine registry,
+    :mod:`megatron_tepo.rollout.registry`) on the driver; a
     :class:`~megatron_tepo.trainer.loop.FollowerEngine` (weight-sync side only) on other ranks."""
+    from megatron_tepo.rollout.registry import EngineSettings, engine_factory
     from megatron_tepo.trainer.loop import FollowerEngine
 
-    if not driver:
-        return FollowerEngine(_weight_sync(cfg, None, sglang_urls(cfg), False)
-                              if cfg.rollout.engine == "sglang" else None)
-    if cfg.rollout.engine == "embedded":
-        from transformers import AutoModelForCausalLM
-
-        from megatron_tepo.rollout.embedded import EmbeddedEngine
-
-        return EmbeddedEngine(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                              seed=cfg.train.seed, pad_token_id=pad_token_id)
-    from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
-
-    r = cfg.rollout
-    urls = sglang_urls(cfg)
-    keys = [os.environ.get("TEPO_SGLANG_API_KEY") or None] * len(urls)
-    fleet = SGLangFleet(FleetConfig(urls=urls, api_keys=keys, request_timeout=r.request_timeout_s,
-                                    step_timeout=max(r.request_timeout_s, 600.0), router=r.router))
-    fleet.weight_sync = _weight_sync(cfg, fleet, urls, True)
-    return fleet
+    factory = engine_factory(cfg.rollout.engine)
+    settings = EngineSettings(cfg.rollout, model_dir, pad_token_id, cfg.train.seed)
+    return factory.build(settings) if driver else FollowerEngine(factory.follower_sync(settings))
 
 
 def actor_args(cfg: RunConfig) -> dict:
@@ -205,9 +168,11 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
     from megatron_tepo.rewards import MathRewardPool
     from megatron_tepo.trainer.loop import evaluate, train
 
+    from megatron_tepo.rollout.registry import engine_factory
+
     driver = int(os.environ.get("RANK", "0")) == 0
-    if cfg.rollout.engine == "sglang" and driver:
-        sglang_urls(cfg)  # fail before the actor is built
+    if driver:
+        engine_factory(cfg.rollout.engine).check(cfg.rollout)  # fail before the actor is built
     out = Path(cfg.train.output_dir)
     ckpt_root = out / "checkpoints"
     latest = find_latest_checkpoint(ckpt_root) if cfg.train.resume else None

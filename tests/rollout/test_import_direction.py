@@ -12,9 +12,9 @@ ROLLOUT = Path(__file__).resolve().parents[2] / "megatron_tepo" / "rollout"
 FORBIDDEN = ("megatron_tepo.models", "megatron_tepo.megatron", "megatron_tepo.actor", "megatron_tepo.trainer",
              "megatron_tepo.checkpoint", "megatron.")
 # every module of the package (the check imports them all)
-MODULES = ("engine", "embedded", "net", "sglang.server", "sglang.launch", "sglang.fleet", "sglang.weight_sync",
-           "sglang.weight_sync.base", "sglang.weight_sync.distributed", "sglang.weight_sync.tensor",
-           "sglang.weight_sync.disk")
+MODULES = ("engine", "registry", "embedded", "net", "sglang.server", "sglang.launch", "sglang.fleet",
+           "sglang.attach", "sglang.weight_sync", "sglang.weight_sync.base", "sglang.weight_sync.distributed",
+           "sglang.weight_sync.tensor", "sglang.weight_sync.disk")
 SHARED_HELPER_USERS = ("sglang.weight_sync.distributed", "sglang.server")  # of net.free_port
 
 
@@ -93,3 +93,9 @@ def test_free_port_is_outside_the_ephemeral_range_and_bindable():
     for p in ports[:3]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+def test_the_launcher_that_runs_in_the_sglang_venv_imports_nothing_of_the_package():
+    """sglang/launch.py runs by path under the SGLang venv's python, which need not have
+    megatron_tepo: the standard library and sglang only."""
+    assert {m for m in _imports(ROLLOUT / "sglang" / "launch.py") if m.startswith("megatron")} == set()

@@ -9,6 +9,9 @@
   retried elsewhere on failure; the :class:`~megatron_tepo.rollout.engine.RolloutEngine`.
 * ``weight_sync/`` -- the actor's weights pushed to every server, one module per mode
   (``distributed``, ``tensor``, ``disk``) over a shared base.
+* ``attach.py`` -- the engine a run config asks for (``rollout.engine: sglang``, registered with
+  :mod:`megatron_tepo.rollout.registry`): the fleet attached to the configured servers, with its
+  weight sync.
 
 Nothing here imports Megatron; the SGLang package itself is imported only inside the servers' own
 processes (``launch.py``). This file imports nothing, so that ``python -m`` of a module here runs
