@@ -17,7 +17,7 @@ Steps (GPU sizes; the smoke run's in brackets):
 * ``vocab_op``: ``benchmarks/vocab_parallel.py``'s GPU mode at 16384 x 151936 bf16: the op's
   default (``auto``: Triton), its chunked path and ``torch.compile`` of the plain ops
   [512 x 2048 fp32 on CPU, against the plain ops eager: no compile].
-* ``disk_sync``: ``megatron_tepo.rollout.weight_sync.write_safetensors`` of a FlatBucket made by
+* ``disk_sync``: ``megatron_tepo.buckets.write_safetensors`` of a FlatBucket made by
   ``to_flat_bucket`` from CUDA tensors (~350 MB) [CPU, ~1.4 MB]; the file's data section must
   equal the buffer's bytes and every tensor read back must equal its source, bit for bit.
 * ``hf_load``: a random HF Qwen3 (the 0.6B shape with 4 layers) saved in 100 MB safetensors
@@ -195,7 +195,7 @@ def step_vocab_op(smoke: bool) -> dict:
 def step_disk_sync(smoke: bool) -> dict:
     import torch
 
-    from megatron_tepo.rollout.weight_sync import to_flat_bucket, write_safetensors
+    from megatron_tepo.buckets import to_flat_bucket, write_safetensors
 
     dev = _device(smoke)
     s = SIZES[smoke]

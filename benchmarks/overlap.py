@@ -50,7 +50,8 @@ def _median(rows, key):
 
 
 def run(args) -> dict:
-    from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet, default_sglang_python
+    from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
+    from megatron_tepo.rollout.sglang.server import ServerConfig
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -65,8 +66,8 @@ def run(args) -> dict:
         server_cores, actor_cores = {cores[-1]}, {cores[0]}
         os.sched_setaffinity(0, server_cores)  # the server inherits it
     try:
-        fleet = SGLangFleet(FleetConfig(model_path=str(tiny / "model"), num_servers=1,
-                                        python=default_sglang_python(), log_dir=str(work / "sglang")))
+        fleet = SGLangFleet(FleetConfig(num_servers=1, server=ServerConfig(model_path=str(tiny / "model"),
+                                                                           log_dir=str(work / "sglang"))))
     finally:
         os.sched_setaffinity(0, set(cores))
     pin = (lambda: os.sched_setaffinity(0, actor_cores)) if args.layout == "disjoint" else None

@@ -110,7 +110,8 @@ def main():
     p.add_argument("--json", nargs="?", const="-", default=None, help="write the results as JSON (to PATH, or stdout)")
     a = p.parse_args()
 
-    from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet, default_sglang_python
+    from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
+    from megatron_tepo.rollout.sglang.server import ServerConfig, default_sglang_python
     from tests.dist_utils import torchrun
 
     work = Path(a.workdir or tempfile.mkdtemp(prefix="mtepo-wsync-bench-"))
@@ -129,10 +130,9 @@ def main():
     shared = work / "shared"
     shared.mkdir(exist_ok=True)
     t = time.time()
-    fleet = SGLangFleet(FleetConfig(model_path=str(model_dir), num_servers=1,
-                                    python=a.sglang_python or default_sglang_python(),
-                                    log_dir=str(work / "logs"), startup_timeout=600, request_timeout=600,
-                                    max_total_tokens=1024))
+    fleet = SGLangFleet(FleetConfig(num_servers=1, request_timeout=600, server=ServerConfig(
+        model_path=str(model_dir), python=a.sglang_python or default_sglang_python(), log_dir=str(work / "logs"),
+        startup_timeout=600, max_total_tokens=1024)))
     print(f"server ready in {time.time() - t:.1f} s: {fleet.servers[0].url}", file=sys.stderr)
     load0 = os.getloadavg()
     try:

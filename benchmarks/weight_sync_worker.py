@@ -38,6 +38,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 import torch.distributed as dist
 
+from megatron_tepo.buckets import BucketStream
 from tests.dist_utils import write_result
 
 MiB = 1 << 20
@@ -74,13 +75,13 @@ class RssPeak:
         self.delta = self.peak - self.base
 
 
-class Precomputed:
+class Precomputed(BucketStream):
     """Buckets exported beforehand, handed to ``WeightSync.push`` as if they were the export."""
 
     def __init__(self, buckets):
         self.buckets = buckets
 
-    def flat_buckets(self, *args, **kwargs):
+    def flat_buckets(self, bucket_bytes=None, dtype=None, dst=None, reuse=False, buffers=None):
         return iter(self.buckets)
 
 
@@ -93,24 +94,24 @@ def main():
     args = json.loads(sys.argv[1])
     from megatron_tepo.actor.actor import MegatronActor
     from megatron_tepo.layout import ParallelLayout
-    from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet
+    from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
     from megatron_tepo.models import megatron_to_hf
-    from megatron_tepo.buckets import ExportBuffers
+    from megatron_tepo.buckets import ExportBuffers, flatten_bucket, iter_buckets, tensor_bytes
     from megatron_tepo.megatron.sharding import gather_full_tensors
-    from megatron_tepo.rollout.weight_sync import WeightSync, flatten_bucket, iter_buckets, tensor_bytes
+    from megatron_tepo.rollout.sglang.weight_sync import SYNC_MODES
 
-    class TimedSync(WeightSync):
+    class Timed:
+        """A mode's sync that adds up the seconds its bucket sends take (``push_s``)."""
         push_s = 0.0
 
-        def _push_distributed(self, bucket, servers):
+        def _send(self, bucket, servers):
             t = time.perf_counter()
-            super()._push_distributed(bucket, servers)
+            super()._send(bucket, servers)
             self.push_s += time.perf_counter() - t
 
-        def _push_tensor(self, bucket, servers):
-            t = time.perf_counter()
-            super()._push_tensor(bucket, servers)
-            self.push_s += time.perf_counter() - t
+    # (disk's file writes are not counted as push calls: docs/BENCHMARKS.md)
+    timed = {mode: cls if mode == "disk" else type(f"Timed{cls.__name__}", (Timed, cls), {})
+             for mode, cls in SYNC_MODES.items()}
 
     wire = {"bf16": torch.bfloat16, "fp32": torch.float32}[args["wire_dtype"]]
     t0 = time.perf_counter()
@@ -215,8 +216,8 @@ def main():
     for mode in args["modes"]:
         for mib in args["bucket_mib"]:
             dist.barrier()
-            ws = TimedSync(fleet, mode=mode, bucket_bytes=mib * MiB, wire_dtype=wire,
-                           shared_dir=args["shared_dir"], is_sender=rank == 0, timeout=600)
+            own = {"shared_dir": args["shared_dir"]} if mode == "disk" else {}
+            ws = timed[mode](fleet, bucket_bytes=mib * MiB, wire_dtype=wire, is_sender=rank == 0, timeout=600, **own)
             try:
                 for rep in range(1 + args["repeats"]):
                     # the plain copy right before each push, so the two see the same machine

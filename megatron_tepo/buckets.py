@@ -1,18 +1,33 @@
 """The bucketed weight stream between the actor and the rollout engines: tensors back to back in
-flat buffers (SGLang's ``flattened_bucket`` layout), and the hand-over of a reused buffer.
+flat buffers (SGLang's ``flattened_bucket`` layout), the stream type that hands them over, the
+hand-over of a reused buffer, and the bucket as a safetensors file.
 
-Pure torch, shared by both sides: the actor's export (:mod:`megatron_tepo.actor.export`) produces
-:class:`FlatBucket` s, the weight sync (:mod:`megatron_tepo.rollout.weight_sync`) sends them.
+Pure torch, shared by both sides: the actor's export (:mod:`megatron_tepo.actor.export`) is a
+:class:`BucketStream` of :class:`FlatBucket` s, the engines read it (the embedded engine through
+:func:`megatron_tepo.rollout.engine.gathered_tensors`, the SGLang weight sync,
+:mod:`megatron_tepo.rollout.sglang.weight_sync`, as buckets); any other ``(name, tensor)`` stream
+is grouped and flattened here (:func:`iter_buckets`, :func:`to_flat_bucket`).
+
+Left out: how buckets are gathered across ranks (the actor's export) and how they travel (the
+weight sync modes); safetensors *reading* (``megatron_tepo/checkpoint/hf_io.py``).
 """
 from __future__ import annotations
 
+import abc
+import json
 import math
+import struct
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ["FlatBucket", "BucketHandoff", "ExportBuffers"]
+from megatron_tepo.dtypes import SAFETENSORS_NAMES
+
+__all__ = ["FlatBucket", "BucketStream", "BucketHandoff", "ExportBuffers", "tensor_bytes", "iter_buckets",
+           "flatten_bucket", "to_flat_bucket", "write_safetensors", "host_bytes"]
+
+NamedTensors = Iterable[Tuple[str, torch.Tensor]]
 
 
 @dataclass
@@ -43,6 +58,29 @@ class FlatBucket:
         return [(n, self.tensor(i)) for i, n in enumerate(self.names)]
 
 
+class BucketStream(abc.ABC):
+    """A weight stream that comes as flat buckets (the actor's export,
+    :class:`~megatron_tepo.actor.export.HFExport`): what a weight update hands the engines when it
+    can bucket itself. A consumer that knows the type asks it for buckets -- gathered to the one
+    rank that sends, cast to the wire dtype before any collective, in reused buffers -- instead of
+    reading ``(name, tensor)`` pairs; iterating it gives the pairs of every bucket. Collective
+    where the export is: every rank must read it to the end, the same way."""
+
+    @abc.abstractmethod
+    def flat_buckets(self, bucket_bytes: Optional[int] = None, dtype: Optional[torch.dtype] = None,
+                     dst: Optional[int] = None, reuse: bool = False,
+                     buffers: Optional["ExportBuffers"] = None) -> Iterator[FlatBucket]:
+        """Buckets of at most ``bucket_bytes`` (None: the stream's own size), floating tensors cast
+        to ``dtype``; ``dst``: gathered to that global rank only (the others yield nothing), None:
+        every rank gets its own part (the actor: its pipeline stage); ``reuse``: one buffer rewritten from bucket to bucket (a bucket is valid
+        until the next is asked for; see :class:`BucketHandoff`), kept across calls in
+        ``buffers``."""
+
+    def __iter__(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        for bucket in self.flat_buckets():
+            yield from bucket.named_tensors()
+
+
 class BucketHandoff:
     """The bucket last handed to the consumer of a reused buffer (the actor's export, the weight
     sync's own flattening): :meth:`settle` waits until the consumer let go of it (its
@@ -64,7 +102,7 @@ class BucketHandoff:
 
 class ExportBuffers:
     """Scratch memory of the actor's export that outlives one export: pass the same object to every ``iter_flat_buckets(..., reuse=True, buffers=...)`` call (the weight sync keeps one
-    per :class:`~megatron_tepo.rollout.weight_sync.WeightSync`) and the buckets' buffers are
+    per :class:`~megatron_tepo.rollout.sglang.weight_sync.WeightSync`) and the buckets' buffers are
     allocated, and page-faulted, once instead of at every push -- on CPU a fresh 64-256 MiB buffer
     costs about as much to fault in as to fill. Cost: the memory stays held between exports
     (about two buckets per rank); :meth:`close` frees it. Holds the shared-memory buckets of
@@ -79,3 +117,88 @@ class ExportBuffers:
 
     def close(self) -> None:
         self.held.clear()
+
+
+# ---------------------------------------------------------------------- any other stream
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def iter_buckets(named_tensors: NamedTensors, bucket_bytes: int,
+                 wire_dtype: Optional[torch.dtype] = None,
+                 align: bool = False) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+    """Group the stream into lists of at most ``bucket_bytes`` (a bigger tensor goes alone).
+
+    ``wire_dtype`` casts floating tensors; ``align`` closes a bucket early when the next tensor's
+    byte offset would not be a multiple of its item size (needed by flattened buckets)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    bucket: List[Tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named_tensors:
+        t = t.detach()
+        if wire_dtype is not None and t.is_floating_point() and t.dtype != wire_dtype:
+            t = t.to(wire_dtype)
+        t = t.contiguous()
+        nb = tensor_bytes(t)
+        misaligned = align and size % t.element_size() != 0
+        if bucket and (size + nb > bucket_bytes or misaligned):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nb
+    if bucket:
+        yield bucket
+
+
+def flatten_bucket(bucket: List[Tuple[str, torch.Tensor]], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The bytes of the bucket's tensors back to back (SGLang's ``flattened_bucket`` layout), in
+    ``out[:total]`` when given (a reused uint8 buffer at least that large)."""
+    total = sum(tensor_bytes(t) for _, t in bucket)
+    flat = torch.empty(total, dtype=torch.uint8, device=bucket[0][1].device) if out is None else out[:total]
+    off = 0
+    for _, t in bucket:
+        nb = tensor_bytes(t)
+        flat[off:off + nb].copy_(t.reshape(-1).view(torch.uint8))
+        off += nb
+    return flat
+
+
+def to_flat_bucket(bucket: List[Tuple[str, torch.Tensor]], out: Optional[torch.Tensor] = None) -> FlatBucket:
+    offsets, off = [], 0
+    for _, t in bucket:
+        offsets.append(off)
+        off += tensor_bytes(t)
+    return FlatBucket([n for n, _ in bucket], [t.dtype for _, t in bucket], [tuple(t.shape) for _, t in bucket],
+                      offsets, flatten_bucket(bucket, out))
+
+
+# ---------------------------------------------------------------------- the bucket as a file
+def host_bytes(flat: torch.Tensor, staging: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``flat``'s bytes in host memory: ``flat`` itself when it is on the CPU (no copy); else one
+    copy into ``staging[:n]`` when that host buffer is large enough, or into a new host buffer,
+    pinned where CUDA is available (the device-to-host copy then runs at full speed, with no
+    bounce through pageable memory)."""
+    if flat.device.type == "cpu":
+        return flat
+    n = flat.numel()
+    if staging is None or staging.numel() < n:
+        staging = torch.empty(n, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    out = staging[:n]
+    out.copy_(flat)
+    return out
+
+
+def write_safetensors(bucket: FlatBucket, path: str, staging: Optional[torch.Tensor] = None) -> None:
+    """The bucket as one safetensors file: a JSON header, then the flat buffer as it is (the
+    format's data section is exactly tensors back to back), so no per-tensor copy is made. A
+    buffer on another device (a GPU) is copied once into host memory first (``staging``, see
+    :func:`host_bytes`)."""
+    header = {n: {"dtype": SAFETENSORS_NAMES[d], "shape": list(s), "data_offsets": [o, o + math.prod(s) * d.itemsize]}
+              for n, d, s, o in zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.offsets)}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        f.write(memoryview(host_bytes(bucket.flat, staging).numpy()))

@@ -98,7 +98,8 @@ class RolloutConfig:
     max_new_tokens: int = 8192
     dynamic_sampling: bool = True  # DAPO: drop groups whose rewards are all equal, resample
     max_sampling_rounds: int = 4  # bound on over-sampling rounds per step
-    # Which engine generates. embedded: in-process HF model on global rank 0 (one machine).
+    # Which engine generates (a name of rollout/registry.py). embedded: in-process HF model on
+    # global rank 0 (one machine).
     # sglang: a fleet of SGLang servers, attached by URL (env TEPO_SGLANG_URLS, comma-separated,
     # wins over sglang_urls; the Slurm launchers set it); weights pushed after every update.
     engine: Literal["embedded", "sglang"] = "embedded"
@@ -106,7 +107,7 @@ class RolloutConfig:
     request_timeout_s: float = 600.0  # one SGLang request
     # dispatch over 2+ servers: sglang-router where the SGLang venv has it (auto), or least-loaded
     router: Literal["auto", "sglang_router", "none"] = "auto"
-    sync_mode: Literal["distributed", "tensor", "disk"] = "distributed"  # see rollout/weight_sync.py
+    sync_mode: Literal["distributed", "tensor", "disk"] = "distributed"  # see rollout/sglang/weight_sync/
     sync_bucket_mb: int = 256  # weight-sync bucket: the sender's extra memory is about two
     sync_keep_buffers: bool = True  # hold them between syncs (no re-allocation per push)
     sync_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the servers' dtype (bytes on the wire)

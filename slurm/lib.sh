@@ -10,9 +10,9 @@
 #   2. the node split (tepo_split_nodes), NCCL settings (tepo_nccl_env);
 #   3. SGLang servers with srun on the rollout nodes (GPUS_PER_NODE / SGLANG_TP servers per node,
 #      one port each), then a wait for every /health. Each server is
-#      `python -m megatron_tepo.rollout.serve` with the options the fit check made of the launch
+#      `python -m megatron_tepo.rollout.sglang.server` with the options the fit check made of the launch
 #      file (FIT_SERVE_ARGS); SGLang's command line is built in Python, in
-#      megatron_tepo/rollout/sglang_fleet.py's server_command, shared with the SGLang fleet;
+#      megatron_tepo/rollout/sglang/server.py's server_command, shared with the SGLang fleet;
 #   4. the trainer: srun (one task per actor node) + torchrun, c10d rendezvous on the first actor
 #      node (torchrun --standalone when there is one actor node); the SGLang URLs are passed in
 #      TEPO_SGLANG_URLS.
@@ -42,7 +42,7 @@
 #   TEPO_CPUS_PER_NODE          CPUs of every step on each node (default: the job's, from
 #                               SLURM_JOB_CPUS_PER_NODE / SLURM_CPUS_ON_NODE; steps do not inherit them)
 #   MTEPO_SGLANG_PYTHON         the python with sglang (default .venv-sglang/bin/python, else TEPO_PYTHON
-#                               if it imports sglang); read by megatron_tepo.rollout.serve
+#                               if it imports sglang); read by megatron_tepo.rollout.sglang.server
 #   TEPO_SGLANG_API_KEY         the API key every server requires (the trainer reads the same
 #                               variable); unset: a random one per job. Passed to the steps in the
 #                               environment only (no command line shows it, nor a dry run)
@@ -206,7 +206,7 @@ tepo_srun_args() {
 
 # TEPO_SGLANG_API_KEY: the user's, else a new random one (32 hex digits) for this job; exported,
 # so that it reaches the servers and the trainer through srun's environment, never a command line
-# (megatron_tepo.rollout.serve hands it to SGLang inside the server process).
+# (megatron_tepo.rollout.sglang.server hands it to SGLang inside the server process).
 tepo_api_key() {
     if [[ -z "${TEPO_SGLANG_API_KEY:-}" ]]; then
         TEPO_SGLANG_API_KEY=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')
@@ -238,7 +238,7 @@ tepo_run() {
 }
 
 # The serve command of one server: the python, then FIT_SERVE_ARGS as the fit check wrote it
-# (already shell-quoted: `-m megatron_tepo.rollout.serve` and the options of the launch file's
+# (already shell-quoted: `-m megatron_tepo.rollout.sglang.server` and the options of the launch file's
 # SGLang settings, made in one place, megatron_tepo/launch/spec.py's serve_args, which the nemo-run
 # launcher calls too; the serve command turns them into SGLang's flags), then the port.
 # tepo_serve_cmd PORT: one shell-quoted command line.

@@ -8,7 +8,7 @@ import torch
 
 from megatron_tepo.checkpoint.hf_io import LazyHFCheckpoint
 from megatron_tepo.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES, dtype_from_name, dtype_name
-from megatron_tepo.rollout.weight_sync import to_flat_bucket, write_safetensors
+from megatron_tepo.buckets import to_flat_bucket, write_safetensors
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_tepo"
 

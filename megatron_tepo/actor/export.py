@@ -24,7 +24,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_tepo.buckets import BucketHandoff, ExportBuffers, FlatBucket
+from megatron_tepo.buckets import BucketHandoff, BucketStream, ExportBuffers, FlatBucket
 from megatron_tepo.models import GPTFamilyConfig, layer_mapping
 from megatron_tepo.models.common import MegatronToHFLayout
 from megatron_tepo.megatron.sharding import (expert_indices, group_for, is_expert_param, layer_offsets, local_tensor,
@@ -36,8 +36,9 @@ EXPORT_BUCKET_BYTES = 64 << 20
 
 
 
-class HFExport:
-    """A lazy export of this rank's pipeline stage as HF tensors (nothing moves before iterating).
+class HFExport(BucketStream):
+    """A lazy export of this rank's pipeline stage as HF tensors (nothing moves before iterating);
+    the :class:`~megatron_tepo.buckets.BucketStream` a weight update hands the engines.
 
     * ``for name, tensor in export`` -- every rank gets ``(HF name, full tensor)`` for its stage,
       all-gathered in buckets of ``bucket_bytes`` (one collective per bucket, see
@@ -71,10 +72,6 @@ class HFExport:
                                  bucket_bytes or self.bucket_bytes, dtype=dtype or self.dtype, what=self.what,
                                  dst=dst, tp_group=self.tp_group, all_experts=self.all_experts, reuse=reuse,
                                  buffers=buffers)
-
-    def __iter__(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        for bucket in self.flat_buckets():
-            yield from bucket.named_tensors()
 
 
 def export_hf_state(model_chunks: List[torch.nn.Module], family_cfg: GPTFamilyConfig,

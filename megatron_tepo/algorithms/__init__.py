@@ -12,6 +12,7 @@ from .advantages import (
 )
 from .aggregation import AGG_MODES, aggregate, count_for_normalizer, masked_mean
 from .correction import CORRECTION_LEVELS, RolloutCorrection, rollout_correction_weights
+from .drift import DriftCheck
 from .kl import (
     KL_ESTIMATORS,
     KL_MASKS,
@@ -53,6 +54,7 @@ __all__ = [
     "CORRECTION_LEVELS",
     "RolloutCorrection",
     "rollout_correction_weights",
+    "DriftCheck",
     # kl
     "KL_ESTIMATORS",
     "KL_MASKS",

@@ -49,8 +49,6 @@ class _ByteCounter:
 BYTES_READ = _ByteCounter()
 
 
-
-
 class LazyHFCheckpoint:
     """A safetensors HF checkpoint directory, read tensor by tensor."""
 

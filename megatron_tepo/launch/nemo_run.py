@@ -12,7 +12,7 @@ and ``trainer``, which nemo-run merges into one homogeneous allocation (one sbat
 tasks run the two steps of this module on the nodes: ``step-sglang`` (the servers, each the serve
 command of :func:`megatron_tepo.launch.serve_args`, stopped with the trainer's status) and
 ``step-trainer`` (waits for every server's ``/health``, then torchrun). The steps start, watch and
-stop the servers with the SGLang fleet's own process code (``megatron_tepo.rollout.sglang_fleet``:
+stop the servers with the SGLang fleet's own process code (``megatron_tepo.rollout.sglang.server``:
 ``wait_ready``, ``stop_server``). What the job does step by step, why this shape (no heterogeneous
 job, no nemo-run torchrun launcher), the environment it reads and what is left out (containers,
 code packaging, SSH tunnels, multi-node ``--executor local``, paths holding ``/nemo_run``):
@@ -276,7 +276,7 @@ def build_experiment(plan: Plan, args, extra: Sequence[str]):
 
 # --------------------------------------------------------------------------------------------
 # The two steps (run on the nodes): the servers' processes through the SGLang fleet's own code
-# (megatron_tepo.rollout.sglang_fleet: its wait for /health and its stop of a process group;
+# (megatron_tepo.rollout.sglang.server: its wait for /health and its stop of a process group;
 # importing it loads torch, which the trainer's step runs anyway); no nemo-run imports
 # --------------------------------------------------------------------------------------------
 def _log(msg: str) -> None:
@@ -304,7 +304,7 @@ def step_sglang(argv: Sequence[str]) -> int:
     a = ap.parse_args(argv)
     from concurrent.futures import ThreadPoolExecutor
 
-    from megatron_tepo.rollout.sglang_fleet import SGLangServer, stop_server
+    from megatron_tepo.rollout.sglang.server import SGLangServer, stop_server
 
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     host = socket.gethostname()
@@ -362,7 +362,7 @@ def step_trainer(argv: Sequence[str]) -> int:
     ap.add_argument("--urls", default=None, help="comma-separated (default: $TEPO_SGLANG_URLS)")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
-    from megatron_tepo.rollout.sglang_fleet import API_KEY_ENV, FleetError, SGLangServer, wait_ready
+    from megatron_tepo.rollout.sglang.server import API_KEY_ENV, FleetError, SGLangServer, wait_ready
 
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     node0 = os.environ.get("SLURM_NODEID", "0") == "0"

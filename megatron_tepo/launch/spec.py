@@ -29,7 +29,7 @@ __all__ = ["LaunchSpec", "load_launch", "write_run_config", "SERVE_MODULE", "ser
 
 LAUNCH_KEYS = ("architecture", "launch")
 #: the serve command (one SGLang server in the foreground), run with the project's python on the nodes
-SERVE_MODULE = "megatron_tepo.rollout.serve"
+SERVE_MODULE = "megatron_tepo.rollout.sglang.server"
 
 
 @dataclass
@@ -104,7 +104,7 @@ def write_run_config(spec: LaunchSpec, out: Union[str, Path]) -> Path:
 
 def serve_args(spec: LaunchSpec) -> List[str]:
     """The words after the python of every SGLang server of the job, all but ``--port`` (one per
-    server): ``-m megatron_tepo.rollout.serve`` and the options the launch file sets. The only
+    server): ``-m megatron_tepo.rollout.sglang.server`` and the options the launch file sets. The only
     place where ``launch.sglang`` (and the device, model path and context length) become the
     server's options: slurm/lib.sh reads them as ``FIT_SERVE_ARGS``, the nemo-run launcher calls
     this; the serve command turns them into SGLang's flags (the rollout fleet's ``server_command``)."""

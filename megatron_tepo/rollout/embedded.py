@@ -8,7 +8,11 @@ set of most-probable tokens whose mass reaches ``top_p``, renormalised); the ret
 each sampled token is its log-probability under that distribution (with ``top_p == 1`` this is
 ``log_softmax(logits / T)`` of the token, the quantity the actor recomputes). Generation is batched
 (all prompts x n samples, left-padded, up to ``max_batch_size`` rows at a time) with a KV cache,
-and deterministic for a given seed.
+and deterministic for a given seed. Registered as ``rollout.engine: embedded``: the driver loads
+the run's HF checkpoint in float32.
+
+Left out: serving several processes (it lives in the driver's), and sampling beyond temperature
+and top-p.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 
 from megatron_tepo.rollout.engine import (FINISH_LENGTH, FINISH_STOP, Group, RolloutEngine, Sample,
                                           gathered_tensors, make_params, validate_prompts)
+from megatron_tepo.rollout.registry import EngineSettings, register_engine
 
 
 def sampling_log_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -151,3 +156,11 @@ class EmbeddedEngine(RolloutEngine):
     def close(self) -> None:
         self.model = None
         self._params = {}
+
+
+def _from_settings(settings: EngineSettings) -> EmbeddedEngine:
+    return EmbeddedEngine(settings.model_dir, dtype=torch.float32, seed=settings.seed,
+                          pad_token_id=settings.pad_token_id)
+
+
+register_engine("embedded", _from_settings)

@@ -1,7 +1,7 @@
 """The rollout engine interface: what the trainer needs from anything that generates responses.
 
 Every engine (the in-process :class:`~megatron_tepo.rollout.embedded.EmbeddedEngine`, the SGLang
-fleet :class:`~megatron_tepo.rollout.sglang_fleet.SGLangFleet`) takes prompts as token ids and
+fleet :class:`~megatron_tepo.rollout.sglang.fleet.SGLangFleet`) takes prompts as token ids and
 returns, per prompt, a *group* of ``n`` samples, each with its response token ids, the engine's
 log-probability of every sampled token under the distribution it sampled from (``softmax(logits /
 temperature)``, after top-p) and why it stopped. Weights arrive as a stream of ``(HF name,
@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
+
+from megatron_tepo.buckets import BucketStream
 
 FINISH_STOP = "stop"      # a stop token was sampled (it is the last response token)
 FINISH_LENGTH = "length"  # max_new_tokens reached
@@ -95,12 +97,11 @@ class RolloutEngine(abc.ABC):
 def gathered_tensors(named_tensors: Iterable[Tuple[str, torch.Tensor]], dst: int = 0
                      ) -> Iterable[Tuple[str, torch.Tensor]]:
     """A weight update's ``(HF name, full tensor)`` stream as one consumer on global rank ``dst``
-    reads it. An export that buckets itself (``flat_buckets``: the actor's) is read as buckets
-    gathered to ``dst``, so every pipeline stage's tensors reach it; on the other ranks it yields
-    nothing but must still be iterated to the end (collective). Any other iterable as it is."""
-    flat_buckets = getattr(named_tensors, "flat_buckets", None)
-    if callable(flat_buckets):
-        return (nt for bucket in flat_buckets(dst=dst) for nt in bucket.named_tensors())
+    reads it. A :class:`~megatron_tepo.buckets.BucketStream` (the actor's export) is read as
+    buckets gathered to ``dst``, so every pipeline stage's tensors reach it; on the other ranks it
+    yields nothing but must still be iterated to the end (collective). Any other iterable as it is."""
+    if isinstance(named_tensors, BucketStream):
+        return (nt for bucket in named_tensors.flat_buckets(dst=dst) for nt in bucket.named_tensors())
     return named_tensors
 
 

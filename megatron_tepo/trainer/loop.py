@@ -47,11 +47,11 @@ from megatron_tepo.actor.checkpointing import load_newest_checkpoint
 from megatron_tepo.checkpoint.store import prune_checkpoints, remove_partial_checkpoints
 from megatron_tepo.algorithms import PolicyLoss, compute_group_advantages, filter_groups, get_loss_defaults
 from megatron_tepo.algorithms.advantages import gpg_correction
+from megatron_tepo.algorithms.drift import DriftCheck
 from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.config import AlgorithmConfig, RunConfig
 from megatron_tepo.rewards import RewardFn, scores_and_counts
 from megatron_tepo.rollout.engine import Sample, gathered_tensors
-from megatron_tepo.rollout.weight_sync import DriftCheck
 
 try:
     import torch.distributed as dist
@@ -169,7 +169,7 @@ class Driver:
 class FollowerEngine:
     """What a rank other than the driver holds in place of the rollout engine: it takes part in
     the weight sync (the export is collective; with a fleet, ``weight_sync`` is a
-    :class:`~megatron_tepo.rollout.weight_sync.WeightSync` with ``is_sender=False``, so its export
+    :class:`~megatron_tepo.rollout.sglang.weight_sync.WeightSync` with ``is_sender=False``, so its export
     calls match the sender's) and refuses to generate."""
 
     def __init__(self, weight_sync=None):

@@ -3,7 +3,8 @@
 ``python tools/train.py --config METHOD.yaml --config MODEL.yaml [override ...]`` (one process) or
 ``torchrun --nproc-per-node N tools/train.py ...`` (a TP / PP / DP actor) loads the HF checkpoint at
 ``model.path`` (weights + tokenizer) into the Megatron actor and the rollout engine
-(``rollout.engine``: ``embedded``, an in-process HF model, or ``sglang``, a fleet of SGLang servers
+(``rollout.engine``, built by the engine registry :mod:`megatron_tepo.rollout.registry`:
+``embedded``, an in-process HF model, or ``sglang``, a fleet of SGLang servers
 attached by URL from ``TEPO_SGLANG_URLS`` / ``rollout.sglang_urls``, kept in sync after every update by
 ``rollout.sync_mode``; in ``distributed`` mode the servers connect back to ``TEPO_SYNC_ADDRESS`` /
 ``rollout.sync_address``, by default this host's interface on the route to the first server; the
@@ -20,13 +21,10 @@ Left out: a reference policy (``algorithm.kl_target: ref``) and launching SGLang
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import os
-import socket
 from pathlib import Path
 from typing import List, Optional
-from urllib.parse import urlparse
 
 import torch
 
@@ -58,100 +56,16 @@ def build_task(cfg: RunConfig, tokenizer, pool):
     return task, data_stats
 
 
-def sglang_urls(cfg: RunConfig) -> List[str]:
-    """The SGLang servers to attach to: env ``TEPO_SGLANG_URLS`` (comma-separated; set by the Slurm
-    launchers) if set, else ``rollout.sglang_urls``."""
-    env = os.environ.get("TEPO_SGLANG_URLS", "").strip()
-    urls = [u.strip() for u in env.split(",") if u.strip()] if env else list(cfg.rollout.sglang_urls)
-    if not urls:
-        raise ValueError("rollout.engine is 'sglang' but no server is given: set TEPO_SGLANG_URLS "
-                         "(comma-separated URLs) or rollout.sglang_urls")
-    for u in urls:
-        if urlparse(u).scheme not in ("http", "https") or not urlparse(u).hostname:
-            raise ValueError(f"rollout.sglang_urls / TEPO_SGLANG_URLS: {u!r} is not an http(s) URL")
-    return urls
-
-
-SYNC_ADDRESS_ENV = "TEPO_SYNC_ADDRESS"
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
-def sync_master_address(urls: List[str], setting: Optional[str] = None) -> str:
-    """The address the servers reach this (sender) process at for ``sync_mode: distributed``.
-
-    ``TEPO_SYNC_ADDRESS`` if set, else ``setting`` (``rollout.sync_address``): an IP address or a
-    host name that resolves here (else a one-line :class:`ConfigError` naming the variable or
-    field). Neither: the address of this host's interface on the route to the first server that is
-    not on loopback (the first server when all are), found by connecting a UDP socket to it (no
-    packet is sent) -- loopback for local servers. Not ``gethostbyname(gethostname())``, which is
-    often 127.0.1.1 (/etc/hosts) or a management NIC the servers cannot reach."""
-    from megatron_tepo.config import ConfigError
-
-    env = os.environ.get(SYNC_ADDRESS_ENV, "").strip()
-    explicit, name = (env, SYNC_ADDRESS_ENV) if env else ((setting or "").strip(), "rollout.sync_address")
-    if explicit:
-        try:
-            socket.getaddrinfo(explicit, None)
-        except (OSError, UnicodeError) as exc:
-            raise ConfigError(f"{name}: {explicit!r} is not an IP address or a host name that resolves "
-                              f"here ({exc})") from None
-        return explicit
-    if not urls:
-        raise ValueError("sync_master_address: no server URL to find the route to")
-    hosts = [(urlparse(u).hostname, urlparse(u).port or (443 if urlparse(u).scheme == "https" else 80))
-             for u in urls]
-    host, port = next((h for h in hosts if not _is_loopback(h[0])), hosts[0])
-    try:
-        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(addr)  # UDP: picks the route and its source address, sends nothing
-            return s.getsockname()[0]
-    except OSError as exc:
-        raise ConfigError(f"{SYNC_ADDRESS_ENV} / rollout.sync_address: unset, and no route to the SGLang server "
-                          f"{host}:{port} to take this host's address from ({exc}); set one") from None
-
-
-def _weight_sync(cfg: RunConfig, fleet, urls: List[str], is_sender: bool):
-    from megatron_tepo.rollout.weight_sync import WeightSync
-
-    r = cfg.rollout
-    address = sync_master_address(urls, r.sync_address) if r.sync_mode == "distributed" else "127.0.0.1"
-    return WeightSync(fleet, mode=r.sync_mode, bucket_bytes=r.sync_bucket_mb << 20,
-                      wire_dtype=getattr(torch, r.sync_dtype), shared_dir=r.sync_dir,
-                      master_address=address, is_sender=is_sender,
-                      keep_buffers=r.sync_keep_buffers)
-
-
 def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool = True):
-    """The rollout engine of ``rollout.engine`` on the driver; a
+    """The rollout engine of ``rollout.engine`` (from the engine registry,
+    :mod:`megatron_tepo.rollout.registry`) on the driver; a
     :class:`~megatron_tepo.trainer.loop.FollowerEngine` (weight-sync side only) on other ranks."""
+    from megatron_tepo.rollout.registry import EngineSettings, engine_factory
     from megatron_tepo.trainer.loop import FollowerEngine
 
-    if not driver:
-        return FollowerEngine(_weight_sync(cfg, None, sglang_urls(cfg), False)
-                              if cfg.rollout.engine == "sglang" else None)
-    if cfg.rollout.engine == "embedded":
-        from transformers import AutoModelForCausalLM
-
-        from megatron_tepo.rollout.embedded import EmbeddedEngine
-
-        return EmbeddedEngine(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                              seed=cfg.train.seed, pad_token_id=pad_token_id)
-    from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet
-
-    r = cfg.rollout
-    urls = sglang_urls(cfg)
-    keys = [os.environ.get("TEPO_SGLANG_API_KEY") or None] * len(urls)
-    fleet = SGLangFleet(FleetConfig(urls=urls, api_keys=keys, request_timeout=r.request_timeout_s,
-                                    step_timeout=max(r.request_timeout_s, 600.0), router=r.router))
-    fleet.weight_sync = _weight_sync(cfg, fleet, urls, True)
-    return fleet
+    factory = engine_factory(cfg.rollout.engine)
+    settings = EngineSettings(cfg.rollout, model_dir, pad_token_id, cfg.train.seed)
+    return factory.build(settings) if driver else FollowerEngine(factory.follower_sync(settings))
 
 
 def actor_args(cfg: RunConfig) -> dict:
@@ -241,9 +155,11 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
     from megatron_tepo.rewards import COUNT_NAMES, MathRewardPool
     from megatron_tepo.trainer.loop import evaluate, train
 
+    from megatron_tepo.rollout.registry import engine_factory
+
     driver = int(os.environ.get("RANK", "0")) == 0
-    if cfg.rollout.engine == "sglang" and driver:
-        sglang_urls(cfg)  # fail before the actor is built
+    if driver:
+        engine_factory(cfg.rollout.engine).check(cfg.rollout)  # fail before the actor is built
     out = Path(cfg.train.output_dir)
     ckpt_root = out / "checkpoints"
     latest = find_latest_checkpoint(ckpt_root) if cfg.train.resume else None

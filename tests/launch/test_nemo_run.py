@@ -109,7 +109,7 @@ def test_srun_lines_place_servers_and_trainer(rendered):
     assert _opt(srun, "--cpus-per-task") == "$TEPO_STEP_CPUS"
     assert _opt(step, "--ports") == "30000,30001,30002,30003"  # 8 GPUs / sglang.tp 2 = 4 servers a node
     assert _opt(step, "--gpus-per-server") == "2" and _opt(step, "--device") == "cuda"
-    assert server[1:3] == ["-m", "megatron_tepo.rollout.serve"]
+    assert server[1:3] == ["-m", "megatron_tepo.rollout.sglang.server"]
     assert _opt(server, "--tp") == "2" and _opt(server, "--port") == "{port}"
     assert _opt(server, "--max-running-requests") == "64" and _opt(server, "--context-length") == "10240"
 
@@ -269,7 +269,7 @@ def test_local_executor_dryrun_renders_both_tasks(tmp_path):
                          capture_output=True, text=True, env=_env(COLUMNS="400"), cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
-    for word in ("'step-sglang'", "'step-trainer'", "'megatron_tepo.rollout.serve'", "'torch.distributed.run'",
+    for word in ("'step-sglang'", "'step-trainer'", "'megatron_tepo.rollout.sglang.server'", "'torch.distributed.run'",
                  "'--nproc-per-node=2'", "'--standalone'", "'--device'", "'cpu'"):
         assert word in out, word
 

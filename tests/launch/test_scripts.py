@@ -122,7 +122,7 @@ def test_dry_run_qwen3_14b(tmp_path):
     assert "--overlap" not in trainer
     sglang = (logs / "sglang.n3.srun.log").read_text()
     assert "--nodelist=n3 --gpus-per-node=8 --cpus-per-task=" in sglang and "--overlap" not in sglang
-    assert sglang.count("megatron_tepo.rollout.serve") == 4
+    assert sglang.count("megatron_tepo.rollout.sglang.server") == 4
     assert "CUDA_VISIBLE_DEVICES=6\\,7" in sglang and "--tp\\ 2" in sglang and "--device\\ cuda" in sglang
     assert "--context-length\\ 10240" in sglang
     assert "total 39.6 GiB of 80 GiB: fits" in (logs / "fit.log").read_text()
@@ -182,7 +182,7 @@ def test_dry_run_prints_no_api_key(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "API key: a new random one for this job" in res.stderr
     printed = _dry_run_output(tmp_path, res)
-    assert "megatron_tepo.rollout.serve" in printed and "--api-key" not in printed
+    assert "megatron_tepo.rollout.sglang.server" in printed and "--api-key" not in printed
     assert not re.search(r"[0-9a-f]{32}", printed), re.search(r".{80}[0-9a-f]{32}.{20}", printed)
 
     user = tmp_path / "user"
@@ -231,7 +231,7 @@ def test_dry_run_local_cpu(tmp_path):
     assert "--nproc-per-node=2 --standalone" in trainer and "gpus-per-node" not in trainer
     sglang = (logs / "sglang.cpu1.srun.log").read_text()
     assert f"--nodelist=cpu1 --overlap --cpus-per-task={cpus} " in sglang and "gpus-per-node" not in sglang
-    assert sglang.count("megatron_tepo.rollout.serve") == 1 and "--device\\ cpu" in sglang
+    assert sglang.count("megatron_tepo.rollout.sglang.server") == 1 and "--device\\ cpu" in sglang
     assert "CUDA_VISIBLE_DEVICES" not in sglang and "--context-length" not in sglang
     run = (tmp_path / "run" / "run.yaml").read_text()
     assert "engine: sglang" in run and f"path: {tmp_path / 'model'}" in run and "steps: 2" in run

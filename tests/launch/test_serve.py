@@ -1,5 +1,6 @@
-"""The SGLang command line comes from one place (sglang_fleet.server_command), used by the fleet's
-launch_server and by `python -m megatron_tepo.rollout.serve` (which slurm/lib.sh runs)."""
+"""The SGLang command line comes from one place (rollout/sglang/server.py's server_command), used
+by launch_server and by the serve command, `python -m megatron_tepo.rollout.sglang.server` (which
+slurm/lib.sh runs)."""
 import os
 import shlex
 import subprocess
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tepo.rollout import sglang_fleet
-from megatron_tepo.rollout.sglang_fleet import FleetConfig, server_command
+from megatron_tepo.rollout.sglang import launch, server
+from megatron_tepo.rollout.sglang.server import ServerConfig, server_command
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_FLAGS = ["--attention-backend", "torch_native", "--sampling-backend", "pytorch",
@@ -17,11 +18,11 @@ CPU_FLAGS = ["--attention-backend", "torch_native", "--sampling-backend", "pytor
              "--sleep-on-idle"]
 
 
-LAUNCHER = str(ROOT / "megatron_tepo" / "rollout" / "sglang_launch.py")
+LAUNCHER = str(ROOT / "megatron_tepo" / "rollout" / "sglang" / "launch.py")
 
 
 def test_cpu_command_and_env():
-    cfg = FleetConfig(model_path="/m", python="/py", threads_per_server=3, env={"X": "1"})
+    cfg = ServerConfig(model_path="/m", python="/py", threads_per_server=3, env={"X": "1"})
     base = {"PYTHONPATH": "/somewhere", "OMP_NUM_THREADS": "8", "KEEP": "k"}
     argv, env = server_command(cfg, 1234, "key-1f2e", base_env=base)
     assert argv[:2] == ["/py", LAUNCHER]
@@ -35,7 +36,7 @@ def test_cpu_command_and_env():
 
 def test_api_key_never_in_argv():
     """The key goes to the server in its environment (ps shows a command line to every user)."""
-    cfg = FleetConfig(model_path="/m", python="/py", device="cuda")
+    cfg = ServerConfig(model_path="/m", python="/py", device="cuda")
     argv, env = server_command(cfg, 1, "sekret-77", base_env={})
     assert not any("sekret-77" in a for a in argv) and "--api-key" not in argv
     assert env["TEPO_SGLANG_API_KEY"] == "sekret-77"
@@ -45,18 +46,16 @@ def test_api_key_never_in_argv():
 
 
 def test_launcher_takes_the_key_from_the_environment():
-    from megatron_tepo.rollout import sglang_launch
-
-    assert sglang_launch.sglang_argv(["--port", "1"], {"TEPO_SGLANG_API_KEY": "k9"}) == [
+    assert launch.sglang_argv(["--port", "1"], {"TEPO_SGLANG_API_KEY": "k9"}) == [
         "--port", "1", "--api-key", "k9"]
-    assert sglang_launch.sglang_argv(["--port", "1"], {"TEPO_SGLANG_API_KEY": ""}) == ["--port", "1"]
+    assert launch.sglang_argv(["--port", "1"], {"TEPO_SGLANG_API_KEY": ""}) == ["--port", "1"]
     for bad in (["--api-key", "k"], ["--api-key=k"]):
         with pytest.raises(SystemExit, match="TEPO_SGLANG_API_KEY"):
-            sglang_launch.sglang_argv(bad, {})
+            launch.sglang_argv(bad, {})
 
 
 def test_cuda_command():
-    cfg = FleetConfig(model_path="/m", python="/py", device="cuda", tp=2, mem_fraction_static=0.85,
+    cfg = ServerConfig(model_path="/m", python="/py", device="cuda", tp=2, mem_fraction_static=0.85,
                       max_total_tokens=None, max_running_requests=64, context_length=10240, skip_warmup=False,
                       extra_args=["--foo"])
     argv, env = server_command(cfg, 30000, None, base_env={"CUDA_VISIBLE_DEVICES": "2,3"})
@@ -65,7 +64,7 @@ def test_cuda_command():
                         "--max-running-requests", "64", "--context-length", "10240", "--foo"]
     assert env == {"CUDA_VISIBLE_DEVICES": "2,3"}
     with pytest.raises(ValueError, match="device"):
-        server_command(FleetConfig(model_path="/m", device="tpu"), 1)
+        server_command(ServerConfig(model_path="/m", device="tpu"), 1)
 
 
 def test_launch_server_uses_server_command(tmp_path, monkeypatch):
@@ -77,17 +76,17 @@ def test_launch_server_uses_server_command(tmp_path, monkeypatch):
         def __init__(self, cmd, env, **kw):
             seen.update(cmd=cmd, env=env)
 
-    monkeypatch.setattr(sglang_fleet.subprocess, "Popen", FakePopen)
-    cfg = FleetConfig(model_path="/m", python=sys.executable, log_dir=str(tmp_path))
-    server = sglang_fleet.launch_server(cfg)
-    port = int(server.url.rsplit(":", 1)[1])
-    assert (seen["cmd"], seen["env"]) == server_command(cfg, port, server.api_key)
+    monkeypatch.setattr(server.subprocess, "Popen", FakePopen)
+    cfg = ServerConfig(model_path="/m", python=sys.executable, log_dir=str(tmp_path))
+    launched = server.launch_server(cfg)
+    port = int(launched.url.rsplit(":", 1)[1])
+    assert (seen["cmd"], seen["env"]) == server_command(cfg, port, launched.api_key)
 
 
 def _serve(*args, **env):
     full = {k: v for k, v in os.environ.items() if k != "TEPO_SGLANG_API_KEY"}
     full.update(env)
-    return subprocess.run([sys.executable, "-m", "megatron_tepo.rollout.serve", *args], cwd=ROOT, env=full,
+    return subprocess.run([sys.executable, "-m", "megatron_tepo.rollout.sglang.server", *args], cwd=ROOT, env=full,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -97,7 +96,7 @@ def test_serve_cli_prints_the_shared_command(tmp_path):
                  "--", "--log-level", "warning", MTEPO_SGLANG_PYTHON=str(py), TEPO_SGLANG_API_KEY="sekret")
     assert res.returncode == 0, res.stderr
     env_line, cmd_line = res.stdout.splitlines()
-    cfg = FleetConfig(model_path="/m", python=str(py), host="0.0.0.0", threads_per_server=2,
+    cfg = ServerConfig(model_path="/m", python=str(py), host="0.0.0.0", threads_per_server=2,
                       extra_args=["--log-level", "warning"])
     want, _ = server_command(cfg, 31000, "sekret")
     assert shlex.split(cmd_line) == want

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tepo.rollout.sglang_fleet import default_sglang_python
+from megatron_tepo.rollout.sglang.server import default_sglang_python
 
 
 def require_sglang() -> str:

@@ -83,7 +83,7 @@ class FakeSGLang:
 
 
 class FakeFleet:
-    """What :class:`~megatron_tepo.rollout.weight_sync.WeightSync` needs of a fleet."""
+    """What :class:`~megatron_tepo.rollout.sglang.weight_sync.WeightSync` needs of a fleet."""
 
     def __init__(self, servers):
         self.servers = list(servers)

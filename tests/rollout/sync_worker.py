@@ -24,8 +24,8 @@ def main():
 
     from megatron_tepo.actor.actor import MegatronActor
     from megatron_tepo.layout import ParallelLayout
-    from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet
-    from megatron_tepo.rollout.weight_sync import WeightSync
+    from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
+    from megatron_tepo.rollout.sglang.weight_sync import make_weight_sync
 
     actor = MegatronActor(args["config_dir"], hf_weights=load_file(args["weights"]),
                           layout=ParallelLayout(tp=2, pp=1), precision="fp32")
@@ -49,8 +49,8 @@ def main():
                 assert out.get("success"), out
             before = score_each()
         dist.barrier()
-        ws = WeightSync(fleet, mode=mode, bucket_bytes=args["bucket_bytes"],
-                        shared_dir=args["shared_dir"], is_sender=rank == 0)
+        own = {"shared_dir": args["shared_dir"]} if mode == "disk" else {}
+        ws = make_weight_sync(mode, fleet, bucket_bytes=args["bucket_bytes"], is_sender=rank == 0, **own)
         stats = ws.push(actor.export_hf_state("param"))
         ws.close()
         dist.barrier()

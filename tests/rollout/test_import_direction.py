@@ -11,11 +11,22 @@ from pathlib import Path
 ROLLOUT = Path(__file__).resolve().parents[2] / "megatron_tepo" / "rollout"
 FORBIDDEN = ("megatron_tepo.models", "megatron_tepo.megatron", "megatron_tepo.actor", "megatron_tepo.trainer",
              "megatron_tepo.checkpoint", "megatron.")
+# every module of the package (the check imports them all)
+MODULES = ("engine", "registry", "embedded", "sglang.server", "sglang.launch", "sglang.fleet",
+           "sglang.attach", "sglang.weight_sync", "sglang.weight_sync.base", "sglang.weight_sync.distributed",
+           "sglang.weight_sync.tensor", "sglang.weight_sync.disk")
+
+
+def _module(path: Path) -> str:
+    """A file's module name inside the package: ``engine``, ``sglang.fleet``, ``sglang.weight_sync``
+    (a subpackage's ``__init__.py``); ``""`` for the package's own ``__init__.py``."""
+    parts = path.relative_to(ROLLOUT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _imports(path: Path):
     """Every module a file imports, at any depth (lazy imports inside functions included)."""
-    pkg = "megatron_tepo.rollout" + ("" if path.parent == ROLLOUT else "." + path.parent.name)
+    pkg = ".".join(("megatron_tepo", "rollout") + path.parent.relative_to(ROLLOUT).parts)
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -31,17 +42,18 @@ def _imports(path: Path):
 
 def test_no_rollout_file_imports_the_megatron_side():
     files = sorted(ROLLOUT.rglob("*.py"))
-    assert len(files) >= 6  # the check reads the package
+    assert set(MODULES) <= {_module(f) for f in files}  # the check reads the package, subpackages too
     offenders = {str(f.relative_to(ROLLOUT)): sorted(m for m in _imports(f) if m.startswith(FORBIDDEN) or m == "megatron")
                  for f in files}
     assert {f: m for f, m in offenders.items() if m} == {}
 
 
 def test_rollout_modules_import_each_other_without_a_cycle():
-    mods = {f.stem: f for f in ROLLOUT.glob("*.py") if f.stem != "__init__"}
-    edges = {name: {m.rsplit(".", 1)[-1] for m in _imports(f) if m.startswith("megatron_tepo.rollout.")} & set(mods)
+    mods = {_module(f): f for f in ROLLOUT.rglob("*.py")}
+    prefix = "megatron_tepo.rollout."
+    edges = {name: {m[len(prefix):] for m in _imports(f) if m.startswith(prefix)} & set(mods)
              for name, f in mods.items()}
-    assert {"engine", "weight_sync"} <= edges["sglang_fleet"]  # (the edges are read)
+    assert "engine" in edges["sglang.fleet"] and "sglang.server" in edges["sglang.fleet"]  # the reader sees imports
     seen, stack = set(), []
 
     def visit(n):
@@ -59,9 +71,15 @@ def test_rollout_modules_import_each_other_without_a_cycle():
 
 
 def test_importing_the_engines_and_the_sync_loads_no_megatron():
-    code = ("import json, sys; import megatron_tepo.rollout.embedded, megatron_tepo.rollout.sglang_fleet, "
-            "megatron_tepo.rollout.weight_sync, megatron_tepo.rollout.serve; print(json.dumps(sorted(sys.modules)))")
+    code = (f"import json, sys; import {', '.join('megatron_tepo.rollout.' + m for m in MODULES)}; "
+            "print(json.dumps(sorted(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     modules = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "megatron_tepo.rollout.weight_sync" in modules and "megatron_tepo.buckets" in modules
+    assert {"megatron_tepo.rollout." + m for m in MODULES} | {"megatron_tepo.buckets"} <= set(modules)
     assert [m for m in modules if m == "megatron" or m.startswith(FORBIDDEN)] == []
+
+
+def test_the_launcher_that_runs_in_the_sglang_venv_imports_nothing_of_the_package():
+    """sglang/launch.py runs by path under the SGLang venv's python, which need not have
+    megatron_tepo: the standard library and sglang only."""
+    assert {m for m in _imports(ROLLOUT / "sglang" / "launch.py") if m.startswith("megatron")} == set()

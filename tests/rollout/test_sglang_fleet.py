@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from megatron_tepo.rollout.engine import FINISH_LENGTH, FINISH_STOP
-from megatron_tepo.rollout.sglang_fleet import FleetConfig, FleetError, SGLangFleet
-from megatron_tepo.rollout.weight_sync import DriftCheck, WeightSync
+from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
+from megatron_tepo.rollout.sglang.server import FleetError, RequestFailed, ServerConfig
+from megatron_tepo.algorithms.drift import DriftCheck
+from megatron_tepo.rollout.sglang.weight_sync import TensorSync, make_weight_sync
 from tests.rollout.helpers import (VOCAB, error_with_all_servers_hung, hf_response_log_probs,
                                    kill_during_step, save_tiny_qwen3, tiny_qwen3)
 
@@ -28,9 +30,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fleet(sglang_python, model_dir, tmp_path_factory):
-    cfg = FleetConfig(model_path=model_dir, num_servers=2, python=sglang_python,
-                      log_dir=str(tmp_path_factory.mktemp("sglang_logs")), request_timeout=60,
-                      step_timeout=120, startup_timeout=240, router="none")  # test_sglang_router.py: routed
+    cfg = FleetConfig(num_servers=2, request_timeout=60, step_timeout=120,
+                      router="none",  # test_sglang_router.py: routed
+                      server=ServerConfig(model_path=model_dir, python=sglang_python, startup_timeout=240,
+                                          log_dir=str(tmp_path_factory.mktemp("sglang_logs"))))
     f = SGLangFleet(cfg)
     yield f
     f.close()
@@ -83,7 +86,8 @@ def test_weight_sync_modes_single_process(fleet, mode, tmp_path):
     # distributed: bf16 on the wire, as the trainer sends (rollout.sync_dtype), and a first push of
     # other weights: the second is received straight into the parameters (CPU server patch 3)
     wire = torch.bfloat16 if mode == "distributed" else None
-    ws = WeightSync(fleet, mode=mode, bucket_bytes=100_000, shared_dir=str(tmp_path), wire_dtype=wire)
+    own = {"shared_dir": str(tmp_path)} if mode == "disk" else {}
+    ws = make_weight_sync(mode, fleet, bucket_bytes=100_000, wire_dtype=wire, **own)
     try:
         if mode == "distributed":
             ws.push(tiny_qwen3(seed=seed + 100, scale=SCALE).state_dict().items())
@@ -106,13 +110,6 @@ def test_weight_sync_modes_single_process(fleet, mode, tmp_path):
         assert float((lp - ref).abs().max()) < 2e-2
         if mode == "distributed":  # ... and the second push went straight into its parameters
             assert "received straight into the parameters" in Path(s.log_path).read_text()
-
-
-def test_drift_check_warns():
-    with pytest.warns(RuntimeWarning, match="drift"):
-        m = DriftCheck(mean_threshold=0.01)([[0.0, -1.0]], [[0.1, -1.0]])
-    assert m["rollout/logprob_drift_mean"] == pytest.approx(0.05)
-    assert m["rollout/logprob_drift_max"] == pytest.approx(0.1)
 
 
 def test_weight_sync_from_tp2_actor(fleet, model_dir, tmp_path):
@@ -148,8 +145,6 @@ def test_sync_while_a_request_still_runs(fleet, tmp_path):
     flushes and lets generation continue."""
     import threading
 
-    from megatron_tepo.rollout.sglang_fleet import RequestFailed
-
     s = fleet.servers[0]
     result = {}
 
@@ -177,7 +172,7 @@ def test_sync_while_a_request_still_runs(fleet, tmp_path):
     new = tiny_qwen3(seed=33, scale=SCALE)
     t = start()
     time.sleep(0.5)
-    ws = WeightSync(fleet, mode="tensor")
+    ws = TensorSync(fleet)
     ws.push(list(new.state_dict().items()))
     t.join(300)
     assert not t.is_alive()

@@ -1,6 +1,6 @@
 """The fleet behind sglang-router (installed in the SGLang venv by tools/install_sglang_cpu.sh), two
 REAL SGLang CPU servers: requests go through the router, which spreads them over both servers and
-checks the API key (which reaches it in the environment, on no command line: sglang_launch.py's
+checks the API key (which reaches it in the environment, on no command line: sglang/launch.py's
 router mode); a server killed in the middle of a step costs nothing and is dropped from the
 fleet; every server gone gives a clear error within the step time-out. Config errors without
 servers. The fault tests come last because they destroy the servers."""
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from megatron_tepo.rollout.sglang_fleet import FleetConfig, FleetError, SGLangFleet, use_router
+from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet, use_router
+from megatron_tepo.rollout.sglang.server import API_KEY_ENV, SGLANG_LAUNCHER, FleetError, ServerConfig, router_command
 from tests.rollout.helpers import cmdlines, error_with_all_servers_hung, kill_during_step, save_tiny_qwen3
 
 pytestmark = pytest.mark.sglang
@@ -24,35 +25,30 @@ def test_router_setting_errors_name_the_field():
         use_router(FleetConfig(router_policy="fastest"), 2)
     # this interpreter (the project's venv) has no sglang_router: required -> error, auto -> no router
     with pytest.raises(FleetError, match="install_sglang_cpu.sh"):
-        use_router(FleetConfig(router="sglang_router", python=sys.executable), 2)
-    assert not use_router(FleetConfig(router="auto", python=sys.executable), 2)
+        use_router(FleetConfig(router="sglang_router", server=ServerConfig(python=sys.executable)), 2)
+    assert not use_router(FleetConfig(router="auto", server=ServerConfig(python=sys.executable)), 2)
     assert not use_router(FleetConfig(router="auto"), 1)  # one server: nothing to spread
 
 
 def test_router_command_has_the_key_in_its_environment_only():
-    from megatron_tepo.rollout.sglang_fleet import API_KEY_ENV, SGLANG_LAUNCHER, router_command
-
     key = "k3y-" + "5" * 28
-    cfg = FleetConfig(python="/venv/bin/python", router_policy="round_robin", request_timeout=30)
     urls = ["http://127.0.0.1:30001", "http://127.0.0.1:30002"]
     base = {"PATH": "/bin", "PYTHONPATH": "/elsewhere", API_KEY_ENV: "a stale key"}
-    cmd, env = router_command(cfg, urls, 31000, key, base_env=base)
+    cmd, env = router_command("/venv/bin/python", urls, 31000, key, "round_robin", 30, base_env=base)
     assert cmd[:3] == ["/venv/bin/python", SGLANG_LAUNCHER, "router"]
     assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--worker-urls") + 3] == urls
     assert cmd[cmd.index("--port") + 1] == "31000" and cmd[cmd.index("--policy") + 1] == "round_robin"
     assert not any(key in w or w.startswith("--api-key") for w in cmd), cmd
     assert env[API_KEY_ENV] == key and "PYTHONPATH" not in env and env["PATH"] == "/bin"
     assert base[API_KEY_ENV] == "a stale key"  # copied, not changed
-    _, env = router_command(cfg, urls, 31000, None, base_env=base)
+    _, env = router_command("/venv/bin/python", urls, 31000, None, "round_robin", 30, base_env=base)
     assert API_KEY_ENV not in env  # no key: none inherited either
 
 
 def test_router_launcher_parses_with_sglang_routers_parser(sglang_python):
-    """sglang_launch.py's router mode hands sglang_router's parser the key of the environment (and
+    """sglang/launch.py's router mode hands sglang_router's parser the key of the environment (and
     refuses one on the command line), in the SGLang venv, without starting a router."""
     import subprocess
-
-    from megatron_tepo.rollout.sglang_fleet import SGLANG_LAUNCHER
 
     probe = (f"import runpy, sys; m = runpy.run_path({SGLANG_LAUNCHER!r}, run_name='probe'); "
              "from sglang_router.launch_router import parse_router_args; import os; "
@@ -72,9 +68,10 @@ def test_router_launcher_parses_with_sglang_routers_parser(sglang_python):
 def fleet(sglang_python, tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_qwen3")
     save_tiny_qwen3(str(path), seed=0, scale=0.07)
-    cfg = FleetConfig(model_path=str(path), num_servers=2, python=sglang_python, router="auto",
-                      router_policy="round_robin", log_dir=str(tmp_path_factory.mktemp("logs")),
-                      request_timeout=60, step_timeout=120, startup_timeout=240)
+    cfg = FleetConfig(num_servers=2, router="auto", router_policy="round_robin", request_timeout=60,
+                      step_timeout=120, server=ServerConfig(model_path=str(path), python=sglang_python,
+                                                            log_dir=str(tmp_path_factory.mktemp("logs")),
+                                                            startup_timeout=240))
     f = SGLangFleet(cfg)
     yield f
     f.close()
@@ -97,7 +94,7 @@ def test_groups_go_through_the_router_to_both_servers(fleet):
     # it, seconds later), nor what it shows now, nor any process the router starts
     argv = [str(w) for w in fleet.router.proc.args]
     assert not any(key in w or w.startswith("--api-key") for w in argv), argv
-    assert "sglang_launch.py" in argv[1] and argv[2] == "router", argv
+    assert argv[1].endswith("rollout/sglang/launch.py") and argv[2] == "router", argv
     seen = cmdlines(fleet.router.proc.pid)
     for pid, cmd in seen.items():
         assert key not in cmd and "--api-key" not in cmd, (pid, cmd)

@@ -27,7 +27,8 @@ import json
 import pytest
 import torch
 
-from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet
+from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
+from megatron_tepo.rollout.sglang.server import ServerConfig
 from tests.rollout.helpers import hf_response_log_probs, save_tiny_qwen3, tiny_qwen3
 
 pytestmark = pytest.mark.sglang
@@ -65,10 +66,11 @@ def compared_prefix(got, ref, gaps):
 def tp2_server(sglang_python, tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("tiny_qwen3_tp2")
     save_tiny_qwen3(str(model_dir), seed=0, scale=SCALE)
-    cfg = FleetConfig(model_path=str(model_dir), num_servers=1, tp=2, dtype="float32", python=sglang_python,
-                      env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}, threads_per_server=1,
-                      log_dir=str(tmp_path_factory.mktemp("sglang_tp2_logs")), startup_timeout=600,
-                      request_timeout=300, step_timeout=600, router="none")
+    cfg = FleetConfig(num_servers=1, request_timeout=300, step_timeout=600, router="none",
+                      server=ServerConfig(model_path=str(model_dir), tp=2, dtype="float32", python=sglang_python,
+                                          env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}, threads_per_server=1,
+                                          log_dir=str(tmp_path_factory.mktemp("sglang_tp2_logs")),
+                                          startup_timeout=600))
     fleet = SGLangFleet(cfg)
     yield fleet
     fleet.close()

@@ -18,10 +18,10 @@ import time
 import pytest
 import torch
 
-from megatron_tepo.buckets import FlatBucket
-from megatron_tepo.rollout import weight_sync as ws_mod
-from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangServer, launch_server, stop_server
-from megatron_tepo.rollout.weight_sync import WeightSync, write_safetensors
+from megatron_tepo.buckets import FlatBucket, write_safetensors
+from megatron_tepo.rollout.sglang.weight_sync import DistributedSync, TensorSync, make_weight_sync
+from megatron_tepo.rollout.sglang.weight_sync import distributed as ws_distributed
+from megatron_tepo.rollout.sglang.server import ServerConfig, SGLangServer, launch_server, stop_server
 from tests.rollout.fake_sglang import FakeFleet, FakeSGLang
 
 UPDATE_DIST = "/update_weights_from_distributed"
@@ -49,7 +49,7 @@ def fake_group(monkeypatch):
         made.append({"world_size": world_size, "rank": rank, "backend": backend})
         return object()
 
-    monkeypatch.setattr(ws_mod, "init_custom_process_group", fake_init)
+    monkeypatch.setattr(ws_distributed, "init_custom_process_group", fake_init)
     monkeypatch.setattr(torch.distributed, "broadcast", lambda *a, **k: _InstantWork())
     return made
 
@@ -81,7 +81,7 @@ def test_update_group_gives_every_tp_worker_its_own_rank(fakes, fake_group):
     the ranks 1..4 are each taken once. Asked once per server, not at every push."""
     servers = [fakes(tp_size=2), fakes(tp_size=2)]
     fleet = FakeFleet([SGLangServer(f.url) for f in servers])
-    ws = WeightSync(fleet, mode="distributed", bucket_bytes=512, backend="gloo")
+    ws = DistributedSync(fleet, bucket_bytes=512, backend="gloo")
     try:
         ws.push(_stream())
         ws.push(_stream(seed=1))
@@ -102,7 +102,7 @@ def test_tp_size_from_an_older_servers_get_server_info(fakes, fake_group):
     ``/get_server_info``."""
     f = fakes(tp_size=2, missing={"/server_info"})
     fleet = FakeFleet([SGLangServer(f.url), SGLangServer(fakes(tp_size=1).url)])
-    ws = WeightSync(fleet, mode="distributed", bucket_bytes=512, backend="gloo")
+    ws = DistributedSync(fleet, bucket_bytes=512, backend="gloo")
     try:
         ws.push(_stream())
     finally:
@@ -116,7 +116,7 @@ def test_tensor_mode_sends_one_payload_per_tp_rank(fakes):
     ``deserialize_own_rank``): a TP=2 server needs two entries."""
     f2, f1 = fakes(tp_size=2), fakes(tp_size=1)
     fleet = FakeFleet([SGLangServer(f2.url), SGLangServer(f1.url)])
-    ws = WeightSync(fleet, mode="tensor", bucket_bytes=512)
+    ws = TensorSync(fleet, bucket_bytes=512)
     ws.push(_stream())
     ws.close()
     for f, tp in ((f2, 2), (f1, 1)):
@@ -127,7 +127,7 @@ def test_tensor_mode_sends_one_payload_per_tp_rank(fakes):
 def test_fleet_launched_server_knows_its_tp_size(tmp_path):
     """A server the fleet starts with ``--tp-size 2`` is a TP=2 server without asking it
     (``/bin/true`` stands in for the SGLang python: only the returned handle is checked)."""
-    cfg = FleetConfig(model_path=str(tmp_path), python="/bin/true", tp=2, log_dir=str(tmp_path))
+    cfg = ServerConfig(model_path=str(tmp_path), python="/bin/true", tp=2, log_dir=str(tmp_path))
     s = launch_server(cfg, 0)
     try:
         assert s.tp_size == 2
@@ -137,7 +137,7 @@ def test_fleet_launched_server_knows_its_tp_size(tmp_path):
 
 def test_bad_tp_size_reported_by_a_server_is_a_clear_error(fakes, fake_group):
     f = fakes(tp_size=0)
-    ws = WeightSync(FakeFleet([SGLangServer(f.url)]), mode="distributed", bucket_bytes=512, backend="gloo")
+    ws = DistributedSync(FakeFleet([SGLangServer(f.url)]), bucket_bytes=512, backend="gloo")
     with pytest.raises(ValueError, match=r"tp_size"):
         ws.push(_stream())
     ws.close()
@@ -159,7 +159,7 @@ def test_distributed_request_waits_for_the_previous_answer(fakes, fake_group):
             pulled[name] = time.monotonic()
             yield name, t
 
-    ws = WeightSync(fleet, mode="distributed", bucket_bytes=256, backend="gloo")  # one tensor a bucket
+    ws = DistributedSync(fleet, bucket_bytes=256, backend="gloo")  # one tensor a bucket
     try:
         stats = ws.push(stream())
     finally:
@@ -175,13 +175,13 @@ def test_distributed_request_waits_for_the_previous_answer(fakes, fake_group):
 
 
 # ------------------------------------------------------------------ row 6: optional routes
-@pytest.mark.parametrize("mode", ["tensor", "distributed"])
-def test_server_without_weight_update_session_routes(fakes, fake_group, mode):
+@pytest.mark.parametrize("mode,own", [("tensor", {}), ("distributed", {"backend": "gloo"})])
+def test_server_without_weight_update_session_routes(fakes, fake_group, mode, own):
     """An SGLang without ``/begin_weight_update`` / ``/end_weight_update`` (HTTP 404): probed once,
     then updated without them; a server that has them still gets both at every push."""
     old, new = fakes(missing={"/begin_weight_update", "/end_weight_update"}), fakes()
     fleet = FakeFleet([_server(old.url), _server(new.url)])
-    ws = WeightSync(fleet, mode=mode, bucket_bytes=512, backend="gloo")
+    ws = make_weight_sync(mode, fleet, bucket_bytes=512, **own)
     try:
         for seed in range(2):
             ws.push(_stream(seed=seed))
@@ -203,7 +203,7 @@ def test_other_errors_of_the_session_routes_still_fail(fakes):
             return super().post(path, payload, timeout)
 
     f = fakes()
-    ws = WeightSync(FakeFleet([_server(f.url, cls=Refusing)]), mode="tensor", bucket_bytes=512)
+    ws = TensorSync(FakeFleet([_server(f.url, cls=Refusing)]), bucket_bytes=512)
     with pytest.raises(RuntimeError, match="begin_weight_update.*refused"):
         ws.push(_stream())
     ws.close()
@@ -253,7 +253,7 @@ def test_disk_mode_writes_a_bucket_whose_buffer_is_not_on_the_cpu(tmp_path):
 def test_host_bytes_copies_only_off_the_cpu():
     """On the CPU the bucket's own buffer is written (no copy); off it one copy into a host
     buffer, reused when it is large enough (pinned where CUDA is available)."""
-    from megatron_tepo.rollout.weight_sync import host_bytes
+    from megatron_tepo.buckets import host_bytes
 
     bucket, _, _ = _bucket(lambda flat: flat)
     assert host_bytes(bucket.flat) is bucket.flat

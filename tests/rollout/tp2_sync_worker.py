@@ -24,8 +24,8 @@ def main():
 
     from megatron_tepo.actor.actor import MegatronActor
     from megatron_tepo.layout import ParallelLayout
-    from megatron_tepo.rollout.sglang_fleet import FleetConfig, SGLangFleet
-    from megatron_tepo.rollout.weight_sync import WeightSync
+    from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
+    from megatron_tepo.rollout.sglang.weight_sync import DistributedSync
 
     actor = MegatronActor(args["config_dir"], hf_weights=load_file(args["weights"]),
                           layout=ParallelLayout(tp=2, pp=1), precision="fp32")
@@ -47,18 +47,17 @@ def main():
 
     before = observe() if rank == 0 else None
     dist.barrier()
-    ws = WeightSync(fleet, mode="distributed", bucket_bytes=args["bucket_bytes"], is_sender=rank == 0,
-                    timeout=600.0)
+    ws = DistributedSync(fleet, bucket_bytes=args["bucket_bytes"], is_sender=rank == 0, timeout=600.0)
     sent = []
     if rank == 0:  # record what the update group was told (the arithmetic under test)
-        real_start = ws._start_all
+        real_start = ws._start_each
 
-        def start_all(path, payload, servers, *rest, **kw):
+        def start_each(path, posts, *rest, **kw):
             if path == "/init_weights_update_group":
-                sent.append({"rank_offset": payload["rank_offset"], "world_size": payload["world_size"]})
-            return real_start(path, payload, servers, *rest, **kw)
+                sent.extend({"rank_offset": p["rank_offset"], "world_size": p["world_size"]} for _, p in posts)
+            return real_start(path, posts, *rest, **kw)
 
-        ws._start_all = start_all
+        ws._start_each = start_each
     stats = ws.push(actor.export_hf_state("param"))
     dist.barrier()
     if rank == 0:

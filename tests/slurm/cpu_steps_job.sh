@@ -15,7 +15,7 @@ source "$TEPO_ROOT/slurm/lib.sh"
 export TEPO_PYTHON=$TEPO_FAKE_PYTHON
 FIT_DEVICE=${FIT_DEVICE:-cpu}
 FIT_GPUS_PER_NODE=2 FIT_SERVERS_PER_NODE=1 FIT_SGLANG_TP=1 FIT_SGLANG_PORT=30000
-FIT_SERVE_ARGS="-m megatron_tepo.rollout.serve --model-path /nonexistent --tp 1 --device $FIT_DEVICE"
+FIT_SERVE_ARGS="-m megatron_tepo.rollout.sglang.server --model-path /nonexistent --tp 1 --device $FIT_DEVICE"
 RUN_DIR=$TEPO_REPORT_DIR/run LOG_DIR=$TEPO_REPORT_DIR/logs
 mkdir -p "$RUN_DIR" "$LOG_DIR"
 TEPO_STEP_PIDS=()

@@ -70,7 +70,7 @@ def test_local_cpu_job_completes_then_resumes(slurm_cluster, tmp_path):
     assert "SGLang colocated on them" in stdout and "all 1 SGLang server(s) healthy" in stdout
     server_log = (logs / f"sglang.{host}.0.log").read_text()
     # SGLang's launch with the job's random API key from the environment: on no command line
-    assert "rollout/sglang_launch.py" in server_log and "--device cpu" in server_log
+    assert "rollout/sglang/launch.py" in server_log and "--device cpu" in server_log
     assert "--api-key" not in server_log and "API key: a new random one for this job" in stdout
     assert "starting at step 1" in trainer and "world 2, engine sglang" in trainer  # TP=2: two ranks
     metrics = _metrics(out)

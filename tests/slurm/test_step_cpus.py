@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slurm]
 FAKE_PYTHON = """#!/bin/bash
 # stand-in for TEPO_PYTHON: the step's CPU count, by the kind of command (serve / torchrun / bare)
 case "$*" in
-    *megatron_tepo.rollout.serve*) kind=sglang ;;
+    *megatron_tepo.rollout.sglang.server*) kind=sglang ;;
     *torch.distributed.run*) kind=trainer ;;
     *) kind=$1 ;;
 esac

@@ -1,5 +1,5 @@
 """The address the SGLang servers reach the trainer at for ``sync_mode: distributed``
-(megatron_tepo.trainer.main.sync_master_address): ``TEPO_SYNC_ADDRESS``, else
+(megatron_tepo.rollout.sglang.weight_sync.distributed.sync_master_address): ``TEPO_SYNC_ADDRESS``, else
 ``rollout.sync_address``, else the address of this host's interface on the route to the first
 (non-loopback) server -- not ``gethostbyname(gethostname())``, which is often 127.0.0.1 /
 127.0.1.1 (/etc/hosts) or a management NIC."""
@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from megatron_tepo.config import ConfigError, RunConfig, load_config
-from megatron_tepo.trainer.main import sync_master_address
+from megatron_tepo.rollout.sglang.weight_sync.distributed import sync_master_address
 
 
 def _own_addresses():

@@ -15,7 +15,7 @@ exist``. We hook the import of that one module and, only when torchvision's ops 
 for). Nothing else changes; with a working torchvision the hook does nothing.
 
 Patch 2 -- a reused receive buffer for ``/update_weights_from_distributed`` (CPU engine only:
-``SGLANG_USE_CPU_ENGINE=1``, which ``sglang_fleet.server_command`` sets for ``device="cpu"``).
+``SGLANG_USE_CPU_ENGINE=1``, which ``rollout/sglang/server.py``'s ``server_command`` sets for ``device="cpu"``).
 SGLang 0.5.23 receives every ``load_format="flattened_bucket"`` broadcast into a fresh
 ``torch.empty`` (``FlattenedTensorBucket.empty``) and lets it go after ``load_weights`` copied it
 into the parameters. On CPU a fresh buffer of a bucket's size (64-256 MiB) is page-faulted and

@@ -1,0 +1,19 @@
+"""The SGLang rollout engine: a fleet of SGLang servers behind the engine interface.
+
+* ``server.py`` -- one server's process and address: the SGLang command line, launch, health,
+  stop, sglang-router in front of several, and the serve command
+  (``python -m megatron_tepo.rollout.sglang.server``, what the Slurm launchers run per server).
+* ``launch.py`` -- what that command line runs inside the SGLang venv (SGLang's own launch with
+  the API key taken from the environment); it imports nothing of this package.
+* ``fleet.py`` -- dispatch: a step's requests spread over the servers (or through the router),
+  retried elsewhere on failure; the :class:`~megatron_tepo.rollout.engine.RolloutEngine`.
+* ``weight_sync/`` -- the actor's weights pushed to every server, one module per mode
+  (``distributed``, ``tensor``, ``disk``) over a shared base.
+* ``attach.py`` -- the engine a run config asks for (``rollout.engine: sglang``, registered with
+  :mod:`megatron_tepo.rollout.registry`): the fleet attached to the configured servers, with its
+  weight sync.
+
+Nothing here imports Megatron; the SGLang package itself is imported only inside the servers' own
+processes (``launch.py``). This file imports nothing, so that ``python -m`` of a module here runs
+it once.
+"""

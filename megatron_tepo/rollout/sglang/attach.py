@@ -1,0 +1,68 @@
+"""The SGLang engine of a run (``rollout.engine: sglang``): the fleet attached to the servers the
+run config names, with the weight sync of ``rollout.sync_mode``; registered with the engine
+registry (:mod:`megatron_tepo.rollout.registry`).
+
+The servers are ``TEPO_SGLANG_URLS`` (comma-separated; the Slurm launchers set it) if set, else
+``rollout.sglang_urls``; their API key is ``TEPO_SGLANG_API_KEY``. The driver builds the fleet
+and the sending weight sync; every other rank builds only a weight sync that drains its part of
+the actor's export (``is_sender=False``), so that the export's collectives match.
+
+Left out: launching servers (the Slurm launchers and the tests start them; ``server.py``).
+"""
+from __future__ import annotations
+
+import os
+from typing import List
+from urllib.parse import urlparse
+
+import torch
+
+from megatron_tepo.config import RolloutConfig
+from megatron_tepo.rollout.registry import EngineSettings, register_engine
+from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
+from megatron_tepo.rollout.sglang.server import API_KEY_ENV
+from megatron_tepo.rollout.sglang.weight_sync import SYNC_MODES, WeightSync, make_weight_sync
+
+URLS_ENV = "TEPO_SGLANG_URLS"
+
+
+def sglang_urls(rollout: RolloutConfig) -> List[str]:
+    """The SGLang servers to attach to: env ``TEPO_SGLANG_URLS`` (comma-separated; set by the Slurm
+    launchers) if set, else ``rollout.sglang_urls``."""
+    env = os.environ.get(URLS_ENV, "").strip()
+    urls = [u.strip() for u in env.split(",") if u.strip()] if env else list(rollout.sglang_urls)
+    if not urls:
+        raise ValueError("rollout.engine is 'sglang' but no server is given: set TEPO_SGLANG_URLS "
+                         "(comma-separated URLs) or rollout.sglang_urls")
+    for u in urls:
+        if urlparse(u).scheme not in ("http", "https") or not urlparse(u).hostname:
+            raise ValueError(f"rollout.sglang_urls / TEPO_SGLANG_URLS: {u!r} is not an http(s) URL")
+    return urls
+
+
+def weight_sync(rollout: RolloutConfig, fleet, urls: List[str], is_sender: bool) -> WeightSync:
+    """The weight sync of ``rollout.sync_mode`` to ``fleet`` (None on a rank that only drains the
+    export); the mode's own options from ``rollout`` and the servers' ``urls``."""
+    mode = rollout.sync_mode
+    return make_weight_sync(mode, fleet, bucket_bytes=rollout.sync_bucket_mb << 20,
+                            wire_dtype=getattr(torch, rollout.sync_dtype), is_sender=is_sender,
+                            keep_buffers=rollout.sync_keep_buffers, **SYNC_MODES[mode].options_from(rollout, urls))
+
+
+def attach_fleet(settings: EngineSettings) -> SGLangFleet:
+    """The driver's engine: the fleet of the configured servers, with its sending weight sync."""
+    r = settings.rollout
+    urls = sglang_urls(r)
+    keys = [os.environ.get(API_KEY_ENV) or None] * len(urls)
+    fleet = SGLangFleet(FleetConfig(urls=urls, api_keys=keys, request_timeout=r.request_timeout_s,
+                                    step_timeout=max(r.request_timeout_s, 600.0), router=r.router))
+    fleet.weight_sync = weight_sync(r, fleet, urls, True)
+    return fleet
+
+
+def follower_sync(settings: EngineSettings) -> WeightSync:
+    """What a rank other than the driver holds: a weight sync that drains its part of the export."""
+    return weight_sync(settings.rollout, None, sglang_urls(settings.rollout), False)
+
+
+register_engine("sglang", attach_fleet, follower_sync=follower_sync, check=sglang_urls)
