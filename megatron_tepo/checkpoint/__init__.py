@@ -15,8 +15,9 @@ from .convert import (
     write_conversion_sidecars,
     load_checkpoint_into,
     read_checkpoint_info,
+    read_family_config,
 )
 
 __all__ = ["convert_hf_to_megatron", "convert_megatron_to_hf", "build_gpt_model",
-           "load_checkpoint_into", "read_checkpoint_info", "check_hf_input", "ensure_process_group",
+           "load_checkpoint_into", "read_checkpoint_info", "read_family_config", "check_hf_input", "ensure_process_group",
            "export_actor_to_hf", "write_conversion_sidecars"]

@@ -26,8 +26,9 @@ HF -> Megatron (:func:`convert_hf_to_megatron`), run on ``tp*pp*ep`` ranks (gloo
      tensor (embedding / ``lm_head``) while it is written -- 0.30x of a 1.9 GiB model at TP=1
      (docs/BENCHMARKS.md); every piece of the rank written and every HF tensor consumed is checked
      at the end;
-  4. sidecars: ``megatron_tepo_checkpoint.json`` (family, dtype, saved layout, HF tensor names /
-     dtypes / shapes) and ``hf_source/`` (config, generation config, tokenizer files).
+  4. sidecars: ``megatron_tepo_checkpoint.json`` (family, its whole family config with the MoE
+     sizes, dtype, saved layout, HF tensor names / dtypes / shapes) and ``hf_source/`` (config,
+     generation config, tokenizer files).
   Output goes to ``<out>.tmp-<pid>`` and is renamed to ``<out>`` only when complete; any error on
   any rank removes it. An existing ``<out>`` is refused unless ``force``. ``streaming=False``
   keeps the whole-model reference path (fill an initialised model through ``models``' TP/PP
@@ -75,7 +76,6 @@ mapping has compared them at the end.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -92,7 +92,7 @@ import torch.distributed as dist
 from megatron_tepo.layout import ParallelLayout, validate_layout
 from megatron_tepo.megatron.parallel import initialize_parallel, raise_if_any_rank_failed, single_process_env
 from megatron_tepo.megatron.sharding import expert_indices, layer_offsets, load_megatron_state_into
-from megatron_tepo.models import family_config_from_hf, hf_to_megatron, megatron_to_hf
+from megatron_tepo.models import GPTFamilyConfig, family_config_from_hf, hf_to_megatron, megatron_to_hf
 
 from .hf_io import (
     LazyHFCheckpoint,
@@ -111,7 +111,8 @@ HF_SOURCE = "hf_source"
 FORMAT = "megatron_tepo/hf-dist-ckpt/1"
 
 __all__ = ["convert_hf_to_megatron", "convert_megatron_to_hf", "build_gpt_model",
-           "load_checkpoint_into", "read_checkpoint_info", "check_hf_input", "ensure_process_group"]
+           "load_checkpoint_into", "read_checkpoint_info", "read_family_config", "check_hf_input",
+           "ensure_process_group"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,6 +173,19 @@ def read_checkpoint_info(megatron_dir) -> dict:
     if info.get("format") != FORMAT:
         raise ValueError(f"{path}: unknown format {info.get('format')!r} (expected {FORMAT!r})")
     return info
+
+
+def read_family_config(megatron_dir, info: Optional[dict] = None) -> GPTFamilyConfig:
+    """The family config a checkpoint directory was written with (``info``: its
+    :func:`read_checkpoint_info`, read when None). Sidecars record it whole (``family_config``,
+    with ``moe`` null for a dense model); older ones left the MoE sizes out (an untyped ``extra``
+    then, not written), so for a ``family_config`` without ``moe`` it is rebuilt from
+    ``hf_source/config.json`` at the recorded layer spec, as the exporter always did."""
+    info = read_checkpoint_info(megatron_dir) if info is None else info
+    stored = info.get("family_config")
+    if isinstance(stored, dict) and "moe" in stored:
+        return GPTFamilyConfig.from_dict(stored)
+    return family_config_from_hf(_read_raw_config(Path(megatron_dir) / HF_SOURCE), spec=info.get("spec", "local"))
 
 
 def _read_raw_config(config_dir) -> dict:
@@ -480,8 +494,9 @@ def write_conversion_sidecars(directory, hf_dir, family_cfg, params_dtype, layou
                               ckpt: Optional[LazyHFCheckpoint] = None) -> None:
     """What makes a megatron checkpoint directory convertible back to HF by
     :func:`convert_megatron_to_hf`: ``hf_source/`` (config, generation config, tokenizer files of
-    ``hf_dir``) and ``megatron_tepo_checkpoint.json`` (family, layer spec, parameter dtype, saved
-    layout, the HF tensor names / dtypes / shapes of ``hf_dir``). The converter writes them; so
+    ``hf_dir``) and ``megatron_tepo_checkpoint.json`` (family, the family config with its ``moe``
+    entry -- :meth:`GPTFamilyConfig.as_dict`, read back by :func:`read_family_config` --, layer
+    spec, parameter dtype, saved layout, the HF tensor names / dtypes / shapes of ``hf_dir``). The converter writes them; so
     does the trainer into each of its checkpoints."""
     import megatron.core
 
@@ -491,7 +506,7 @@ def write_conversion_sidecars(directory, hf_dir, family_cfg, params_dtype, layou
     info = {
         "format": FORMAT,
         "family": family_cfg.family,
-        "family_config": {k: v for k, v in dataclasses.asdict(family_cfg).items() if k != "extra"},
+        "family_config": family_cfg.as_dict(),
         "spec": family_cfg.spec,
         "params_dtype": dtype_name(params_dtype),
         "saved_layout": layout.as_dict(),
@@ -680,7 +695,7 @@ def convert_megatron_to_hf(megatron_dir, out_dir, force: bool = False,
     src = Path(megatron_dir)
     out = Path(out_dir).absolute()
     info = read_checkpoint_info(src)
-    family_cfg = family_config_from_hf(_read_raw_config(src / HF_SOURCE), spec=info.get("spec", "local"))
+    family_cfg = read_family_config(src, info)
     params_dtype = dtype_from_name(info["params_dtype"])
     _check_out(out, force)
     ensure_process_group()
