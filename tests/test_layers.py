@@ -78,3 +78,15 @@ def test_the_seams_hold():
     broken = {f"{u} -> {v}": sorted(edges[u][v]) for u, bad in forbidden.items() for v in edges.get(u, {})
               if v in bad}
     assert broken == {}
+
+
+def test_the_checkpoint_package_keeps_its_public_names():
+    """convert.py was split (hf_to_megatron, megatron_to_hf, dcp_reader, sidecars, common): the
+    package still answers every name callers imported from it before."""
+    import megatron_tepo.checkpoint as checkpoint
+
+    before = {"convert_hf_to_megatron", "convert_megatron_to_hf", "build_gpt_model", "load_checkpoint_into",
+              "read_checkpoint_info", "check_hf_input", "ensure_process_group", "export_actor_to_hf",
+              "write_conversion_sidecars"}
+    assert before <= set(checkpoint.__all__)
+    assert all(callable(getattr(checkpoint, name)) for name in checkpoint.__all__)

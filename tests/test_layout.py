@@ -78,7 +78,7 @@ def test_the_config_section_is_the_layout():
 
 def test_converter_and_fit_check_raise_the_same_rule(tmp_path):
     """One rule, three doors: the converter names its flags, the fit check the config's keys."""
-    from megatron_tepo.checkpoint.convert import check_hf_input
+    from megatron_tepo.checkpoint import check_hf_input
     from megatron_tepo.launch import FitError, LaunchLayout, ModelShape, check_layout
 
     hf = tmp_path / "hf"

@@ -321,8 +321,8 @@ class MegatronActor:
     def _needs_equal_shapes(self) -> bool:
         """The MoE allgather dispatcher all-gathers tokens over the expert-parallel group, which
         needs micro-batches of one shape on every rank of that group."""
-        moe = self.family_cfg.extra.get("moe_transformer_kwargs", {})
-        return self.layout.ep > 1 and moe.get("moe_token_dispatcher_type") == "allgather"
+        return (self.family_cfg.moe is not None and self.layout.ep > 1
+                and self.config.moe_token_dispatcher_type == "allgather")
 
     def _pad_to_common_shapes(self, mbs: List[MicroBatch]) -> List[MicroBatch]:
         """Pad micro-batch i to the largest shape of micro-batch i over the DP group (a pad

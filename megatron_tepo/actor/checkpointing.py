@@ -16,7 +16,7 @@ directory to ``<directory>`` and fsyncs the parent. A crash at any point leaves 
 :func:`load_actor_checkpoint` refuses any directory without the marker.
 
 The model tensors use megatron's sharded keys, so the model part is loadable at another TP/PP
-(``load_actor_checkpoint(..., model_only=True)``, or ``checkpoint.convert.load_checkpoint_into``).
+(``load_actor_checkpoint(..., model_only=True)``, or ``checkpoint.load_checkpoint_into``).
 A full load (optimizer, scheduler, RNG) requires the layout and precision it was saved at (a bf16
 actor's optimizer holds fp32 main parameters that an fp32 one does not). The distributed
 optimizer is saved with ``distrib_optim_sharding_type = "dp_reshardable"``.

@@ -59,10 +59,11 @@ def main(argv=None) -> int:
     world = args.tp * args.pp * args.ep
     under_torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
     if not under_torchrun:
-        from megatron_tepo.checkpoint.convert import _check_out, check_hf_input
+        from megatron_tepo.checkpoint.common import check_out_dir
+        from megatron_tepo.checkpoint.hf_to_megatron import check_hf_input
 
         with user_errors(prog(), args.traceback):  # one line, nothing written
-            _check_out(Path(args.out).absolute(), args.force)
+            check_out_dir(Path(args.out).absolute(), args.force)
             check_hf_input(args.hf, tp=args.tp, pp=args.pp, ep=args.ep)
     if under_torchrun or world == 1:
         import torch

@@ -12,7 +12,7 @@ error naming it). Progress per layer; the output appears only when complete
 (``<out>.tmp-<pid>`` renamed at the end, removed on error); an existing --out needs --force.
 
 Streaming: each parameter is read from the checkpoint files only when it is written, so peak
-memory is about one output shard plus the largest tensor (see megatron_tepo/checkpoint/convert.py).
+memory is about one output shard plus the largest tensor (see megatron_tepo/checkpoint/megatron_to_hf.py).
 
 Deliberately left out: checkpoints not made by convert_hf_to_megatron (they lack hf_source/),
 optimizer state.

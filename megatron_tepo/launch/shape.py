@@ -51,11 +51,10 @@ def model_shape(hf_config: Union[Dict[str, Any], str, Path]) -> ModelShape:
     from megatron_tepo.models import family_config_from_hf
 
     fam = family_config_from_hf(hf_config, spec="local")
-    moe = fam.extra.get("moe_transformer_kwargs", {}) if fam.extra else {}
+    moe = fam.moe
     return ModelShape(
         num_layers=fam.num_layers, hidden=fam.hidden_size, ffn=fam.ffn_hidden_size,
         heads=fam.num_attention_heads, kv_groups=fam.num_query_groups, head_dim=fam.head_dim,
         vocab=fam.vocab_size, tied=fam.tie_word_embeddings, qkv_bias=fam.qkv_bias,
-        qk_norm=fam.qk_layernorm, num_experts=int(moe.get("num_moe_experts", 0) or 0),
-        topk=int(moe.get("moe_router_topk", 0) or 0), moe_ffn=int(moe.get("moe_ffn_hidden_size", 0) or 0),
-        family=fam.family)
+        qk_norm=fam.qk_layernorm, num_experts=fam.num_experts, topk=moe.router_topk if moe else 0,
+        moe_ffn=moe.ffn_hidden_size if moe else 0, family=fam.family)

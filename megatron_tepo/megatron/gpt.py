@@ -11,7 +11,9 @@ actor and the checkpoint converter both use it.
 * :func:`transformer_config`: precision (``bf16``: ``bf16=True`` with bf16 parameters and
   pipeline tensors), activation recompute (``full``: megatron's ``uniform`` method over blocks of
   ``recompute_num_layers`` layers; ``selective``: the core attention), sequence parallelism and
-  the fusions, all as megatron's own ``TransformerConfig`` fields.
+  the fusions, all as megatron's own ``TransformerConfig`` fields; for an MoE family (its
+  :class:`~megatron_tepo.models.MoEConfig`) also the runtime MoE settings: the token dispatcher
+  of this machine (:func:`moe_token_dispatcher`), grouped GEMM, no permute fusion.
 * :func:`build_gpt_chunk`: a stage of ``GPTModel`` on the layer spec of :mod:`.spec` for the
   resolved attention (te: Transformer Engine's spec; sdpa: the local spec whose backend answers
   :class:`~megatron_tepo.megatron.attention.SDPACoreAttention` for the core attention; unfused:
@@ -49,7 +51,8 @@ from megatron_tepo.megatron.compat import whole_layer_cuda_graph_kwargs
 from megatron_tepo.models import GPTFamilyConfig
 from megatron_tepo.megatron.spec import family_spec_name, layer_spec, te_available
 
-__all__ = ["resolve_actor_config", "family_spec", "transformer_config", "build_gpt_chunk", "FP32_ACTOR"]
+__all__ = ["resolve_actor_config", "family_spec", "transformer_config", "build_gpt_chunk", "FP32_ACTOR",
+           "moe_token_dispatcher"]
 
 #: Settings whose ``auto`` values :func:`resolve_actor_config` decides (once: the actor's plan).
 AUTO_FIELDS = ("attention", "fusions", "gradient_accumulation_fusion", "moe_grouped_gemm", "packed_attention")
@@ -129,6 +132,13 @@ def family_spec(actor: ActorConfig) -> str:
     return family_spec_name(actor.attention)
 
 
+def moe_token_dispatcher(cuda: Optional[bool] = None) -> str:
+    """megatron's MoE token dispatcher here: ``alltoall`` with CUDA, ``allgather`` on CPU (the
+    alltoall dispatcher creates a ``torch.cuda.Stream``; see models/qwen3_moe/README.md)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return "alltoall" if cuda else "allgather"
+
+
 def require_resolved(actor: ActorConfig) -> ActorConfig:
     """``actor`` itself when no setting is left ``auto``; a ValueError naming them otherwise."""
     left = [f"actor.{name}" for name in AUTO_FIELDS if getattr(actor, name) == "auto"]
@@ -156,10 +166,10 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     require_resolved(actor)
-    kw = family_cfg.transformer_config_kwargs()
-    if family_cfg.extra.get("num_experts"):
-        kw.update(family_cfg.extra["moe_transformer_kwargs"])
-        kw["moe_grouped_gemm"] = actor.moe_grouped_gemm == "on"
+    kw = family_cfg.transformer_config_kwargs()  # with the MoE sizes and router settings
+    if family_cfg.moe is not None:
+        kw.update(moe_token_dispatcher_type=moe_token_dispatcher(), moe_permute_fusion=False,
+                  moe_grouped_gemm=actor.moe_grouped_gemm == "on")
     else:
         # Unused by dense layers, but the default "allgather" dispatcher makes TransformerConfig
         # refuse variable_seq_lengths.
@@ -203,7 +213,6 @@ def build_gpt_chunk(config, family_cfg: GPTFamilyConfig, pre_process: bool, post
 
     require_resolved(actor)
     spec = layer_spec(family_cfg, actor.attention, packed_attention=actor.packed_attention,
-                      num_experts=family_cfg.extra.get("num_experts"),
                       moe_grouped_gemm=bool(getattr(config, "moe_grouped_gemm", False)))
     model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process,
                      post_process=post_process, **family_cfg.gpt_model_kwargs())

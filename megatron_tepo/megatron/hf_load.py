@@ -6,7 +6,7 @@
   its own slices (its TP shards, pipeline stage and experts); bit for bit the same result.
 
 Left out: writing HF weights (the actor's :mod:`megatron_tepo.actor.export` and the converter's
-:mod:`megatron_tepo.checkpoint.convert` do that).
+:mod:`megatron_tepo.checkpoint.megatron_to_hf` do that).
 """
 from __future__ import annotations
 

@@ -15,8 +15,6 @@ Left out: inference / kitchen / MLA specs.
 from __future__ import annotations
 
 import importlib.util
-from typing import Optional
-
 from megatron_tepo.models.common import GPTFamilyConfig
 
 __all__ = ["ATTENTIONS", "te_available", "family_spec_name", "layer_spec", "SDPABackend"]
@@ -59,8 +57,9 @@ class SDPABackend:
 
 
 def layer_spec(cfg: GPTFamilyConfig, attention: str, *, packed_attention: str = "loop",
-               num_experts: Optional[int] = None, moe_grouped_gemm: bool = False):
+               moe_grouped_gemm: bool = False):
     """The ``ModuleSpec`` of one decoder layer for the resolved ``attention`` (te / sdpa / unfused);
+    the family's part (experts, QK-norm) from :meth:`GPTFamilyConfig.layer_spec_kwargs`;
     ``packed_attention`` (varlen / flex / loop): how the sdpa attention runs packed (THD) input."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
@@ -69,10 +68,10 @@ def layer_spec(cfg: GPTFamilyConfig, attention: str, *, packed_attention: str = 
     if attention == "te":
         if not te_available():
             raise ValueError("actor.attention: te needs transformer_engine, which is not importable here")
-        return specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=cfg.qk_layernorm)
-    spec = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
-                                          qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(moe_grouped_gemm=moe_grouped_gemm,
+                                                                **cfg.layer_spec_kwargs())
+    spec = specs.get_gpt_layer_local_spec(moe_grouped_gemm=moe_grouped_gemm, normalization="RMSNorm",
+                                          **cfg.layer_spec_kwargs())
     if attention == "sdpa":  # the slot megatron's local spec fills from its backend's core_attention()
         spec.submodules.self_attention.submodules.core_attention = \
             SDPABackend(packed_attention).core_attention()

@@ -1,13 +1,18 @@
 """Model families for the Megatron actor: THE single source of truth for HF <-> Megatron.
 
-One folder per family (``llama/``, ``qwen2/``, ``qwen3/``, ``qwen3_moe/``), each with its HF
-config translation (``from_hf_config``) and its per-layer name table (``layer_mapping``); shared
-GPT code in :mod:`.common`. Which rank holds which slice (TP/PP/EP placement), the layer spec and
+One folder per family (``llama/``, ``qwen2/``, ``qwen3/``, ``qwen3_moe/``), each exporting its
+:class:`~.common.FamilySpec` as ``SPEC``: the HF ``model_type`` / ``architectures`` it answers to,
+its HF config translation (``from_hf_config`` -> :class:`GPTFamilyConfig`, MoE sizes and router
+settings typed in its ``moe`` field, :class:`MoEConfig`) and its per-layer name table
+(``layer_mapping``); shared GPT code in :mod:`.common`. What megatron's layer spec and
+``TransformerConfig`` need of a family comes from its config
+(:meth:`GPTFamilyConfig.layer_spec_kwargs`, :meth:`GPTFamilyConfig.transformer_config_kwargs`). Which rank holds which slice (TP/PP/EP placement), the layer spec and
 the loading of HF weights into model chunks are the megatron backend's: :mod:`megatron_tepo.megatron`.
 
 Public API:
-  * :func:`resolve_family` / :func:`family_config_from_hf` -- registry lookup by HF ``model_type``
-    or ``architectures`` (unknown -> ValueError naming it and the supported ones).
+  * :data:`FAMILIES` (name -> :class:`FamilySpec`), :func:`resolve_family` /
+    :func:`family_config_from_hf` -- registry lookup by HF ``model_type`` or ``architectures``
+    (unknown -> ValueError naming it and the supported ones).
   * :func:`hf_to_megatron` / :func:`megatron_to_hf` -- streaming converters between HF
     ``(name, full tensor)`` and Megatron ``(global name, full tensor)``.
 
@@ -18,17 +23,17 @@ uses :func:`megatron_to_hf` directly; both name experts by global index.
 """
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Dict, Iterable, Iterator, Mapping, Tuple, Union
 
 import torch
 
 from . import llama, qwen2, qwen3, qwen3_moe
-from .common import GPTFamilyConfig, LayerMapping, convert_hf_to_megatron, convert_megatron_to_hf
+from .common import (FamilySpec, GPTFamilyConfig, LayerMapping, MoEConfig, convert_hf_to_megatron,
+                     convert_megatron_to_hf)
 
-FAMILIES: Dict[str, ModuleType] = {m.FAMILY: m for m in (llama, qwen2, qwen3, qwen3_moe)}
+FAMILIES: Dict[str, FamilySpec] = {m.SPEC.name: m.SPEC for m in (llama, qwen2, qwen3, qwen3_moe)}
 
-__all__ = ["FAMILIES", "GPTFamilyConfig", "resolve_family", "family_config_from_hf",
+__all__ = ["FAMILIES", "FamilySpec", "GPTFamilyConfig", "MoEConfig", "resolve_family", "family_config_from_hf",
            "layer_mapping", "hf_to_megatron", "megatron_to_hf"]
 
 
@@ -36,20 +41,20 @@ def _field(hf_config, name):
     return hf_config.get(name) if isinstance(hf_config, Mapping) else getattr(hf_config, name, None)
 
 
-def resolve_family(hf_config) -> ModuleType:
-    """The family module for an HF config (dict or ``PretrainedConfig``)."""
+def resolve_family(hf_config) -> FamilySpec:
+    """The family of an HF config (dict or ``PretrainedConfig``)."""
     model_type = _field(hf_config, "model_type")
-    for module in FAMILIES.values():
-        if model_type in module.MODEL_TYPES:
-            return module
+    for family in FAMILIES.values():
+        if model_type in family.model_types:
+            return family
     for arch in _field(hf_config, "architectures") or ():
-        for module in FAMILIES.values():
-            if arch in module.ARCHITECTURES:
-                return module
-    supported = sorted(a for m in FAMILIES.values() for a in m.ARCHITECTURES)
+        for family in FAMILIES.values():
+            if arch in family.architectures:
+                return family
+    supported = sorted(a for f in FAMILIES.values() for a in f.architectures)
     raise ValueError(f"unsupported architecture: model_type={model_type!r}, "
                      f"architectures={_field(hf_config, 'architectures')!r}; supported: {supported} "
-                     f"(model_type {sorted(t for m in FAMILIES.values() for t in m.MODEL_TYPES)})")
+                     f"(model_type {sorted(t for f in FAMILIES.values() for t in f.model_types)})")
 
 
 def family_config_from_hf(hf_config, spec: str) -> GPTFamilyConfig:

@@ -1,8 +1,12 @@
-"""Shared code of the dense GPT families (Llama, Qwen2, Qwen3): config record + HF <-> Megatron names.
+"""Shared code of the GPT families (Llama, Qwen2, Qwen3, Qwen3-MoE): config record + HF <-> Megatron names.
 
 What is here:
   * :class:`GPTFamilyConfig` -- the architecture facts read from a Hugging Face config, and the
-    megatron ``TransformerConfig`` / ``GPTModel`` keyword arguments they translate to.
+    megatron ``TransformerConfig`` / ``GPTModel`` / layer-spec keyword arguments they translate
+    to; its typed ``moe`` field (:class:`MoEConfig`, None for a dense model) holds the routed
+    experts' sizes and router settings.
+  * :class:`FamilySpec` -- what one family folder gives the registry of :mod:`megatron_tepo.models`
+    (its names, its HF config translation, its per-layer name table).
   * Small pure tensor functions: :func:`fuse_qkv` / :func:`split_qkv` (Megatron's per-query-group
     interleaved QKV layout) and :func:`fuse_gate_up` / :func:`split_gate_up` (SwiGLU ``linear_fc1``).
   * :class:`LayerMapping` (a per-layer table of one-to-one renames and fused groups) built by
@@ -17,16 +21,17 @@ folds them into the following linear (``linear_qkv.layer_norm_weight``,
 ``mlp.linear_fc1.layer_norm_weight``), the local spec keeps ``input_layernorm`` /
 ``pre_mlp_layernorm`` modules. ``GPTFamilyConfig.spec`` says which.
 
-Deliberately left out: runtime flags (CPU initialisation, fusions, dtype) -- the actor sets those;
-biases on ``o_proj``/MLP, sliding-window attention and rope types megatron cannot express are
-rejected (NotImplementedError naming the setting) rather than silently approximated.
+Deliberately left out: runtime flags (CPU initialisation, fusions, dtype, the MoE token dispatcher
+and grouped GEMM) -- the megatron backend sets those (:mod:`megatron_tepo.megatron.gpt`); biases
+on ``o_proj``/MLP, sliding-window attention and rope types megatron cannot express are rejected
+(NotImplementedError naming the setting) rather than silently approximated.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -39,9 +44,56 @@ SPECS = ("local", "te")
 # ---------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------
+#: megatron's router score functions (``moe_router_score_function``)
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A routed-expert MLP in every decoder layer: the sizes and router settings megatron and the
+    mapping need, read from an HF config by the family (``models/qwen3_moe/config.py``).
+
+    ``router_pre_softmax=False`` is megatron's ``topk -> softmax``: softmax over the chosen k
+    (HF ``norm_topk_prob=True``); True is softmax over all experts, then top-k without
+    renormalising. Left out: shared experts, capacity factors (token dropping), load-balancing and
+    z-losses (:meth:`transformer_config_kwargs` turns them off: RL fine-tuning), grouped-GEMM and
+    dispatcher choices (runtime: :func:`megatron_tepo.megatron.gpt.transformer_config`).
+    """
+
+    num_experts: int
+    router_topk: int
+    ffn_hidden_size: int  # each expert's intermediate size (HF ``moe_intermediate_size``)
+    router_pre_softmax: bool = False
+    router_score_function: str = "softmax"
+
+    def __post_init__(self):
+        bad = [f"{name}={getattr(self, name)!r}" for name in ("num_experts", "router_topk", "ffn_hidden_size")
+               if not isinstance(getattr(self, name), int) or getattr(self, name) < 1]
+        if bad:
+            raise ValueError(f"MoEConfig: {', '.join(bad)} must be integers >= 1")
+        if self.router_topk > self.num_experts:
+            raise ValueError(f"MoEConfig: router_topk={self.router_topk} > num_experts={self.num_experts}")
+        if self.router_score_function not in SCORE_FUNCTIONS:
+            raise ValueError(f"MoEConfig: router_score_function must be one of {SCORE_FUNCTIONS}, "
+                             f"got {self.router_score_function!r}")
+
+    def transformer_config_kwargs(self) -> Dict[str, Any]:
+        """The MoE fields of ``megatron.core.transformer.TransformerConfig``."""
+        return dict(
+            num_moe_experts=self.num_experts,
+            moe_router_topk=self.router_topk,
+            moe_ffn_hidden_size=self.ffn_hidden_size,
+            moe_router_pre_softmax=self.router_pre_softmax,
+            moe_router_score_function=self.router_score_function,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+        )
+
+
 @dataclass(frozen=True)
 class GPTFamilyConfig:
-    """Architecture of a dense GPT-style model, as far as Megatron and the mapping need it."""
+    """Architecture of a GPT-style model (dense, or with routed experts: ``moe``), as far as
+    Megatron and the mapping need it."""
 
     family: str
     num_layers: int
@@ -60,17 +112,38 @@ class GPTFamilyConfig:
     rope_scaling_factor: Optional[float] = None  # llama3-style scaling (megatron's fixed variant)
     seq_len_interpolation_factor: Optional[float] = None  # "linear" rope scaling
     spec: str = "local"  # "local" (megatron modules) or "te" (Transformer Engine fused norms)
-    extra: Dict[str, Any] = field(default_factory=dict)  # family-specific facts (e.g. MoE sizes)
+    moe: Optional[MoEConfig] = None  # routed experts in every layer; None: dense
 
     def dims(self) -> ModelDims:
         """The sizes the parallel layout rules read (:func:`megatron_tepo.layout.validate_layout`)."""
         return ModelDims(num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_query_groups,
                          vocab_size=self.vocab_size, intermediate_size=self.ffn_hidden_size,
-                         num_hidden_layers=self.num_layers, num_experts=int(self.extra.get("num_experts") or 0))
+                         num_hidden_layers=self.num_layers, num_experts=self.num_experts)
 
     def __post_init__(self):
         if self.spec not in SPECS:
             raise ValueError(f"spec must be one of {SPECS}, got {self.spec!r}")
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise TypeError(f"moe must be a MoEConfig or None, got {type(self.moe).__name__}")
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per layer; 0 for a dense model."""
+        return self.moe.num_experts if self.moe is not None else 0
+
+    def as_dict(self) -> Dict[str, Any]:
+        """Plain JSON-able fields (``moe`` a dict or None): what checkpoint sidecars record."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "GPTFamilyConfig":
+        """Inverse of :meth:`as_dict`; unknown keys raise ValueError naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"family config has unknown field(s) {unknown}")
+        moe = d.get("moe")
+        return cls(**{**d, "moe": MoEConfig(**moe) if moe is not None else None})
 
     @property
     def queries_per_group(self) -> int:
@@ -80,7 +153,8 @@ class GPTFamilyConfig:
         return dataclasses.replace(self, spec=spec)
 
     def transformer_config_kwargs(self) -> Dict[str, Any]:
-        """Architecture kwargs for ``megatron.core.transformer.TransformerConfig``."""
+        """Architecture kwargs for ``megatron.core.transformer.TransformerConfig`` (with the MoE
+        fields of :meth:`MoEConfig.transformer_config_kwargs` when ``moe`` is set)."""
         return dict(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -98,7 +172,13 @@ class GPTFamilyConfig:
             hidden_dropout=0.0,
             attention_dropout=0.0,
             attention_softmax_in_fp32=True,
+            **(self.moe.transformer_config_kwargs() if self.moe is not None else {}),
         )
+
+    def layer_spec_kwargs(self) -> Dict[str, Any]:
+        """What megatron's ``get_gpt_layer_*_spec`` functions need of the architecture."""
+        return dict(num_experts=self.moe.num_experts if self.moe is not None else None,
+                    qk_layernorm=self.qk_layernorm)
 
     def gpt_model_kwargs(self) -> Dict[str, Any]:
         """Kwargs for ``megatron.core.models.gpt.GPTModel`` (besides config / spec / pre/post)."""
@@ -244,6 +324,21 @@ class LayerMapping:
 
     renames: Dict[str, str]  # hf suffix -> megatron suffix (one-to-one)
     fused: Tuple[FusedGroup, ...]
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One family as the registry (:mod:`megatron_tepo.models`) sees it, torchtitan's ``ModelSpec``
+    kept small: the HF names it answers to, its HF config -> :class:`GPTFamilyConfig` translation
+    (which also carries what the layer spec and ``TransformerConfig`` need:
+    :meth:`GPTFamilyConfig.layer_spec_kwargs`, :meth:`GPTFamilyConfig.transformer_config_kwargs`)
+    and its per-layer HF <-> Megatron name table. Building models is the megatron backend's."""
+
+    name: str  # GPTFamilyConfig.family
+    model_types: Tuple[str, ...]  # HF ``model_type`` values
+    architectures: Tuple[str, ...]  # HF ``architectures`` entries
+    from_hf_config: Callable[..., GPTFamilyConfig]  # (hf_config, spec="local") -> config
+    layer_mapping: Callable[[GPTFamilyConfig], "LayerMapping"]
 
 
 def norm_names(spec: str) -> Tuple[str, str]:

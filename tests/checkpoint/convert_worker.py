@@ -102,9 +102,9 @@ def main():
         for v in variants:
             ckpt = root / (f"mg-{v}-tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else ""))
             convert_hf_to_megatron(root / f"hf-{v}", ckpt, tp=tp, pp=pp, ep=ep, progress=False)
-            from megatron_tepo.checkpoint import convert as convert_module
+            from megatron_tepo.checkpoint import hf_to_megatron as import_module
 
-            res[v] = {"import_stats": dict(convert_module.last_import_stats)}
+            res[v] = {"import_stats": dict(import_module.last_import_stats)}
             if "--reference" in rest:
                 convert_hf_to_megatron(root / f"hf-{v}", ckpt.with_name(ckpt.name + "-ref"), tp=tp, pp=pp,
                                        ep=ep, progress=False, streaming=False)

@@ -3,6 +3,9 @@ import pytest
 import torch
 
 from megatron_tepo.models import (
+    FAMILIES,
+    GPTFamilyConfig,
+    MoEConfig,
     family_config_from_hf,
     hf_to_megatron,
     layer_mapping,
@@ -10,6 +13,7 @@ from megatron_tepo.models import (
     resolve_family,
 )
 from megatron_tepo.models.common import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
+from megatron_tepo.models.qwen3_moe.config import moe_config_from_hf
 from megatron_tepo.megatron.sharding import shard_tensor, unshard_tensors
 from tests.megatron.helpers import hf_state, make_hf_model, tiny_hf_config
 
@@ -114,16 +118,65 @@ def test_shard_unshard_with_stride(stride):
 
 def test_qwen3_moe_config_translation():
     cfg = family_config_from_hf(tiny_hf_config("qwen3_moe"), spec="local")
-    moe = cfg.extra["moe_transformer_kwargs"]
-    assert cfg.extra["num_experts"] == 4 and moe["moe_router_topk"] == 2
-    assert moe["moe_ffn_hidden_size"] == 32 and moe["moe_router_pre_softmax"] is False
+    assert cfg.moe == MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=32, router_pre_softmax=False)
+    assert cfg.num_experts == 4 and cfg.dims().num_experts == 4
+    kw = cfg.transformer_config_kwargs()
+    assert (kw["num_moe_experts"], kw["moe_router_topk"], kw["moe_ffn_hidden_size"]) == (4, 2, 32)
+    assert kw["moe_router_pre_softmax"] is False and kw["moe_router_load_balancing_type"] == "none"
+    assert "moe_token_dispatcher_type" not in kw  # the machine's choice: megatron.gpt
+    assert cfg.layer_spec_kwargs() == {"num_experts": 4, "qk_layernorm": True}
     with pytest.raises(NotImplementedError, match="mlp_only_layers"):
         family_config_from_hf(tiny_hf_config("qwen3_moe", mlp_only_layers=[1]), spec="local")
 
 
+def test_dense_config_has_no_moe():
+    cfg = family_config_from_hf(tiny_hf_config("qwen3"), spec="local")
+    assert cfg.moe is None and cfg.num_experts == 0 and cfg.dims().num_experts == 0
+    assert not any(k.startswith(("moe_", "num_moe")) for k in cfg.transformer_config_kwargs())
+    assert cfg.layer_spec_kwargs() == {"num_experts": None, "qk_layernorm": True}
+
+
+def test_moe_config_from_a_raw_hf_dict():
+    """config.json as the hub writes it (``num_experts``) or as transformers >= 5 saves it
+    (``num_local_experts``); ``norm_topk_prob=false`` is softmax over all experts before top-k."""
+    raw = {"num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": False}
+    assert moe_config_from_hf(raw) == MoEConfig(8, 2, 48, router_pre_softmax=True)
+    hub = dict(raw, num_experts=8, norm_topk_prob=True)
+    del hub["num_local_experts"]
+    assert moe_config_from_hf(hub).router_pre_softmax is False
+    with pytest.raises(ValueError, match="neither num_experts nor num_local_experts"):
+        moe_config_from_hf({"num_experts_per_tok": 2, "moe_intermediate_size": 48})
+    with pytest.raises(ValueError, match="router_topk=9 > num_experts=8"):
+        moe_config_from_hf(dict(raw, num_experts_per_tok=9))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(num_experts=0), r"num_experts=0 must be integers >= 1"),
+    (dict(ffn_hidden_size=None), r"ffn_hidden_size=None must be integers >= 1"),
+    (dict(router_score_function="softmax_topk"), r"router_score_function must be one of"),
+])
+def test_moe_config_refuses_what_megatron_cannot_build(bad, match):
+    with pytest.raises(ValueError, match=match):
+        MoEConfig(**{**dict(num_experts=4, router_topk=2, ffn_hidden_size=8), **bad})
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_family_config_as_dict_round_trip(family):
+    """What checkpoint sidecars record (``family_config``) reads back to the same config."""
+    import json
+
+    cfg = family_config_from_hf(tiny_hf_config(family), spec="te")
+    d = json.loads(json.dumps(cfg.as_dict()))
+    assert ("moe" in d) and (d["moe"] is None) == (family == "qwen3")
+    assert GPTFamilyConfig.from_dict(d) == cfg
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['extra'\]"):
+        GPTFamilyConfig.from_dict(dict(d, extra={}))
+
+
 def test_registry_by_model_type_and_architecture():
-    assert resolve_family({"model_type": "qwen3"}).FAMILY == "qwen3"
-    assert resolve_family({"model_type": "x", "architectures": ["LlamaForCausalLM"]}).FAMILY == "llama"
+    assert resolve_family({"model_type": "qwen3"}).name == "qwen3"
+    assert resolve_family({"model_type": "x", "architectures": ["LlamaForCausalLM"]}).name == "llama"
+    assert all(FAMILIES[name].name == name for name in FAMILIES)
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*supported.*Qwen3ForCausalLM"):
         resolve_family({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
 

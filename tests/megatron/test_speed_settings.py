@@ -76,6 +76,21 @@ def test_cpu_transformer_config_keeps_them_off():
     assert cfg.gradient_accumulation_fusion is False and cfg.moe_grouped_gemm is False
 
 
+def test_moe_sizes_and_the_machines_dispatcher_reach_transformer_config():
+    """The sizes and router settings come from the family's MoEConfig, the token dispatcher from
+    the machine (allgather on CPU: alltoall needs CUDA streams); a dense model keeps alltoall,
+    which lets TransformerConfig take variable_seq_lengths."""
+    actor = gpt.resolve_actor_config(ActorConfig(precision="fp32", attention="sdpa"))
+    fam = family_config_from_hf(tiny_hf_config("qwen3_moe"), spec="local")
+    cfg = gpt.transformer_config(fam, tp=1, pp=1, actor=actor)
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (4, 2, 32)
+    assert cfg.moe_token_dispatcher_type == "allgather" and cfg.moe_permute_fusion is False
+    assert gpt.moe_token_dispatcher(cuda=True) == "alltoall" and gpt.moe_token_dispatcher(cuda=False) == "allgather"
+    dense = gpt.transformer_config(family_config_from_hf(tiny_hf_config("qwen3"), spec="local"), tp=1, pp=1,
+                                   actor=actor)
+    assert dense.num_moe_experts is None and dense.moe_token_dispatcher_type == "alltoall"
+
+
 def test_grouped_expert_names_map_to_sequential_names():
     from megatron_tepo.megatron.sharding import to_global_name
 

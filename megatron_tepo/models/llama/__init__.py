@@ -1,8 +1,8 @@
 """Llama family (LlamaForCausalLM): config translation and HF <-> Megatron state-dict adapter."""
+from ..common import FamilySpec
 from .config import from_hf_config
 from .state_dict_adapter import layer_mapping
 
-FAMILY = "llama"
-MODEL_TYPES = ("llama",)
-ARCHITECTURES = ("LlamaForCausalLM",)
-__all__ = ["FAMILY", "MODEL_TYPES", "ARCHITECTURES", "from_hf_config", "layer_mapping"]
+SPEC = FamilySpec(name="llama", model_types=("llama",), architectures=("LlamaForCausalLM",),
+                  from_hf_config=from_hf_config, layer_mapping=layer_mapping)
+__all__ = ["SPEC", "from_hf_config", "layer_mapping"]

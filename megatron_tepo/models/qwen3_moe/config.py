@@ -1,4 +1,5 @@
-"""Qwen3-MoE HF config -> :class:`GPTFamilyConfig` (attention of Qwen3 + a routed-expert MLP).
+"""Qwen3-MoE HF config -> :class:`GPTFamilyConfig` (attention of Qwen3 + a routed-expert MLP,
+typed in its ``moe`` field: :class:`MoEConfig`, read by :func:`moe_config_from_hf`).
 
 Routing: softmax over all experts, top-k, renormalised when ``norm_topk_prob`` -- megatron's
 ``topk -> softmax`` (``moe_router_pre_softmax=False``) gives exactly that; without renormalisation
@@ -8,20 +9,36 @@ Routing: softmax over all experts, top-k, renormalised when ``norm_topk_prob`` -
 On CPU only the ``allgather`` token dispatcher works (``alltoall`` creates a ``torch.cuda.Stream``
 in ``MoEAlltoAllTokenDispatcher.__init__``), and megatron refuses ``allgather`` with
 ``variable_seq_lengths``, which the actor needs for pipeline parallelism: MoE on CPU is limited to
-PP=1 (EP=1 or EP>1 over gloo both work). On GPU the ``alltoall`` dispatcher is used.
+PP=1 (EP=1 or EP>1 over gloo both work). On GPU the ``alltoall`` dispatcher is used. Which one
+runs is the megatron backend's choice for the machine (:func:`megatron_tepo.megatron.gpt.moe_token_dispatcher`),
+not a fact of the model, and so is ``moe_grouped_gemm`` (``actor.moe_grouped_gemm``, on with
+Transformer Engine; see :mod:`megatron_tepo.megatron.gpt`).
 
 Left out: ``mlp_only_layers`` / ``decoder_sparse_step != 1`` (mixed dense/MoE stacks) ->
-NotImplementedError. ``moe_grouped_gemm`` is not set here: it is the actor's setting
-(``actor.moe_grouped_gemm``, on with Transformer Engine; see :mod:`megatron_tepo.megatron.gpt`).
+NotImplementedError.
 """
 from __future__ import annotations
 
 import dataclasses
 
-import torch
-
-from ..common import GPTFamilyConfig, _get
+from ..common import GPTFamilyConfig, MoEConfig, _get
 from ..qwen3.config import from_hf_config as qwen3_config
+
+
+def moe_config_from_hf(hf_config) -> MoEConfig:
+    """The routed experts of a Qwen3-MoE HF config (dict or ``PretrainedConfig``)."""
+    # hub config.json files say ``num_experts``; transformers >= 5 saves it as ``num_local_experts``
+    # (its attribute_map alias), so a raw dict may carry either
+    num_experts = _get(hf_config, "num_experts", None) or _get(hf_config, "num_local_experts", None)
+    if not num_experts:
+        raise ValueError("qwen3_moe config has neither num_experts nor num_local_experts")
+    return MoEConfig(
+        num_experts=int(num_experts),
+        router_topk=int(_get(hf_config, "num_experts_per_tok")),
+        ffn_hidden_size=int(_get(hf_config, "moe_intermediate_size")),
+        router_pre_softmax=not bool(_get(hf_config, "norm_topk_prob", True)),
+        router_score_function="softmax",
+    )
 
 
 def from_hf_config(hf_config, spec: str = "local") -> GPTFamilyConfig:
@@ -30,22 +47,4 @@ def from_hf_config(hf_config, spec: str = "local") -> GPTFamilyConfig:
     if int(_get(hf_config, "decoder_sparse_step", 1)) != 1:
         raise NotImplementedError("qwen3_moe: decoder_sparse_step != 1 is not supported")
     base = qwen3_config(hf_config, spec=spec, family="qwen3_moe")
-    # hub config.json files say ``num_experts``; transformers >= 5 saves it as ``num_local_experts``
-    # (its attribute_map alias), so a raw dict may carry either
-    num_experts = _get(hf_config, "num_experts", None) or _get(hf_config, "num_local_experts", None)
-    if not num_experts:
-        raise ValueError("qwen3_moe config has neither num_experts nor num_local_experts")
-    num_experts = int(num_experts)
-    moe_kwargs = dict(
-        num_moe_experts=num_experts,
-        moe_router_topk=int(_get(hf_config, "num_experts_per_tok")),
-        moe_ffn_hidden_size=int(_get(hf_config, "moe_intermediate_size")),
-        moe_router_pre_softmax=not bool(_get(hf_config, "norm_topk_prob", True)),
-        moe_router_score_function="softmax",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_permute_fusion=False,
-        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
-    )
-    extra = dict(base.extra, num_experts=num_experts, moe_transformer_kwargs=moe_kwargs)
-    return dataclasses.replace(base, extra=extra)
+    return dataclasses.replace(base, moe=moe_config_from_hf(hf_config))

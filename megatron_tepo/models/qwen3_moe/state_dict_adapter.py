@@ -22,7 +22,9 @@ def layer_mapping(cfg: GPTFamilyConfig) -> LayerMapping:
                "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
                "mlp.gate.weight": "mlp.router.weight"}
     experts = []
-    for e in range(cfg.extra["num_experts"]):
+    if cfg.moe is None:
+        raise ValueError(f"{cfg.family}: the MoE layer mapping needs a family config with moe set")
+    for e in range(cfg.moe.num_experts):
         renames[f"mlp.experts.{e}.down_proj.weight"] = f"mlp.experts.local_experts.{e}.linear_fc2.weight"
         experts.append(FusedGroup(f"mlp.experts.local_experts.{e}.linear_fc1.weight",
                                   (f"mlp.experts.{e}.gate_proj.weight", f"mlp.experts.{e}.up_proj.weight"),
