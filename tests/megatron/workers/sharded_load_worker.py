@@ -16,8 +16,10 @@ bit the shard that the state-dict path (``load_hf_weights_into``: full tensors, 
 those of an actor built from the in-memory state dict. ``attrs`` cases compare megatron's
 tensor-parallel attributes of a chunk built without init to one built with it.
 """
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections import defaultdict
@@ -105,6 +107,7 @@ def write_model_dir(state, hf_cfg, dtype):
     from safetensors.torch import save_file
 
     path = tempfile.mkdtemp(prefix="mtepo_sharded_")
+    atexit.register(shutil.rmtree, path, True)  # every rank writes its own copy; none may outlive the test
     hf_cfg.to_json_file(os.path.join(path, "config.json"))
     names = sorted(state)
     half = len(names) // 2
