@@ -31,7 +31,7 @@ from megatron_tepo.layout import ParallelLayout
 __all__ = [
     "ConfigError", "RunConfig", "AlgorithmConfig", "RolloutCorrectionConfig", "AdvantageConfig", "RolloutConfig",
     "OptimConfig", "TrainConfig", "ParallelLayout", "ActorConfig", "ModelConfig", "DataConfig", "RewardConfig",
-    "load_config",
+    "FaultConfig", "load_config",
     "from_dict", "from_file_data", "build_section", "to_dict", "apply_overrides", "dump_config", "validate",
     "read_yaml_file",
     "RESUME_MAY_CHANGE", "changed_settings",
@@ -163,6 +163,32 @@ class TrainConfig:
 
 
 @dataclass
+class FaultConfig:
+    """What a long run survives and how long it waits (docs/FAULT_TOLERANCE.md): SGLang server
+    health and recovery, the hang watchdog, and the stop of a run that no longer updates."""
+    # a server is probed with a one-token generation; no answer within this: it is dead
+    probe_timeout_s: float = 60.0
+    # launch mode (servers started by the fleet): restarts per server, the k-th after
+    # restart_backoff_s * 2**(k-1) seconds; 0: a dead server stays dead
+    server_restarts: int = 3
+    restart_backoff_s: float = 10.0
+    # attach mode (servers started by the Slurm job, which restarts them): how long a weight sync
+    # waits for a dead server to answer again before it goes on without it
+    server_return_timeout_s: float = 600.0
+    # the watchdog: no progress for this long in a phase -> every rank's stacks to its log, exit
+    # non-zero (the Slurm job then requeues). 0 turns a phase's watchdog off. Sized for a 14B step
+    # (64 prompts x 8 samples x 8k tokens; docs/FAULT_TOLERANCE.md)
+    watchdog_generate_s: float = 7200.0  # one step's rollout, retries and server restarts included
+    watchdog_collective_s: float = 1800.0  # one policy update, old log-probs, a checkpoint
+    watchdog_sync_s: float = 1800.0  # one weight sync (server re-syncs included)
+    # stop (non-zero, no requeue) after this many steps in a row without a policy update: every
+    # group's rewards were equal, or every update was skipped as non-finite. 0: never
+    max_steps_without_update: int = 20
+    # test only: the run that starts at step 1 hangs at this step (0: off)
+    inject_hang_at_step: int = 0
+
+
+@dataclass
 class ActorConfig:
     """How the Megatron actor computes: the one home of these settings. The trainer, the main job,
     the Slurm / nemo-run launchers and the fit check all read this section, and
@@ -266,6 +292,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     notes: str = ""  # free text: where a setting comes from
 
 
@@ -453,7 +480,7 @@ def _coerce(value: Any, tp: Any, path: str, where: Dict[str, str]) -> Any:
 RESUME_MAY_CHANGE = (
     "train.steps", "train.save_every", "train.keep_checkpoints", "train.eval_every", "train.export_hf",
     "train.resume", "train.allow_config_change", "train.output_dir", "rollout.sglang_urls",
-    "rollout.request_timeout_s", "rollout.router", "rollout.sync_address", "reward.workers", "notes",
+    "rollout.request_timeout_s", "rollout.router", "rollout.sync_address", "reward.workers", "fault", "notes",
 )
 
 
@@ -672,6 +699,10 @@ def validate(cfg: RunConfig) -> None:
     if a.sequence_parallel and cfg.parallel.tp == 1:
         raise ConfigError("actor.sequence_parallel: needs parallel.tp > 1")
     _positive(cfg.reward, "reward", ["workers", "timeout_s"])
+    _positive(cfg.fault, "fault", ["probe_timeout_s"])
+    _positive(cfg.fault, "fault", ["server_restarts", "restart_backoff_s", "server_return_timeout_s",
+                                   "watchdog_generate_s", "watchdog_collective_s", "watchdog_sync_s",
+                                   "max_steps_without_update", "inject_hang_at_step"], allow_zero=True)
     _positive(r, "rollout", ["request_timeout_s", "sync_bucket_mb", "drift_warn_mean", "drift_warn_max"])
     if r.sync_mode == "disk" and r.engine == "sglang" and not r.sync_dir:
         raise ConfigError("rollout.sync_dir: sync_mode 'disk' needs a directory the SGLang servers can read")
