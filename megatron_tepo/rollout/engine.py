@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -83,6 +83,11 @@ class RolloutEngine(abc.ABC):
 
     def flush_cache(self) -> None:
         """Drop cached KV / prefixes (after a weight update they are stale)."""
+
+    def health_metrics(self) -> Dict[str, float]:
+        """What the engine survived since the last call (servers that died, restarted, were
+        re-synced ...), for the step metrics; each event in exactly one call. None here."""
+        return {}
 
     def close(self) -> None:
         """Free the engine's resources; the engine is unusable afterwards."""

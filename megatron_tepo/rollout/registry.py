@@ -16,10 +16,10 @@ holds (the trainer's :class:`~megatron_tepo.trainer.loop.FollowerEngine` wraps `
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
-from megatron_tepo.config import RolloutConfig
+from megatron_tepo.config import FaultConfig, RolloutConfig
 from megatron_tepo.rollout.engine import RolloutEngine
 
 # the engines of this package: name -> the module that registers it (imported on first use)
@@ -29,11 +29,13 @@ ENGINE_MODULES = {"embedded": "megatron_tepo.rollout.embedded", "sglang": "megat
 @dataclass(frozen=True)
 class EngineSettings:
     """What a factory builds an engine from: the run's ``rollout`` section, the HF checkpoint the
-    actor starts from, the tokenizer's pad id and the run's seed."""
+    actor starts from, the tokenizer's pad id, the run's seed, and its ``fault`` section (how
+    long to wait for servers, how often to restart them)."""
     rollout: RolloutConfig
     model_dir: str
     pad_token_id: int
     seed: int
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
 
 def _no_sync(settings: EngineSettings) -> None:

@@ -404,7 +404,9 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
 
     def generate(version: int) -> Generated:  # on the driver: the next prompts, sampled and scored
         rng.shuffle(order)
-        return Generated(*generate_groups(engine, task, order[:cfg.rollout.prompts_per_step], cfg, rng), version)
+        prompts, groups, rewards, stats = generate_groups(engine, task, order[:cfg.rollout.prompts_per_step], cfg, rng)
+        health = getattr(engine, "health_metrics", dict)()  # servers lost, restarted, re-synced since the last step
+        return Generated(prompts, groups, rewards, {**stats, **health}, version)
 
     def finish(step: int, metrics: Dict, pending: Optional[Generated]) -> None:
         # 6. every step, with or without an update (a collapsed run is measured too): the held-out

@@ -1,7 +1,9 @@
 """A fake SGLang HTTP server for the weight sync's unit tests: it answers the routes the sync uses
 with success, reports a TP size on ``/server_info`` and ``/get_server_info``, can lack routes
 (HTTP 404, as an SGLang version without them answers), can take its time over a bucket, and
-records every request (path, JSON body, start and end time). It loads nothing: what a real
+records every request (path, JSON body, start and end time); it answers ``/generate`` with two
+fixed tokens and can be frozen (``freeze``: generation and its probe hang while ``/health`` still
+answers, as a SIGSTOP-ed scheduler behind a live HTTP server). It loads nothing: what a real
 server does with the bytes is tested against real servers (test_sglang_fleet.py,
 test_sglang_tp2_sync.py)."""
 from __future__ import annotations
@@ -14,9 +16,12 @@ from typing import Dict, Iterable, List, Optional
 
 
 class FakeSGLang:
-    def __init__(self, tp_size: int = 1, missing: Iterable[str] = (), delays: Optional[Dict[str, float]] = None):
+    def __init__(self, tp_size: int = 1, missing: Iterable[str] = (), delays: Optional[Dict[str, float]] = None,
+                 port: int = 0):
         self.tp_size, self.missing, self.delays = tp_size, set(missing), dict(delays or {})
         self.requests: List[dict] = []  # {"method", "path", "body", "start", "end"}
+        # freeze(): /generate and /health_generate hang until thaw() (a SIGSTOP-ed scheduler)
+        self.frozen, self.thawed = threading.Event(), threading.Event()
         self.inflight: Dict[str, int] = {}
         self.max_inflight: Dict[str, int] = {}
         self._lock = threading.Lock()
@@ -45,6 +50,16 @@ class FakeSGLang:
                         status, out = 200, {"tp_size": fake.tp_size, "dp_size": 1, "version": "fake"}
                     elif method == "GET" and path == "/health":
                         status, out = 200, {}
+                    elif fake.frozen.is_set() and path in ("/generate", "/health_generate"):
+                        fake.thawed.wait()  # a frozen scheduler: HTTP still accepts, nothing answers
+                        status, out = 503, {}
+                    elif path == "/health_generate":
+                        status, out = 200, {}
+                    elif path == "/generate":
+                        time.sleep(fake.delays.get(path, 0.0))
+                        status, out = 200, {"output_ids": [7, 8], "meta_info": {
+                            "output_token_logprobs": [[-0.5, 7, None], [-0.25, 8, None]],
+                            "finish_reason": {"type": "length", "length": 2}}}
                     else:
                         time.sleep(fake.delays.get(path, 0.0))
                         status, out = 200, {"success": True, "message": "ok"}
@@ -65,11 +80,19 @@ class FakeSGLang:
             def do_POST(self):
                 self._answer("POST")
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self._thread.start()
+
+    def freeze(self) -> None:
+        self.thawed.clear()
+        self.frozen.set()
+
+    def thaw(self) -> None:
+        self.frozen.clear()
+        self.thawed.set()
 
     def paths(self, method: Optional[str] = None) -> List[str]:
         return [r["path"] for r in self.requests if method is None or r["method"] == method]
@@ -78,6 +101,7 @@ class FakeSGLang:
         return [r["body"] for r in self.requests if r["path"] == path]
 
     def close(self) -> None:
+        self.thaw()
         self.httpd.shutdown()
         self.httpd.server_close()
 

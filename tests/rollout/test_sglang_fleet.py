@@ -32,6 +32,7 @@ def model_dir(tmp_path_factory):
 def fleet(sglang_python, model_dir, tmp_path_factory):
     cfg = FleetConfig(num_servers=2, request_timeout=60, step_timeout=120,
                       router="none",  # test_sglang_router.py: routed
+                      server_restarts=0,  # the fleet shrinks here; restarts: test_fleet_recovery.py
                       server=ServerConfig(model_path=model_dir, python=sglang_python, startup_timeout=240,
                                           log_dir=str(tmp_path_factory.mktemp("sglang_logs"))))
     f = SGLangFleet(cfg)

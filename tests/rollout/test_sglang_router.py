@@ -69,9 +69,9 @@ def fleet(sglang_python, tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_qwen3")
     save_tiny_qwen3(str(path), seed=0, scale=0.07)
     cfg = FleetConfig(num_servers=2, router="auto", router_policy="round_robin", request_timeout=60,
-                      step_timeout=120, server=ServerConfig(model_path=str(path), python=sglang_python,
-                                                            log_dir=str(tmp_path_factory.mktemp("logs")),
-                                                            startup_timeout=240))
+                      step_timeout=120, server_restarts=0,  # the fleet shrinks here; restarts: test_fleet_recovery.py
+                      server=ServerConfig(model_path=str(path), python=sglang_python,
+                                          log_dir=str(tmp_path_factory.mktemp("logs")), startup_timeout=240))
     f = SGLangFleet(cfg)
     yield f
     f.close()

@@ -54,8 +54,11 @@ def attach_fleet(settings: EngineSettings) -> SGLangFleet:
     r = settings.rollout
     urls = sglang_urls(r)
     keys = [os.environ.get(API_KEY_ENV) or None] * len(urls)
+    f = settings.fault
     fleet = SGLangFleet(FleetConfig(urls=urls, api_keys=keys, request_timeout=r.request_timeout_s,
-                                    step_timeout=max(r.request_timeout_s, 600.0), router=r.router))
+                                    step_timeout=max(r.request_timeout_s, 600.0), router=r.router,
+                                    probe_timeout=f.probe_timeout_s, return_timeout=f.server_return_timeout_s,
+                                    server_restarts=f.server_restarts, restart_backoff=f.restart_backoff_s))
     fleet.weight_sync = weight_sync(r, fleet, urls, True)
     return fleet
 

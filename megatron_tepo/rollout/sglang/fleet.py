@@ -1,5 +1,5 @@
 """The SGLang fleet: a step's requests spread over SGLang servers, behind the
-:class:`~megatron_tepo.rollout.engine.RolloutEngine` interface.
+:class:`~megatron_tepo.rollout.engine.RolloutEngine` interface, and the servers kept alive.
 
 Servers are either started here (``FleetConfig.num_servers``, launched as ``server.py`` says:
 subprocesses of this one under the SGLang venv's python, each with a random API key -- its own,
@@ -11,13 +11,30 @@ imports ``sglang_router`` and there are two servers or more), a router process s
 loopback that holds the servers' API key and checks it on every request; least-loaded first
 (fewest requests in flight) otherwise. A request that fails (connection refused or reset,
 time-out, HTTP 5xx) -- through the router, after the router's own retries on its other workers --
-is moved to another server directly; the server it failed on is health-checked and dropped from
-the rotation if it does not answer (a dead router is dropped the same way). When no server is
-left -- or the step's deadline passes -- :class:`FleetError` names every server and its last
-error. Weight updates and cache flushes go to every server directly, never through the router.
+is moved to another server directly. When no server is left -- or the step's deadline passes --
+:class:`FleetError` names every server and its last error. Weight updates and cache flushes go to
+every server directly, never through the router.
 
-Left out: starting, stopping and health of one server, the router's process (``server.py``);
-how weights reach the servers (``weight_sync/``; the fleet holds one and calls it).
+Health (the states and their table: ``health.py``). A failed request makes its server
+*suspect*; while a step runs, a monitor thread probes every suspect server and every server that
+holds requests, every ``probe_interval`` seconds, with a real one-token generation
+(:meth:`SGLangServer.probe`, ``probe_timeout``): two failed probes in a row, a refused
+connection or an exited process make it *dead*, and the requests it still holds are moved at
+once (a frozen server is found within about ``2 x (probe_interval + probe_timeout)``, not after
+the request time-out). A dead server the fleet launched is restarted in the background
+(``server_restarts`` attempts, the k-th after ``restart_backoff x 2^(k-1)`` s) on a new port; an
+attached one is restarted by whoever started it (slurm/lib.sh), and the next weight sync waits up
+to ``return_timeout`` for it to answer again. Either way it comes back *stale*: it takes no
+request, and is not put behind the router, until a weight sync has reached it
+(:meth:`update_weights` first waits for restarting servers, then pushes to every reachable one,
+then marks the stale ones healthy and rebuilds the router over the healthy set). Every change of
+state is logged and counted; :meth:`health_metrics` hands the counts since its last call to the
+step metrics.
+
+Left out: starting, stopping and the probe of one server, the router's process (``server.py``);
+how weights reach the servers (``weight_sync/``; the fleet holds one and calls it). A server that
+dies during a weight sync fails that sync (the export it needs again is collective over the
+actor's ranks): the run stops and resumes from its last checkpoint (docs/FAULT_TOLERANCE.md).
 """
 from __future__ import annotations
 
@@ -27,12 +44,14 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from functools import partial
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_tepo.rollout.engine import (FINISH_LENGTH, FINISH_STOP, Group, RolloutEngine, Sample,
                                           make_params, validate_prompts)
+from megatron_tepo.rollout.sglang.health import COUNTERS, Event, State, counter
 from megatron_tepo.rollout.sglang.server import (ROUTER_POLICIES, FleetError, RequestFailed, ServerConfig,
                                                  SGLangServer, launch_router, launch_server, router_installed,
                                                  stop_server, wait_ready)
@@ -44,7 +63,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class FleetConfig:
     """The servers to launch (``num_servers``, started as ``server``) and to attach to (``urls``,
-    ``api_keys``), and how requests are spread over them."""
+    ``api_keys``), how requests are spread over them, and how their health is kept."""
     num_servers: int = 0                 # servers to launch
     urls: Sequence[str] = ()             # servers to attach to
     api_keys: Sequence[Optional[str]] = ()  # one per url (None: no key)
@@ -52,12 +71,17 @@ class FleetConfig:
     request_timeout: float = 120.0       # one HTTP request
     step_timeout: float = 600.0          # one generate() call, retries included
     max_attempts: int = 4                # per request, over distinct servers where possible
-    health_timeout: float = 5.0
+    health_timeout: float = 5.0          # /health while starting
     max_concurrency: int = 64            # requests in flight over the whole fleet
     # sglang-router in front of the servers: "auto" (when the SGLang python imports sglang_router
     # and there are >= 2 servers), "sglang_router" (required), "none" (least-loaded dispatch here)
     router: str = "auto"
     router_policy: str = "cache_aware"   # sglang-router's --policy
+    probe_timeout: float = 60.0          # a one-token generation (fault.probe_timeout_s)
+    probe_interval: float = 30.0         # while a step runs: probe busy and suspect servers this often
+    server_restarts: int = 3             # launched servers: restarts each (fault.server_restarts)
+    restart_backoff: float = 10.0        # the k-th restart waits restart_backoff * 2**(k-1) s
+    return_timeout: float = 600.0        # attached servers: a sync waits this long for a dead one
 
 
 def use_router(cfg: FleetConfig, n_servers: int) -> bool:
@@ -100,35 +124,135 @@ class SGLangFleet(RolloutEngine):
         self.cfg = cfg
         self.servers: List[SGLangServer] = []
         self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._counts: Dict[str, int] = {}
+        self._restarters: List[threading.Thread] = []
+        self._steps_running = 0
+        self._waited_for: Dict[int, int] = {}  # attached server id -> incarnation whose return was awaited
         self.router: Optional[SGLangServer] = None
+        self._router_members: Tuple[str, ...] = ()
+        self.weight_sync = weight_sync
+        self.routed = 0  # requests answered through the router
         keys = list(cfg.api_keys) + [None] * (len(cfg.urls) - len(cfg.api_keys))
         self.servers += [SGLangServer(u, k) for u, k in zip(cfg.urls, keys)]
-        routed = use_router(cfg, len(self.servers) + cfg.num_servers)
-        if routed and len(set(keys)) > 1:
+        self._routed = use_router(cfg, len(self.servers) + cfg.num_servers)
+        if self._routed and len(set(keys)) > 1:
             if cfg.router == "sglang_router":
                 raise ValueError("FleetConfig.api_keys: sglang-router needs one API key for all servers")
             log.warning("SGLang fleet: the attached servers have different API keys; least-loaded "
                         "dispatch instead of sglang-router")
-            routed = False
+            self._routed = False
         # servers behind one router share its key (the attached servers' one, or a new one)
-        shared_key = (keys[0] if keys else secrets.token_hex(16)) if routed else None
+        self._shared_key = (keys[0] if keys else secrets.token_hex(16)) if self._routed else None
         try:
-            launched = [launch_server(cfg.server, i, shared_key) for i in range(cfg.num_servers)]
+            launched = [launch_server(cfg.server, i, self._shared_key) for i in range(cfg.num_servers)]
             self.servers += launched
             wait_ready(self.servers, cfg.server.startup_timeout)
             if not self.servers:
                 raise ValueError("FleetConfig names no server: set num_servers or urls")
-            if routed:
-                self.router = launch_router(cfg.server, self.servers, cfg.router_policy, cfg.request_timeout)
+            for s in self.servers:
+                s.health.on_change = partial(self._on_change, s)
+            if self._routed:
+                self._rebuild_router()
         except BaseException:
             self.close()
             raise
-        self.routed = 0  # requests answered through the router
-        self.weight_sync = weight_sync
+        self._monitor = threading.Thread(target=self._watch, name="sglang-health", daemon=True)
+        self._monitor.start()
+
+    # ------------------------------------------------------------------ health
+    def _on_change(self, s: SGLangServer, health, t) -> None:
+        """Every change of a server's state: logged, counted; a dead server the fleet launched is
+        restarted (bounded); the router is not used until it is rebuilt over the healthy set."""
+        name = counter(t)
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + 1
+        log.warning("SGLang server %s: %s -> %s on %s%s", s.url, t.old.value, t.new.value, t.event.value,
+                    f" ({t.why})" if t.why else "")
+        if t.new == State.DEAD and not self._closing.is_set():
+            if s.proc is not None and self.cfg.server.model_path and s.health.restarts < self.cfg.server_restarts:
+                th = threading.Thread(target=self._restart, args=(s,), name=f"sglang-restart-{s.pid}", daemon=True)
+                with self._lock:
+                    self._restarters.append(th)
+                th.start()
+            elif s.proc is not None:
+                log.error("SGLang server %s stays down: %d restart(s) used of FleetConfig.server_restarts=%d",
+                          s.url, s.health.restarts, self.cfg.server_restarts)
+
+    def _restart(self, s: SGLangServer) -> None:
+        """Launch mode: stop what is left of the server, wait the back-off, start a new process on
+        a new port (a router keeps the old address out), wait until it answers: then it is stale."""
+        delay = self.cfg.restart_backoff * 2 ** s.health.restarts
+        stop_server(s)  # the whole process group, a frozen one included (SIGKILL)
+        if self._closing.wait(delay):
+            return
+        index = self.servers.index(s)
+        s.health.fire(Event.RESTART, f"attempt {s.health.restarts + 1} of {self.cfg.server_restarts}, "
+                                     f"after {delay:.0f} s")
+        try:
+            new = launch_server(self.cfg.server, index, s.api_key)
+            s.replace_process(new.url, new.proc, new.log_path)
+            if self._closing.is_set():  # close() ran while it started: it stops with the fleet
+                stop_server(s)
+                return
+            wait_ready([s], self.cfg.server.startup_timeout)
+        except Exception as e:  # noqa: BLE001 -- a failed start is a state, retried while attempts remain
+            s.last_error = str(e).splitlines()[0]
+            if not self._closing.is_set():
+                s.health.fire(Event.START_FAILED, s.last_error)
+            return
+        if not self._closing.is_set():
+            s.health.fire(Event.READY, f"restarted at {s.url}, pid {s.pid}; waits for a weight sync")
+
+    def _join_restarts(self) -> None:
+        """Wait for every restart under way (each ends stale, or dead once its attempts are used;
+        a failed start may begin the next attempt, which is waited for too)."""
+        while True:
+            with self._lock:
+                self._restarters = [th for th in getattr(self, "_restarters", []) if th.is_alive()]
+                running = list(self._restarters)
+            if not running:
+                return
+            for th in running:
+                th.join()
+
+    def _probe(self, s: SGLangServer, timeout: Optional[float] = None) -> None:
+        ok, why = s.probe(self.cfg.probe_timeout if timeout is None else timeout)
+        if s.health.state not in (State.HEALTHY, State.SUSPECT):
+            return  # it changed meanwhile (died, a sync reached it)
+        if ok:
+            s.health.fire(Event.PROBE_OK)
+        else:
+            s.last_error = why
+            s.health.fire(Event.EXITED if s.exited() else Event.PROBE_FAILED, why)
+
+    def _watch(self) -> None:
+        """While a step runs: probe the suspect servers and those holding requests."""
+        while not self._closing.wait(self.cfg.probe_interval):
+            if not self._steps_running:
+                continue
+            for s in list(self.servers):
+                if s.health.state == State.SUSPECT or (s.health.state == State.HEALTHY and s.inflight > 0):
+                    self._probe(s)
+
+    def health_metrics(self) -> Dict[str, float]:
+        """Changes of server state since the last call (``fleet_died``, ``fleet_restarts``,
+        ``fleet_resynced``, ...; see ``health.counter``) and ``fleet_healthy``, the servers that
+        serve now. Each change is counted in exactly one call."""
+        with self._lock:
+            counts, self._counts = self._counts, {}
+        out = {k: float(counts.get(k, 0)) for k in COUNTERS}
+        out["fleet_healthy"] = float(len(self.serving_servers()))
+        return out
 
     # ------------------------------------------------------------------ dispatch
     def alive_servers(self) -> List[SGLangServer]:
+        """The servers a weight sync goes to: healthy, suspect and stale ones."""
         return [s for s in self.servers if s.alive]
+
+    def serving_servers(self) -> List[SGLangServer]:
+        """The servers that take requests: the healthy ones."""
+        return [s for s in self.servers if s.health.serving]
 
     def _describe_all(self) -> str:
         out = "; ".join(s.describe() for s in self.servers)
@@ -138,28 +262,80 @@ class SGLangFleet(RolloutEngine):
 
     def _pick(self, exclude: set) -> Optional[SGLangServer]:
         with self._lock:
-            cands = [s for s in self.servers if s.alive and s.url not in exclude]
+            cands = [s for s in self.servers if s.health.serving and s.url not in exclude]
             if not cands:
-                cands = [s for s in self.servers if s.alive]  # all tried: reuse a live one
+                cands = [s for s in self.servers if s.health.serving]  # all tried: reuse a live one
             if not cands:
                 return None
             best = min(cands, key=lambda s: (s.inflight, s.served))
             best.inflight += 1
             return best
 
-    def _mark_failed(self, s: SGLangServer, err: RequestFailed) -> None:
+    def _mark_failed(self, s: SGLangServer, err: RequestFailed, deadline: Optional[float] = None) -> None:
+        """A request to ``s`` failed: dead when its connection was refused or its process is gone;
+        suspect otherwise, then probed at once (within the step's deadline): healthy again if it
+        answers, dead if not."""
         s.last_error = str(err)
-        if err.server_dead or not s.healthy(self.cfg.health_timeout):
-            if s.alive:
-                log.warning("SGLang server %s dropped from the fleet: %s", s.url, err)
-            s.alive = False
+        if s.health.state in (State.DEAD, State.RESTARTING, State.STALE):
+            return
+        if err.server_dead or s.exited():
+            s.health.fire(Event.EXITED, str(err))
+            return
+        s.health.fire(Event.REQUEST_FAILED, str(err))
+        if s.health.state == State.SUSPECT:
+            left = self.cfg.probe_timeout if deadline is None else deadline - time.monotonic()
+            self._probe(s, max(min(self.cfg.probe_timeout, left), 1.0))
+
+    def _post_watched(self, s: SGLangServer, path: str, payload: dict, timeout: float):
+        """``s.post`` that gives up as soon as the server is declared dead (a frozen server's
+        requests move on at the probe's verdict, not at the request time-out)."""
+        box: Dict[str, Any] = {}
+        done = threading.Event()
+        incarnation = s.incarnation
+
+        def call():
+            try:
+                box["out"] = s.post(path, payload, timeout=timeout)
+            except BaseException as e:  # noqa: BLE001 -- handed to the waiting thread
+                box["err"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=call, name="sglang-post", daemon=True).start()
+        while not done.wait(0.25):
+            if s.health.state in (State.DEAD, State.RESTARTING, State.STALE) or s.incarnation != incarnation:
+                raise RequestFailed(f"{s.url}{path}: the server was declared {s.health.state.value} while "
+                                    f"the request ran ({s.last_error})", server_dead=True)
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
+    def _use_router(self) -> Optional[SGLangServer]:
+        """The router, when it stands in front of exactly the healthy servers."""
+        router = self.router
+        if router is None or not router.alive:
+            return None
+        if set(self._router_members) != {s.url for s in self.serving_servers()}:
+            return None
+        return router
+
+    def _rebuild_router(self) -> None:
+        """(Re)start sglang-router in front of the healthy servers (at least one)."""
+        serving = self.serving_servers()
+        old, self.router, self._router_members = self.router, None, ()
+        if old is not None:
+            stop_server(old)
+        if not serving:
+            return
+        self.router = launch_router(self.cfg.server, serving, self.cfg.router_policy, self.cfg.request_timeout)
+        self._router_members = tuple(s.url for s in serving)
 
     def _run_one(self, path: str, payload: dict, deadline: float, parse):
         """Send one request, moving it to another server on failure, until the deadline."""
         tried: set = set()
         errors: List[str] = []
-        router = self.router
-        if router is not None and router.alive and self.alive_servers():
+        router = self._use_router()
+        if router is not None:
             try:
                 out = router.post(path, payload, timeout=min(self.cfg.request_timeout,
                                                               max(deadline - time.monotonic(), 0.1)))
@@ -171,10 +347,10 @@ class SGLangFleet(RolloutEngine):
                 errors.append(f"via sglang-router: {e}")
                 if not e.retryable:
                     raise FleetError(f"request rejected by sglang-router {router.url}: {e}") from e
-                self._mark_failed(router, e)
-                # which server failed it? drop the dead ones
-                self._drop_unhealthy("no answer to /health",
-                                     min(self.cfg.health_timeout, max(deadline - time.monotonic(), 0.5)))
+                if not router.healthy(self.cfg.health_timeout):
+                    self._mark_failed(router, RequestFailed(f"{router.url}: no answer to /health", server_dead=True))
+                for s in self.serving_servers():  # which server failed it?
+                    self._probe(s, max(min(self.cfg.probe_timeout, deadline - time.monotonic()), 1.0))
         for attempt in range(self.cfg.max_attempts):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -184,7 +360,7 @@ class SGLangFleet(RolloutEngine):
                 break
             tried.add(s.url)
             try:
-                out = s.post(path, payload, timeout=min(self.cfg.request_timeout, left))
+                out = self._post_watched(s, path, payload, timeout=min(self.cfg.request_timeout, left))
                 result = parse(out)
                 s.served += 1
                 return result
@@ -192,22 +368,24 @@ class SGLangFleet(RolloutEngine):
                 errors.append(str(e))
                 if not e.retryable:
                     raise FleetError(f"request rejected by {s.url}: {e}") from e
-                self._mark_failed(s, e)
+                self._mark_failed(s, e, deadline)
             finally:
                 with self._lock:
                     s.inflight -= 1
         reason = ("the step time-out passed" if time.monotonic() >= deadline else
-                  "no SGLang server is left" if not self.alive_servers() else
+                  "no SGLang server is left" if not self.serving_servers() else
                   f"{self.cfg.max_attempts} attempts failed")
         raise FleetError(f"{reason}; attempts: {errors or 'none'}; servers: {self._describe_all()}")
 
     def _run_all(self, path: str, payloads: List[dict], parse) -> List[Any]:
         deadline = time.monotonic() + self.cfg.step_timeout
-        if not self.alive_servers():
+        if not self.serving_servers():
             raise FleetError(f"no SGLang server is left; servers: {self._describe_all()}")
         workers = max(1, min(self.cfg.max_concurrency, len(payloads)))
         results: List[Any] = [None] * len(payloads)
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sglang-req")
+        with self._lock:
+            self._steps_running += 1
         try:
             futs = {pool.submit(self._run_one, path, p, deadline, parse): i for i, p in enumerate(payloads)}
             pending = set(futs)
@@ -220,18 +398,60 @@ class SGLangFleet(RolloutEngine):
                 for f in done:
                     results[futs[f]] = f.result()  # raises FleetError of that request
         finally:
+            with self._lock:
+                self._steps_running -= 1
             pool.shutdown(wait=False, cancel_futures=True)
-        if self.router is not None:
+        if self._use_router() is not None:
             # behind the router a dead server goes unnoticed here (the router retries on the
             # others), but the weight sync talks to every live server
-            self._drop_unhealthy("no answer to /health after a routed step", self.cfg.health_timeout)
+            self._drop_unreachable("no answer to /health after a routed step")
         return results
 
-    def _drop_unhealthy(self, why: str, timeout: float) -> None:
-        """Drop from the fleet every live server that does not answer /health within ``timeout``."""
-        for s in self.alive_servers():
-            if not s.healthy(timeout):
+    def _drop_unreachable(self, why: str) -> None:
+        """Every healthy or suspect server whose process is gone or whose ``/health`` does not
+        answer within ``health_timeout`` is dead (a cheap check; the generation probe is for
+        servers that answer but may not generate)."""
+        for s in self.servers:
+            if s.health.state in (State.HEALTHY, State.SUSPECT) and not s.healthy(self.cfg.health_timeout):
                 self._mark_failed(s, RequestFailed(f"{s.url}: {why}", server_dead=True))
+
+    # ------------------------------------------------------------------ recovery at a weight sync
+    def _gather_for_sync(self) -> None:
+        """Before a push: wait for restarting servers (their start-up time-out), wait up to
+        ``return_timeout`` once for each dead attached server to answer again (its job restarts
+        it), probe the suspect ones. What comes back is stale and gets this push."""
+        self._join_restarts()
+        self._drop_unreachable("no answer to /health before a weight sync")
+        for s in self.servers:
+            if s.health.state == State.SUSPECT:
+                self._probe(s)
+            if s.health.state != State.DEAD or s.proc is not None:
+                continue
+            first = self._waited_for.get(id(s)) != s.incarnation
+            wait_s = self.cfg.return_timeout if first else 0.0
+            self._waited_for[id(s)] = s.incarnation
+            if first:
+                log.warning("SGLang server %s is down: waiting up to %.0f s for it to come back "
+                            "(FleetConfig.return_timeout / fault.server_return_timeout_s)", s.url, wait_s)
+            end = time.monotonic() + wait_s
+            while True:
+                ok, why = s.probe(min(self.cfg.probe_timeout, max(end - time.monotonic(), 5.0)))
+                if ok:
+                    s.health.fire(Event.READY, "answers again; waits for a weight sync")
+                    break
+                if time.monotonic() >= end:
+                    if first:
+                        log.error("SGLang server %s did not come back within %.0f s (%s): going on without it",
+                                  s.url, wait_s, why)
+                    break
+                time.sleep(min(5.0, max(end - time.monotonic(), 0.1)))
+
+    def _after_sync(self, pushed: List[SGLangServer]) -> None:
+        for s in pushed:
+            if s.health.state == State.STALE:
+                s.health.fire(Event.SYNCED, f"incarnation {s.incarnation} holds the current weights")
+        if self._routed and set(self._router_members) != {s.url for s in self.serving_servers()}:
+            self._rebuild_router()
 
     # ------------------------------------------------------------------ RolloutEngine
     def generate(self, prompts: List[List[int]], n: int = 1, temperature: float = 1.0,
@@ -293,16 +513,24 @@ class SGLangFleet(RolloutEngine):
         return outs
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        """Push the stream to every live server (the fleet's weight sync; ``tensor`` mode unless
-        the trainer set another up), servers paused, then one cache flush."""
+        """Push the stream to every reachable server (the fleet's weight sync; ``tensor`` mode
+        unless the trainer set another up), servers paused, then one cache flush. Restarted and
+        returned servers are gathered first and take requests only once this push reached them."""
         if self.weight_sync is None:
             self.weight_sync = TensorSync(self)
+        self._gather_for_sync()
+        pushed = self.alive_servers()
         self.weight_sync.push(named_tensors)
+        self._after_sync(pushed)
 
     def flush_cache(self) -> None:
         self.broadcast("/flush_cache")
 
     def close(self) -> None:
+        self._closing.set()
+        for s in self.servers:  # a restart still starting sees its process exit and gives up
+            stop_server(s)
+        self._join_restarts()
         ws, self.weight_sync = getattr(self, "weight_sync", None), None
         if ws is not None and hasattr(ws, "close"):
             ws.close()

@@ -9,7 +9,8 @@ front of several, and the serve command.
 * :func:`launch_server`, :func:`wait_ready`, :func:`stop_server` -- a server as a subprocess of
   this one: its own session (its whole process group is stopped), a free port, a random API key.
 * :class:`SGLangServer` -- one server (launched here or attached by URL): its address, key and
-  process, its HTTP calls and ``/health``, its TP size; the fleet also keeps its load on it.
+  process, its HTTP calls, ``/health`` and the generation probe, its TP size, its health state
+  (``health.py``); the fleet also keeps its load on it.
 * sglang-router: :func:`router_installed`, :func:`router_command`, :func:`launch_router`.
 * the serve command, what slurm/lib.sh runs on every rollout node::
 
@@ -51,6 +52,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import requests
 
 from megatron_tepo.net import free_port
+from megatron_tepo.rollout.sglang.health import Event, ServerHealth, State
 
 REPO = Path(__file__).resolve().parents[3]
 # run by path with the SGLang venv's python (which need not have megatron_tepo installed)
@@ -83,9 +85,28 @@ class SGLangServer:
         self.url, self.api_key, self.proc, self.log_path = url.rstrip("/"), api_key, proc, log_path
         self.tp_size = tp_size
         self.inflight = 0
-        self.alive = True
+        self.health = ServerHealth()
         self.last_error: Optional[str] = None
-        self.served = 0
+        self.served = 0  # requests answered (by every incarnation)
+
+    @property
+    def alive(self) -> bool:
+        """Reachable: healthy, suspect, or stale (a weight sync goes to it); not dead, not restarting."""
+        return self.health.reachable
+
+    @property
+    def state(self) -> State:
+        return self.health.state
+
+    @property
+    def incarnation(self) -> int:
+        """+1 every time the server comes back (a new process: a new weight-update group)."""
+        return self.health.incarnation
+
+    def replace_process(self, url: str, proc: subprocess.Popen, log_path: Optional[str]) -> None:
+        """A restart: the new process's address and log (the key and TP size stay)."""
+        self.url, self.proc, self.log_path = url.rstrip("/"), proc, log_path
+        self.inflight = 0
 
     @property
     def pid(self) -> Optional[int]:
@@ -148,8 +169,13 @@ class SGLangServer:
             raise ValueError(f"SGLang server {self.url}: tp_size must be an integer >= 1, got {tp!r}")
         return tp
 
+    def exited(self) -> bool:
+        """A process launched here that is gone (False for an attached server)."""
+        return self.proc is not None and self.proc.poll() is not None
+
     def healthy(self, timeout: float = 5.0) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
+        """``/health`` answers 200 (the HTTP server is up; it says nothing of the scheduler)."""
+        if self.exited():
             return False
         try:
             r = requests.get(self.url + "/health", headers=self.headers(), timeout=timeout)
@@ -157,11 +183,30 @@ class SGLangServer:
         except requests.RequestException:
             return False
 
+    def probe(self, timeout: float) -> Tuple[bool, str]:
+        """A real generation within ``timeout``: SGLang's ``/health_generate`` (it runs a
+        one-token generation, or sees the scheduler answer what it already runs), or, on a
+        server without that route, a one-token ``/generate``. A port that accepts connections
+        proves nothing: a frozen scheduler answers ``/health`` but not this. Returns (ok, why)."""
+        if self.exited():
+            return False, f"process exited with code {self.proc.returncode}"
+        try:
+            r = requests.get(self.url + "/health_generate", headers=self.headers(), timeout=timeout)
+            if r.status_code == 404:
+                r = requests.post(self.url + "/generate", headers=self.headers(), timeout=timeout,
+                                  json={"input_ids": [1], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        except requests.Timeout:
+            return False, f"no answer to a one-token generation within {timeout:.0f} s"
+        except requests.RequestException as e:
+            return False, f"probe failed: {type(e).__name__}"
+        if r.status_code != 200:
+            return False, f"probe answered HTTP {r.status_code}"
+        return True, ""
+
     def describe(self) -> str:
-        state = "alive" if self.alive else "down"
         pid = f" pid={self.pid}" if self.pid else ""
         err = f" last error: {self.last_error}" if self.last_error else ""
-        return f"{self.url}{pid} [{state}, served {self.served}]{err}"
+        return f"{self.url}{pid} [{self.health.state.value}, served {self.served}]{err}"
 
     def __repr__(self):
         return f"SGLangServer({self.describe()})"
@@ -318,7 +363,8 @@ def stop_server(s: SGLangServer, grace: float = 10.0) -> None:
     if s.proc.poll() is None:
         s.proc.kill()
         s.proc.wait(timeout=5)
-    s.alive = False
+    if s.health.state not in (State.DEAD, State.RESTARTING):
+        s.health.fire(Event.EXITED, "stopped")
 
 
 # sglang-router ------------------------------------------------------------------------------

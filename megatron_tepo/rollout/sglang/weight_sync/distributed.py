@@ -2,7 +2,7 @@
 sender and every TP worker of every server.
 
 The group (``/init_weights_update_group``; gloo on CPU, nccl on GPU) is made once and kept while
-the live servers stay the same. SGLang gives worker ``r`` of a server the rank
+the live servers stay the same (a restarted server, a new incarnation, makes a new group). SGLang gives worker ``r`` of a server the rank
 ``rank_offset + r``, so the offsets are cumulative: server i gets ``1 + sum(tp_size of servers <
 i)`` and the world is ``1 + sum(tp_size)``. A server's TP size is known when the fleet launched
 it (``ServerConfig.tp``) and asked of it otherwise (``/server_info``: ``tp_size``). Per bucket one
@@ -145,7 +145,8 @@ class DistributedSync(WeightSync):
         self._ensure_group(servers)
 
     def _ensure_group(self, servers) -> None:
-        urls = tuple(s.url for s in servers)
+        # a restarted server (a new incarnation, maybe at the same URL) joins a new group
+        urls = tuple((s.url, getattr(s, "incarnation", 0)) for s in servers)
         if self._pg is not None and urls == self._pg_servers:
             return
         tp = [self._tp_size(s) for s in servers]  # each TP worker of a server joins the group
@@ -166,7 +167,8 @@ class DistributedSync(WeightSync):
         if self._pg is None:
             return
         try:
-            servers = [s for s in self.target.alive_servers() if s.url in self._pg_servers]
+            servers = [s for s in self.target.alive_servers()
+                       if (s.url, getattr(s, "incarnation", 0)) in self._pg_servers]
             self._post_all("/destroy_weights_update_group", {"group_name": self.group_name}, servers or None)
         except Exception as e:  # noqa: BLE001 -- best effort on the way out
             log.warning("weight sync: destroying the update group failed: %s", e)

@@ -1,0 +1,100 @@
+"""A real training run on a launched fleet of two real SGLang CPU servers survives losing them
+(fleet_recovery_worker.py runs it): ``kill -9`` of server 0 in step 2 and SIGSTOP of server 1 in
+step 3. Each time the step completes on the other server; the lost one is restarted, gets the
+current weights, and only then serves: its greedy output equals the actor's (float32 on both
+sides), its own access log shows no generation before its weight load, and the frozen server is
+found dead by the generation probe within the configured bound, long before the request
+time-out. The metrics hold every step exactly once and count every change of state once."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import REPO
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    subprocess.run([sys.executable, str(REPO / "tools/make_tiny_model.py"), "--out", str(out), "--train-size", "64",
+                    "--eval-size", "8"], check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return out
+
+
+def _run(tiny, out, sglang_python, router):
+    out.mkdir(parents=True, exist_ok=True)
+    args = {"tiny": str(tiny), "out": str(out), "python": sglang_python, "router": router}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MTEPO_RESULT_DIR": str(out)}
+    env.pop("RANK", None)
+    proc = subprocess.run([sys.executable, str(REPO / "tests/rollout/fleet_recovery_worker.py"), json.dumps(args)],
+                          env=env, capture_output=True, text=True, timeout=1500, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads((out / "rank0.json").read_text()), proc.stderr
+
+
+def _transitions(server):
+    return [(old, event, new) for _, old, event, new, _ in server["history"]]
+
+
+def _generate_before_first_load(log_path):
+    """POST /generate lines in a server's access log before its first weight load."""
+    n = 0
+    for line in Path(log_path).read_text(errors="replace").splitlines():
+        if "POST /update_weights_from_tensor" in line:
+            return n
+        n += "POST /generate" in line
+    raise AssertionError(f"{log_path}: no weight load logged")
+
+
+def test_killed_and_frozen_servers_come_back_with_the_current_weights(tiny, tmp_path, sglang_python):
+    res, stderr = _run(tiny, tmp_path / "run", sglang_python, "none")
+    killed, frozen = res["servers"]
+    assert set(res["faults"]) == {"kill", "stop"}, res["faults"]
+
+    # 1. each lost server went dead -> restarting -> stale -> healthy, healthy only on "synced"
+    for server, how in ((killed, "exited"), (frozen, "probe_failed")):
+        path = _transitions(server)
+        assert ("stale", "synced", "healthy") in path, path
+        dead = path.index(next(t for t in path if t[2] == "dead"))
+        assert path[dead][1] == how, path
+        assert [t[2] for t in path[dead:]] == ["dead", "restarting", "stale", "healthy"], path
+        assert server["restarts"] == 1 and server["incarnation"] == 1
+
+    # 2. the frozen server was found by the generation probe within its bound, not by the
+    #    request time-out (300 s)
+    t_dead, why = next((t, w) for t, _, _, new, w in frozen["history"] if new == "dead")
+    found_after = t_dead - res["faults"]["stop"]["time"]
+    assert "one-token generation" in why, why
+    assert found_after < res["request_timeout"] / 2, found_after
+    print(f"frozen server found dead {found_after:.1f} s after SIGSTOP (bound {res['probe_bound_s']:.0f} s "
+          f"+ a loaded machine's slack)")
+
+    # 3. no request reached a restarted server before its weight sync: the fleet's record and the
+    #    server's own access log
+    for i, server in enumerate(res["servers"]):
+        synced = next(t for t, old, ev, new, _ in server["history"] if old == "stale" and new == "healthy")
+        early = [r for r in res["requests"] if r[1] == i and r[2] == 1 and r[3] == "/generate" and r[0] < synced]
+        assert not early, early
+        assert _generate_before_first_load(server["log_path"]) == 0, server["log_path"]
+
+    # 4. after each step's sync every serving server generates what the actor's weights do;
+    #    each restarted server is checked after its return
+    for row in res["checks"]:
+        if "got" in row:
+            assert row["got"] == row["want"], row
+    back = {(r["server"], r["step"]) for r in res["checks"] if "got" in r and r["incarnation"] == 1}
+    assert (0, 2) in back and (1, 3) in back, res["checks"]
+
+    # 5. the metrics: every step once, every change of state counted once
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    total = {k: sum(r[k] for r in rows) for k in ("fleet_died", "fleet_restarts", "fleet_returned", "fleet_resynced")}
+    assert total == {"fleet_died": 2, "fleet_restarts": 2, "fleet_returned": 2, "fleet_resynced": 2}, total
+    assert rows[1]["fleet_died"] == 1 and rows[2]["fleet_died"] == 1  # in the steps that lost them
+    assert rows[-1]["fleet_healthy"] == 2
+    assert "-> dead" in stderr and "-> healthy on synced" in stderr  # every transition is logged
