@@ -9,7 +9,13 @@ completions, and the actor's weights (its HF export) compute the same greedily i
 two must agree. Every request each server gets is recorded with its incarnation. Writes what
 happened as JSON (tests/dist_utils.write_result) for test_fleet_recovery.py to judge.
 
-    python tests/rollout/fleet_recovery_worker.py '{"tiny": ..., "out": ..., "python": ..., "router": "none"}'
+With ``"phase": "resume"`` it is a resumed run instead: no fault, the servers start from other
+weights (``"server_model"``, a perturbed copy), the run continues from the checkpoints in
+``out``, and at its first generation the servers are asked for greedy completions before
+anything else: they must already hold the resumed actor's weights.
+
+    python tests/rollout/fleet_recovery_worker.py '{"tiny": ..., "out": ..., "python": ..., "router": "none",
+                                                    "phase": "faults" | "first" | "resume", "steps": 4}'
 """
 from __future__ import annotations
 
@@ -58,15 +64,18 @@ def main(args):
     model_dir = str(tiny / "model")
     cfg = load_config([str(REPO / "examples/tiny_tepo/sizes.yaml")], [
         f"model.path={model_dir}", f"data.train_files=[{tiny / 'train.jsonl'}]", "reward.kind=exact_match",
-        "rollout.prompts_per_step=8", "rollout.n_samples=4", "train.mini_batch_prompts=8", "train.steps=4",
-        "rollout.max_sampling_rounds=1", f"train.output_dir={out}"])
+        "rollout.prompts_per_step=8", "rollout.n_samples=4", "train.mini_batch_prompts=8",
+        "rollout.max_sampling_rounds=1", f"train.output_dir={out}", f"train.steps={args['steps']}",
+        "train.save_every=1"])
+    faulty = args["phase"] == "faults"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     task, _ = build_task(cfg, tokenizer, None)
     single_process_env()
     actor = MegatronActor(model_dir, hf_weights=model_dir, **actor_args(cfg))
     fcfg = FleetConfig(num_servers=2, router=args["router"], request_timeout=300, step_timeout=900,
                        probe_interval=2.0, probe_timeout=10.0, restart_backoff=1.0, server_restarts=2,
-                       server=ServerConfig(model_path=model_dir, python=args["python"], dtype="float32",
+                       server=ServerConfig(model_path=args.get("server_model") or model_dir, python=args["python"],
+                                           dtype="float32",
                                            startup_timeout=400, log_dir=str(out / "sglang_logs")))
     fleet = SGLangFleet(fcfg)
     step_now = [1]
@@ -78,6 +87,8 @@ def main(args):
 
         def post(path, payload=None, timeout=60.0):
             requests_seen.append((time.monotonic(), idx, s.incarnation, path))
+            if not faulty:
+                return real(path, payload, timeout)
             if path == "/generate" and idx == 0 and step_now[0] == 2 and "kill" not in faults:
                 faults["kill"] = {"time": time.monotonic(), "pid": s.pid}
                 threading.Timer(0.05, os.kill, (s.pid, signal.SIGKILL)).start()  # as its request runs
@@ -93,7 +104,8 @@ def main(args):
     prompts = task.train_prompts[:3]
     checks = []
 
-    def on_step(step, metrics):  # after the step's weight sync
+    def check(step):
+        """Every serving server's greedy completions and the actor's."""
         export = dict(gathered_tensors(actor.export_hf_state()))
         missing, unexpected = hf.load_state_dict(export, strict=False)
         assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
@@ -110,18 +122,32 @@ def main(args):
                     got.append(r.json()["output_ids"])
                 row.update(got=got, want=want)
             checks.append(row)
+
+    def on_step(step, metrics):  # after the step's weight sync
+        check(step)
         step_now[0] = step + 1
+
+    real_generate = fleet.generate
+
+    def generate(*a, **kw):  # a resumed run: what the servers hold before its first generation
+        if not checks:
+            check(0)
+        return real_generate(*a, **kw)
+
+    if args["phase"] == "resume":
+        fleet.generate = generate
 
     logger = MetricsLogger(out / "metrics.jsonl")
     try:
-        train(cfg, actor, fleet, task, logger=logger, on_step=on_step)
+        train(cfg, actor, fleet, task, logger=logger, on_step=on_step, checkpoint_root=out / "checkpoints",
+              report=lambda line: print(f"[train] {line}", flush=True))
         servers = [{"history": [(t.time, t.old.value, t.event.value, t.new.value, t.why) for t in s.health.history],
                     "log_path": s.log_path, "restarts": s.health.restarts, "incarnation": s.incarnation}
                    for s in fleet.servers]
     finally:
         logger.close()
         fleet.close()
-    write_result({"faults": faults, "checks": checks, "servers": servers, "requests": requests_seen,
+    write_result({"prompts": prompts, "faults": faults, "checks": checks, "servers": servers, "requests": requests_seen,
                   "probe_bound_s": 2 * (fcfg.probe_interval + fcfg.probe_timeout),
                   "request_timeout": fcfg.request_timeout})
 

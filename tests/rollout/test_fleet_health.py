@@ -145,10 +145,12 @@ def test_attached_server_that_stays_down_is_left_behind(two_fakes):
 
 def test_monitor_leaves_idle_servers_alone(two_fakes):
     """Between steps nothing is probed (a weight sync pauses the servers: a probe then would
-    declare them dead)."""
+    declare them dead); a sync waits for a probe round still under way."""
     fleet = _fleet(two_fakes)
     try:
         fleet.generate([[1]] * 2, n=1, max_new_tokens=2)
+        fleet.update_weights(_weights())
+        assert all(s.state == S.HEALTHY for s in fleet.servers)
         before = sum(f.paths().count("/health_generate") for f in two_fakes)
         stop = threading.Event()
         stop.wait(1.0)  # five probe intervals with no step running

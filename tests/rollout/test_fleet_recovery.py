@@ -4,7 +4,10 @@ step 3. Each time the step completes on the other server; the lost one is restar
 current weights, and only then serves: its greedy output equals the actor's (float32 on both
 sides), its own access log shows no generation before its weight load, and the frozen server is
 found dead by the generation probe within the configured bound, long before the request
-time-out. The metrics hold every step exactly once and count every change of state once."""
+time-out. The metrics hold every step exactly once and count every change of state once.
+
+And a resumed run re-syncs: its servers start from other weights, and at its first generation
+they already generate what the resumed actor does."""
 import json
 import os
 import subprocess
@@ -26,15 +29,16 @@ def tiny(tmp_path_factory):
     return out
 
 
-def _run(tiny, out, sglang_python, router):
+def _run(tiny, out, sglang_python, router="none", phase="faults", steps=4, server_model=None):
     out.mkdir(parents=True, exist_ok=True)
-    args = {"tiny": str(tiny), "out": str(out), "python": sglang_python, "router": router}
+    args = {"tiny": str(tiny), "out": str(out), "python": sglang_python, "router": router, "phase": phase,
+            "steps": steps, "server_model": str(server_model) if server_model else None}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MTEPO_RESULT_DIR": str(out)}
     env.pop("RANK", None)
     proc = subprocess.run([sys.executable, str(REPO / "tests/rollout/fleet_recovery_worker.py"), json.dumps(args)],
                           env=env, capture_output=True, text=True, timeout=1500, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads((out / "rank0.json").read_text()), proc.stderr
+    return json.loads((out / "rank0.json").read_text()), proc.stdout + proc.stderr
 
 
 def _transitions(server):
@@ -52,7 +56,7 @@ def _generate_before_first_load(log_path):
 
 
 def test_killed_and_frozen_servers_come_back_with_the_current_weights(tiny, tmp_path, sglang_python):
-    res, stderr = _run(tiny, tmp_path / "run", sglang_python, "none")
+    res, log = _run(tiny, tmp_path / "run", sglang_python)
     killed, frozen = res["servers"]
     assert set(res["faults"]) == {"kill", "stop"}, res["faults"]
 
@@ -97,4 +101,41 @@ def test_killed_and_frozen_servers_come_back_with_the_current_weights(tiny, tmp_
     assert total == {"fleet_died": 2, "fleet_restarts": 2, "fleet_returned": 2, "fleet_resynced": 2}, total
     assert rows[1]["fleet_died"] == 1 and rows[2]["fleet_died"] == 1  # in the steps that lost them
     assert rows[-1]["fleet_healthy"] == 2
-    assert "-> dead" in stderr and "-> healthy on synced" in stderr  # every transition is logged
+    assert "-> dead" in log and "stale -> healthy on synced" in log  # every transition is logged
+
+
+def _other_weights(tiny, dst):
+    """The tiny model's folder with other weights altogether (what a requeued job's servers load
+    from model.path is not what its checkpoint holds)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(tiny / "model", dst)
+    for f in dst.glob("*.safetensors"):
+        f.unlink()
+    model = AutoModelForCausalLM.from_pretrained(tiny / "model", torch_dtype=torch.float32)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(dst)
+    return model
+
+
+def test_resumed_run_serves_the_resumed_weights_before_its_first_generation(tiny, tmp_path, sglang_python):
+    from tests.rollout.fleet_recovery_worker import greedy
+
+    out = tmp_path / "run"
+    _run(tiny, out, sglang_python, phase="first", steps=2)
+    other = _other_weights(tiny, tmp_path / "other_model")
+    res, log = _run(tiny, out, sglang_python, phase="resume", steps=3, server_model=tmp_path / "other_model")
+    assert "continuing at step 3" in log, log[-3000:]
+    first = [r for r in res["checks"] if r["step"] == 0]
+    assert [r["server"] for r in first] == [0, 1] and all(r["state"] == "healthy" for r in first), first
+    for r in first:  # before the first generation: the resumed actor's weights, not model.path's
+        assert r["got"] == r["want"], r
+    assert [greedy(other, p) for p in res["prompts"]] != first[0]["want"]  # the check can fail
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]

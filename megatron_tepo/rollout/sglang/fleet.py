@@ -128,6 +128,7 @@ class SGLangFleet(RolloutEngine):
         self._counts: Dict[str, int] = {}
         self._restarters: List[threading.Thread] = []
         self._steps_running = 0
+        self._probe_round = threading.Lock()  # held by a monitor round and by a weight sync
         self._waited_for: Dict[int, int] = {}  # attached server id -> incarnation whose return was awaited
         self.router: Optional[SGLangServer] = None
         self._router_members: Tuple[str, ...] = ()
@@ -227,13 +228,15 @@ class SGLangFleet(RolloutEngine):
             s.health.fire(Event.EXITED if s.exited() else Event.PROBE_FAILED, why)
 
     def _watch(self) -> None:
-        """While a step runs: probe the suspect servers and those holding requests."""
+        """While a step runs: probe the suspect servers and those holding requests. A round and
+        a weight sync exclude each other (a paused server would not answer the probe)."""
         while not self._closing.wait(self.cfg.probe_interval):
-            if not self._steps_running:
-                continue
-            for s in list(self.servers):
-                if s.health.state == State.SUSPECT or (s.health.state == State.HEALTHY and s.inflight > 0):
-                    self._probe(s)
+            with self._probe_round:
+                if not self._steps_running:
+                    continue
+                for s in list(self.servers):
+                    if s.health.state == State.SUSPECT or (s.health.state == State.HEALTHY and s.inflight > 0):
+                        self._probe(s)
 
     def health_metrics(self) -> Dict[str, float]:
         """Changes of server state since the last call (``fleet_died``, ``fleet_restarts``,
@@ -518,10 +521,11 @@ class SGLangFleet(RolloutEngine):
         returned servers are gathered first and take requests only once this push reached them."""
         if self.weight_sync is None:
             self.weight_sync = TensorSync(self)
-        self._gather_for_sync()
-        pushed = self.alive_servers()
-        self.weight_sync.push(named_tensors)
-        self._after_sync(pushed)
+        with self._probe_round:
+            self._gather_for_sync()
+            pushed = self.alive_servers()
+            self.weight_sync.push(named_tensors)
+            self._after_sync(pushed)
 
     def flush_cache(self) -> None:
         self.broadcast("/flush_cache")
