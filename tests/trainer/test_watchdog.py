@@ -160,3 +160,29 @@ def test_sigterm_while_watched_dumps_the_stacks_then_terminates():
     proc = subprocess.run([sys.executable, "-c", SIGTERMED], check=False, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == -15, (proc.returncode, proc.stderr[-3000:])
     assert "in blocked_behind_another_rank" in proc.stderr
+
+
+IN_THE_LOOP = textwrap.dedent("""
+    from megatron_tepo.config import from_dict
+    from megatron_tepo.trainer.loop import train
+    from tests.trainer.test_no_update_stop import EchoEngine, NanActor, _task
+
+    cfg = from_dict({"rollout": {"prompts_per_step": 2, "n_samples": 2, "max_sampling_rounds": 1},
+                     "algorithm": {"old_log_prob": "rollout"},
+                     "train": {"steps": 5, "mini_batch_prompts": 2, "epochs_per_step": 1},
+                     "fault": {"inject_hang_at_step": 2, "watchdog_collective_s": 1.0}})
+    train(cfg, NanActor(finite=range(1, 100)), EchoEngine(), _task(lambda r: float(r[1] == 0)),
+          on_step=lambda s, m: print("step", s, "updates", m["updates"], flush=True))
+""")
+
+
+@pytest.mark.timeout(300)
+def test_the_injected_hang_in_the_loop_is_caught_in_the_collective_phase():
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", IN_THE_LOOP], check=False, env=env, capture_output=True, text=True,
+                          timeout=240, cwd=REPO)
+    assert proc.returncode == WATCHDOG_EXIT, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    assert proc.stdout.splitlines()[0] == "step 1 updates 1.0" and "step 2" not in proc.stdout
+    assert "fault.inject_hang_at_step=2: global rank 0 hangs now (test only)" in proc.stdout
+    assert "watchdog: no progress in phase 'collective' for 1 s (fault.watchdog_collective_s) on rank 0" in proc.stderr
+    assert 'in _hang' in proc.stderr and 'in train' in proc.stderr  # the stack of the hung main thread
