@@ -121,7 +121,8 @@ HUNG = textwrap.dedent("""
 def test_a_real_expiry_dumps_every_stack_writes_the_reason_and_exits(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RANK": "1",
            "TEPO_EXIT_REASON_FILE": str(tmp_path / "reason.json")}
-    proc = subprocess.run([sys.executable, "-c", HUNG], check=False, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-c", HUNG], check=False, env=env, capture_output=True, text=True,
+                          timeout=240)
     assert proc.returncode == WATCHDOG_EXIT, (proc.returncode, proc.stderr[-3000:])
     assert "NOT REACHED" not in proc.stdout
     lines = proc.stderr.splitlines()
@@ -157,7 +158,8 @@ SIGTERMED = textwrap.dedent("""
 def test_sigterm_while_watched_dumps_the_stacks_then_terminates():
     # what torchrun sends the other ranks once one failed: their stacks reach the log too
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", SIGTERMED], check=False, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-c", SIGTERMED], check=False, env=env, capture_output=True, text=True,
+                          timeout=240)
     assert proc.returncode == -15, (proc.returncode, proc.stderr[-3000:])
     assert "in blocked_behind_another_rank" in proc.stderr
 
