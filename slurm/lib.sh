@@ -31,8 +31,8 @@
 # --requeue job by itself) only stops the steps: a cancelled job is not resubmitted.
 # Failures (tepo_requeue_after_failure): when the trainer step exits non-zero, the job requeues
 # itself (`scontrol requeue`) unless the trainer's exit-reason file forbids it or the job was
-# requeued TEPO_MAX_REQUEUES times already (SLURM_RESTART_COUNT, which counts Slurm's own requeues
-# too). Every rank of the trainer may write one JSON line to $LOG_DIR/exit_reason.json[.rank<r>]
+# requeued after a failure TEPO_MAX_REQUEUES times already (a marker in each such attempt's log
+# folder; time-limit requeues do not count). Every rank of the trainer may write one JSON line to $LOG_DIR/exit_reason.json[.rank<r>]
 # (TEPO_EXIT_REASON_FILE): "requeue": true from the hang watchdog (fault.watchdog_*_s, exit 75),
 # "requeue": false from a run that stopped updating (fault.max_steps_without_update, exit 3) or a
 # bad setting or input (exit 2), which would only fail again. No file (a crash, a lost node, an
@@ -63,7 +63,7 @@
 #   TEPO_SERVER_RESTARTS        restarts of each SGLang server that exits (default 3; 0: none)
 #   TEPO_SERVER_RESTART_DELAY   seconds before the k-th restart of a server: k x this (default 10)
 #   TEPO_MAX_REQUEUES           requeues of the job after a failed trainer (default 3; 0: none);
-#                               compared with SLURM_RESTART_COUNT (every requeue of the job counts)
+#                               time-limit / preemption requeues do not count
 #   TEPO_RDZV_PORT              torchrun rendezvous port (default 29500; one actor node and unset:
 #                               torchrun --standalone picks a free one)
 #   TEPO_DRY_RUN=1              print the srun commands instead of running them
@@ -419,11 +419,16 @@ tepo_on_term() {
 
 # tepo_requeue_after_failure STATUS: the trainer step exited with STATUS (non-zero): requeue the
 # job (`scontrol requeue`) unless an exit-reason file of this attempt says "requeue": false, the
-# job was requeued TEPO_MAX_REQUEUES times already, or this is not a Slurm job. One line says
-# which and why. Returns 0 (the caller exits with the trainer's status).
+# job was requeued after a failure TEPO_MAX_REQUEUES times already, or this is not a Slurm job. One
+# line says which and why. The count: the attempts of this job that left the marker file
+# requeued_after_failure in their log folder ($FIT_OUTPUT_DIR/logs/<job>.<n>/), so time-limit
+# requeues (USR1) do not use it up. Returns 0 (the caller exits with the trainer's status).
 tepo_requeue_after_failure() {
-    local rc=$1 max=${TEPO_MAX_REQUEUES:-3} count=${SLURM_RESTART_COUNT:-0} f why=""
+    local rc=$1 max=${TEPO_MAX_REQUEUES:-3} count=0 f why=""
     [[ "$max" =~ ^[0-9]+$ ]] || tepo_die "TEPO_MAX_REQUEUES: expected a count >= 0, got '$max'"
+    for f in "${FIT_OUTPUT_DIR:-.}/logs/${SLURM_JOB_ID:-local}".*/requeued_after_failure; do
+        [[ -f "$f" ]] && count=$((count + 1))
+    done
     for f in "${TEPO_EXIT_REASON_FILE:-}" "${TEPO_EXIT_REASON_FILE:-}".rank*; do
         [[ -n "$f" && -f "$f" ]] || continue
         if grep -q '"requeue": false' "$f"; then
@@ -436,10 +441,11 @@ tepo_requeue_after_failure() {
     if [[ -z "${SLURM_JOB_ID:-}" ]] || ! command -v scontrol >/dev/null 2>&1; then
         tepo_log "not requeued: not a Slurm job (trainer status $rc: $why)"
     elif ((count >= max)); then
-        tepo_log "not requeued: job $SLURM_JOB_ID was requeued $count time(s) already (TEPO_MAX_REQUEUES=$max); trainer status $rc: $why"
+        tepo_log "not requeued: job $SLURM_JOB_ID was requeued after a failure $count time(s) already (TEPO_MAX_REQUEUES=$max); trainer status $rc: $why"
     else
         tepo_log "requeueing job $SLURM_JOB_ID (requeue $((count + 1)) of at most $max; it resumes from the newest complete checkpoint) after trainer status $rc: $why"
         TEPO_REQUEUED=1
+        printf '%s\n' "$why" >"${LOG_DIR:-.}/requeued_after_failure"
         scontrol requeue "$SLURM_JOB_ID" || tepo_log "scontrol requeue failed"
     fi
     return 0

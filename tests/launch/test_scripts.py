@@ -269,34 +269,44 @@ def _calls(tmp_path):
 
 
 @pytest.mark.parametrize("reason,count,requeued,needle", [
-    (None, "0", True, "requeueing job 42 (requeue 1 of at most 3; it resumes from the newest complete checkpoint) "
-                      "after trainer status 1: no exit reason written (a crash, a lost node or a failed srun)"),
-    ('{"reason": "watchdog", "requeue": true, "message": "watchdog: no progress"}', "2", True,
+    (None, 0, True, "requeueing job 42 (requeue 1 of at most 3; it resumes from the newest complete checkpoint) "
+                    "after trainer status 1: no exit reason written (a crash, a lost node or a failed srun)"),
+    ('{"reason": "watchdog", "requeue": true, "message": "watchdog: no progress"}', 2, True,
      'requeue 3 of at most 3; it resumes from the newest complete checkpoint) after trainer status 1: '
      '{"reason": "watchdog"'),
-    ('{"reason": "no_update", "requeue": false, "message": "no policy update for 20 steps"}', "0", False,
+    ('{"reason": "no_update", "requeue": false, "message": "no policy update for 20 steps"}', 0, False,
      "not requeued: the trainer stopped for a reason a new attempt would meet again: "
      '{"reason": "no_update"'),
-    (None, "3", False, "not requeued: job 42 was requeued 3 time(s) already (TEPO_MAX_REQUEUES=3)"),
+    (None, 3, False, "not requeued: job 42 was requeued after a failure 3 time(s) already (TEPO_MAX_REQUEUES=3)"),
 ])
 def test_a_failed_trainer_requeues_unless_its_reason_or_the_count_forbids(tmp_path, reason, count, requeued,
                                                                         needle):
-    file = tmp_path / "exit_reason.json"
+    out = tmp_path / "out"
+    # earlier attempts of job 42: `count` requeued after a failure, one more by the time limit (no marker)
+    for n in range(count + 1):
+        (out / "logs" / f"42.{n}").mkdir(parents=True)
+        if n < count:
+            (out / "logs" / f"42.{n}" / "requeued_after_failure").write_text("x\n")
+    attempt = out / "logs" / f"42.{count + 1}"
+    attempt.mkdir()
     if reason:  # rank 1 wrote it (rank 0 was stopped by torchrun first)
-        (tmp_path / "exit_reason.json.rank1").write_text(reason + "\n")
-    res = _lib("tepo_requeue_after_failure 1", tmp_path, SLURM_JOB_ID="42", SLURM_RESTART_COUNT=count,
-               TEPO_EXIT_REASON_FILE=str(file))
+        (attempt / "exit_reason.json.rank1").write_text(reason + "\n")
+    res = _lib("tepo_requeue_after_failure 1", tmp_path, SLURM_JOB_ID="42", SLURM_RESTART_COUNT=str(count + 1),
+               TEPO_EXIT_REASON_FILE=str(attempt / "exit_reason.json"), FIT_OUTPUT_DIR=str(out),
+               LOG_DIR=str(attempt))
     assert res.returncode == 0, res.stderr
     assert needle in res.stderr
     assert _calls(tmp_path) == (["requeue 42"] if requeued else [])
+    assert (attempt / "requeued_after_failure").exists() == requeued
 
 
 def test_requeue_count_setting_is_checked(tmp_path):
-    res = _lib("tepo_requeue_after_failure 1", tmp_path, SLURM_JOB_ID="42", TEPO_MAX_REQUEUES="many")
+    env = dict(SLURM_JOB_ID="42", FIT_OUTPUT_DIR=str(tmp_path), LOG_DIR=str(tmp_path))
+    res = _lib("tepo_requeue_after_failure 1", tmp_path, TEPO_MAX_REQUEUES="many", **env)
     assert res.returncode == 1 and "TEPO_MAX_REQUEUES: expected a count >= 0, got 'many'" in res.stderr
     assert _calls(tmp_path) == []
-    res = _lib("tepo_requeue_after_failure 1", tmp_path, SLURM_JOB_ID="42", TEPO_MAX_REQUEUES="0")
-    assert "not requeued: job 42 was requeued 0 time(s) already (TEPO_MAX_REQUEUES=0)" in res.stderr
+    res = _lib("tepo_requeue_after_failure 1", tmp_path, TEPO_MAX_REQUEUES="0", **env)
+    assert "not requeued: job 42 was requeued after a failure 0 time(s) already (TEPO_MAX_REQUEUES=0)" in res.stderr
 
 
 def test_a_server_that_exits_is_restarted_a_bounded_number_of_times(tmp_path):
