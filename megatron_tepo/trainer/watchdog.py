@@ -11,8 +11,8 @@ watched. A daemon thread checks the deadline; once it passes, the process
 2. prints one line naming the phase, the seconds and the setting to raise, e.g.
    ``watchdog: no progress in phase 'collective' for 1800 s (fault.watchdog_collective_s) on rank 3``,
 3. dumps the Python stack of every thread to stderr (``faulthandler``), and
-4. exits with :data:`WATCHDOG_EXIT` (75, ``EX_TEMPFAIL``: try again) without running any cleanup
-   (``os._exit``: a hung collective would block it).
+4. kills its child processes and exits with :data:`WATCHDOG_EXIT` (75, ``EX_TEMPFAIL``: try
+   again) without running any other cleanup (``os._exit``: a hung collective would block it).
 
 Every rank runs its own watchdog. A rank that blocks in a collective because another one hangs
 usually fires too; one that torchrun stops first (SIGTERM to the rest once one rank failed)
@@ -75,6 +75,23 @@ def write_exit_reason(reason: str, requeue: bool, message: str, rank: Optional[i
         print(f"could not write the exit reason to {path}: {exc}", file=sys.stderr, flush=True)
         return None
     return path
+
+
+def _kill_children() -> None:
+    """SIGKILL every descendant of this process: ``os._exit`` runs no cleanup, and a child left
+    behind (megatron's checkpoint manager, a reward pool) would keep the Slurm step's output open,
+    so the step, and the job, would never end."""
+    try:
+        import psutil
+
+        children = psutil.Process().children(recursive=True)
+    except Exception:  # noqa: BLE001 -- no psutil: the multiprocessing children at least
+        import multiprocessing
+
+        children = multiprocessing.active_children()
+    for child in children:
+        with contextlib.suppress(Exception):
+            child.kill()
 
 
 class Watchdog:
@@ -178,6 +195,7 @@ class Watchdog:
                   flush=True)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             sys.stderr.flush()
+            _kill_children()
         finally:
             os._exit(WATCHDOG_EXIT)
 

@@ -102,8 +102,12 @@ def test_exit_reason_file_is_rank_suffixed(tmp_path, monkeypatch):
 
 
 HUNG = textwrap.dedent("""
-    import threading, time
+    import subprocess, sys, threading, time
     from megatron_tepo.trainer.watchdog import Watchdog
+
+    # a child that would outlive an os._exit (as megatron's checkpoint manager does)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    print("child", child.pid, flush=True)
 
     def deep_inside_a_collective():
         time.sleep(3600)
@@ -132,8 +136,18 @@ def test_a_real_expiry_dumps_every_stack_writes_the_reason_and_exits(tmp_path):
     # faulthandler's dump: the hung main thread in its function, and the other threads too
     assert "in deep_inside_a_collective" in proc.stderr
     assert sum(line.startswith(("Thread 0x", "Current thread 0x")) for line in lines) >= 3, proc.stderr
+    child = int(proc.stdout.split("child ", 1)[1].split()[0])
+    assert not _alive(child), "the watchdog left its child process running"
     reason = json.loads((tmp_path / "reason.json.rank1").read_text())
     assert reason["reason"] == "watchdog" and reason["requeue"] is True and "'collective'" in reason["message"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # (a zombie waits for init to reap it: dead)
 
 
 def _pid(stderr: str) -> str:
