@@ -11,10 +11,10 @@
 #   3. SGLang servers with srun on the rollout nodes (GPUS_PER_NODE / SGLANG_TP servers per node,
 #      one port each), then a wait for every /health (none when the run's rollout.engine is not
 #      sglang, FIT_ENGINE: the embedded engine generates inside the trainer). A server that exits
-#      is started again on its port (tepo_keep_serving: TEPO_SERVER_RESTARTS times, with a back-off);
-#      the trainer's fleet waits for it (fault.server_return_timeout_s) and re-syncs its weights. Each server is
-#      `python -m megatron_tepo.rollout.sglang.server` with the options the fit check made of the launch
-#      file (FIT_SERVE_ARGS); SGLang's command line is built in Python, in
+#      is started again on its port (tepo_keep_serving: TEPO_SERVER_RESTARTS times, with a
+#      back-off); the trainer's fleet waits for it (fault.server_return_timeout_s) and re-syncs its
+#      weights. Each server is `python -m megatron_tepo.rollout.sglang.server` with the options the
+#      fit check made of the launch file (FIT_SERVE_ARGS); SGLang's command line is built in Python, in
 #      megatron_tepo/rollout/sglang/server.py's server_command, shared with the SGLang fleet;
 #   4. the trainer: srun (one task per actor node) + torchrun, c10d rendezvous on the first actor
 #      node (torchrun --standalone when there is one actor node); the SGLang URLs are passed in
@@ -32,8 +32,8 @@
 # Failures (tepo_requeue_after_failure): when the trainer step exits non-zero, the job requeues
 # itself (`scontrol requeue`) unless the trainer's exit-reason file forbids it or the job was
 # requeued after a failure TEPO_MAX_REQUEUES times already (a marker in each such attempt's log
-# folder; time-limit requeues do not count). Every rank of the trainer may write one JSON line to $LOG_DIR/exit_reason.json[.rank<r>]
-# (TEPO_EXIT_REASON_FILE): "requeue": true from the hang watchdog (fault.watchdog_*_s, exit 75),
+# folder; time-limit requeues do not count). Every rank of the trainer may write one JSON line to
+# $LOG_DIR/exit_reason.json[.rank<r>] (TEPO_EXIT_REASON_FILE): "requeue": true from the hang watchdog (fault.watchdog_*_s, exit 75),
 # "requeue": false from a run that stopped updating (fault.max_steps_without_update, exit 3) or a
 # bad setting or input (exit 2), which would only fail again. No file (a crash, a lost node, an
 # srun failure): requeued. torchrun reports any rank's failure as status 1, hence the file.
@@ -421,12 +421,12 @@ tepo_on_term() {
 # job (`scontrol requeue`) unless an exit-reason file of this attempt says "requeue": false, the
 # job was requeued after a failure TEPO_MAX_REQUEUES times already, or this is not a Slurm job. One
 # line says which and why. The count: the attempts of this job that left the marker file
-# requeued_after_failure in their log folder ($FIT_OUTPUT_DIR/logs/<job>.<n>/), so time-limit
+# requeued_after_failure in their log folder ($LOG_DIR's siblings <job>.<n>/), so time-limit
 # requeues (USR1) do not use it up. Returns 0 (the caller exits with the trainer's status).
 tepo_requeue_after_failure() {
     local rc=$1 max=${TEPO_MAX_REQUEUES:-3} count=0 f why=""
     [[ "$max" =~ ^[0-9]+$ ]] || tepo_die "TEPO_MAX_REQUEUES: expected a count >= 0, got '$max'"
-    for f in "${FIT_OUTPUT_DIR:-.}/logs/${SLURM_JOB_ID:-local}".*/requeued_after_failure; do
+    for f in "$(dirname "${LOG_DIR:-./x}")/${SLURM_JOB_ID:-local}".*/requeued_after_failure; do
         [[ -f "$f" ]] && count=$((count + 1))
     done
     for f in "${TEPO_EXIT_REASON_FILE:-}" "${TEPO_EXIT_REASON_FILE:-}".rank*; do
