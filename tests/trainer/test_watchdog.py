@@ -202,3 +202,29 @@ def test_the_injected_hang_in_the_loop_is_caught_in_the_collective_phase():
     assert "fault.inject_hang_at_step=2: global rank 0 hangs now (test only)" in proc.stdout
     assert "watchdog: no progress in phase 'collective' for 1 s (fault.watchdog_collective_s) on rank 0" in proc.stderr
     assert 'in _hang' in proc.stderr and 'in train' in proc.stderr  # the stack of the hung main thread
+
+
+GIL_HELD = textwrap.dedent("""
+    import re
+    from megatron_tepo.trainer.watchdog import Watchdog
+
+    def a_c_call_that_holds_the_gil():
+        re.match(r"(a+)+$", "a" * 64 + "b")  # catastrophic backtracking inside C: no bytecode runs
+
+    dog = Watchdog({"collective": 0.5}, rank=0, grace_s=1.0)
+    with dog.phase("collective"):
+        a_c_call_that_holds_the_gil()
+    print("NOT REACHED")
+""")
+
+
+@pytest.mark.timeout(300)
+def test_the_faulthandler_backstop_fires_when_the_gil_is_held(tmp_path):
+    # the checking thread cannot run; faulthandler's C thread dumps the stacks and exits with 1
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           "TEPO_EXIT_REASON_FILE": str(tmp_path / "reason.json")}
+    proc = subprocess.run([sys.executable, "-c", GIL_HELD], check=False, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    assert "Timeout (0:00:01.500000)!" in proc.stderr and "in a_c_call_that_holds_the_gil" in proc.stderr
+    assert "watchdog:" not in proc.stderr and not (tmp_path / "reason.json").exists()  # (a crash: requeued)
