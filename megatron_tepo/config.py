@@ -184,7 +184,8 @@ class FaultConfig:
     # stop (non-zero, no requeue) after this many steps in a row without a policy update: every
     # group's rewards were equal, or every update was skipped as non-finite. 0: never
     max_steps_without_update: int = 20
-    # test only: the run that starts at step 1 hangs at this step (0: off)
+    # test only: the run that starts at step 1 hangs at this step (0: off), on global rank 0, inside
+    # the collective phase before its policy updates (a resumed run never hangs)
     inject_hang_at_step: int = 0
 
 

@@ -9,9 +9,12 @@
 #      trainer reads ($RUN_DIR/run.yaml) and the FIT_* variables (node counts, SGLang TP, ...).
 #   2. the node split (tepo_split_nodes), NCCL settings (tepo_nccl_env);
 #   3. SGLang servers with srun on the rollout nodes (GPUS_PER_NODE / SGLANG_TP servers per node,
-#      one port each), then a wait for every /health. Each server is
-#      `python -m megatron_tepo.rollout.sglang.server` with the options the fit check made of the launch
-#      file (FIT_SERVE_ARGS); SGLang's command line is built in Python, in
+#      one port each), then a wait for every /health (none when the run's rollout.engine is not
+#      sglang, FIT_ENGINE: the embedded engine generates inside the trainer). A server that exits
+#      is started again on its port (tepo_keep_serving: TEPO_SERVER_RESTARTS times, with a
+#      back-off); the trainer's fleet waits for it (fault.server_return_timeout_s) and re-syncs its
+#      weights. Each server is `python -m megatron_tepo.rollout.sglang.server` with the options the
+#      fit check made of the launch file (FIT_SERVE_ARGS); SGLang's command line is built in Python, in
 #      megatron_tepo/rollout/sglang/server.py's server_command, shared with the SGLang fleet;
 #   4. the trainer: srun (one task per actor node) + torchrun, c10d rendezvous on the first actor
 #      node (torchrun --standalone when there is one actor node); the SGLang URLs are passed in
@@ -25,9 +28,19 @@
 # Preemption: the scripts carry `#SBATCH --requeue` and `#SBATCH --signal=B:USR1@120`; USR1
 # (the time limit is near, or a site's preemption notice) reaches this batch shell, which stops the
 # job steps and runs `scontrol requeue`. TERM (scancel, or Slurm's own preemption, which requeues a
-# --requeue job by itself) only stops the steps: a cancelled job is not resubmitted. The
-# requeued job starts again from step 1 and the trainer resumes from the newest complete
-# checkpoint in train.output_dir (train.resume: true), which must be on a shared file system.
+# --requeue job by itself) only stops the steps: a cancelled job is not resubmitted.
+# Failures (tepo_requeue_after_failure): when the trainer step exits non-zero, the job requeues
+# itself (`scontrol requeue`) unless the trainer's exit-reason file forbids it or the job was
+# requeued after a failure TEPO_MAX_REQUEUES times already (a marker in each such attempt's log
+# folder; time-limit requeues do not count). Every rank of the trainer may write one JSON line to
+# $LOG_DIR/exit_reason.json[.rank<r>] (TEPO_EXIT_REASON_FILE): "requeue": true from the hang watchdog (fault.watchdog_*_s, exit 75),
+# "requeue": false from a run that stopped updating (fault.max_steps_without_update, exit 3) or a
+# bad setting or input (exit 2), which would only fail again. No file (a crash, a lost node, an
+# srun failure): requeued. torchrun reports any rank's failure as status 1, hence the file.
+# A node failure (NODE_FAIL) that kills this shell too is requeued by Slurm itself (--requeue).
+# Every requeued attempt starts again from step 1 of this script and the trainer resumes from the
+# newest complete checkpoint in train.output_dir (train.resume: true), which must be on a shared
+# file system; docs/FAULT_TOLERANCE.md.
 # Logs: $OUTPUT_DIR/logs/<job id>.<restart count>/{fit.log, sglang.<node>.<i>.log, trainer.log}.
 #
 # Settings (environment; unset ones come from the launch file through the fit check):
@@ -47,6 +60,10 @@
 #                               variable); unset: a random one per job. Passed to the steps in the
 #                               environment only (no command line shows it, nor a dry run)
 #   TEPO_HEALTH_TIMEOUT         seconds to wait for the SGLang servers (default 1800)
+#   TEPO_SERVER_RESTARTS        restarts of each SGLang server that exits (default 3; 0: none)
+#   TEPO_SERVER_RESTART_DELAY   seconds before the k-th restart of a server: k x this (default 10)
+#   TEPO_MAX_REQUEUES           requeues of the job after a failed trainer (default 3; 0: none);
+#                               time-limit / preemption requeues do not count
 #   TEPO_RDZV_PORT              torchrun rendezvous port (default 29500; one actor node and unset:
 #                               torchrun --standalone picks a free one)
 #   TEPO_DRY_RUN=1              print the srun commands instead of running them
@@ -246,6 +263,35 @@ tepo_serve_cmd() {
     printf '%q %s --port %q ' "$(tepo_python)" "$FIT_SERVE_ARGS" "$1"
 }
 
+# tepo_keep_serving LOG CMD...: run one server (CMD, its output appended to LOG) and start it again
+# when it exits, at most TEPO_SERVER_RESTARTS times, the k-th time after k x
+# TEPO_SERVER_RESTART_DELAY seconds; each exit and restart is a line in LOG and on stderr. Returns
+# the server's last status once no restart is left. TERM or INT (the step is stopped) stops the
+# server and the loop: no restart. Runs inside the SGLang srun step (which sources this file).
+tepo_keep_serving() {
+    local log=$1 n=0 rc pid=""
+    shift
+    local max=${TEPO_SERVER_RESTARTS:-3} delay=${TEPO_SERVER_RESTART_DELAY:-10}
+    [[ "$max" =~ ^[0-9]+$ ]] || { tepo_log "TEPO_SERVER_RESTARTS: expected a count >= 0, got '$max'"; return 2; }
+    [[ "$delay" =~ ^[0-9]+$ ]] || { tepo_log "TEPO_SERVER_RESTART_DELAY: expected seconds >= 0, got '$delay'"; return 2; }
+    trap '[[ -n "$pid" ]] && kill -TERM "$pid" 2>/dev/null; wait; exit 143' TERM INT
+    while :; do
+        "$@" >>"$log" 2>&1 &
+        pid=$!
+        rc=0
+        wait "$pid" || rc=$?
+        if ((n >= max)); then
+            tepo_log "server ($log) exited with status $rc; no restart left (TEPO_SERVER_RESTARTS=$max)" 2>&1 \
+                | tee -a "$log" >&2
+            return "$rc"
+        fi
+        n=$((n + 1))
+        tepo_log "server ($log) exited with status $rc: restart $n of $max in $((n * delay)) s" 2>&1 \
+            | tee -a "$log" >&2
+        sleep "$((n * delay))"
+    done
+}
+
 # Start FIT_SERVERS_PER_NODE servers on every rollout node (one srun step per node, in the
 # background); fill TEPO_SGLANG_URLS (comma-separated) and TEPO_STEP_PIDS. On cuda server i of a
 # node gets GPUs i*TP .. i*TP+TP-1; ports FIT_SGLANG_PORT + i (0: free ports of this host).
@@ -261,7 +307,8 @@ tepo_start_sglang() {
         fi
     fi
     for host in "${TEPO_ROLLOUT_HOSTS[@]}"; do
-        local script="set -e; "
+        local script
+        script="set -e; source $(printf '%q' "$TEPO_ROOT/slurm/lib.sh"); "
         for ((i = 0; i < FIT_SERVERS_PER_NODE; i++)); do
             if [[ "$base" == 0 ]]; then
                 if [[ "${TEPO_DRY_RUN:-0}" == 1 ]]; then port=$((30000 + i)); else port=$(tepo_free_port); fi
@@ -274,11 +321,11 @@ tepo_start_sglang() {
                 gpus=$(seq -s, "$first" "$last")
                 script+="CUDA_VISIBLE_DEVICES=$gpus "
             fi
-            script+="$(tepo_serve_cmd "$port")> $(printf '%q' "$LOG_DIR/sglang.$host.$i.log") 2>&1 & p$i=\$!; "
+            script+="tepo_keep_serving $(printf '%q' "$LOG_DIR/sglang.$host.$i.log") $(tepo_serve_cmd "$port")& p$i=\$!; "
             urls+=("http://$host:$port")
         done
         for ((i = 0; i < FIT_SERVERS_PER_NODE; i++)); do
-            script+="wait \$p$i; "  # set -e: the step ends with the first server's failure
+            script+="wait \$p$i; "  # set -e: the step ends with the first server out of restarts
         done
         tepo_log "SGLang on $host: $FIT_SERVERS_PER_NODE server(s), TP=$FIT_SGLANG_TP, device ${FIT_DEVICE:-cuda}"
         tepo_run srun --nodes=1 --ntasks=1 --nodelist="$host" "${srun_args[@]}" --kill-on-bad-exit=1 \
@@ -358,11 +405,50 @@ tepo_on_preempt() {
     exit 0
 }
 
-# TERM: scancel (or Slurm's preemption): stop the steps, no requeue.
+# TERM: scancel (or Slurm's preemption): stop the steps, no requeue (from here: after this job's
+# own `scontrol requeue`, Slurm stops the attempt with TERM too).
 tepo_on_term() {
-    tepo_log "TERM received: stopping the job steps (no requeue)"
+    if [[ "${TEPO_REQUEUED:-0}" == 1 ]]; then
+        tepo_log "TERM received: stopping the job steps (the job is requeued)"
+    else
+        tepo_log "TERM received: stopping the job steps (no requeue)"
+    fi
     tepo_stop_steps
     exit 143
+}
+
+# tepo_requeue_after_failure STATUS: the trainer step exited with STATUS (non-zero): requeue the
+# job (`scontrol requeue`) unless an exit-reason file of this attempt says "requeue": false, the
+# job was requeued after a failure TEPO_MAX_REQUEUES times already, or this is not a Slurm job. One
+# line says which and why. The count: the attempts of this job that left the marker file
+# requeued_after_failure in their log folder ($LOG_DIR's siblings <job>.<n>/), so time-limit
+# requeues (USR1) do not use it up. Returns 0 (the caller exits with the trainer's status).
+tepo_requeue_after_failure() {
+    local rc=$1 max=${TEPO_MAX_REQUEUES:-3} count=0 f why=""
+    [[ "$max" =~ ^[0-9]+$ ]] || tepo_die "TEPO_MAX_REQUEUES: expected a count >= 0, got '$max'"
+    for f in "$(dirname "${LOG_DIR:-./x}")/${SLURM_JOB_ID:-local}".*/requeued_after_failure; do
+        [[ -f "$f" ]] && count=$((count + 1))
+    done
+    for f in "${TEPO_EXIT_REASON_FILE:-}" "${TEPO_EXIT_REASON_FILE:-}".rank*; do
+        [[ -n "$f" && -f "$f" ]] || continue
+        if grep -q '"requeue": false' "$f"; then
+            tepo_log "not requeued: the trainer stopped for a reason a new attempt would meet again: $(head -c 600 "$f")"
+            return 0
+        fi
+        why=${why:-$(head -c 600 "$f")}
+    done
+    why=${why:-"no exit reason written (a crash, a lost node or a failed srun)"}
+    if [[ -z "${SLURM_JOB_ID:-}" ]] || ! command -v scontrol >/dev/null 2>&1; then
+        tepo_log "not requeued: not a Slurm job (trainer status $rc: $why)"
+    elif ((count >= max)); then
+        tepo_log "not requeued: job $SLURM_JOB_ID was requeued after a failure $count time(s) already (TEPO_MAX_REQUEUES=$max); trainer status $rc: $why"
+    else
+        tepo_log "requeueing job $SLURM_JOB_ID (requeue $((count + 1)) of at most $max; it resumes from the newest complete checkpoint) after trainer status $rc: $why"
+        TEPO_REQUEUED=1
+        printf '%s\n' "$why" >"${LOG_DIR:-.}/requeued_after_failure"
+        scontrol requeue "$SLURM_JOB_ID" || tepo_log "scontrol requeue failed"
+    fi
+    return 0
 }
 
 tepo_install_traps() {
@@ -393,12 +479,19 @@ tepo_main() {
     tepo_nccl_env
     tepo_api_key
     tepo_install_traps
-    tepo_start_sglang
-    tepo_wait_health "${TEPO_HEALTH_TIMEOUT:-1800}"
+    if [[ "${FIT_ENGINE:-sglang}" == sglang ]]; then
+        tepo_start_sglang
+        tepo_wait_health "${TEPO_HEALTH_TIMEOUT:-1800}"
+    else
+        tepo_log "rollout.engine: ${FIT_ENGINE} (generates inside the trainer): no SGLang server started"
+    fi
+    export TEPO_EXIT_REASON_FILE="$LOG_DIR/exit_reason.json"  # the trainer's ranks say why they stopped
+    rm -f "$TEPO_EXIT_REASON_FILE" "$TEPO_EXIT_REASON_FILE".rank*
     tepo_start_trainer "$@"
     local rc=0
     # `wait` returns early when a trapped signal arrives; the trap then requeues
     wait "$TEPO_TRAINER_PID" || rc=$?
     tepo_log "trainer exited with status $rc"
+    ((rc == 0)) || tepo_requeue_after_failure "$rc"
     return "$rc"
 }

@@ -11,7 +11,11 @@ model, ``train.export_hf``) and ``summary.json``. Running the same command again
 
 Exit status: 0; 2 for a user error (a bad setting or file: one line, ``--traceback`` for the
 whole story); 3 when the run made no update at all (the policy did not change: the line says
-why). See megatron_tepo/trainer/main.py for what it wires together and what it leaves out.
+why; also after ``fault.max_steps_without_update`` steps in a row without an update); 75 from a
+rank the hang watchdog stopped (megatron_tepo/trainer/watchdog.py; under torchrun the command's
+status is torchrun's, 1). With ``TEPO_EXIT_REASON_FILE`` set (slurm/lib.sh does), exits 2 and 3 and
+the watchdog write there why, and whether requeueing the job could help. See
+megatron_tepo/trainer/main.py for what it wires together and what it leaves out.
 """
 import argparse
 import os
@@ -32,15 +36,23 @@ def command(argv=None) -> dict:
     args = ap.parse_args(argv)
     from megatron_tepo.trainer.main import NoUpdateError, main
 
-    with user_errors(prog(), args.traceback):
-        try:
-            summary = main(args.config, args.overrides)
-        except NoUpdateError as exc:
-            if args.traceback:
-                raise
-            if os.environ.get("RANK", "0") == "0":
-                print(f"{prog()}: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(EXIT_NO_UPDATE) from None
+    from megatron_tepo.trainer.watchdog import write_exit_reason
+
+    try:
+        with user_errors(prog(), args.traceback):
+            try:
+                summary = main(args.config, args.overrides)
+            except NoUpdateError as exc:
+                write_exit_reason("no_update", False, str(exc))  # it would stall again: no requeue
+                if args.traceback:
+                    raise
+                if os.environ.get("RANK", "0") == "0":
+                    print(f"{prog()}: {exc}", file=sys.stderr, flush=True)
+                raise SystemExit(EXIT_NO_UPDATE) from None
+    except SystemExit as exc:
+        if exc.code == 2:  # a bad setting or input file (the line above says which): it would fail again
+            write_exit_reason("user_error", False, "a bad setting or input file: see the error line in the log")
+        raise
     if os.environ.get("RANK", "0") == "0":
         print(summary)
     return summary

@@ -125,10 +125,12 @@ def serve_args(spec: LaunchSpec) -> List[str]:
 def shell_vars(spec: LaunchSpec) -> Dict[str, str]:
     """What slurm/lib.sh needs, as ``FIT_*`` shell variables. ``FIT_SERVE_ARGS`` is :func:`serve_args`,
     shell-quoted; the values it is made of (``FIT_SGLANG_*``, ``FIT_MODEL_PATH``, ``FIT_CONTEXT_LEN``)
-    are there as before, though lib.sh reads only ``FIT_SGLANG_TP`` and ``FIT_SGLANG_PORT`` of them."""
+    are there as before, though lib.sh reads only ``FIT_SGLANG_TP`` and ``FIT_SGLANG_PORT`` of them.
+    ``FIT_ENGINE`` is ``rollout.engine``: lib.sh starts no server for an engine other than ``sglang``."""
     L = spec.launch
     return {
         "FIT_DEVICE": L.device,
+        "FIT_ENGINE": spec.cfg.rollout.engine,  # sglang: lib.sh starts the servers; embedded: none
         "FIT_ACTOR_NODES": str(L.actor_nodes), "FIT_ROLLOUT_NODES": str(L.rollout_nodes),
         "FIT_GPUS_PER_NODE": str(L.gpus_per_node), "FIT_SGLANG_TP": str(L.sglang.tp),
         "FIT_SERVERS_PER_NODE": str(L.servers_per_node),

@@ -23,6 +23,12 @@ step's groups to the other ranks; every rank runs the actor's collectives (old l
 the weight export, checkpoints). Data-parallel ranks each train on their share of every
 mini-batch (rows ``i % dp == dp_rank``); the loss normaliser is global (the actor's).
 
+Hangs and stalls (``cfg.fault``, docs/FAULT_TOLERANCE.md): every rank runs a
+:class:`~megatron_tepo.trainer.watchdog.Watchdog` over the waits for a rollout (``generate``), the
+actor's collectives (``collective``: old log-probs, each policy update, a checkpoint) and the weight
+sync (``sync``); a run without a policy update for ``fault.max_steps_without_update`` steps in a
+row stops with :class:`NoUpdateError` on every rank (the count starts again in a resumed run).
+
 Left out: a reference policy for ``kl_target: ref``; staleness beyond one step (fully
 asynchronous generation); a resumed run whose ``train.steps`` was raised past a finished run
 generates its next step on-policy (the finished run saved no pending rollout).
@@ -52,6 +58,7 @@ from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.config import AlgorithmConfig, RunConfig
 from megatron_tepo.rewards import RewardFn, scores_and_counts
 from megatron_tepo.rollout.engine import Sample, gathered_tensors
+from megatron_tepo.trainer.watchdog import Watchdog
 
 try:
     import torch.distributed as dist
@@ -271,6 +278,53 @@ def policy_update(actor, mb: RolloutBatch, loss: PolicyLoss) -> Dict[str, float]
     return metrics
 
 
+class NoUpdateError(RuntimeError):
+    """The run stopped changing the policy: :func:`train` after ``fault.max_steps_without_update``
+    steps in a row without an update, ``trainer/main.py`` when a whole run made none
+    (``tools/train.py`` exits 3; the Slurm job does not requeue it: it would stall again)."""
+
+
+def no_update_cause(metrics: dict, n_samples: int) -> str:
+    """Why a step made no update, as far as its metrics tell (the reward's counts among them)."""
+    if metrics.get("skipped_step"):
+        answers = metrics.get("groups_generated", 0) * n_samples
+        no_answer = metrics.get("reward_no_answer", 0)
+        timeouts = metrics.get("reward_timeouts", 0)
+        mean = metrics.get("reward_mean_all", 0.0)
+        why = (f"every group had equal rewards in {metrics.get('sampling_rounds', 0):g} sampling round(s) "
+               f"(reward mean {mean:.3f})")
+        if answers and no_answer >= answers / 2:
+            why += (f"; {no_answer} of {answers} responses had no \\boxed{{}} answer: check the prompt template "
+                    f"and rollout.max_new_tokens")
+        elif timeouts:
+            why += f"; {timeouts} answers timed out (reward.timeout_s)"
+        elif mean >= 1.0:
+            why += "; every response was already right: the prompts are too easy"
+        return why
+    return "every update was skipped: the loss or the gradient norm was not finite"
+
+
+def stalled_message(steps: int, last_step: int, metrics: dict, n_samples: int) -> str:
+    """The stop of a run with no update in ``steps`` steps in a row (ending at ``last_step``): why, and
+    what to change."""
+    if metrics.get("skipped_step"):
+        change = ("give it prompts whose samples differ in reward (harder or easier data, data.train_files), "
+                  "more sampling (rollout.n_samples, rollout.temperature, rollout.max_sampling_rounds), or check "
+                  "the reward (reward.kind)")
+    else:
+        change = "lower optim.lr, check the data for degenerate rows, or resume from an earlier checkpoint"
+    return (f"no policy update for {steps} steps in a row (steps {last_step - steps + 1}-{last_step}, "
+            f"fault.max_steps_without_update={steps}): {no_update_cause(metrics, n_samples)}; {change} "
+            f"(fault.max_steps_without_update: 0 never stops)")
+
+
+def _hang(step: int) -> None:
+    """``fault.inject_hang_at_step`` (test only): block forever, as a rank stuck in a collective does."""
+    print(f"[train] fault.inject_hang_at_step={step}: global rank 0 hangs now (test only)", flush=True)
+    while True:
+        time.sleep(3600)
+
+
 PENDING_FILE = "pending_rollout.pt"
 LOOP_KEYS = ("step", "rng", "order", "engine_rng", "pending_rollout")
 
@@ -356,7 +410,11 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
     metrics log keeps exactly the steps before the one the run starts at.
 
     A step that makes no update (every group dropped, or every update skipped as non-finite) is
-    logged and passed to ``on_step`` like the others (``skipped_step``, ``updates``).
+    logged, checkpointed and passed to ``on_step`` like the others (``skipped_step``, ``updates``);
+    after ``fault.max_steps_without_update`` such steps in a row :class:`NoUpdateError` is raised
+    on every rank, saying why and what to change. Every rank watches its own progress
+    (:class:`~megatron_tepo.trainer.watchdog.Watchdog`, ``fault.watchdog_*_s``): a hung phase stops
+    the process with every thread's stack in its log and exit status 75.
 
     With several processes, call it on every rank: ``engine``, ``logger``, ``on_step``, ``report``
     and ``eval_fn`` are used on the driver (global rank 0) only and may be None elsewhere; the
@@ -383,101 +441,121 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
     start, pending = 1, None  # pending: the next step's rollout, on the driver (one-step-off)
     if checkpoint_root:
         remove_partial_checkpoints(checkpoint_root)
-    if checkpoint_root and cfg.train.resume:
-        latest, state = load_newest_checkpoint(actor, checkpoint_root, report)
-        if latest is not None:
-            start = _restore_loop_state(state, rng, order, engine) + 1
-            extra.update({k: v for k, v in state.items() if k not in LOOP_KEYS})
-            if state.get("pending_rollout"):
-                pending = driver.local(partial(_read_pending, Path(latest) / state["pending_rollout"]))
-            extra["resumed_from"] = str(latest)
-            sync_weights(actor, engine)
-            if report is not None:
-                report(f"resumed from {latest}: continuing at step {start}")
-    if start == 1 and report is not None:
-        report("starting at step 1")
-    stale_warning = stale_sequence_ratio_warning(cfg.algorithm, cfg.rollout.max_staleness)
-    if driver.is_driver and stale_warning:
-        warnings.warn(stale_warning, RuntimeWarning, stacklevel=2)
-    if logger is not None:
-        logger.truncate_after(start - 1)
-
-    def generate(version: int) -> Generated:  # on the driver: the next prompts, sampled and scored
-        rng.shuffle(order)
-        prompts, groups, rewards, stats = generate_groups(engine, task, order[:cfg.rollout.prompts_per_step], cfg, rng)
-        health = getattr(engine, "health_metrics", dict)()  # servers lost, restarted, re-synced since the last step
-        return Generated(prompts, groups, rewards, {**stats, **health}, version)
-
-    def finish(step: int, metrics: Dict, pending: Optional[Generated]) -> None:
-        # 6. every step, with or without an update (a collapsed run is measured too): the held-out
-        #    evaluation when due, the step's report, its checkpoint
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-            metrics.update(driver.run(eval_fn or dict))
-        if on_step is not None:
-            on_step(step, metrics)
+    with Watchdog.from_config(cfg.fault, rank=driver.rank) as watchdog:  # this rank's (fault.watchdog_*)
+        if checkpoint_root and cfg.train.resume:
+            latest, state = load_newest_checkpoint(actor, checkpoint_root, report)
+            if latest is not None:
+                start = _restore_loop_state(state, rng, order, engine) + 1
+                extra.update({k: v for k, v in state.items() if k not in LOOP_KEYS})
+                if state.get("pending_rollout"):
+                    pending = driver.local(partial(_read_pending, Path(latest) / state["pending_rollout"]))
+                extra["resumed_from"] = str(latest)
+                with watchdog.phase("sync"):
+                    sync_weights(actor, engine)
+                if report is not None:
+                    report(f"resumed from {latest}: continuing at step {start}")
+        if start == 1 and report is not None:
+            report("starting at step 1")
+        stale_warning = stale_sequence_ratio_warning(cfg.algorithm, cfg.rollout.max_staleness)
+        if driver.is_driver and stale_warning:
+            warnings.warn(stale_warning, RuntimeWarning, stacklevel=2)
         if logger is not None:
-            logger.log(step, metrics)
-        _save(cfg, actor, checkpoint_root, step, _loop_state(step, rng, order, engine, extra, pending),
-              checkpoint_files, driver, pending)
-        history.append(metrics)
+            logger.truncate_after(start - 1)
 
-    for step in range(start, cfg.train.steps + 1):
-        t0 = time.time()
-        # 1. generate -> reward -> dynamic sampling; one-step-off: this step's rollout was generated
-        #    while the previous step trained, and the next one's starts now, with this step's weights
-        prompts, groups, reward, gen, version = driver.run(lambda: pending or generate(step))
-        rollout_s = time.time() - t0  # waiting for the rollout (generating it, when not done ahead)
-        # (every rank knows whether a rollout runs ahead: waiting for it is a collective)
-        overlap = bool(cfg.rollout.max_staleness) and step < cfg.train.steps
-        pending, ahead = None, driver.start(partial(generate, step)) if overlap else None
-        gen = {**gen, "rollout_staleness": float(step - version)}
-        if not prompts:  # every group had equal rewards for max_sampling_rounds rounds
+        def generate(version: int) -> Generated:  # on the driver: the next prompts, sampled and scored
+            rng.shuffle(order)
+            prompts, groups, rewards, stats = generate_groups(engine, task, order[:cfg.rollout.prompts_per_step],
+                                                              cfg, rng)
+            health = getattr(engine, "health_metrics", dict)()  # servers lost, restarted, re-synced since
+            return Generated(prompts, groups, rewards, {**stats, **health}, version)
+
+        stalled = 0  # steps in a row without an update
+
+        def finish(step: int, metrics: Dict, pending: Optional[Generated]) -> None:
+            # 6. every step, with or without an update (a collapsed run is measured too): the held-out
+            #    evaluation when due, the step's report, its checkpoint; a run that stopped updating stops
+            nonlocal stalled
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                with watchdog.phase("generate"):
+                    metrics.update(driver.run(eval_fn or dict))
+            if on_step is not None:
+                on_step(step, metrics)
+            if logger is not None:
+                logger.log(step, metrics)
+            with watchdog.phase("collective"):
+                _save(cfg, actor, checkpoint_root, step, _loop_state(step, rng, order, engine, extra, pending),
+                      checkpoint_files, driver, pending)
+            history.append(metrics)
+            stalled = stalled + 1 if metrics["updates"] == 0 else 0
+            if cfg.fault.max_steps_without_update and stalled >= cfg.fault.max_steps_without_update:
+                raise NoUpdateError(stalled_message(stalled, step, metrics, n))
+
+        for step in range(start, cfg.train.steps + 1):
+            t0 = time.time()
+            # 1. generate -> reward -> dynamic sampling; one-step-off: this step's rollout was generated
+            #    while the previous step trained, and the next one's starts now, with this step's weights
+            with watchdog.phase("generate"):
+                prompts, groups, reward, gen, version = driver.run(lambda: pending or generate(step))
+            rollout_s = time.time() - t0  # waiting for the rollout (generating it, when not done ahead)
+            # (every rank knows whether a rollout runs ahead: waiting for it is a collective)
+            overlap = bool(cfg.rollout.max_staleness) and step < cfg.train.steps
+            pending, ahead = None, driver.start(partial(generate, step)) if overlap else None
+            gen = {**gen, "rollout_staleness": float(step - version)}
+            if not prompts:  # every group had equal rewards for max_sampling_rounds rounds
+                t = time.time()
+                with watchdog.phase("generate"):
+                    pending = driver.local(lambda: ahead.result()) if overlap else None
+                finish(step, {"skipped_step": 1.0, "updates": 0.0, **gen, "rollout_s": rollout_s + time.time() - t,
+                              "step_s": time.time() - t0}, pending)
+                continue
+            # 2. advantages (eq. 9), GPG's correction when configured
+            adv = compute_group_advantages(reward, n, std_normalize=cfg.advantage.std_normalize, eps=cfg.advantage.eps)
+            if cfg.advantage.gpg_correction:
+                adv = adv * gpg_correction(reward, n)
+            batch = RolloutBatch.from_groups(prompts, groups, task.pad_token_id, advantages=adv,
+                                             temperature=cfg.rollout.temperature)
+            response_length_mean = float(batch.response_mask.sum(1).mean())
+            if dp_size > 1:  # this rank's share of every mini-batch (rows_per_mb is a multiple of dp_size)
+                batch = batch.split_for_data_parallel(dp_rank, dp_size)
+            # 3. old log-probs: the actor's (and its entropy), or the engine's own
+            t_train, drift = time.time(), {}
+            if cfg.algorithm.old_log_prob == "rollout":
+                batch.old_log_probs = batch.rollout_log_probs
+            else:
+                with watchdog.phase("collective"):
+                    batch.old_log_probs, batch.old_entropy = actor.compute_log_probs(batch)
+                    fresh = step == version  # a batch of older weights differs by an update: reported, no warning
+                    local = drift_check(batch.rollout_log_probs, batch.old_log_probs, batch.response_mask,
+                                        warn=dp_size == 1 and fresh and driver.is_driver)
+                    drift = local if dp_size == 1 else driver.combine_drift(local, drift_check, dp_size, warn=fresh)
+            # 4. policy updates over mini-batches of prompts (each one progress for the watchdog)
+            local_rows_per_mb = rows_per_mb // dp_size
+            updates = []
+            with watchdog.phase("collective"):
+                if step == cfg.fault.inject_hang_at_step and start == 1 and driver.is_driver:
+                    _hang(step)  # test only: the other ranks block in the update's collectives
+                for _ in range(cfg.train.epochs_per_step):
+                    for first in range(0, batch.batch_size, local_rows_per_mb):
+                        mb = batch.select(range(first, min(first + local_rows_per_mb, batch.batch_size)))
+                        updates.append(policy_update(actor, mb, loss))
+                        watchdog.beat()
+            # 5. weight sync to the rollout engine, once the next step's rollout is in (no request runs
+            #    across a weight update)
             t = time.time()
-            pending = driver.local(lambda: ahead.result()) if overlap else None
-            finish(step, {"skipped_step": 1.0, "updates": 0.0, **gen, "rollout_s": rollout_s + time.time() - t,
-                          "step_s": time.time() - t0}, pending)
-            continue
-        # 2. advantages (eq. 9), GPG's correction when configured
-        adv = compute_group_advantages(reward, n, std_normalize=cfg.advantage.std_normalize, eps=cfg.advantage.eps)
-        if cfg.advantage.gpg_correction:
-            adv = adv * gpg_correction(reward, n)
-        batch = RolloutBatch.from_groups(prompts, groups, task.pad_token_id, advantages=adv,
-                                         temperature=cfg.rollout.temperature)
-        response_length_mean = float(batch.response_mask.sum(1).mean())
-        if dp_size > 1:  # this rank's share of every mini-batch (rows_per_mb is a multiple of dp_size)
-            batch = batch.split_for_data_parallel(dp_rank, dp_size)
-        # 3. old log-probs: the actor's (and its entropy), or the engine's own
-        t_train, drift = time.time(), {}
-        if cfg.algorithm.old_log_prob == "rollout":
-            batch.old_log_probs = batch.rollout_log_probs
-        else:
-            batch.old_log_probs, batch.old_entropy = actor.compute_log_probs(batch)
-            fresh = step == version  # a batch of older weights differs by an update: reported, no warning
-            local = drift_check(batch.rollout_log_probs, batch.old_log_probs, batch.response_mask,
-                                warn=dp_size == 1 and fresh and driver.is_driver)
-            drift = local if dp_size == 1 else driver.combine_drift(local, drift_check, dp_size, warn=fresh)
-        # 4. policy updates over mini-batches of prompts
-        local_rows_per_mb = rows_per_mb // dp_size
-        updates = []
-        for _ in range(cfg.train.epochs_per_step):
-            for first in range(0, batch.batch_size, local_rows_per_mb):
-                mb = batch.select(range(first, min(first + local_rows_per_mb, batch.batch_size)))
-                updates.append(policy_update(actor, mb, loss))
-        # 5. weight sync to the rollout engine, once the next step's rollout is in (no request runs
-        #    across a weight update)
-        t = time.time()
-        train_s = t - t_train
-        pending = driver.local(lambda: ahead.result()) if overlap else None
-        rollout_s += time.time() - t
-        sync_s = sync_weights(actor, engine)
-        done = [u for u in updates if not u["skipped_update"]] or updates
-        metrics = {k: sum(u[k] for u in done) / len(done) for k in done[0] if isinstance(done[0][k], float)}
-        metrics["skipped_update"] = float(sum(u["skipped_update"] for u in updates))
-        metrics["updates"] = float(len(updates)) - metrics["skipped_update"]
-        metrics.update(gen, reward_mean=float(reward.mean()), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
-                       step_s=time.time() - t0, response_length_mean=response_length_mean, **drift)
-        finish(step, metrics, pending)
-    return history
+            train_s = t - t_train
+            with watchdog.phase("generate"):
+                pending = driver.local(lambda: ahead.result()) if overlap else None
+            rollout_s += time.time() - t
+            with watchdog.phase("sync"):
+                sync_s = sync_weights(actor, engine)
+            done = [u for u in updates if not u["skipped_update"]] or updates
+            metrics = {k: sum(u[k] for u in done) / len(done) for k in done[0] if isinstance(done[0][k], float)}
+            metrics["skipped_update"] = float(sum(u["skipped_update"] for u in updates))
+            metrics["updates"] = float(len(updates)) - metrics["skipped_update"]
+            metrics.update(gen, reward_mean=float(reward.mean()), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
+                           step_s=time.time() - t0, response_length_mean=response_length_mean, **drift)
+            finish(step, metrics, pending)
+        return history
 
 
 def _save(cfg: RunConfig, actor, root: Optional[Path], step: int, state: Dict, files, driver: Driver,

@@ -29,6 +29,7 @@ from typing import List, Optional
 import torch
 
 from megatron_tepo.config import RunConfig, dump_config, load_config
+from megatron_tepo.trainer.loop import NoUpdateError, no_update_cause  # noqa: F401 -- (imported from here too)
 
 
 def build_task(cfg: RunConfig, tokenizer, pool):
@@ -95,10 +96,6 @@ def build_actor_and_engine(cfg: RunConfig, model_dir: str, pad_token_id: int):
     return actor, engine
 
 
-class NoUpdateError(RuntimeError):
-    """The run ended without changing the policy (``tools/train.py`` exits 3)."""
-
-
 def check_resume(cfg: RunConfig, latest: Optional[Path]) -> None:
     """Refuse a resumed run whose settings differ from its newest checkpoint's (one line listing
     the changed keys), unless ``train.allow_config_change``; what ``RESUME_MAY_CHANGE`` lists may
@@ -116,26 +113,6 @@ def check_resume(cfg: RunConfig, latest: Optional[Path]) -> None:
         listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in ((k, *v) for k, v in changed.items()))
         raise ConfigError(f"train.resume: {latest} was saved with other settings ({listed}); to continue with "
                           f"the new ones set train.allow_config_change=true, or start a new train.output_dir")
-
-
-def no_update_cause(metrics: dict, n_samples: int) -> str:
-    """Why a step made no update, as far as its metrics tell (the reward's counts among them)."""
-    if metrics.get("skipped_step"):
-        answers = metrics.get("groups_generated", 0) * n_samples
-        no_answer = metrics.get("reward_no_answer", 0)
-        timeouts = metrics.get("reward_timeouts", 0)
-        mean = metrics.get("reward_mean_all", 0.0)
-        why = (f"every group had equal rewards in {metrics.get('sampling_rounds', 0):g} sampling round(s) "
-               f"(reward mean {mean:.3f})")
-        if answers and no_answer >= answers / 2:
-            why += (f"; {no_answer} of {answers} responses had no \\boxed{{}} answer: check the prompt template "
-                    f"and rollout.max_new_tokens")
-        elif timeouts:
-            why += f"; {timeouts} answers timed out (reward.timeout_s)"
-        elif mean >= 1.0:
-            why += "; every response was already right: the prompts are too easy"
-        return why
-    return "every update was skipped: the loss or the gradient norm was not finite"
 
 
 RUN_CONFIG = "run_config.yaml"  # in each trainer checkpoint: the settings it was trained with

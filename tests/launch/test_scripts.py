@@ -232,6 +232,103 @@ def test_dry_run_local_cpu(tmp_path):
     sglang = (logs / "sglang.cpu1.srun.log").read_text()
     assert f"--nodelist=cpu1 --overlap --cpus-per-task={cpus} " in sglang and "gpus-per-node" not in sglang
     assert sglang.count("megatron_tepo.rollout.sglang.server") == 1 and "--device\\ cpu" in sglang
+    # each server runs under lib.sh's restart loop, its output into its own log
+    assert "source\\ " in sglang and f"tepo_keep_serving\\ {logs}/sglang.cpu1.0.log\\ " in sglang
     assert "CUDA_VISIBLE_DEVICES" not in sglang and "--context-length" not in sglang
     run = (tmp_path / "run" / "run.yaml").read_text()
     assert "engine: sglang" in run and f"path: {tmp_path / 'model'}" in run and "steps: 2" in run
+
+
+def test_dry_run_embedded_engine_starts_no_server(tmp_path):
+    """rollout.engine: embedded generates inside the trainer: no SGLang step, no health wait."""
+    env = dict(_dry_env(tmp_path, MODEL_PATH=str(tmp_path / "model")), TEPO_NODELIST="cpu1")
+    res = subprocess.run(["bash", str(ROOT / "slurm" / "local_cpu_tepo.sh"), "rollout.engine=embedded"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "rollout.engine: embedded (generates inside the trainer): no SGLang server started" in res.stderr
+    logs = next((tmp_path / "out" / "logs").iterdir())
+    assert not list(logs.glob("sglang.*")) and "SGLang server(s) healthy" not in res.stderr
+    assert "torch.distributed.run" in (logs / "trainer.log").read_text()
+
+
+def _lib(script, tmp_path, **env):
+    """``script`` after sourcing lib.sh, with a fake ``scontrol`` that records its arguments."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "scontrol").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/scontrol.calls\n')
+    (fake / "scontrol").chmod(0o755)
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TEPO_"))}
+    full.update(PATH=f"{fake}:{os.environ['PATH']}", **env)
+    return subprocess.run(["bash", "-c", f'set -euo pipefail; source "{ROOT}/slurm/lib.sh"; {script}'],
+                          env=full, capture_output=True, text=True, timeout=120)
+
+
+def _calls(tmp_path):
+    f = tmp_path / "scontrol.calls"
+    return f.read_text().splitlines() if f.exists() else []
+
+
+@pytest.mark.parametrize("reason,count,requeued,needle", [
+    (None, 0, True, "requeueing job 42 (requeue 1 of at most 3; it resumes from the newest complete checkpoint) "
+                    "after trainer status 1: no exit reason written (a crash, a lost node or a failed srun)"),
+    ('{"reason": "watchdog", "requeue": true, "message": "watchdog: no progress"}', 2, True,
+     'requeue 3 of at most 3; it resumes from the newest complete checkpoint) after trainer status 1: '
+     '{"reason": "watchdog"'),
+    ('{"reason": "no_update", "requeue": false, "message": "no policy update for 20 steps"}', 0, False,
+     "not requeued: the trainer stopped for a reason a new attempt would meet again: "
+     '{"reason": "no_update"'),
+    (None, 3, False, "not requeued: job 42 was requeued after a failure 3 time(s) already (TEPO_MAX_REQUEUES=3)"),
+])
+def test_a_failed_trainer_requeues_unless_its_reason_or_the_count_forbids(tmp_path, reason, count, requeued,
+                                                                        needle):
+    out = tmp_path / "out"
+    # earlier attempts of job 42: `count` requeued after a failure, one more by the time limit (no marker)
+    for n in range(count + 1):
+        (out / "logs" / f"42.{n}").mkdir(parents=True)
+        if n < count:
+            (out / "logs" / f"42.{n}" / "requeued_after_failure").write_text("x\n")
+    attempt = out / "logs" / f"42.{count + 1}"
+    attempt.mkdir()
+    if reason:  # rank 1 wrote it (rank 0 was stopped by torchrun first)
+        (attempt / "exit_reason.json.rank1").write_text(reason + "\n")
+    res = _lib("tepo_requeue_after_failure 1", tmp_path, SLURM_JOB_ID="42", SLURM_RESTART_COUNT=str(count + 1),
+               TEPO_EXIT_REASON_FILE=str(attempt / "exit_reason.json"), FIT_OUTPUT_DIR=str(out),
+               LOG_DIR=str(attempt))
+    assert res.returncode == 0, res.stderr
+    assert needle in res.stderr
+    assert _calls(tmp_path) == (["requeue 42"] if requeued else [])
+    assert (attempt / "requeued_after_failure").exists() == requeued
+
+
+def test_requeue_count_setting_is_checked(tmp_path):
+    env = dict(SLURM_JOB_ID="42", FIT_OUTPUT_DIR=str(tmp_path), LOG_DIR=str(tmp_path))
+    res = _lib("tepo_requeue_after_failure 1", tmp_path, TEPO_MAX_REQUEUES="many", **env)
+    assert res.returncode == 1 and "TEPO_MAX_REQUEUES: expected a count >= 0, got 'many'" in res.stderr
+    assert _calls(tmp_path) == []
+    res = _lib("tepo_requeue_after_failure 1", tmp_path, TEPO_MAX_REQUEUES="0", **env)
+    assert "not requeued: job 42 was requeued after a failure 0 time(s) already (TEPO_MAX_REQUEUES=0)" in res.stderr
+
+
+def test_a_server_that_exits_is_restarted_a_bounded_number_of_times(tmp_path):
+    log = tmp_path / "server.log"
+    res = _lib(f'tepo_keep_serving {log} bash -c "echo serving; exit 7"', tmp_path, TEPO_SERVER_RESTARTS="2",
+               TEPO_SERVER_RESTART_DELAY="0")
+    assert res.returncode == 7, res.stderr
+    text = log.read_text()
+    assert text.count("serving") == 3  # the first start and two restarts
+    assert f"server ({log}) exited with status 7: restart 1 of 2 in 0 s" in text
+    assert f"server ({log}) exited with status 7: restart 2 of 2 in 0 s" in text
+    assert f"server ({log}) exited with status 7; no restart left (TEPO_SERVER_RESTARTS=2)" in res.stderr
+    bad = _lib(f"tepo_keep_serving {log} true", tmp_path, TEPO_SERVER_RESTARTS="-1")
+    assert bad.returncode == 2 and "TEPO_SERVER_RESTARTS: expected a count >= 0, got '-1'" in bad.stderr
+
+
+def test_a_stopped_step_does_not_restart_its_server(tmp_path):
+    # TERM to the restart loop (what stopping the srun step sends): the server stops, no restart
+    log, ready = tmp_path / "server.log", tmp_path / "ready"
+    script = (f'tepo_keep_serving {log} bash -c "echo serving; touch {ready}; exec sleep 600" & loop=$!; '
+              f'while [[ ! -e {ready} ]]; do sleep 0.1; done; kill -TERM $loop; rc=0; wait $loop || rc=$?; '
+              'echo "loop status $rc"')
+    res = _lib(script, tmp_path, TEPO_SERVER_RESTARTS="3", TEPO_SERVER_RESTART_DELAY="0")
+    assert "loop status 143" in res.stdout, res.stdout + res.stderr
+    assert log.read_text().count("serving") == 1 and "restart" not in log.read_text()

@@ -100,7 +100,7 @@ def main(args):
 
     for i, s in enumerate(fleet.servers):
         instrument(s, i)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir)  # float32, as saved
     prompts = task.train_prompts[:3]
     checks = []
 

@@ -115,7 +115,7 @@ def _other_weights(tiny, dst):
     shutil.copytree(tiny / "model", dst)
     for f in dst.glob("*.safetensors"):
         f.unlink()
-    model = AutoModelForCausalLM.from_pretrained(tiny / "model", torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny / "model")  # float32, as saved
     torch.manual_seed(7)
     with torch.no_grad():
         for p in model.parameters():

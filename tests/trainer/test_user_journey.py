@@ -20,13 +20,13 @@ from tests.dist_utils import REPO
 pytestmark = pytest.mark.slow  # each test starts the trainer (10-20 s) a few times
 
 
-def train(tiny, out, *extra, expect=0):
+def train(tiny, out, *extra, expect=0, env=None):
     """The README's command: a method file, the model, the prompt file, the output folder."""
     cmd = [sys.executable, str(REPO / "tools/train.py"), "--config", str(REPO / "examples/tiny_tepo/sizes.yaml"),
            f"model.path={tiny / 'model'}", f"data.train_files=[{tiny / 'train.jsonl'}]", "reward.kind=exact_match",
            f"train.output_dir={out}", "rollout.prompts_per_step=8", "train.mini_batch_prompts=4", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -162,6 +162,24 @@ def test_a_run_that_trains_nothing_says_why_and_fails(tiny, tmp_path):
     m = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in m] == [1, 2] and all(x["skipped_step"] == 1.0 and not math.isnan(x["updates"]) for x in m)
     assert "eval/avg@1" not in m[0] and m[1]["eval/avg@1"] == 0.0  # math_verify: no boxed answer, reward 0
+
+
+def test_a_run_that_stops_updating_stops_early_and_forbids_a_requeue(tiny, tmp_path):
+    # 400 steps asked, none can update (no \boxed{} answer: equal rewards): it stops after
+    # fault.max_steps_without_update steps, exit 3, and tells the Slurm job not to requeue
+    reason = tmp_path / "exit_reason.json"
+    proc = train(tiny, tmp_path / "run", "train.steps=400", "reward.kind=math_verify", "reward.workers=1",
+                 "rollout.max_sampling_rounds=1", "fault.max_steps_without_update=2", expect=3,
+                 env={"TEPO_EXIT_REASON_FILE": str(reason)})
+    assert "no policy update for 2 steps in a row (steps 1-2, fault.max_steps_without_update=2)" in proc.stderr
+    assert "had no \\boxed{} answer" in proc.stderr
+    assert steps(tmp_path / "run") == [1, 2]
+    written = json.loads(reason.read_text())
+    assert written["reason"] == "no_update" and written["requeue"] is False and "2 steps in a row" in written["message"]
+    bad = train(tiny, tmp_path / "bad", "train.steps=0", expect=2, env={"TEPO_EXIT_REASON_FILE": str(reason)})
+    assert "train.steps" in bad.stderr
+    written = json.loads(reason.read_text())
+    assert written["reason"] == "user_error" and written["requeue"] is False
 
 
 def test_user_errors_are_one_line(tiny, tmp_path):

@@ -1,0 +1,81 @@
+"""A run that makes no policy update for ``fault.max_steps_without_update`` steps in a row stops with
+NoUpdateError saying why (equal rewards everywhere / every update non-finite) instead of going
+through all its steps; an update in between starts the count again; 0 never stops. A fake engine
+and actor (no model): the loop's bookkeeping only."""
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_tepo.config import from_dict
+from megatron_tepo.rollout.engine import RolloutEngine, Sample
+from megatron_tepo.trainer.loop import NoUpdateError, Task, train
+
+
+class EchoEngine(RolloutEngine):
+    """Sample j of prompt [p] is the response [p, j]; weight updates are accepted and dropped."""
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=128, stop_token_ids=()):
+        return [[Sample([p[0], j], [-0.5, -0.5], "stop") for j in range(n)] for p in prompts]
+
+    def update_weights(self, named_tensors):
+        pass
+
+
+class NanActor:
+    """Every update's loss is NaN (skipped by the loop) except on the calls in ``finite``."""
+
+    def __init__(self, finite=()):
+        self.calls, self.finite = 0, set(finite)
+        self.optimizer = SimpleNamespace(get_grad_norm=lambda: 1.0, zero_grad=lambda: None)
+        self.model = [SimpleNamespace(zero_grad_buffer=lambda: None)]
+
+    def forward_backward(self, mb, loss):
+        self.calls += 1
+        return {"loss": 0.5 if self.calls in self.finite else math.nan}
+
+    def optimizer_step(self):
+        return {"lr": 1e-4}
+
+    def export_hf_state(self):
+        return iter(())
+
+
+def _cfg(steps, max_without, **rollout):
+    return from_dict({"rollout": {"prompts_per_step": 2, "n_samples": 2, "max_sampling_rounds": 1, **rollout},
+                      "algorithm": {"old_log_prob": "rollout"},
+                      "train": {"steps": steps, "mini_batch_prompts": 2, "epochs_per_step": 1},
+                      "fault": {"max_steps_without_update": max_without, "watchdog_generate_s": 0,
+                                "watchdog_collective_s": 0, "watchdog_sync_s": 0}})
+
+
+def _task(reward):
+    return Task([[i + 3] for i in range(8)], ["a"] * 8, lambda responses, answers: [reward(r) for r in responses],
+                stop_token_ids=[], pad_token_id=0)
+
+
+def test_equal_rewards_for_n_steps_in_a_row_stop_the_run_saying_why():
+    seen = []
+    with pytest.raises(NoUpdateError) as err:
+        train(_cfg(400, 5), NanActor(), EchoEngine(), _task(lambda r: 0.0), on_step=lambda s, m: seen.append(s))
+    assert seen == [1, 2, 3, 4, 5]  # not 400 steps
+    msg = str(err.value)
+    assert "no policy update for 5 steps in a row (steps 1-5, fault.max_steps_without_update=5)" in msg
+    assert "every group had equal rewards in 1 sampling round(s)" in msg
+    assert "rollout.n_samples" in msg and "0 never stops" in msg
+
+
+def test_every_update_non_finite_stops_and_an_update_resets_the_count():
+    actor, seen = NanActor(finite={3}), []  # the third step's update is finite
+    with pytest.raises(NoUpdateError) as err:
+        train(_cfg(400, 3), actor, EchoEngine(), _task(lambda r: float(r[1] == 0)),
+              on_step=lambda s, m: seen.append((s, m["updates"])))
+    assert seen == [(1, 0.0), (2, 0.0), (3, 1.0), (4, 0.0), (5, 0.0), (6, 0.0)]
+    msg = str(err.value)
+    assert "(steps 4-6, fault.max_steps_without_update=3)" in msg
+    assert "every update was skipped: the loss or the gradient norm was not finite" in msg and "optim.lr" in msg
+
+
+def test_zero_never_stops():
+    history = train(_cfg(8, 0), NanActor(), EchoEngine(), _task(lambda r: 0.0))
+    assert [m["updates"] for m in history] == [0.0] * 8
