@@ -168,8 +168,9 @@ def main(argv=None):
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every run (repeatable), e.g. optim.lr=3e-4")
     ap.add_argument("--tepo-clip", metavar="LOW/HIGH",
-                    help="TEPO's clip range for the TEPO rows (default: the row config's); a row that sets its "
-                         "own (TEPO, clip 3e-4/4e-4) keeps it; 0.2/0.28 is its default before #16")
+                    help="TEPO's clip range for the TEPO rows (default: the loss's own, 0.01/0.014 since #26); a row "
+                         "that sets its own (TEPO, clip 3e-4/4e-4) keeps it; 0.2/0.28 was its default before #16, "
+                         "3e-4/4e-4 before #26")
     ap.add_argument("--jobs", type=int, default=1,
                     help="runs at once, one core each (a run's results do not depend on it; its wall time does)")
     ap.add_argument("--out", type=Path, help="keep every run's metrics here, with seed-mean curves and dynamics.png")

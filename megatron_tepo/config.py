@@ -62,8 +62,8 @@ class AlgorithmConfig:
     """The policy loss and its options (see ``megatron_tepo.algorithms.compute_policy_loss``)."""
 
     loss: str = "tepo"
-    clip_low: Optional[float] = None  # None: the loss's own default (0.2 for most; 3e-4 gspo, tepo)
-    clip_high: Optional[float] = None  # None: the loss's own default (0.28 for most; 4e-4 gspo, tepo)
+    clip_low: Optional[float] = None  # None: the loss's own default (0.2 for most; 3e-4 gspo; 0.01 tepo)
+    clip_high: Optional[float] = None  # None: the loss's own default (0.28 for most; 4e-4 gspo; 0.014 tepo)
     agg: Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]] = None
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"

@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_tepo.algorithms import PolicyLoss
 from megatron_tepo.config import load_config
 
 ABL = Path(__file__).resolve().parents[1] / "examples" / "ablations"
@@ -15,8 +16,7 @@ ROWS = {
     "table1_entropy_based_term": ("grpo", dict(entropy_adv_alpha=4e-4, entropy_adv_kappa=2.0)),
     "table1_gpg": ("gpg", {}),
     "table1_gspo": ("gspo", dict(clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean")),
-    "table1_tepo_qwen2.5_7b": ("tepo", dict(clip_low=3e-4, clip_high=4e-4, kl_coef=0.001, kl_mask="pos_adv_dec_entropy",
-                                            agg="token-mean")),
+    "table1_tepo_qwen2.5_7b": ("tepo", dict(kl_coef=0.001, kl_mask="pos_adv_dec_entropy", agg="token-mean")),
     "table1_tepo_qwen3_14b": ("tepo", dict(kl_coef=1.0, kl_mask="pos_adv_dec_entropy")),
     "table3_tepo_wo_kl": ("tepo", dict(kl_coef=0.0)),
     "table3_a_undiff_kl_beta_1": ("tepo", dict(kl_coef=1.0, kl_mask="all")),
@@ -48,8 +48,9 @@ def test_row_config(stem):
     cfg = load_config(ABL / f"{stem}.yaml")
     loss, fields = ROWS[stem]
     assert cfg.algorithm.loss == loss
-    if loss == "tepo":  # every TEPO row: GSPO's range on the sequence ratio (docs/ALGORITHMS.md, "tepo")
-        assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high) == (3e-4, 4e-4), stem
+    if loss == "tepo":  # every TEPO row: the loss's own range, 0.01/0.014 (docs/ALGORITHMS.md, "tepo")
+        effective = PolicyLoss.from_config(cfg.algorithm)
+        assert (effective.clip_low, effective.clip_high) == (0.01, 0.014), stem
     for name, value in fields.items():
         got = getattr(cfg.algorithm, name)
         assert got == (pytest.approx(value) if isinstance(value, float) else value), (stem, name, got)
@@ -62,3 +63,11 @@ def test_row_config(stem):
 def test_no_unlisted_row_files():
     files = {p.stem for p in ABL.glob("*.yaml") if not p.stem.startswith("_")}
     assert files == set(ROWS)
+
+
+def test_the_main_job_gets_tepos_own_range():
+    """What a user gets without asking: examples/tiny_tepo/config.yaml sets no clip range."""
+    cfg = load_config(Path(__file__).resolve().parents[1] / "examples/tiny_tepo/config.yaml")
+    assert (cfg.algorithm.loss, cfg.algorithm.clip_low, cfg.algorithm.clip_high) == ("tepo", None, None)
+    effective = PolicyLoss.from_config(cfg.algorithm)
+    assert (effective.clip_low, effective.clip_high) == (0.01, 0.014)

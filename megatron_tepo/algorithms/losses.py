@@ -219,7 +219,7 @@ def _check_number(value: Any, key: str, loss: str) -> float:
 # --------------------------------------------------------------------------------------------
 # The losses
 # --------------------------------------------------------------------------------------------
-@register_policy_loss("tepo", defaults={"clip_low": 3e-4, "clip_high": 4e-4})  # docs/ALGORITHMS.md: why
+@register_policy_loss("tepo", defaults={"clip_low": 0.01, "clip_high": 0.014})  # docs/ALGORITHMS.md, "tepo": why
 def tepo_loss(ctx: LossContext) -> LossTerms:
     """TEPO (paper eq. 4): sequence-level likelihood ratio, token-level aggregation.
 

@@ -36,7 +36,8 @@ def test_from_config_resolves_defaults_and_the_correction():
     assert (loss.name, loss.clip_low, loss.clip_high, loss.agg) == ("grpo", 0.2, 0.28, "token-mean")
     assert loss.options["clip_ratio_c"] == 4.0 and loss.kl_coef == 0.1
     assert loss.correction == RolloutCorrection(rollout_is="token")
-    assert PolicyLoss.from_config(AlgorithmConfig()).clip_low == 3e-4  # tepo's own default
+    tepo = PolicyLoss.from_config(AlgorithmConfig())  # tepo's own default
+    assert (tepo.clip_low, tepo.clip_high) == (0.01, 0.014)
 
 
 @pytest.mark.parametrize("settings", [

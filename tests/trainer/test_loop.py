@@ -54,7 +54,7 @@ def test_every_ablation_config_runs_through_the_loop(tmp_path):
     nan, after = results.pop("_nan"), results.pop("_after_nan")
     correction, bypass, mismatch = results.pop("_correction"), results.pop("_old_from_rollout"), results.pop("_mismatch")
     one_step_off, stale_warnings = results.pop("_one_step_off"), results.pop("_one_step_off_warnings")
-    # TEPO at its default range (3e-4/4e-4) trained one step off as well as on-policy: no warning
+    # TEPO at its default range (0.01/0.014) trained one step off as well as on-policy: no warning
     assert stale_warnings == []
     # one-step-off: step 1 on-policy, then every batch one update older than the weights it trains
     assert [m["rollout_staleness"] for m in one_step_off] == [0.0, 1.0, 1.0]
@@ -113,6 +113,7 @@ def test_a_sequence_ratio_loss_one_step_off_warns_only_above_the_measured_range(
     msg = stale_sequence_ratio_warning(wide, 1)
     assert "algorithm.loss=tepo and clip 0.2/0.28" in msg and "rollout.max_staleness=1" in msg
     assert stale_sequence_ratio_warning(wide, 0) is None  # on-policy
-    assert stale_sequence_ratio_warning(AlgorithmConfig(loss="tepo"), 1) is None  # the default, 3e-4/4e-4
-    assert stale_sequence_ratio_warning(AlgorithmConfig(loss="tepo", clip_high=1e-3), 1) is not None
+    assert stale_sequence_ratio_warning(AlgorithmConfig(loss="tepo"), 1) is None  # the default, 0.01/0.014
+    assert stale_sequence_ratio_warning(AlgorithmConfig(loss="tepo", clip_low=3e-4, clip_high=4e-4), 1) is None
+    assert stale_sequence_ratio_warning(AlgorithmConfig(loss="tepo", clip_high=0.02), 1) is not None
     assert stale_sequence_ratio_warning(AlgorithmConfig(loss="grpo", clip_low=0.2, clip_high=0.28), 1) is None
