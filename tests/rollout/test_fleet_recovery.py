@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import REPO
-from tests.trainer.conftest import tiny  # noqa: F401 -- the tiny task's files (a session fixture)
 
 pytestmark = pytest.mark.sglang
 
