@@ -1,5 +1,8 @@
 """Shared pytest set-up: one thread per process (the 2 CI cores are shared), markers, fixtures."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -24,3 +27,14 @@ def pytest_configure(config):
 def _seed():
     torch.manual_seed(1234)
     yield
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """The tiny task as files (tools/make_tiny_model.py): a warmed-up tiny Qwen3 with a tokenizer,
+    400 training and 40 held-out addition prompts; built once per session (trainer and fleet tests)."""
+    out = tmp_path_factory.mktemp("tiny")
+    repo = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(repo / "tools/make_tiny_model.py"), "--out", str(out), "--train-size", "400",
+                    "--eval-size", "40"], check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return out

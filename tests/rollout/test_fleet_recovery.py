@@ -21,14 +21,6 @@ from tests.dist_utils import REPO
 pytestmark = pytest.mark.sglang
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    subprocess.run([sys.executable, str(REPO / "tools/make_tiny_model.py"), "--out", str(out), "--train-size", "64",
-                    "--eval-size", "8"], check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return out
-
-
 def _run(tiny, out, sglang_python, router="none", phase="faults", steps=4, server_model=None):
     out.mkdir(parents=True, exist_ok=True)
     args = {"tiny": str(tiny), "out": str(out), "python": sglang_python, "router": router, "phase": phase,
