@@ -31,7 +31,9 @@ than those that generated it, with and without truncated token-level IS weights
 (``rollout_is: token``, cap 2).
 
 What it leaves out: the paper's scale (7B/14B, 64 x 8, 8k tokens); on tasks this small, seed noise
-is large, so read the intervals, not the means. All runs of a task share one supervised warm-up.
+is large, so read the intervals, not the means. All runs of a task share one supervised warm-up
+(made by the first run alone, then cached). ``--collect`` rebuilds the table from runs kept under
+``--out`` by an earlier call, without running anything.
 
     python benchmarks/convergence.py --seeds 8 --steps 60 [--jobs 2] [--methods ...] --json out.json
     python benchmarks/convergence.py --task chain --jobs 2 --out /tmp/chain --json out.json
@@ -96,6 +98,11 @@ def run_one(name, seed, args, workdir):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} seed {seed} failed:\n{proc.stderr[-3000:]}")
+    return read_run(out, args, time.time() - t0)
+
+
+def read_run(out: Path, args, seconds: float) -> dict:
+    """One finished run's result from its folder (``metrics.jsonl``, ``summary.json``)."""
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["step"], r["eval_acc"]) for r in recs if "eval_acc" in r]
     reach = next((s for s, a in evals if a >= args.threshold), args.steps)
@@ -104,7 +111,7 @@ def run_one(name, seed, args, workdir):
             "reached": reach < args.steps or (evals and evals[-1][1] >= args.threshold),
             "final_acc": summary["accuracy_after"], "start_acc": summary["accuracy_before"],
             "collapsed": summary["accuracy_after"] < summary["accuracy_before"],
-            "seconds": time.time() - t0, "log": str(out / "metrics.jsonl")}
+            "seconds": seconds, "log": str(out / "metrics.jsonl")}
 
 
 def bootstrap_ratio(a, b, n=10000, seed=0):
@@ -133,21 +140,33 @@ def mean_curves(logs):
     return out
 
 
+def bootstrap_difference(a, b, n=10000, seed=0):
+    """95% bootstrap interval of mean(a) - mean(b), resampling each list on its own."""
+    rng = random.Random(seed)
+    diffs = sorted(sum(rng.choice(a) for _ in a) / len(a) - sum(rng.choice(b) for _ in b) / len(b)
+                   for _ in range(n))
+    return diffs[int(0.025 * n)], diffs[int(0.975 * n) - 1]
+
+
 def table(results, args):
     base = results.get("GRPO/DAPO")
     lines = [f"| method | mean steps to {args.threshold} (censored at {args.steps}) | reached | "
-             f"mean final accuracy | mean lowest accuracy | collapsed (final < start) | "
-             f"steps ratio vs GRPO/DAPO [95% bootstrap] |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"mean final accuracy [min, max] | final minus GRPO/DAPO's [95% bootstrap] | mean lowest accuracy | "
+             f"collapsed (final < start) | steps ratio vs GRPO/DAPO [95% bootstrap] |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, rs in results.items():
         steps = [r["steps_to_threshold"] for r in rs]
-        ratio = ""
+        final = [r["final_acc"] for r in rs]
+        ratio = diff = ""
         if base and name != "GRPO/DAPO":
             b = [r["steps_to_threshold"] for r in base]
             lo, hi = bootstrap_ratio(steps, b)
             ratio = f"{(sum(steps) / len(steps)) / (sum(b) / len(b)):.2f} [{lo:.2f}, {hi:.2f}]"
+            bf = [r["final_acc"] for r in base]
+            lo, hi = bootstrap_difference(final, bf)
+            diff = f"{sum(final) / len(final) - sum(bf) / len(bf):+.3f} [{lo:+.3f}, {hi:+.3f}]"
         lines.append(f"| {name} | {sum(steps) / len(steps):.1f} | {sum(r['reached'] for r in rs)}/{len(rs)} | "
-                     f"{sum(r['final_acc'] for r in rs) / len(rs):.3f} | "
+                     f"{sum(final) / len(final):.3f} [{min(final):.3f}, {max(final):.3f}] | {diff} | "
                      f"{sum(r['min_acc'] for r in rs) / len(rs):.3f} | "
                      f"{sum(r['collapsed'] for r in rs)}/{len(rs)} | "
                      f"{ratio} |")
@@ -175,6 +194,9 @@ def main(argv=None):
                     help="runs at once, one core each (a run's results do not depend on it; its wall time does)")
     ap.add_argument("--out", type=Path, help="keep every run's metrics here, with seed-mean curves and dynamics.png")
     ap.add_argument("--json", help="write raw results here")
+    ap.add_argument("--collect", action="store_true",
+                    help="start no run: rebuild the results from the runs an earlier call kept under --out "
+                         "(DIR/runs/<method>-s<seed>), with the same arguments")
     args = ap.parse_args(argv)
     chain = args.task == "chain"
     args.steps = args.steps or (40 if chain else 120)
@@ -193,12 +215,21 @@ def main(argv=None):
         args.tepo_clip = [f"algorithm.clip_low={low}", f"algorithm.clip_high={high}"]
     else:
         args.tepo_clip = []
+    if args.collect and not args.out:
+        ap.error("--collect reads the runs kept under --out DIR: give it")
     t0 = time.time()
     results = {}
+    runs = [(name, seed) for name in args.methods for seed in range(1, args.seeds + 1)]
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max(1, args.jobs)) as pool:
         work = args.out / "runs" if args.out else Path(tmp)
-        futures = {(name, seed): pool.submit(run_one, name, seed, args, work)
-                   for name in args.methods for seed in range(1, args.seeds + 1)}
+        if args.collect:
+            futures = {(n, s): pool.submit(read_run, work / f"{slug(n)}-s{s}", args, float("nan")) for n, s in runs}
+        else:
+            # the first run alone: it makes the task's shared warm-up (cached), which runs started
+            # side by side would each make and race to write
+            first = pool.submit(run_one, *runs[0], args, work)
+            first.result()
+            futures = {runs[0]: first, **{(n, s): pool.submit(run_one, n, s, args, work) for n, s in runs[1:]}}
         for (name, seed), fut in futures.items():
             r = fut.result()
             results.setdefault(name, []).append(r)
