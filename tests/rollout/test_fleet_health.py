@@ -180,3 +180,49 @@ def test_fleet_config_from_the_fault_section():
         fakes[0].close()
     with pytest.raises(ValueError, match="fault.probe_timeout_s: must be > 0"):
         load_config([], ["fault.probe_timeout_s=0"])
+
+
+def test_router_stands_only_in_front_of_the_healthy_servers(two_fakes, monkeypatch):
+    """With sglang-router: from a server's death the router is bypassed; a returned server goes
+    behind a rebuilt router only after the weight sync reached it."""
+    import megatron_tepo.rollout.sglang.fleet as fleet_mod
+    from megatron_tepo.rollout.sglang.server import SGLangServer
+
+    a, b = two_fakes
+    routers, events = [], []
+
+    def fake_launch_router(cfg, servers, policy, timeout):
+        front = FakeSGLang()
+        routers.append(front)
+        events.append(("router", tuple(s.url for s in servers)))
+        return SGLangServer(front.url)
+
+    monkeypatch.setattr(fleet_mod, "use_router", lambda cfg, n: True)
+    monkeypatch.setattr(fleet_mod, "launch_router", fake_launch_router)
+    monkeypatch.setattr(fleet_mod, "stop_server", lambda s: events.append(("stop", s.url)))
+    port = int(b.url.rsplit(":", 1)[1])
+    fleet = _fleet(two_fakes)
+    back = None
+    try:
+        assert events == [("router", (a.url, b.url))]
+        fleet.generate([[1]] * 4, n=1, max_new_tokens=2)
+        assert routers[0].paths("POST").count("/generate") == 4  # routed
+        b.close()
+        fleet.servers[1].health.fire(E.EXITED, "test: its job lost it")
+        fleet.generate([[1]] * 4, n=1, max_new_tokens=2)
+        assert routers[0].paths("POST").count("/generate") == 4  # bypassed: the router still lists it
+        assert a.paths("POST").count("/generate") == 4
+        back = FakeSGLang(port=port)
+        fleet.update_weights(_weights())
+        assert fleet.servers[1].state == S.HEALTHY
+        # the new router (over both) came after the returned server's weight load
+        assert events[-1] == ("router", (a.url, b.url)) and ("stop", routers[0].url) in events
+        assert len(routers) == 2 and back.paths().index("/update_weights_from_tensor") >= 0
+        loaded_at = next(r["end"] for r in back.requests if r["path"] == "/update_weights_from_tensor")
+        assert all(r["start"] > loaded_at for r in routers[1].requests)
+        fleet.generate([[1]] * 4, n=1, max_new_tokens=2)
+        assert routers[1].paths("POST").count("/generate") == 4
+    finally:
+        fleet.close()
+        for f in routers + ([back] if back else []):
+            f.close()

@@ -131,7 +131,7 @@ class SGLangFleet(RolloutEngine):
         self._probe_round = threading.Lock()  # held by a monitor round and by a weight sync
         self._waited_for: Dict[int, int] = {}  # attached server id -> incarnation whose return was awaited
         self.router: Optional[SGLangServer] = None
-        self._router_members: Tuple[str, ...] = ()
+        self._router_members: Tuple[Tuple[str, int], ...] = ()
         self.weight_sync = weight_sync
         self.routed = 0  # requests answered through the router
         keys = list(cfg.api_keys) + [None] * (len(cfg.urls) - len(cfg.api_keys))
@@ -313,12 +313,17 @@ class SGLangFleet(RolloutEngine):
             raise box["err"]
         return box["out"]
 
+    def _members(self) -> set:
+        """The healthy servers as the router must know them: address and incarnation (an attached
+        server restarted by its job comes back at the same address, as a new process)."""
+        return {(s.url, s.incarnation) for s in self.serving_servers()}
+
     def _use_router(self) -> Optional[SGLangServer]:
         """The router, when it stands in front of exactly the healthy servers."""
         router = self.router
         if router is None or not router.alive:
             return None
-        if set(self._router_members) != {s.url for s in self.serving_servers()}:
+        if set(self._router_members) != self._members():
             return None
         return router
 
@@ -331,7 +336,7 @@ class SGLangFleet(RolloutEngine):
         if not serving:
             return
         self.router = launch_router(self.cfg.server, serving, self.cfg.router_policy, self.cfg.request_timeout)
-        self._router_members = tuple(s.url for s in serving)
+        self._router_members = tuple((s.url, s.incarnation) for s in serving)
 
     def _run_one(self, path: str, payload: dict, deadline: float, parse):
         """Send one request, moving it to another server on failure, until the deadline."""
@@ -453,7 +458,7 @@ class SGLangFleet(RolloutEngine):
         for s in pushed:
             if s.health.state == State.STALE:
                 s.health.fire(Event.SYNCED, f"incarnation {s.incarnation} holds the current weights")
-        if self._routed and set(self._router_members) != {s.url for s in self.serving_servers()}:
+        if self._routed and set(self._router_members) != self._members():
             self._rebuild_router()
 
     # ------------------------------------------------------------------ RolloutEngine
