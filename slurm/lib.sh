@@ -33,7 +33,8 @@
 # itself (`scontrol requeue`) unless the trainer's exit-reason file forbids it or the job was
 # requeued after a failure TEPO_MAX_REQUEUES times already (a marker in each such attempt's log
 # folder; time-limit requeues do not count). Every rank of the trainer may write one JSON line to
-# $LOG_DIR/exit_reason.json[.rank<r>] (TEPO_EXIT_REASON_FILE): "requeue": true from the hang watchdog (fault.watchdog_*_s, exit 75),
+# $LOG_DIR/exit_reason.json[.rank<r>] (TEPO_EXIT_REASON_FILE; its stack dumps go to
+# $LOG_DIR/stacks.rank<r>.txt): "requeue": true from the hang watchdog (fault.watchdog_*_s, exit 75),
 # "requeue": false from a run that stopped updating (fault.max_steps_without_update, exit 3) or a
 # bad setting or input (exit 2), which would only fail again. No file (a crash, a lost node, an
 # srun failure): requeued. torchrun reports any rank's failure as status 1, hence the file.
@@ -438,6 +439,8 @@ tepo_requeue_after_failure() {
         why=${why:-$(head -c 600 "$f")}
     done
     why=${why:-"no exit reason written (a crash, a lost node or a failed srun)"}
+    local stacks=("$(dirname "${TEPO_EXIT_REASON_FILE:-./x}")"/stacks.rank*.txt)
+    [[ -f "${stacks[0]}" ]] && tepo_log "the trainer's Python stacks, one file per rank: ${stacks[*]}"
     if [[ -z "${SLURM_JOB_ID:-}" ]] || ! command -v scontrol >/dev/null 2>&1; then
         tepo_log "not requeued: not a Slurm job (trainer status $rc: $why)"
     elif ((count >= max)); then

@@ -10,16 +10,19 @@ watched. A daemon thread checks the deadline; once it passes, the process
 1. writes its exit reason (``{"reason": "watchdog", "requeue": true, ...}``, :func:`write_exit_reason`),
 2. prints one line naming the phase, the seconds and the setting to raise, e.g.
    ``watchdog: no progress in phase 'collective' for 1800 s (fault.watchdog_collective_s) on rank 3``,
-3. dumps the Python stack of every thread to stderr (``faulthandler``), and
+3. dumps the Python stack of every thread (``faulthandler``) to stderr and to this rank's own
+   stacks file (:func:`stacks_path`: ``stacks.rank<r>.txt`` beside the exit-reason file; in the
+   shared log the ranks' dumps, written at the same moment, can interleave character by
+   character), and
 4. kills its child processes and exits with :data:`WATCHDOG_EXIT` (75, ``EX_TEMPFAIL``: try
    again) without running any other cleanup (``os._exit``: a hung collective would block it).
 
 Every rank runs its own watchdog. A rank that blocks in a collective because another one hangs
 usually fires too; one that torchrun stops first (SIGTERM to the rest once one rank failed)
-still dumps its stacks (``faulthandler`` registered on SIGTERM while a watchdog is open).
-A C call that holds the GIL stops the checking thread as well: ``faulthandler.dump_traceback_later``
-is armed as a backstop at the phase's time-out + :data:`BACKSTOP_GRACE_S`; it dumps the stacks
-and exits with status 1, without the line or the exit-reason file (the job then treats it as a
+still dumps its stacks (``faulthandler`` registered on SIGTERM while a watchdog is open; into the
+stacks file when there is one, else stderr). A C call that holds the GIL stops the checking
+thread as well: ``faulthandler.dump_traceback_later`` is armed as a backstop at the phase's
+time-out + :data:`BACKSTOP_GRACE_S`; it dumps the stacks (to the same place) and exits with status 1, without the line or the exit-reason file (the job then treats it as a
 crash, which is requeued too).
 
 The exit-reason file: ``TEPO_EXIT_REASON_FILE`` (set by slurm/lib.sh, one per attempt); global
@@ -58,6 +61,16 @@ def exit_reason_path(rank: Optional[int] = None) -> Optional[str]:
         return None
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     return path if rank == 0 else f"{path}.rank{rank}"
+
+
+def stacks_path(rank: Optional[int] = None) -> Optional[str]:
+    """This rank's stack-dump file, ``stacks.rank<r>.txt`` in the exit-reason file's folder (None
+    when ``TEPO_EXIT_REASON_FILE`` is unset)."""
+    path = os.environ.get(EXIT_REASON_ENV)
+    if not path:
+        return None
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    return os.path.join(os.path.dirname(os.path.abspath(path)), f"stacks.rank{rank}.txt")
 
 
 def write_exit_reason(reason: str, requeue: bool, message: str, rank: Optional[int] = None) -> Optional[str]:
@@ -119,13 +132,25 @@ class Watchdog:
         self._closed = threading.Event()
         self._thread = None
         self._active = start and any(self.timeouts.values())
+        self._stacks = None  # this rank's stacks file, open while watching (faulthandler needs an fd)
         if self._active:
             on = [t for t in self.timeouts.values() if t > 0]
             self._poll = max(0.05, min(1.0, min(on) / 10))
+            path = stacks_path(rank)
+            if path is not None:
+                try:
+                    self._stacks = open(path, "a", encoding="utf-8")
+                except OSError as exc:
+                    print(f"watchdog: cannot open {path} ({exc}); stacks go to stderr only", file=sys.stderr)
             self._thread = threading.Thread(target=self._watch, name="mtepo-watchdog", daemon=True)
             self._thread.start()
             with contextlib.suppress(AttributeError, RuntimeError, ValueError):  # (no SIGTERM on some platforms)
-                faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+                faulthandler.register(signal.SIGTERM, file=self._dump_file, all_threads=True, chain=True)
+
+    @property
+    def _dump_file(self):
+        """Where the signal-time dumps go: the stacks file, else stderr."""
+        return self._stacks if self._stacks is not None else sys.stderr
 
     @classmethod
     def from_config(cls, fault, rank: int = 0, **kwargs) -> "Watchdog":
@@ -173,7 +198,7 @@ class Watchdog:
             if self._deadline is None:
                 faulthandler.cancel_dump_traceback_later()
             else:
-                faulthandler.dump_traceback_later(timeout + self.grace_s, exit=True)
+                faulthandler.dump_traceback_later(timeout + self.grace_s, exit=True, file=self._dump_file)
 
     # -- the thread ------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -191,8 +216,15 @@ class Watchdog:
         line = self.message(phase, timeout)
         write_exit_reason("watchdog", True, line, self.rank)
         try:
-            print(f"{line}; the Python stacks of this process (pid {os.getpid()}) follow", file=sys.stderr,
+            also = f" (and are in {self._stacks.name})" if self._stacks is not None else ""
+            print(f"{line}; the Python stacks of this process (pid {os.getpid()}) follow{also}", file=sys.stderr,
                   flush=True)
+            if self._stacks is not None:
+                with contextlib.suppress(Exception):
+                    self._stacks.write(f"{line}; pid {os.getpid()}\n")
+                    self._stacks.flush()
+                    faulthandler.dump_traceback(file=self._stacks, all_threads=True)
+                    self._stacks.flush()
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             sys.stderr.flush()
             _kill_children()
@@ -210,6 +242,12 @@ class Watchdog:
                 faulthandler.unregister(signal.SIGTERM)
             if self._thread is not threading.current_thread():
                 self._thread.join(timeout=5)
+            if self._stacks is not None:  # (an empty one: nothing was dumped)
+                with contextlib.suppress(OSError):
+                    empty = self._stacks.tell() == 0
+                    self._stacks.close()
+                    if empty:
+                        os.remove(self._stacks.name)
 
     def __enter__(self) -> "Watchdog":
         return self

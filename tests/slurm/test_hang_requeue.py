@@ -96,13 +96,20 @@ def test_a_hung_trainer_is_stopped_requeued_and_finishes_like_an_uninterrupted_r
     fired = re.findall(r"watchdog: no progress in phase 'collective' for 60 s \(fault\.watchdog_collective_s\) "
                        r"on rank (\d)", first)
     assert fired, shown
-    assert re.search(r"^(Current thread|Thread) 0x[0-9a-f]+", first, re.M) and 'File "' in first, shown
-    assert "in _hang" in first  # rank 0's stack: where it hung (its watchdog's dump or the SIGTERM one)
+    assert re.search(r"(Current thread|Thread) 0x[0-9a-f]+", first) and 'File "' in first, shown
+    # each rank's own copy of its stacks (in trainer.log the two ranks' dumps, written at the same
+    # moment, can interleave character by character)
+    stacks = {p.name: p.read_text(errors="replace") for p in (out / "logs" / f"{job}.0").glob("stacks.rank*.txt")}
+    assert set(stacks) == {"stacks.rank0.txt", "stacks.rank1.txt"}, (sorted(stacks), shown)
+    # rank 0's stack: where it hung (its watchdog's dump or the SIGTERM one)
+    assert "in _hang" in stacks["stacks.rank0.txt"], stacks["stacks.rank0.txt"][-3000:]
+    assert all(re.search(r"(Current thread|Thread) 0x[0-9a-f]+", text) for text in stacks.values()), stacks
     reasons = [json.loads(p.read_text()) for p in sorted((out / "logs" / f"{job}.0").glob("exit_reason.json*"))]
     assert reasons and all(r["reason"] == "watchdog" and r["requeue"] is True for r in reasons), reasons
     stdout = next(tmp_path.glob(f"slurm-hang-{job}.out")).read_text()
     assert f"requeueing job {job} (requeue 1 of at most 3; it resumes from the newest complete checkpoint)" in stdout
     assert '"reason": "watchdog"' in stdout
+    assert "the trainer's Python stacks, one file per rank: " in stdout and "stacks.rank0.txt" in stdout
 
     # attempt 1: resumed from step HANG_AT - 1, no hang (a resumed run never injects one)
     second = (out / "logs" / f"{job}.1" / "trainer.log").read_text(errors="replace")

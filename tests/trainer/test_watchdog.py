@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from megatron_tepo.config import FaultConfig, from_dict
-from megatron_tepo.trainer.watchdog import WATCHDOG_EXIT, Watchdog, exit_reason_path, write_exit_reason
+from megatron_tepo.trainer.watchdog import (WATCHDOG_EXIT, Watchdog, exit_reason_path, stacks_path,
+                                            write_exit_reason)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -130,12 +131,15 @@ def test_a_real_expiry_dumps_every_stack_writes_the_reason_and_exits(tmp_path):
     assert proc.returncode == WATCHDOG_EXIT, (proc.returncode, proc.stderr[-3000:])
     assert "NOT REACHED" not in proc.stdout
     lines = proc.stderr.splitlines()
+    stacks = tmp_path / "stacks.rank1.txt"  # this rank's own copy (the shared log may interleave ranks)
     assert [line for line in lines if line.startswith("watchdog:")] == [
         ("watchdog: no progress in phase 'collective' for 0.5 s (fault.watchdog_collective_s) on rank 1; "
-         f"the Python stacks of this process (pid {_pid(proc.stderr)}) follow")]
+         f"the Python stacks of this process (pid {_pid(proc.stderr)}) follow (and are in {stacks})")]
     # faulthandler's dump: the hung main thread in its function, and the other threads too
-    assert "in deep_inside_a_collective" in proc.stderr
-    assert sum(line.startswith(("Thread 0x", "Current thread 0x")) for line in lines) >= 3, proc.stderr
+    for text in (proc.stderr, stacks.read_text()):
+        assert "in deep_inside_a_collective" in text
+        assert sum(line.startswith(("Thread 0x", "Current thread 0x")) for line in text.splitlines()) >= 3, text
+    assert stacks.read_text().startswith("watchdog: no progress in phase 'collective'")
     child = int(proc.stdout.split("child ", 1)[1].split()[0])
     assert not _alive(child), "the watchdog left its child process running"
     reason = json.loads((tmp_path / "reason.json.rank1").read_text())
@@ -169,13 +173,31 @@ SIGTERMED = textwrap.dedent("""
 
 
 @pytest.mark.timeout(300)
-def test_sigterm_while_watched_dumps_the_stacks_then_terminates():
-    # what torchrun sends the other ranks once one failed: their stacks reach the log too
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+@pytest.mark.parametrize("reason_file", [False, True], ids=["stderr", "stacks_file"])
+def test_sigterm_while_watched_dumps_the_stacks_then_terminates(tmp_path, reason_file):
+    # what torchrun sends the other ranks once one failed: their stacks are kept too, in this rank's
+    # stacks file when the job names an exit-reason file (slurm/lib.sh does), else on stderr
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RANK": "0"}
+    env.pop("TEPO_EXIT_REASON_FILE", None)
+    if reason_file:
+        env["TEPO_EXIT_REASON_FILE"] = str(tmp_path / "reason.json")
     proc = subprocess.run([sys.executable, "-c", SIGTERMED], check=False, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == -15, (proc.returncode, proc.stderr[-3000:])
-    assert "in blocked_behind_another_rank" in proc.stderr
+    stacks = tmp_path / "stacks.rank0.txt"
+    dumped = stacks.read_text() if reason_file else proc.stderr
+    assert "in blocked_behind_another_rank" in dumped, (proc.stderr[-3000:], dumped)
+    assert stacks.exists() == reason_file
+
+
+def test_a_watchdog_that_never_fired_leaves_no_stacks_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("TEPO_EXIT_REASON_FILE", str(tmp_path / "reason.json"))
+    dog = Watchdog({"collective": 600.0}, rank=2)
+    assert stacks_path(2) == str(tmp_path / "stacks.rank2.txt") and (tmp_path / "stacks.rank2.txt").exists()
+    with dog.phase("collective"):
+        dog.beat()
+    dog.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 IN_THE_LOOP = textwrap.dedent("""
@@ -226,5 +248,6 @@ def test_the_faulthandler_backstop_fires_when_the_gil_is_held(tmp_path):
     proc = subprocess.run([sys.executable, "-c", GIL_HELD], check=False, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
-    assert "Timeout (0:00:01.500000)!" in proc.stderr and "in a_c_call_that_holds_the_gil" in proc.stderr
+    dumped = (tmp_path / "stacks.rank0.txt").read_text()  # (the job's per-rank stacks file)
+    assert "Timeout (0:00:01.500000)!" in dumped and "in a_c_call_that_holds_the_gil" in dumped
     assert "watchdog:" not in proc.stderr and not (tmp_path / "reason.json").exists()  # (a crash: requeued)
