@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it, on both ends of the supported stack range:
 #   1. newest: the whole suite in .venv, made by tools/setup_env.sh with `python3.12` where one
-#      runs (megatron-core 0.19.x), else `python3`;
+#      runs (megatron-core 0.19.x), else `python3`, in two pytest runs at once (run_newest below);
 #   2. oldest: the actor / conversion / distributed subset (OLDEST_TESTS below) in .venv-oldest,
 #      Python 3.11 with megatron-core 0.16.1 (MTEPO_OLDEST_PYTHON, default python3.11).
 # It installs what it needs (tools/setup_env.sh for both, the SGLang CPU venv, a one-node Slurm
-# cluster), then runs pytest once per stack. It exits non-zero when either run fails; pytest's
+# cluster), then runs pytest on each stack. It exits non-zero when either run fails; pytest's
 # exit code 5 ("no tests collected") is a failure here, never a silent pass.
-# Extra arguments go to pytest's newest-stack run (e.g. `bash tools/test.sh tests/algorithms -x`).
+# Extra arguments make the newest stack one pytest run of what they select (e.g. `bash tools/test.sh tests/algorithms -x`).
 # MTEPO_STACKS=newest (or oldest) runs only that one (default: newest,oldest).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -37,6 +37,31 @@ run_pytest() {  # run_pytest <label> <python> <pytest args...>: returns 0 / 1
   [ "$rc" -eq 0 ]
 }
 
+# The newest stack's suite as two pytest runs at the same time: the `slurm` and `sglang` tests (their
+# time goes to Slurm jobs and SGLang servers, and much of it to waiting on them: a job's start, a
+# server's start-up, a requeue, a probe's time-out) beside all the others, which keep the CPUs busy.
+# On 2 cores one run after the other leaves a core idle about a third of the time. The second run's
+# output goes to .test-logs/newest-servers.log and is printed after the first run's. Extra arguments
+# (a selection of tests): one pytest run, as they say.
+run_newest() {  # run_newest <python> [pytest args...]: returns 0 / 1
+  local py="$1" log="$repo/.test-logs/newest-servers.log" pid rc=0 start=$SECONDS
+  shift
+  if [ "$#" -gt 0 ]; then
+    run_pytest newest "$py" "$@"
+    return
+  fi
+  mkdir -p "$(dirname "$log")"
+  run_pytest "newest: slurm and sglang tests" "$py" -m "slurm or sglang" >"$log" 2>&1 &
+  pid=$!
+  echo "tools/test.sh: [newest: slurm and sglang tests] running beside the rest (pid $pid): $log" >&2
+  run_pytest "newest: the rest" "$py" -m "not slurm and not sglang" || rc=1
+  wait "$pid" || rc=1
+  echo "tools/test.sh: ---- [newest: slurm and sglang tests], its output ($log) ----" >&2
+  cat "$log" >&2
+  echo "tools/test.sh: [newest] both runs done after $((SECONDS - start)) s" >&2
+  return "$rc"
+}
+
 failed=()
 if [[ ",$stacks," == *",newest,"* ]]; then
   py="$(bash tools/setup_env.sh | tail -n 1)"
@@ -60,7 +85,7 @@ if [[ ",$stacks," == *",newest,"* ]]; then
       echo "tools/test.sh: the local Slurm cluster did not start (see above): the slurm tests will fail" >&2
     fi
   fi
-  run_pytest newest "$py" "$@" || failed+=(newest)
+  run_newest "$py" "$@" || failed+=(newest)
 fi
 if [[ ",$stacks," == *",oldest,"* ]]; then
   old_py="$(MTEPO_PYTHON="${MTEPO_OLDEST_PYTHON:-python3.11}" MTEPO_MCORE="megatron-core==0.16.1" \

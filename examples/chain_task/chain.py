@@ -34,6 +34,7 @@ not math-verify. It is a controlled fixture for the loss's mechanism, not a reas
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -133,37 +134,42 @@ def warm_up(cache_dir: Path, steps: int = 1000, batch: int = 64, lr: float = 3e-
     out = Path(cache_dir) / f"sft-{key}"
     if (out / "config.json").exists():
         return out
-    from transformers import AutoModelForCausalLM
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one warm-up at a time: a second process waits, then reads it
+        if (out / "config.json").exists():
+            return out
+        from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_qwen3_config(layers, hidden))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
-    rng = random.Random(seed)
-    t = time.time()
-    for step in range(steps):
-        rows, starts = [], []
-        for _ in range(batch):
-            a, b = operands(rng)
-            prompt = encode(f"{a}+{b}=")
-            rows.append(prompt + encode(sample_response(a, b, rng)) + [EOS])
-            starts.append(len(prompt))
-        width = max(map(len, rows))
-        ids = torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
-        labels = ids.clone()
-        for i, s in enumerate(starts):
-            labels[i, :s] = -100  # learn the response only
-        labels[ids == PAD] = -100
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if (step + 1) % 250 == 0:
-            print(f"[warm-up] step {step + 1}/{steps}: loss {loss.item():.3f} ({time.time() - t:.0f}s)", flush=True)
-    print(f"[warm-up] {steps} supervised steps in {time.time() - t:.0f}s, final loss {loss.item():.3f}")
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tmp.replace(out)
-    return out
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(tiny_qwen3_config(layers, hidden))
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
+        rng = random.Random(seed)
+        t = time.time()
+        for step in range(steps):
+            rows, starts = [], []
+            for _ in range(batch):
+                a, b = operands(rng)
+                prompt = encode(f"{a}+{b}=")
+                rows.append(prompt + encode(sample_response(a, b, rng)) + [EOS])
+                starts.append(len(prompt))
+            width = max(map(len, rows))
+            ids = torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
+            labels = ids.clone()
+            for i, s in enumerate(starts):
+                labels[i, :s] = -100  # learn the response only
+            labels[ids == PAD] = -100
+            loss = model(input_ids=ids, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            if (step + 1) % 250 == 0:
+                print(f"[warm-up] step {step + 1}/{steps}: loss {loss.item():.3f} ({time.time() - t:.0f}s)", flush=True)
+        print(f"[warm-up] {steps} supervised steps in {time.time() - t:.0f}s, final loss {loss.item():.3f}")
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tmp.replace(out)
+        return out

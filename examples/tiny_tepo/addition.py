@@ -7,6 +7,7 @@ SGLang servers and ``tools/train.py`` load like any other checkpoint.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -62,32 +63,37 @@ def warm_up(cache_dir: Path, steps=300, batch=64, lr=3e-3, seed=0) -> Path:
     out = cache_dir / f"sft-{key}"
     if (out / "config.json").exists():
         return out
-    from transformers import AutoModelForCausalLM
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one warm-up at a time: a second process waits, then reads it
+        if (out / "config.json").exists():
+            return out
+        from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_qwen3_config())
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    rng = random.Random(seed)
-    t = time.time()
-    for step in range(steps):
-        rows = []
-        for _ in range(batch):
-            a, b = rng.randrange(10, 100), rng.randrange(10, 100)
-            rows.append(encode(f"{a}+{b}=") + encode(str(a + b)) + [EOS])
-        width = max(map(len, rows))
-        ids = torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
-        labels = ids.clone()
-        labels[:, :6] = -100  # learn the answer only
-        labels[ids == PAD] = -100
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    print(f"[warm-up] {steps} supervised steps in {time.time() - t:.0f}s, final loss {loss.item():.3f}")
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tmp.replace(out)
-    return out
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(tiny_qwen3_config())
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        rng = random.Random(seed)
+        t = time.time()
+        for step in range(steps):
+            rows = []
+            for _ in range(batch):
+                a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+                rows.append(encode(f"{a}+{b}=") + encode(str(a + b)) + [EOS])
+            width = max(map(len, rows))
+            ids = torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
+            labels = ids.clone()
+            labels[:, :6] = -100  # learn the answer only
+            labels[ids == PAD] = -100
+            loss = model(input_ids=ids, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        print(f"[warm-up] {steps} supervised steps in {time.time() - t:.0f}s, final loss {loss.item():.3f}")
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tmp.replace(out)
+        return out
 
 
 def hf_tokenizer():

@@ -15,7 +15,7 @@ weights (``"server_model"``, a perturbed copy), the run continues from the check
 anything else: they must already hold the resumed actor's weights.
 
     python tests/rollout/fleet_recovery_worker.py '{"tiny": ..., "out": ..., "python": ..., "router": "none",
-                                                    "phase": "faults" | "first" | "resume", "steps": 4}'
+                                                    "phase": "faults" | "resume", "steps": 4}'
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ sides), its own access log shows no generation before its weight load, and the f
 found dead by the generation probe within the configured bound, long before the request
 time-out. The metrics hold every step exactly once and count every change of state once.
 
-And a resumed run re-syncs: its servers start from other weights, and at its first generation
-they already generate what the resumed actor does."""
+And a resumed run re-syncs: it continues that run from its checkpoints, its servers start from
+other weights, and at its first generation they already generate what the resumed actor does."""
 import json
 import os
 import subprocess
@@ -47,8 +47,17 @@ def _generate_before_first_load(log_path):
     raise AssertionError(f"{log_path}: no weight load logged")
 
 
-def test_killed_and_frozen_servers_come_back_with_the_current_weights(tiny, tmp_path, sglang_python):
-    res, log = _run(tiny, tmp_path / "run", sglang_python)
+@pytest.fixture(scope="module")
+def faults_run(tiny, tmp_path_factory, sglang_python):
+    """The 4-step run with both faults, once for the module: the first test judges it, the second
+    resumes from its checkpoints (a fleet start and a run fewer)."""
+    out = tmp_path_factory.mktemp("fleet_recovery") / "run"
+    res, log = _run(tiny, out, sglang_python)
+    return res, log, out
+
+
+def test_killed_and_frozen_servers_come_back_with_the_current_weights(faults_run):
+    res, log, out = faults_run
     killed, frozen = res["servers"]
     assert set(res["faults"]) == {"kill", "stop"}, res["faults"]
 
@@ -87,7 +96,7 @@ def test_killed_and_frozen_servers_come_back_with_the_current_weights(tiny, tmp_
     assert (0, 2) in back and (1, 3) in back, res["checks"]
 
     # 5. the metrics: every step once, every change of state counted once
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     total = {k: sum(r[k] for r in rows) for k in ("fleet_died", "fleet_restarts", "fleet_returned", "fleet_resynced")}
     assert total == {"fleet_died": 2, "fleet_restarts": 2, "fleet_returned": 2, "fleet_resynced": 2}, total
@@ -116,18 +125,21 @@ def _other_weights(tiny, dst):
     return model
 
 
-def test_resumed_run_serves_the_resumed_weights_before_its_first_generation(tiny, tmp_path, sglang_python):
+def test_resumed_run_serves_the_resumed_weights_before_its_first_generation(faults_run, tiny, tmp_path,
+                                                                            sglang_python):
+    import shutil
+
     from tests.rollout.fleet_recovery_worker import greedy
 
-    out = tmp_path / "run"
-    _run(tiny, out, sglang_python, phase="first", steps=2)
+    out = tmp_path / "run"  # a copy of the faulted run: its checkpoints of steps 1-4 and its metrics
+    shutil.copytree(faults_run[2], out, ignore=shutil.ignore_patterns("sglang_logs", "rank*.json"))
     other = _other_weights(tiny, tmp_path / "other_model")
-    res, log = _run(tiny, out, sglang_python, phase="resume", steps=3, server_model=tmp_path / "other_model")
-    assert "continuing at step 3" in log, log[-3000:]
+    res, log = _run(tiny, out, sglang_python, phase="resume", steps=5, server_model=tmp_path / "other_model")
+    assert "continuing at step 5" in log, log[-3000:]
     first = [r for r in res["checks"] if r["step"] == 0]
     assert [r["server"] for r in first] == [0, 1] and all(r["state"] == "healthy" for r in first), first
     for r in first:  # before the first generation: the resumed actor's weights, not model.path's
         assert r["got"] == r["want"], r
     assert [greedy(other, p) for p in res["prompts"]] != first[0]["want"]  # the check can fail
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]

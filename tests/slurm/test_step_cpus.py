@@ -53,8 +53,10 @@ def test_every_step_gets_the_nodes_cpus(slurm_cluster, tmp_path, device):
     fake.chmod(0o755)
     reports = tmp_path / "reports"
     reports.mkdir()
+    # SLURM_EXACT: every step gets exactly what it asks for (srun --exact). TEPO_SERVER_RESTARTS=0: the
+    # stand-in server exits at once, which lib.sh would otherwise answer with 3 restarts (60 s of back-off)
     env = _job_env(TEPO_FAKE_PYTHON=str(fake), TEPO_REPORT_DIR=str(reports), FIT_DEVICE=device,
-                   SLURM_EXACT="1")  # every step gets exactly what it asks for (srun --exact)
+                   SLURM_EXACT="1", TEPO_SERVER_RESTARTS="0")
     if device == "cuda":
         env["TEPO_SRUN_ARGS"] = ""
     # the job is given the whole node, as the GPU scripts' `#SBATCH --exclusive` does
