@@ -45,16 +45,22 @@ def _release_when_requeued(job: str, timeout: float = 600) -> None:
     """Slurm holds a requeued job back (BeginTime about 2 min later); once it is pending and the
     first attempt's allocation is gone, start it now (released earlier, slurmctld may still revoke
     the first attempt's credential and kill the new one: a race of the test, see
-    test_local_cluster.py)."""
-    deadline = time.monotonic() + timeout
-    while not (job_state(job) == "PENDING" and not _node_cpus_allocated()):
+    test_local_cluster.py). Asked again every few seconds while it stays pending: an update that
+    comes while slurmctld still settles the requeue may not take, and the job would then wait out
+    its BeginTime."""
+    deadline, released = time.monotonic() + timeout, False
+    while True:
         state = job_state(job)
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") or (released and state == "RUNNING"):
             return  # (the assertions below say what happened)
         assert time.monotonic() < deadline, f"job {job} not requeued: {sacct(job)}"
-        time.sleep(1.0)
-    time.sleep(1.0)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True, timeout=30)
+        if state == "PENDING" and not _node_cpus_allocated():
+            time.sleep(1.0)
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True, timeout=30)
+            released = True
+            time.sleep(4.0)
+        else:
+            time.sleep(1.0)
 
 
 def _show(out: Path, job: str, tmp_path: Path, name: str) -> str:
