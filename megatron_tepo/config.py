@@ -652,15 +652,13 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"algorithm.entropy_adv_kappa: must be > 0, got {alg.entropy_adv_kappa!r}")
     if alg.kl_coef < 0:
         raise ConfigError(f"algorithm.kl_coef: must be >= 0, got {alg.kl_coef!r}")
-    rc = alg.rollout_correction
     try:
-        RolloutCorrection(rc.rollout_is, rc.rollout_is_cap, rc.rollout_rs, rc.rollout_rs_bounds)
+        losses.PolicyLoss.from_config(alg)  # what the trainer builds, its RolloutCorrection included
     except ValueError as exc:
-        raise ConfigError(f"algorithm.rollout_correction.{exc}") from None  # the message starts with the key
-    try:
-        losses.PolicyLoss.from_config(alg)  # what the trainer builds: anything else the loss refuses
-    except ValueError as exc:
-        raise ConfigError(f"algorithm: {exc}") from None
+        # RolloutCorrection's messages start with its field's name: give them the section's path
+        correction_keys = {f.name for f in dataclasses.fields(RolloutCorrection)}
+        where = "algorithm.rollout_correction." if str(exc).split(" ", 1)[0] in correction_keys else "algorithm: "
+        raise ConfigError(f"{where}{exc}") from None
     if alg.old_log_prob == "rollout":
         if alg.loss == "steer":
             raise ConfigError("algorithm.old_log_prob: 'rollout' gives no old-policy entropy, which loss 'steer' "

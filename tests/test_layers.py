@@ -6,33 +6,19 @@ backend); the megatron backend knows nothing of the actor, the checkpoint tools 
 megatron-core's side, the actor or the trainer (the SGLang fleet's process code in ``rollout/`` it may). (``rollout/`` and
 ``algorithms/`` have their own tests: tests/rollout/test_import_direction.py,
 tests/algorithms/test_import_purity.py.)"""
-import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "megatron_tepo"
+from tests.source_imports import PKG, imported_modules
 
 
 def _unit(path: Path) -> str:
     return path.relative_to(PKG).with_suffix("").parts[0]
 
 
-def _imports(path: Path):
-    parts = ("megatron_tepo",) + path.relative_to(PKG).with_suffix("").parts
-    pkg = list(parts[:-1])  # the package a relative import starts from (for __init__.py: its own)
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            yield from (a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
-            yield base
-
-
 def _graph():
     edges = {}
     for f in sorted(PKG.rglob("*.py")):
-        for m in _imports(f):
+        for m in imported_modules(f):
             if m.startswith("megatron_tepo."):
                 target = m.split(".")[1]
                 if target != _unit(f):

@@ -41,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import addition  # noqa: E402 -- the main job's task
-from addition import EOS, PAD, problems, reward_fn, warm_up  # noqa: E402,F401
 
 TASKS = {"addition": Path(addition.__file__),  # the main job's task
          "chain": REPO / "examples/chain_task/chain.py"}  # long, variable-length chains (chain.py)

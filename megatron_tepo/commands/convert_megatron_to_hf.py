@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Convert a checkpoint written by tools/convert_hf_to_megatron.py back to a Hugging Face directory.
+"""Convert a Megatron checkpoint back to a Hugging Face directory: one written by
+tools/convert_hf_to_megatron.py, or a trainer checkpoint (``train.output_dir/checkpoints/step_N``).
 
     python tools/convert_megatron_to_hf.py --megatron DIR --out DIR [--max-shard-size 2GB] [--force]
 
@@ -14,8 +15,8 @@ error naming it). Progress per layer; the output appears only when complete
 Streaming: each parameter is read from the checkpoint files only when it is written, so peak
 memory is about one output shard plus the largest tensor (see megatron_tepo/checkpoint/megatron_to_hf.py).
 
-Deliberately left out: checkpoints not made by convert_hf_to_megatron (they lack hf_source/),
-optimizer state.
+Deliberately left out: checkpoints made by other tools (they lack the ``hf_source/`` and
+``megatron_tepo_checkpoint.json`` sidecars), optimizer state.
 """
 from __future__ import annotations
 

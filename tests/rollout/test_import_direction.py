@@ -2,11 +2,12 @@
 ``models/``, ``megatron/``, ``actor/``, ``trainer/`` and no megatron-core), its modules import each
 other without a cycle, and the actor's export reaches the engines only through the shared
 bucket format (``megatron_tepo.buckets``)."""
-import ast
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.source_imports import imported_modules
 
 ROLLOUT = Path(__file__).resolve().parents[2] / "megatron_tepo" / "rollout"
 FORBIDDEN = ("megatron_tepo.models", "megatron_tepo.megatron", "megatron_tepo.actor", "megatron_tepo.trainer",
@@ -24,26 +25,10 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path):
-    """Every module a file imports, at any depth (lazy imports inside functions included)."""
-    pkg = ".".join(("megatron_tepo", "rollout") + path.parent.relative_to(ROLLOUT).parts)
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
-            out.add(base)
-            out |= {f"{base}.{a.name}" for a in node.names}
-    return out
-
-
 def test_no_rollout_file_imports_the_megatron_side():
     files = sorted(ROLLOUT.rglob("*.py"))
     assert set(MODULES) <= {_module(f) for f in files}  # the check reads the package, subpackages too
-    offenders = {str(f.relative_to(ROLLOUT)): sorted(m for m in _imports(f) if m.startswith(FORBIDDEN) or m == "megatron")
+    offenders = {str(f.relative_to(ROLLOUT)): sorted(m for m in imported_modules(f) if m.startswith(FORBIDDEN) or m == "megatron")
                  for f in files}
     assert {f: m for f, m in offenders.items() if m} == {}
 
@@ -51,7 +36,7 @@ def test_no_rollout_file_imports_the_megatron_side():
 def test_rollout_modules_import_each_other_without_a_cycle():
     mods = {_module(f): f for f in ROLLOUT.rglob("*.py")}
     prefix = "megatron_tepo.rollout."
-    edges = {name: {m[len(prefix):] for m in _imports(f) if m.startswith(prefix)} & set(mods)
+    edges = {name: {m[len(prefix):] for m in imported_modules(f) if m.startswith(prefix)} & set(mods)
              for name, f in mods.items()}
     assert "engine" in edges["sglang.fleet"] and "sglang.server" in edges["sglang.fleet"]  # the reader sees imports
     seen, stack = set(), []
@@ -82,4 +67,4 @@ def test_importing_the_engines_and_the_sync_loads_no_megatron():
 def test_the_launcher_that_runs_in_the_sglang_venv_imports_nothing_of_the_package():
     """sglang/launch.py runs by path under the SGLang venv's python, which need not have
     megatron_tepo: the standard library and sglang only."""
-    assert {m for m in _imports(ROLLOUT / "sglang" / "launch.py") if m.startswith("megatron")} == set()
+    assert {m for m in imported_modules(ROLLOUT / "sglang" / "launch.py") if m.startswith("megatron")} == set()

@@ -23,11 +23,11 @@ def main(out_path):
     from megatron_tepo.trainer import Task, train
     from megatron_tepo.trainer.main import build_actor_and_engine
 
-    sft = tiny.warm_up(REPO / ".cache" / "tiny_tepo")
+    sft = tiny.addition.warm_up(REPO / ".cache" / "tiny_tepo")
     base = load_config(REPO / "examples/tiny_tepo/config.yaml")
-    actor, engine = build_actor_and_engine(base, str(sft), tiny.PAD)
-    items = tiny.problems(500, seed=1)
-    task = Task([p for p, _ in items], [a for _, a in items], tiny.reward_fn, [tiny.EOS], tiny.PAD)
+    actor, engine = build_actor_and_engine(base, str(sft), tiny.addition.PAD)
+    items = tiny.addition.problems(500, seed=1)
+    task = Task([p for p, _ in items], [a for _, a in items], tiny.addition.reward_fn, [tiny.addition.EOS], tiny.addition.PAD)
     overrides = ["rollout.prompts_per_step=8", "rollout.n_samples=4", "rollout.max_new_tokens=4",
                  "train.steps=1", "train.mini_batch_prompts=4", "train.epochs_per_step=1", "optim.lr=1e-4",
                  "rollout.max_sampling_rounds=3"]
@@ -53,7 +53,7 @@ def main(out_path):
 
     cfg = load_config(REPO / "examples/tiny_tepo/config.yaml", overrides)
     prompts, groups, rewards, _ = generate_groups(engine, task, list(range(8)), cfg, random.Random(0))
-    batch = RolloutBatch.from_groups(prompts, groups, tiny.PAD, advantages=torch.zeros(sum(len(g) for g in groups)))
+    batch = RolloutBatch.from_groups(prompts, groups, tiny.addition.PAD, advantages=torch.zeros(sum(len(g) for g in groups)))
     batch.old_log_probs, batch.old_entropy = actor.compute_log_probs(batch)
     batch.advantages = torch.where(batch.response_mask != 0, torch.full_like(batch.advantages, float("nan")),
                                    batch.advantages)
@@ -103,7 +103,7 @@ def main(out_path):
 
     prompts = [task.train_prompts[i] for i in range(6)]
     groups = engine.generate(prompts, n=3, temperature=0.7, max_new_tokens=6, stop_token_ids=task.stop_token_ids)
-    batch = RolloutBatch.from_groups(prompts, groups, tiny.PAD, temperature=1.0)
+    batch = RolloutBatch.from_groups(prompts, groups, tiny.addition.PAD, temperature=1.0)
     old, _ = actor.compute_log_probs(batch)
     mask = batch.response_mask != 0
     w, _ = rollout_correction_weights(old, batch.rollout_log_probs, mask, RolloutCorrection("token", 1e6))
