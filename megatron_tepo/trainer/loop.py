@@ -27,7 +27,8 @@ Hangs and stalls (``cfg.fault``, docs/FAULT_TOLERANCE.md): every rank runs a
 :class:`~megatron_tepo.trainer.watchdog.Watchdog` over the waits for a rollout (``generate``), the
 actor's collectives (``collective``: old log-probs, each policy update, a checkpoint) and the weight
 sync (``sync``); a run without a policy update for ``fault.max_steps_without_update`` steps in a
-row stops with :class:`NoUpdateError` on every rank (the count starts again in a resumed run).
+row stops with :class:`NoUpdateError` on every rank (the count is saved with each checkpoint: a
+resumed run goes on counting).
 
 Left out: a reference policy for ``kl_target: ref``; staleness beyond one step (fully
 asynchronous generation); a resumed run whose ``train.steps`` was raised past a finished run
@@ -326,18 +327,19 @@ def _hang(step: int) -> None:
 
 
 PENDING_FILE = "pending_rollout.pt"
-LOOP_KEYS = ("step", "rng", "order", "engine_rng", "pending_rollout")
+LOOP_KEYS = ("step", "rng", "order", "engine_rng", "pending_rollout", "steps_without_update")
 
 
 def _loop_state(step: int, rng: random.Random, order: List[int], engine, extra: Dict,
-                pending: Optional[Generated] = None) -> Dict:
+                pending: Optional[Generated] = None, stalled: int = 0) -> Dict:
     """Everything besides the actor that a resumed run needs to continue exactly (JSON; the next
     step's rollout, generated one step off, goes into ``PENDING_FILE`` beside it)."""
     version, internal, gauss = rng.getstate()
     gen = getattr(engine, "generator", None)
     return {"step": step, "rng": [version, list(internal), gauss], "order": order,
             "engine_rng": gen.get_state().tolist() if gen is not None else None,
-            "pending_rollout": PENDING_FILE if pending is not None else None, **extra}
+            "pending_rollout": PENDING_FILE if pending is not None else None,
+            "steps_without_update": stalled, **extra}
 
 
 def _write_pending(g: Generated, path: Path) -> None:
@@ -441,6 +443,7 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
         logger = on_step = eval_fn = report = None
         engine = engine if engine is not None else FollowerEngine()
     start, pending = 1, None  # pending: the next step's rollout, on the driver (one-step-off)
+    stalled = 0  # steps in a row without an update (fault.max_steps_without_update), kept across resumes
     if checkpoint_root:
         remove_partial_checkpoints(checkpoint_root)
     with Watchdog.from_config(cfg.fault, rank=driver.rank) as watchdog:  # this rank's (fault.watchdog_*)
@@ -448,6 +451,7 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
             latest, state = load_newest_checkpoint(actor, checkpoint_root, report)
             if latest is not None:
                 start = _restore_loop_state(state, rng, order, engine) + 1
+                stalled = int(state.get("steps_without_update", 0))  # (0 in checkpoints written before it was saved)
                 extra.update({k: v for k, v in state.items() if k not in LOOP_KEYS})
                 if state.get("pending_rollout"):
                     pending = driver.local(partial(_read_pending, Path(latest) / state["pending_rollout"]))
@@ -471,8 +475,6 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
             health = getattr(engine, "health_metrics", dict)()  # servers lost, restarted, re-synced since
             return Generated(prompts, groups, rewards, {**stats, **health}, version)
 
-        stalled = 0  # steps in a row without an update
-
         def finish(step: int, metrics: Dict, pending: Optional[Generated]) -> None:
             # 6. every step, with or without an update (a collapsed run is measured too): the held-out
             #    evaluation when due, the step's report, its checkpoint; a run that stopped updating stops
@@ -484,11 +486,11 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
                 on_step(step, metrics)
             if logger is not None:
                 logger.log(step, metrics)
+            stalled = stalled + 1 if metrics["updates"] == 0 else 0
             with watchdog.phase("collective"):
-                _save(cfg, actor, checkpoint_root, step, _loop_state(step, rng, order, engine, extra, pending),
+                _save(cfg, actor, checkpoint_root, step, _loop_state(step, rng, order, engine, extra, pending, stalled),
                       checkpoint_files, driver, pending)
             history.append(metrics)
-            stalled = stalled + 1 if metrics["updates"] == 0 else 0
             if cfg.fault.max_steps_without_update and stalled >= cfg.fault.max_steps_without_update:
                 raise NoUpdateError(stalled_message(stalled, step, metrics, n))
 

@@ -79,3 +79,23 @@ def test_every_update_non_finite_stops_and_an_update_resets_the_count():
 def test_zero_never_stops():
     history = train(_cfg(8, 0), NanActor(), EchoEngine(), _task(lambda r: 0.0))
     assert [m["updates"] for m in history] == [0.0] * 8
+
+
+def test_the_count_is_saved_with_each_checkpoint_and_a_resumed_run_goes_on_counting(tmp_path, monkeypatch):
+    from megatron_tepo.trainer import loop
+
+    saved = {}
+    monkeypatch.setattr(loop, "_save", lambda cfg, actor, root, step, state, *a: saved.__setitem__(step, state))
+    # run 1: two steps without an update, then its steps are done (a time limit, say)
+    train(_cfg(2, 3), NanActor(), EchoEngine(), _task(lambda r: 0.0), checkpoint_root=tmp_path)
+    assert [saved[s]["steps_without_update"] for s in (1, 2)] == [1, 2]
+
+    # run 2 resumes from step 2's state: one more such step makes 3 in a row
+    monkeypatch.setattr(loop, "load_newest_checkpoint", lambda actor, root, report: (tmp_path / "step_2", saved[2]))
+    seen = []
+    with pytest.raises(NoUpdateError) as err:
+        train(_cfg(400, 3), NanActor(), EchoEngine(), _task(lambda r: 0.0), checkpoint_root=tmp_path,
+              on_step=lambda s, m: seen.append(s))
+    assert seen == [3]
+    assert "no policy update for 3 steps in a row (steps 1-3, fault.max_steps_without_update=3)" in str(err.value)
+    assert saved[3]["steps_without_update"] == 3
