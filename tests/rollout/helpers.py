@@ -92,8 +92,10 @@ def kill_during_step(fleet, victim, wait_for_victim, join_timeout: float = 180.0
 def error_with_all_servers_hung(fleet, **timeouts) -> str:
     """SIGSTOP every live server (hung, not dead: only the time-outs can tell), with the fleet's
     ``timeouts`` (``step_timeout`` 15 s and ``request_timeout`` 5 s unless given); one step must
-    raise FleetError within the step time-out + 6 s, naming every server. The hung servers are
-    killed afterwards. Returns the error's message."""
+    raise FleetError naming every server, bounded by its step time-out: the bound asserted is 3 x
+    that, wide enough for a loaded machine and far below what waiting on the hung servers' requests
+    would take (they never answer). The hung servers are killed afterwards. Returns the error's
+    message."""
     timeouts = {"step_timeout": 15.0, "request_timeout": 5.0, **timeouts}
     for k, v in timeouts.items():
         setattr(fleet.cfg, k, v)
@@ -109,7 +111,7 @@ def error_with_all_servers_hung(fleet, **timeouts) -> str:
         for s in hung:
             os.kill(s.pid, signal.SIGKILL)
             os.kill(s.pid, signal.SIGCONT)
-    assert elapsed < timeouts["step_timeout"] + 6.0, elapsed
+    assert elapsed < 3 * timeouts["step_timeout"], elapsed
     msg = str(exc.value)
     for s in fleet.servers:
         assert s.url in msg
