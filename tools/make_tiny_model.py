@@ -19,7 +19,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples" / "tiny_tepo"))
+sys.path[:0] = [str(REPO), str(REPO / "examples" / "tiny_tepo")]  # the package, the task
 
 
 def make(out: Path, n_train: int = 5000, n_eval: int = 200) -> Path:

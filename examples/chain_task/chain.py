@@ -34,16 +34,16 @@ not math-verify. It is a controlled fixture for the loss's mechanism, not a reas
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
 import random
 import time
 from pathlib import Path
 from typing import List, Sequence, Tuple
 
 import torch
+
+from megatron_tepo.cache_dir import build_once
 
 PAD, EOS = 0, 1
 CHARS = "0123456789+=;>"
@@ -132,13 +132,8 @@ def warm_up(cache_dir: Path, steps: int = 1000, batch: int = 64, lr: float = 3e-
     key = hashlib.sha1(json.dumps([steps, batch, lr, seed, layers, hidden, VOCAB, CHARS, DIGITS, P_FULL,
                                    "chain-v1"]).encode()).hexdigest()[:10]
     out = Path(cache_dir) / f"sft-{key}"
-    if (out / "config.json").exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_name(out.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one warm-up at a time: a second process waits, then reads it
-        if (out / "config.json").exists():
-            return out
+
+    def train(tmp: Path) -> None:  # (once per cache entry, whichever process comes first)
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
@@ -169,7 +164,6 @@ def warm_up(cache_dir: Path, steps: int = 1000, batch: int = 64, lr: float = 3e-
             if (step + 1) % 250 == 0:
                 print(f"[warm-up] step {step + 1}/{steps}: loss {loss.item():.3f} ({time.time() - t:.0f}s)", flush=True)
         print(f"[warm-up] {steps} supervised steps in {time.time() - t:.0f}s, final loss {loss.item():.3f}")
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         model.save_pretrained(tmp)
-        tmp.replace(out)
-        return out
+
+    return build_once(out, train)

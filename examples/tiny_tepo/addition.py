@@ -7,7 +7,6 @@ SGLang servers and ``tools/train.py`` load like any other checkpoint.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -16,6 +15,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from megatron_tepo.cache_dir import build_once
 
 PAD, EOS = 0, 1
 CHARS = "0123456789+="
@@ -61,13 +62,8 @@ def warm_up(cache_dir: Path, steps=300, batch=64, lr=3e-3, seed=0) -> Path:
     """Supervised warm-up on addition (cached by its settings)."""
     key = hashlib.sha1(json.dumps([steps, batch, lr, seed, VOCAB, CHARS, "v1"]).encode()).hexdigest()[:10]
     out = cache_dir / f"sft-{key}"
-    if (out / "config.json").exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_name(out.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one warm-up at a time: a second process waits, then reads it
-        if (out / "config.json").exists():
-            return out
+
+    def train(tmp: Path) -> None:  # (once per cache entry, whichever process comes first)
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
@@ -90,10 +86,9 @@ def warm_up(cache_dir: Path, steps=300, batch=64, lr=3e-3, seed=0) -> Path:
             loss.backward()
             opt.step()
         print(f"[warm-up] {steps} supervised steps in {time.time() - t:.0f}s, final loss {loss.item():.3f}")
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         model.save_pretrained(tmp)
-        tmp.replace(out)
-        return out
+
+    return build_once(out, train)
 
 
 def hf_tokenizer():
