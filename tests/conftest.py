@@ -19,6 +19,8 @@ def pytest_configure(config):
         ("sglang", "talks to a real SGLang server on CPU"),
         ("slurm", "submits jobs to a real one-node Slurm cluster"),
         ("slow", "takes more than ~30 s"),
+        ("journey", "a user's whole command line (tools/train.py and the CLI, in subprocesses); tools/test.sh runs "
+                    "these beside the rest, with the sglang and slurm tests"),
     ]:
         config.addinivalue_line("markers", f"{name}: {text}")
 

@@ -39,10 +39,12 @@ run_pytest() {  # run_pytest <label> <python> <pytest args...>: returns 0 / 1
 
 # The newest stack's suite as two pytest runs at the same time: the `slurm` and `sglang` tests (their
 # time goes to Slurm jobs and SGLang servers, and much of it to waiting on them: a job's start, a
-# server's start-up, a requeue, a probe's time-out) beside all the others, which keep the CPUs busy.
-# On 2 cores one run after the other leaves a core idle about a third of the time. The second run's
-# output goes to .test-logs/newest-servers.log and is printed after the first run's. Extra arguments
-# (a selection of tests): one pytest run, as they say.
+# server's start-up, a requeue, a probe's time-out), with the `journey` tests to even the two out,
+# beside all the others, which keep the CPUs busy. On 2 cores one run after the other leaves a core
+# idle about a third of the time. The second run's output goes to .test-logs/newest-servers.log and
+# is printed after the first run's. Extra arguments (a selection of tests): one pytest run, as they
+# say.
+SECOND_LANE="slurm or sglang or journey"
 run_newest() {  # run_newest <python> [pytest args...]: returns 0 / 1
   local py="$1" log="$repo/.test-logs/newest-servers.log" pid rc=0 start=$SECONDS
   shift
@@ -51,12 +53,12 @@ run_newest() {  # run_newest <python> [pytest args...]: returns 0 / 1
     return
   fi
   mkdir -p "$(dirname "$log")"
-  run_pytest "newest: slurm and sglang tests" "$py" -m "slurm or sglang" >"$log" 2>&1 &
+  run_pytest "newest: slurm, sglang and journey tests" "$py" -m "$SECOND_LANE" >"$log" 2>&1 &
   pid=$!
-  echo "tools/test.sh: [newest: slurm and sglang tests] running beside the rest (pid $pid): $log" >&2
-  run_pytest "newest: the rest" "$py" -m "not slurm and not sglang" || rc=1
+  echo "tools/test.sh: [newest: slurm, sglang and journey tests] running beside the rest (pid $pid): $log" >&2
+  run_pytest "newest: the rest" "$py" -m "not ($SECOND_LANE)" || rc=1
   wait "$pid" || rc=1
-  echo "tools/test.sh: ---- [newest: slurm and sglang tests], its output ($log) ----" >&2
+  echo "tools/test.sh: ---- [newest: slurm, sglang and journey tests], its output ($log) ----" >&2
   cat "$log" >&2
   echo "tools/test.sh: [newest] both runs done after $((SECONDS - start)) s" >&2
   return "$rc"

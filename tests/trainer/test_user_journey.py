@@ -17,7 +17,7 @@ import pytest
 
 from tests.dist_utils import REPO
 
-pytestmark = pytest.mark.slow  # each test starts the trainer (10-20 s) a few times
+pytestmark = [pytest.mark.slow, pytest.mark.journey]  # each test starts the trainer (10-20 s) a few times
 
 
 def train(tiny, out, *extra, expect=0, env=None):
