@@ -49,10 +49,6 @@ fi
 t0=$(date +%s)
 work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
 echo "torch==$TORCH_VERSION" > "$work/constraints.txt"
-# a download cut off midway (seen: a 286 MB wheel stopped at 131 MB six times in a row) resumes,
-# more often than pip's default 5 times; a failed connection is retried too (pip ignores what it
-# does not know, so an old pip before its upgrade is unaffected)
-export PIP_RESUME_RETRIES="${PIP_RESUME_RETRIES:-30}" PIP_RETRIES="${PIP_RETRIES:-10}"
 pip=("$py" -m pip install -q -c "$work/constraints.txt")
 "$py" -m pip install -q --upgrade pip packaging >&2
 "${pip[@]}" "torch==$TORCH_VERSION" >&2

@@ -73,10 +73,6 @@ fi
 py="$venv/bin/python"
 stamp="$venv/.mtepo-installed"
 want="python=$pyver torch=$TORCH_VERSION mcore=$mcore extras=$extras setup=$(cat "$repo/pyproject.toml" "${BASH_SOURCE[0]}" | sha1sum | cut -c1-12)"
-# a download cut off midway (seen: a 286 MB wheel stopped at 131 MB six times in a row) resumes,
-# more often than pip's default 5 times; a failed connection is retried too (pip ignores what it
-# does not know, so an old pip before its upgrade is unaffected)
-export PIP_RESUME_RETRIES="${PIP_RESUME_RETRIES:-30}" PIP_RETRIES="${PIP_RETRIES:-10}"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$py" -m pip install -q --upgrade pip >&2
   "$py" -m pip install -q "torch==$TORCH_VERSION" >&2
