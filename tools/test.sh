@@ -46,19 +46,19 @@ run_pytest() {  # run_pytest <label> <python> <pytest args...>: returns 0 / 1
 # say.
 SECOND_LANE="slurm or sglang or journey"
 run_newest() {  # run_newest <python> [pytest args...]: returns 0 / 1
-  local py="$1" log="$repo/.test-logs/newest-servers.log" pid rc=0 start=$SECONDS
+  local py="$1" log="$repo/.test-logs/newest-servers.log" label="newest: $SECOND_LANE" pid rc=0 start=$SECONDS
   shift
   if [ "$#" -gt 0 ]; then
     run_pytest newest "$py" "$@"
     return
   fi
   mkdir -p "$(dirname "$log")"
-  run_pytest "newest: slurm, sglang and journey tests" "$py" -m "$SECOND_LANE" >"$log" 2>&1 &
+  run_pytest "$label" "$py" -m "$SECOND_LANE" >"$log" 2>&1 &
   pid=$!
-  echo "tools/test.sh: [newest: slurm, sglang and journey tests] running beside the rest (pid $pid): $log" >&2
+  echo "tools/test.sh: [$label] running beside the rest (pid $pid): $log" >&2
   run_pytest "newest: the rest" "$py" -m "not ($SECOND_LANE)" || rc=1
   wait "$pid" || rc=1
-  echo "tools/test.sh: ---- [newest: slurm, sglang and journey tests], its output ($log) ----" >&2
+  echo "tools/test.sh: ---- [$label], its output ($log) ----" >&2
   cat "$log" >&2
   echo "tools/test.sh: [newest] both runs done after $((SECONDS - start)) s" >&2
   return "$rc"

@@ -22,8 +22,9 @@ usually fires too; one that torchrun stops first (SIGTERM to the rest once one r
 still dumps its stacks (``faulthandler`` registered on SIGTERM while a watchdog is open; into the
 stacks file when there is one, else stderr). A C call that holds the GIL stops the checking
 thread as well: ``faulthandler.dump_traceback_later`` is armed as a backstop at the phase's
-time-out + :data:`BACKSTOP_GRACE_S`; it dumps the stacks (to the same place) and exits with status 1, without the line or the exit-reason file (the job then treats it as a
-crash, which is requeued too).
+time-out + :data:`BACKSTOP_GRACE_S`; it dumps the stacks (to the same place) and exits with
+status 1, without the line or the exit-reason file (the job then treats it as a crash, which is
+requeued too).
 
 The exit-reason file: ``TEPO_EXIT_REASON_FILE`` (set by slurm/lib.sh, one per attempt); global
 rank r > 0 writes ``<file>.rank<r>``. torchrun turns any child's failure into its own exit status
@@ -53,24 +54,28 @@ PHASES = ("generate", "collective", "sync")
 EXIT_REASON_ENV = "TEPO_EXIT_REASON_FILE"
 
 
+def _rank(rank: Optional[int]) -> int:
+    """``rank``, or this process's global rank (env ``RANK``, default 0)."""
+    return int(os.environ.get("RANK", "0")) if rank is None else rank
+
+
 def exit_reason_path(rank: Optional[int] = None) -> Optional[str]:
     """Where this process writes its exit reason (None when ``TEPO_EXIT_REASON_FILE`` is unset):
     the file itself on global rank 0, ``<file>.rank<r>`` on rank r (default: env ``RANK``)."""
     path = os.environ.get(EXIT_REASON_ENV)
     if not path:
         return None
-    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    rank = _rank(rank)
     return path if rank == 0 else f"{path}.rank{rank}"
 
 
 def stacks_path(rank: Optional[int] = None) -> Optional[str]:
     """This rank's stack-dump file, ``stacks.rank<r>.txt`` in the exit-reason file's folder (None
     when ``TEPO_EXIT_REASON_FILE`` is unset)."""
-    path = os.environ.get(EXIT_REASON_ENV)
-    if not path:
+    path = exit_reason_path(0)
+    if path is None:
         return None
-    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-    return os.path.join(os.path.dirname(os.path.abspath(path)), f"stacks.rank{rank}.txt")
+    return os.path.join(os.path.dirname(os.path.abspath(path)), f"stacks.rank{_rank(rank)}.txt")
 
 
 def write_exit_reason(reason: str, requeue: bool, message: str, rank: Optional[int] = None) -> Optional[str]:
@@ -79,7 +84,7 @@ def write_exit_reason(reason: str, requeue: bool, message: str, rank: Optional[i
     path = exit_reason_path(rank)
     if path is None:
         return None
-    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    rank = _rank(rank)
     line = json.dumps({"reason": reason, "requeue": bool(requeue), "message": message, "rank": rank})
     try:
         with open(path, "w", encoding="utf-8") as f:
