@@ -106,10 +106,14 @@ def test_a_hung_trainer_is_stopped_requeued_and_finishes_like_an_uninterrupted_r
     # each rank's own copy of its stacks (in trainer.log the two ranks' dumps, written at the same
     # moment, can interleave character by character)
     stacks = {p.name: p.read_text(errors="replace") for p in (out / "logs" / f"{job}.0").glob("stacks.rank*.txt")}
-    assert set(stacks) == {"stacks.rank0.txt", "stacks.rank1.txt"}, (sorted(stacks), shown)
+    # rank 1 either dumped its stacks (its watchdog fired, or torchrun's SIGTERM came first) or its
+    # blocked collective failed once rank 0 was gone, and it exited with its traceback in the log
+    assert "stacks.rank0.txt" in stacks, (sorted(stacks), shown)
+    assert "stacks.rank1.txt" in stacks or "[rank1]: Traceback" in first, (sorted(stacks), shown)
     # rank 0's stack: where it hung (its watchdog's dump or the SIGTERM one)
     assert "in _hang" in stacks["stacks.rank0.txt"], stacks["stacks.rank0.txt"][-3000:]
-    assert all(re.search(r"(Current thread|Thread) 0x[0-9a-f]+", text) for text in stacks.values()), stacks
+    # (one writer per file: faulthandler's thread headers start their lines there)
+    assert all(re.search(r"^(Current thread|Thread) 0x[0-9a-f]+", text, re.M) for text in stacks.values()), stacks
     reasons = [json.loads(p.read_text()) for p in sorted((out / "logs" / f"{job}.0").glob("exit_reason.json*"))]
     assert reasons and all(r["reason"] == "watchdog" and r["requeue"] is True for r in reasons), reasons
     stdout = next(tmp_path.glob(f"slurm-hang-{job}.out")).read_text()
