@@ -21,15 +21,29 @@ variant may end with ``@BxL:BxL...``, its own batches instead of ``--batches``):
 A variant that runs out of memory reports ``"error": "OOM ..."`` and the next one runs. JSON lines
 go to stdout and, with ``--json``, to a file.
 
+``--anchor hf`` first measures a plain Hugging Face ``transformers`` model on the same batches, in the
+same process: bf16, SDPA attention, one micro-batch per batch; its train step is forward, a token
+log-prob loss, backward and ``torch.optim.AdamW(fused=True)``; its log-prob pass computes log-probs
+and entropy with a float softmax. Every actor row then carries ``train_vs_hf`` and
+``log_probs_vs_hf``: its time as a ratio to the anchor's (below 1: faster than plain HF).
+
+``--counts`` adds, per batch, what one step launches and syncs (:mod:`megatron_tepo.actor.costs`:
+aten ops and host syncs of the log-prob pass, the forward-backward and the optimizer step, the
+core attention left out) and the graphs dynamo compiled by then: what a launch-bound GPU pays for,
+counted on a CPU.
+
     python benchmarks/actor_step.py                               # CPU: tiny shape, small batches
     python benchmarks/actor_step.py --device cuda                 # GPU: qwen3-0.6b, 8x2048, 1x8448, 1x32768
+    python benchmarks/actor_step.py --counts --batches 2x256,16x32  # CPU: ops / syncs beside the timings
 
 Defaults on GPU: variants ``today`` (fp32, unfused attention, padded rows, no recompute: the
 actor before bf16 / SDPA / packing / recompute existed) and ``bf16`` (bf16, sdpa, packed, full
 recompute, 16384-token micro-batches); on CPU the tiny shape with ``fp32`` and ``bf16`` variants.
 The GPU check (``benchmarks/gpu_check.sh``) runs the presets ``gpu-fast`` (bf16, sdpa, packed, no
-recompute, 16384-token micro-batches: the speed setting) and ``gpu-lean`` (the same with full
-recompute and 32768-token micro-batches: the long-sequence setting).
+recompute, 16384-token micro-batches, ``fusions`` as resolved: the speed setting),
+``gpu-fast-unfused`` (the same with ``fusions=off``: which of the two is faster decides the
+default) and ``gpu-lean`` (the same with full recompute and 32768-token micro-batches: the
+long-sequence setting), with ``--anchor hf``.
 
 Left out: TP/PP/DP (one process; the collectives of a real layout are not in these numbers), the
 rollout engine and the weight sync, the loss's own arithmetic beyond TEPO's defaults, and a
@@ -65,6 +79,8 @@ PRESETS = {
     "fp32": "precision=fp32",
     "bf16": "precision=bf16,recompute=full",
     "gpu-fast": "precision=bf16,attention=sdpa,pack_sequences=true,recompute=none,max_tokens_per_micro_batch=16384",
+    "gpu-fast-unfused": "precision=bf16,attention=sdpa,pack_sequences=true,recompute=none,max_tokens_per_micro_batch=16384,"
+                        "fusions=off",
     "gpu-lean": "precision=bf16,attention=sdpa,pack_sequences=true,recompute=full,max_tokens_per_micro_batch=32768",
 }
 
@@ -134,7 +150,96 @@ def _peak(cuda: bool, base_rss: int) -> float:
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss) / 2**30
 
 
-def run(cfg: dict, model_dir: str, variant: dict, batches, repeats: int, cuda: bool, label: str = "") -> list:
+def timed(log_probs, train, repeats: int, cuda: bool) -> tuple:
+    """Median seconds of ``log_probs()`` and of ``train()`` (run one after the other) over ``repeats``
+    runs after one warm-up (allocator, compilation), each from an emptied allocator on GPU."""
+    lp_s, tr_s = [], []
+    for it in range(repeats + 1):
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        _sync(cuda)
+        t = time.perf_counter()
+        log_probs()
+        _sync(cuda)
+        t1 = time.perf_counter()
+        train()
+        _sync(cuda)
+        t2 = time.perf_counter()
+        if it:
+            lp_s.append(t1 - t)
+            tr_s.append(t2 - t1)
+    return median(lp_s), median(tr_s)
+
+
+def oom_error(exc: BaseException):
+    """``"OOM: ..."`` for an out-of-memory error (the next variant runs), None for any other."""
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc):
+        return f"OOM: {str(exc).splitlines()[0][:200]}"
+    return None
+
+
+def hf_anchor(cfg: dict, batches, repeats: int, cuda: bool) -> dict:
+    """``{"BxL": row}``: the plain transformers model's train step and log-prob pass (see the module
+    docstring), median of ``repeats`` after a warm-up, and its peak memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.bfloat16,
+                                             attn_implementation="sdpa").to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    out = {}
+    for b, length in batches:
+        batch = make_batch(b, length, cfg["vocab_size"])
+        ids, adv = batch.input_ids.to(device), batch.advantages.to(device)
+        p = int(batch.prompt_lens[0])
+        row = {"label": "hf", "batch": f"{b}x{length}", "tokens": b * length}
+        base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        got = {}
+
+        def log_probs():
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=ids).logits[:, p - 1:-1].float(), -1)
+                got["lp"] = logp.gather(-1, ids[:, p:, None]).squeeze(-1)
+                got["ent"] = -(logp.exp() * logp).sum(-1)
+
+        def train():
+            logits = model(input_ids=ids).logits[:, p - 1:-1]
+            tok = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, p:, None]).squeeze(-1)
+            (-(tok * adv).mean()).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        try:
+            lp_s, tr_s = timed(log_probs, train, repeats, cuda)
+            row.update(log_probs_s=round(lp_s, 4), train_step_s=round(tr_s, 4),
+                       train_tokens_per_s=round(b * length / tr_s), peak_gib=round(_peak(cuda, base_rss), 2),
+                       entropy_mean=round(float(got["ent"].mean()), 4), log_prob_mean=round(float(got["lp"].mean()), 4))
+        except RuntimeError as exc:  # (torch.OutOfMemoryError is one)
+            row["error"] = oom_error(exc)
+            if row["error"] is None:
+                raise
+        print(json.dumps(row), flush=True)
+        out[row["batch"]] = row
+    del model, opt
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def with_anchor(row: dict, anchor: dict) -> dict:
+    """``row`` with its times as ratios to the anchor's on the same batch (where both exist)."""
+    ref = anchor.get(row["batch"], {})
+    for key, name in (("train_step_s", "train_vs_hf"), ("log_probs_s", "log_probs_vs_hf")):
+        if key in row and key in ref and ref[key] > 0:
+            row[name] = round(row[key] / ref[key], 3)
+    return row
+
+
+def run(cfg: dict, model_dir: str, variant: dict, batches, repeats: int, cuda: bool, label: str = "",
+        anchor: dict | None = None, counts: bool = False) -> list:
     from megatron_tepo.actor import MegatronActor
     from megatron_tepo.algorithms import PolicyLoss
 
@@ -153,37 +258,37 @@ def run(cfg: dict, model_dir: str, variant: dict, batches, repeats: int, cuda: b
                                                                     "pack_sequences", "max_tokens_per_micro_batch")}}
         batch = make_batch(b, length, cfg["vocab_size"])
         base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        got = {}
+
+        def log_probs():
+            batch.old_log_probs, batch.old_entropy = actor.compute_log_probs(batch)
+
+        def train():
+            got["m"] = actor.train_step(batch, PolicyLoss.of("tepo", kl_coef=1e-3))
+
         try:
-            lp_s, tr_s = [], []
-            for it in range(repeats + 1):
-                if cuda:
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                _sync(cuda)
-                t = time.perf_counter()
-                lp, ent = actor.compute_log_probs(batch)
-                _sync(cuda)
-                t1 = time.perf_counter()
-                batch.old_log_probs, batch.old_entropy = lp, ent
-                m = actor.train_step(batch, PolicyLoss.of("tepo", kl_coef=1e-3))
-                _sync(cuda)
-                t2 = time.perf_counter()
-                if it:  # the first is the warm-up (allocator, compilation)
-                    lp_s.append(t1 - t)
-                    tr_s.append(t2 - t1)
+            lp_s, tr_s = timed(log_probs, train, repeats, cuda)
+            m = got["m"]
             f_train, f_lp = flops(cfg, n_params, (b, length))
-            row.update(log_probs_s=round(median(lp_s), 4), train_step_s=round(median(tr_s), 4),
-                       train_tokens_per_s=round(b * length / median(tr_s)),
-                       train_tflops=round(f_train / median(tr_s) / 1e12, 2),
-                       log_probs_tflops=round(f_lp / median(lp_s) / 1e12, 2),
+            row.update(log_probs_s=round(lp_s, 4), train_step_s=round(tr_s, 4),
+                       train_tokens_per_s=round(b * length / tr_s),
+                       train_tflops=round(f_train / tr_s / 1e12, 2),
+                       log_probs_tflops=round(f_lp / lp_s / 1e12, 2),
                        peak_gib=round(_peak(cuda, base_rss), 2), loss=m["loss"],
                        micro_batches=m["num_micro_batches"])
-        except torch.OutOfMemoryError as exc:
-            row["error"] = f"OOM: {str(exc).splitlines()[0][:200]}"
-        except RuntimeError as exc:
-            if "out of memory" not in str(exc):
+            if anchor is not None:
+                with_anchor(row, anchor)
+            if counts:
+                from megatron_tepo.actor.costs import count_step
+                from megatron_tepo.launch_costs import compiles
+
+                costs = count_step(actor, batch, PolicyLoss.of("tepo", kl_coef=1e-3))
+                row["counts"] = {phase: {"ops": c["ops"], "syncs": c["syncs"]} for phase, c in costs.items()}
+                row["counts"]["compiled_graphs"] = compiles()
+        except RuntimeError as exc:  # (torch.OutOfMemoryError is one)
+            row["error"] = oom_error(exc)
+            if row["error"] is None:
                 raise
-            row["error"] = f"OOM: {str(exc).splitlines()[0][:200]}"
         print(json.dumps(row), flush=True)
         out.append(row)
         del batch
@@ -204,6 +309,10 @@ def main(argv=None):
                                                          f"({', '.join(PRESETS)}), optionally @BxL:BxL (its own "
                                                          "batches); repeatable")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--anchor", choices=["hf"], default=None,
+                    help="hf: a plain transformers model on the same batches first; rows get their ratio to it")
+    ap.add_argument("--counts", action="store_true",
+                    help="add each step's aten ops, host syncs and compiled graphs (launch costs, any device)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
@@ -226,8 +335,14 @@ def main(argv=None):
         AutoConfig.for_model(**cfg).save_pretrained(tmp)
         print(json.dumps({"shape": shape, "config": cfg, "device": torch.cuda.get_device_name() if cuda else "cpu",
                           "torch": torch.__version__, "threads": torch.get_num_threads()}), flush=True)
+        anchor = None
+        if args.anchor:
+            every = sorted({bt for _, _, own in variants for bt in (own or batches)}, key=lambda x: (x[0] * x[1], x))
+            anchor = hf_anchor(cfg, every, args.repeats, cuda)
+            rows += list(anchor.values())
         for label, v, own_batches in variants:
-            rows += run(cfg, tmp, v, own_batches or batches, args.repeats, cuda, label=label)
+            rows += run(cfg, tmp, v, own_batches or batches, args.repeats, cuda, label=label, anchor=anchor,
+                        counts=args.counts)
     if args.json:
         Path(args.json).write_text(json.dumps({"shape": shape, "rows": rows}, indent=1))
     return rows

@@ -211,9 +211,11 @@ class ActorConfig:
       ``max_tokens_per_micro_batch`` tokens; positions restart and attention never crosses two
       sequences. ``false``: rows padded to the micro-batch's longest (``rows x longest <= budget``).
     * ``sequence_parallel``: megatron's sequence parallelism (needs TP > 1 and Transformer Engine).
-    * ``fusions``: megatron's fusions that work without Transformer Engine (bias + SwiGLU,
-      bias + dropout + add; with TE also the fused RoPE and gradient-accumulation fusion);
-      ``auto`` -- on with CUDA, off on CPU.
+    * ``fusions``: megatron's ``torch.compile``-d fusions that work without Transformer Engine:
+      SwiGLU (compiled once for every packed length and both passes), and bias + dropout + add
+      for a family that has a bias or dropout there (the supported families have neither);
+      ``auto`` -- on with CUDA, off on CPU. Transformer Engine's fused RoPE is not part of it:
+      it is on whenever ``attention`` is ``te``.
     * ``overlap_grad_reduce``: megatron DDP starts each gradient bucket's all-reduce
       (reduce-scatter with the distributed optimizer) during the backward of the last
       micro-batch instead of after it. Works on NCCL and on gloo (CPU); the gradients are the

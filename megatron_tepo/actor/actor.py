@@ -62,6 +62,7 @@ from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.actor.batching import equalize_micro_batch_count, plan_micro_batches, plan_packed_micro_batches
 from megatron_tepo.actor.micro_batch import MicroBatch, build_micro_batch
 from megatron_tepo.layout import ParallelLayout
+from megatron_tepo.megatron.fast_paths import use_fused_adam
 from megatron_tepo.megatron.parallel import initialize_parallel, validate_layout_here
 from megatron_tepo.config import ActorConfig, OptimConfig
 from megatron_tepo.megatron.gpt import build_gpt_chunk, family_spec, resolve_actor_config, transformer_config
@@ -286,7 +287,9 @@ class MegatronActor:
                               clip_grad=o.clip_grad, bf16=self.bf16, fp16=False,
                               params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
                               use_distributed_optimizer=o.use_distributed_optimizer)
-        return get_megatron_optimizer(cfg, self.model)
+        optimizer = get_megatron_optimizer(cfg, self.model)
+        use_fused_adam(optimizer)  # torch's fused AdamW where megatron fell back to the per-parameter loop
+        return optimizer
 
     def _build_scheduler(self):
         return build_lr_scheduler(self.optimizer, self.optim_cfg, self.total_steps)
@@ -316,7 +319,8 @@ class MegatronActor:
         mbs = [build_micro_batch(batch, rows, packed=packed, pad_multiple=multiple) for rows in plan]
         if self._needs_equal_shapes():
             mbs = self._pad_to_common_shapes(mbs)
-        return mbs
+        # every micro-batch's inputs queued to the device before the first forward (pinned, async)
+        return [mb.staged(self.device) for mb in mbs]
 
     def _needs_equal_shapes(self) -> bool:
         """The MoE allgather dispatcher all-gathers tokens over the expert-parallel group, which
@@ -391,9 +395,8 @@ class MegatronActor:
         if self.is_last_stage:
             for mb, result in zip(mbs, store):
                 if mb.rows:
-                    idx = torch.as_tensor(mb.rows, device=self.device)
-                    out[0, idx] = result["lp"][: len(mb.rows)].float()  # drop shape-padding rows
-                    out[1, idx] = result["ent"][: len(mb.rows)].float()
+                    out[0, mb.row_index] = result["lp"][: len(mb.rows)].float()  # drop shape-padding rows
+                    out[1, mb.row_index] = result["ent"][: len(mb.rows)].float()
         self._broadcast_from_last_stage(out)
         return out[0].cpu(), out[1].cpu()
 
@@ -417,16 +420,13 @@ class MegatronActor:
 
         def loss_func(mb, output):
             lp, ent = self._log_probs_of(mb, output, batch.temperature)
-            d, rows = self.device, mb.data
-
-            def opt(t):
-                return None if t is None else t.to(d)
+            f = mb.field  # these rows' per-token fields, already on the device
 
             value, metrics = loss(
-                lp, rows.old_log_probs.to(d), rows.advantages.to(d), rows.response_mask.to(d),
-                entropy=ent, old_entropy=opt(rows.old_entropy), ref_log_prob=opt(rows.ref_log_probs),
-                rollout_log_prob=opt(rows.rollout_log_probs), normalizer=normalizer)
-            tokens = (rows.response_mask != 0).sum()
+                lp, f("old_log_probs"), f("advantages"), f("response_mask"),
+                entropy=ent, old_entropy=f("old_entropy"), ref_log_prob=f("ref_log_probs"),
+                rollout_log_prob=f("rollout_log_probs"), normalizer=normalizer)
+            tokens = (f("response_mask") != 0).sum()
             return value, torch.tensor(1, dtype=torch.int), {"loss": value.detach(), "tokens": tokens,
                                                              "metrics": metrics}
 
@@ -453,10 +453,11 @@ class MegatronActor:
             rows = []
             for item in store:
                 n = f64(item["tokens"])
+                values = {k: f64(v) for k, v in item["metrics"].items()}  # each converted once
                 row = [f64(item["loss"]), n]
                 for key in keys:
-                    w = f64(loss.metric_weight(key, {k: f64(v) for k, v in item["metrics"].items()}, n))
-                    row += [f64(item["metrics"][key]) * w, w]
+                    w = f64(loss.metric_weight(key, values, n))
+                    row += [values[key] * w, w]
                 rows.append(torch.stack([r.reshape(()) for r in row]))
             sums = (torch.stack(rows).sum(0) if rows
                     else torch.zeros(2 + 2 * len(keys), dtype=torch.float64, device=self.device))

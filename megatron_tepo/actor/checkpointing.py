@@ -267,6 +267,8 @@ def load_actor_checkpoint(actor, directory: PathLike, model_only: bool = False) 
     only the model weights, resharded by dist_checkpointing to this actor's TP/PP."""
     from megatron.core import dist_checkpointing
 
+    from megatron_tepo.megatron.fast_paths import refresh_fused_adam
+
     d = Path(directory).absolute()
     err, info = None, None
     try:
@@ -297,6 +299,7 @@ def load_actor_checkpoint(actor, directory: PathLike, model_only: bool = False) 
                 adopt_current_lr_in_saved_groups(loaded_optimizer, actor.optimizer)
             actor.optimizer.load_state_dict(loaded_optimizer)
             _fix_torch_adam_steps(actor, saved_steps)
+            refresh_fused_adam(actor.optimizer)  # fused AdamW reads its step counts on the device
             actor.scheduler.num_steps = 0  # load_state_dict ADDS the saved step count
             actor.scheduler.load_state_dict(loaded["scheduler"])
             if getattr(actor, "keep_optim_settings", False):  # (see MegatronActor.prefer_settings_over_checkpoint)

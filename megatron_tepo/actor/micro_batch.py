@@ -20,8 +20,9 @@ token sits, never what it is scored against.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -39,8 +40,33 @@ class MicroBatch:
     labels: torch.Tensor  # [N] long
     score_index: torch.Tensor  # [b, R] long, into the N flat positions
     valid: torch.Tensor  # [b, R] bool
-    cu_seqlens: Optional[torch.Tensor] = None  # [n + 1] int32 (packed only)
+    cu_seqlens: Optional[torch.Tensor] = None  # [n + 1] int32 (packed only), on the host
     max_seqlen: int = 0  # longest sequence (packed only)
+    per_token: Optional[Dict[str, Optional[torch.Tensor]]] = None  # data's per-token fields, once staged
+    row_index: Optional[torch.Tensor] = None  # rows as a long tensor, once staged
+
+    def field(self, name: str) -> Optional[torch.Tensor]:
+        """Per-token field ``name`` of these rows (``[b, R]``), on the device once :meth:`staged`."""
+        return self.per_token[name] if self.per_token is not None else getattr(self.data, name)
+
+    def staged(self, device: torch.device) -> "MicroBatch":
+        """This micro-batch with every tensor the step reads on ``device``: on a GPU from pinned
+        host copies, ``non_blocking``, so the copies of all micro-batches are queued before the
+        first forward and nothing waits for them on the host. ``cu_seqlens`` stays on the host
+        (the sdpa attention splits on it there; the RoPE tables and Transformer Engine copy it
+        themselves)."""
+        pin = device.type == "cuda"
+
+        def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            if t is None or t.device == device:
+                return t
+            return (t.pin_memory() if pin else t).to(device, non_blocking=pin)
+
+        return dataclasses.replace(
+            self, input_ids=move(self.input_ids), position_ids=move(self.position_ids), labels=move(self.labels),
+            score_index=move(self.score_index), valid=move(self.valid),
+            per_token={f: move(getattr(self.data, f)) for f in PER_TOKEN_FIELDS},
+            row_index=move(torch.as_tensor(self.rows, dtype=torch.long)))
 
     @property
     def packed(self) -> bool:
@@ -98,19 +124,18 @@ def build_micro_batch(batch: RolloutBatch, rows: Sequence[int], packed: bool,
 
 
 def _packed(rows: List[int], data: RolloutBatch, pad_multiple: int) -> MicroBatch:
+    """The rows laid end to end, with a fixed number of tensor ops whatever the row count."""
     target, valid, seq = _slots(data)
-    lens = seq.tolist()
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
-    ids = torch.cat([data.input_ids[i, :n] for i, n in enumerate(lens)])
-    positions = torch.cat([torch.arange(n) for n in lens])
-    offsets = torch.tensor(starts[:-1], dtype=torch.long)
+    keep = torch.arange(data.input_ids.shape[1])[None] < seq[:, None]
+    ids = data.input_ids[keep]  # row-major: row 0's tokens, then row 1's, ...
+    starts = torch.cat([seq.new_zeros(1), seq.cumsum(0)])
+    offsets = starts[:-1]
+    positions = torch.arange(ids.numel()) - torch.repeat_interleave(offsets, seq, output_size=ids.numel())
     score = torch.where(valid, offsets[:, None] + target - 1, torch.zeros((), dtype=torch.long))
     labels = torch.zeros(ids.numel(), dtype=torch.long)
     labels[score[valid]] = ids[(offsets[:, None] + target)[valid]]
     mb = MicroBatch(rows, data, ids[None], positions[None], labels, score, valid,
-                    cu_seqlens=torch.tensor(starts, dtype=torch.int32), max_seqlen=max(lens))
+                    cu_seqlens=starts.to(torch.int32), max_seqlen=int(seq.max()))
     extra = -ids.numel() % pad_multiple
     return _with_pad_segment(mb, extra) if extra else mb
 

@@ -14,7 +14,9 @@ heads), output ``[s, b, heads * d]``. Packed sequences (``packed_seq_params`` wi
 ``packed_attention`` (the resolved ``actor.packed_attention``, given by the layer spec):
 
 * ``varlen`` -- one ``torch.nn.attention.varlen.varlen_attn`` call (flash attention's varlen
-  kernel: CUDA, bf16/fp16) per layer, causal via ``window_size=(-1, 0)``, GQA native;
+  kernel: CUDA, bf16/fp16) per layer, causal via ``window_size=(-1, 0)``, GQA native (the KV heads
+  are passed as they are, never repeated: ``enable_gqa`` where torch has the flag, as 2.13 has;
+  2.11 has none and hands fewer KV heads straight to the flash kernel, which shares them itself);
 * ``flex`` -- one FlexAttention call per layer with a causal document mask (``create_block_mask``
   on the sequence ids; built once per micro-batch and kept on the ``packed_seq_params`` object,
   which every layer shares); compiled on CUDA, eager elsewhere (eager materialises the scores);
@@ -122,11 +124,8 @@ def _varlen(q, k, v, cu_seqlens, max_seqlen: int, scale: float, packed_seq_param
     params = _parameters(fn)
     # causal: window_size=(-1, 0) from torch 2.11, is_causal=True in 2.10 (varlen_attn's first release)
     kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
-            kw["enable_gqa"] = True
-        else:  # no GQA flag in this torch: the KV heads repeated for their query groups
-            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    if q.shape[1] != k.shape[1] and "enable_gqa" in params:
+        kw["enable_gqa"] = True  # (a torch without the flag passes fewer KV heads to flash as they are)
     return fn(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), scale=scale, **kw)
 
 

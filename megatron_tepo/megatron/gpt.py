@@ -22,9 +22,13 @@ actor and the checkpoint converter both use it.
 ``auto`` is decided once, by :func:`resolve_actor_config` (the actor's plan); the builders here
 refuse a config that still holds one.
 
-Fusions that need neither Transformer Engine nor apex (``bias_activation_fusion``: SwiGLU,
-``bias_dropout_fusion``) are megatron's ``torch.compile``-d functions; with Transformer Engine the
-fused RoPE (``apply_rope_fusion``) is added. ``gradient_accumulation_fusion`` needs both TE
+``actor.fusions`` turns on the fusions that need neither Transformer Engine nor apex, megatron's
+``torch.compile``-d functions: SwiGLU (``bias_activation_fusion``; compiled once for every packed
+length and both passes, :mod:`megatron_tepo.megatron.fast_paths`) and bias-dropout-add
+(``bias_dropout_fusion``) only for a family that has a bias or dropout there -- without them it
+fuses nothing (a compiled plain add) and cost recompiles. Transformer Engine's fused RoPE
+(``apply_rope_fusion``, THD included) follows the attention: on whenever ``attention`` is ``te``,
+whatever ``fusions`` says. ``gradient_accumulation_fusion`` needs both TE
 (its linears take ``fuse_wgrad_accumulation`` from the config and accumulate into ``main_grad``
 with their own GEMM) and apex's ``fused_weight_gradient_mlp_cuda`` (megatron-core 0.16.1's
 ``ColumnParallelLinear``, which is the output layer in every spec, raises at construction without
@@ -194,10 +198,11 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
         use_cpu_initialization=True,
         perform_initialization=initialize,
         gradient_accumulation_fusion=actor.gradient_accumulation_fusion == "on",
-        apply_rope_fusion=fused and actor.attention == "te",
+        apply_rope_fusion=actor.attention == "te",  # TE's fused RoPE (THD included): follows TE
         persist_layer_norm=False,
         bias_activation_fusion=fused,
-        bias_dropout_fusion=fused,
+        # without a bias or dropout, megatron's fused bias-dropout-add is a compiled plain add
+        bias_dropout_fusion=fused and (kw["add_bias_linear"] or kw["hidden_dropout"] > 0),
         masked_softmax_fusion=False,
         variable_seq_lengths=variable_seq_lengths,
         calculate_per_token_loss=calculate_per_token_loss,

@@ -2,9 +2,10 @@
 
 :func:`validate_layout_here` checks the layout with the rules of :mod:`megatron_tepo.layout` (the
 only copy) and the facts of this machine, BEFORE any process group exists.
-:func:`initialize_parallel` validates, then pins one compute thread (CPU), applies the CPU patches when
-there is no CUDA, joins the default process group (gloo on CPU, nccl on GPU) if needed, builds
-megatron's ``parallel_state`` groups and seeds the model-parallel RNG tracker.
+:func:`initialize_parallel` validates, then pins one compute thread (CPU; on a GPU at most the CPUs this
+process may use), applies the CPU patches when there is no CUDA and the fast paths
+(:mod:`.fast_paths`) everywhere, joins the default process group (gloo on CPU, nccl on GPU) if
+needed, builds megatron's ``parallel_state`` groups and seeds the model-parallel RNG tracker.
 
 Left out: context parallelism, virtual pipeline stages, expert-tensor parallelism.
 """
@@ -48,11 +49,12 @@ def initialize_parallel(layout: ParallelLayout, family_cfg, seed: int = 1234,
     the sense that an already-initialized default group is reused."""
     dp = validate_layout_here(layout, family_cfg, sequence_parallel=sequence_parallel)
     on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        torch.set_num_threads(1)
+    torch.set_num_threads(1 if not on_gpu else min(torch.get_num_threads(), usable_cpus()))
     from megatron_tepo.megatron import apply_cpu_patches
+    from megatron_tepo.megatron.fast_paths import apply_fast_paths
 
     apply_cpu_patches()  # each work-around on its own condition (no CUDA / no TE), GPU included
+    apply_fast_paths()  # megatron's slow local paths (RoPE THD, no-apex grad norm, ...), every device
     if not dist.is_initialized():
         if on_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -67,6 +69,15 @@ def initialize_parallel(layout: ParallelLayout, family_cfg, seed: int = 1234,
         expert_model_parallel_size=layout.ep)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return dp
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: what Slurm's ``--cpus-per-task`` leaves it),
+    not the machine's count, which torch's default thread pool assumes."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def destroy_parallel() -> None:

@@ -141,9 +141,10 @@ def test_qwen3_moe_ep2_and_ep1_match_hf(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_fusions_on_match_hf(tmp_path):
-    """``actor.fusions: on`` (the GPU default: megatron's torch.compile-d SwiGLU and bias-dropout-add,
-    here through inductor's CPU backend) gives the same results as the HF reference."""
+    """``actor.fusions: on`` (the GPU default: megatron's torch.compile-d SwiGLU, compiled once for
+    any length by ``fast_paths``, here through inductor's CPU backend) gives the same results as the
+    HF reference. Bias-dropout-add stays unfused: Qwen3 has neither a bias nor dropout there."""
     per_rank = _run([{"family": "qwen3", "tie": False, "tp": 1, "pp": 1, "loss": {"name": "grpo"},
                       "actor": {"fusions": "on"}}], 1, tmp_path)
     _check(per_rank)
-    assert per_rank[0][0]["fusions"] == [True, True]
+    assert per_rank[0][0]["fusions"] == [True, False]

@@ -31,8 +31,13 @@ def test_initialize_parallel_validates_first(monkeypatch):
     assert not dist.is_initialized()
 
 
-def test_the_actor_check_fills_in_this_machine():
-    """No TE and no CUDA here: sequence parallelism and MoE with PP are refused by the actor's check."""
+def test_the_actor_check_fills_in_this_machine(monkeypatch):
+    """On a machine without TE and CUDA (made so here, so that the test means the same on a GPU
+    machine): sequence parallelism and MoE with PP are refused by the actor's check."""
+    from megatron_tepo.megatron import spec
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(spec, "te_available", lambda: False)
     with pytest.raises(ValueError, match=r"actor.sequence_parallel=true needs Transformer Engine"):
         validate_layout_here(ParallelLayout(tp=2), cfg(), world_size=2, sequence_parallel=True)
     moe = family_config_from_hf(tiny_hf_config("qwen3_moe"), spec="local")

@@ -86,9 +86,11 @@ def test_unknown_mode_is_refused():
 
 @pytest.mark.parametrize("flavour", ["torch>=2.11", "torch 2.10"])
 def test_varlen_call_follows_this_torchs_signature(monkeypatch, flavour):
-    """varlen_attn changed between releases: torch 2.10 takes ``is_causal`` and has no GQA flag,
-    2.11+ take ``window_size`` and ``enable_gqa``. The call must be causal and GQA-correct on both
-    (the kernel itself is CUDA-only: a stand-in records what it was given)."""
+    """varlen_attn changed between releases: torch 2.10 takes ``is_causal``, 2.11+ ``window_size``;
+    2.13 has an ``enable_gqa`` flag, 2.10 and 2.11 none (they hand the KV heads to the flash kernel,
+    which shares them by itself). The call must be causal on both and never repeat the KV heads
+    (the kernel itself is CUDA-only: a stand-in records what it was given;
+    ``test_varlen_gqa_equals_the_loop_on_cuda`` runs the real one)."""
     from megatron_tepo.megatron import attention
 
     seen = {}
@@ -107,4 +109,32 @@ def test_varlen_call_follows_this_torchs_signature(monkeypatch, flavour):
     if flavour == "torch>=2.11":
         assert seen == {"window_size": (-1, 0), "enable_gqa": True, "kv_heads": 2}
     else:
-        assert seen == {"is_causal": True, "kv_heads": 4}
+        assert seen == {"is_causal": True, "kv_heads": 2}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen attention is flash attention's CUDA kernel")
+def test_varlen_gqa_equals_the_loop_on_cuda():
+    """The real varlen kernel with 2 KV heads for 4 query heads, passed as they are (no repeat),
+    against one SDPA call per sequence (GQA by ``enable_gqa``): output and gradients in bf16."""
+    from megatron_tepo.megatron.attention import varlen_attn_fn
+
+    if varlen_attn_fn() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [37, 5, 130, 64]
+    t = sum(lengths)
+    q = torch.randn(t, 4, 64, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(t, 2, 64, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(t, 2, 64, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    grad = torch.randn(t, 4, 64, generator=g, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for mode in ("varlen", "loop"):
+        for x in (q, k, v):
+            x.grad = None
+        out = packed_attention(q, k, v, cu, scale=0.125, mode=mode, max_seqlen=max(lengths))
+        out.backward(grad)
+        outs.append([out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *outs):
+        assert a.shape == b.shape, name
+        assert _rel(a, b) <= 2e-2, (name, _rel(a, b))  # bf16 kernels, two summation orders

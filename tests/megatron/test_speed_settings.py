@@ -16,8 +16,14 @@ from tests.megatron.helpers import tiny_hf_config
 
 @pytest.fixture
 def with_te(monkeypatch):
+    """TE as present, to megatron's config checks as well: its fused RoPE (which the te spec
+    always uses) stands in rope_utils, so ``TransformerConfig`` accepts ``apply_rope_fusion``."""
+    from megatron.core.models.common.embeddings import rope_utils
+
     monkeypatch.setattr(gpt, "te_available", lambda: True)
     monkeypatch.setattr(gpt, "grad_accum_fusion_available", lambda: True)
+    for name in ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"):
+        monkeypatch.setattr(rope_utils, name, lambda *a, **k: None)
 
 
 def test_defaults_are_on():
@@ -131,3 +137,18 @@ def test_the_layer_spec_answers_the_attention():
         layer_spec(fam, "te")
     with pytest.raises(ValueError, match="actor.attention: 'flash'"):
         layer_spec(fam, "flash")
+
+
+def test_te_rope_fusion_follows_te_and_an_empty_fusion_is_not_used(with_te):
+    """TE's fused RoPE is on with the te spec whatever ``fusions`` says, never without TE;
+    ``fusions: on`` fuses SwiGLU but not bias-dropout-add, which without a bias or dropout would be
+    a compiled plain add."""
+    fam_te = family_config_from_hf(tiny_hf_config("qwen3"), spec="te")
+    te_off = gpt.transformer_config(fam_te, tp=1, pp=1, actor=gpt.resolve_actor_config(
+        ActorConfig(precision="fp32", attention="te", fusions="off"), cuda=True))
+    assert te_off.apply_rope_fusion is True and te_off.bias_activation_fusion is False
+    fam = family_config_from_hf(tiny_hf_config("qwen2"), spec="local")  # Qwen2: a QKV bias, none after
+    on = gpt.transformer_config(fam, tp=1, pp=1, actor=gpt.resolve_actor_config(
+        ActorConfig(precision="fp32", attention="sdpa", fusions="on"), cuda=True))
+    assert on.apply_rope_fusion is False
+    assert on.bias_activation_fusion is True and on.bias_dropout_fusion is False

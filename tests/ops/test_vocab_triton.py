@@ -262,6 +262,21 @@ def _child_tp2() -> None:
 
 
 # ----------------------------------------------------------------------------- the tests
+#: what Triton 3.6's interpreter raises under NumPy 2 (seen on the lent GPU machine: Triton 3.6,
+#: NumPy 2.x); Triton 3.7 runs here. Where it happens the interpreted checks cannot run at all; the
+#: compiled kernels are then checked on that machine's GPU by benchmarks/gpu_check.sh (vocab_op).
+INTERPRETER_BROKEN = "only 0-dimensional arrays can be converted to Python scalars"
+
+
+def _skip_if_interpreter_broken(output: str) -> None:
+    if INTERPRETER_BROKEN in output:
+        import numpy
+        import triton
+
+        pytest.skip(f"Triton {triton.__version__}'s interpreter does not run with NumPy {numpy.__version__} "
+                    f"({INTERPRETER_BROKEN!r}); the compiled kernels are checked by the GPU check's vocab_op step")
+
+
 def _child(mode: str, out_dir: Path, interpret: bool) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
@@ -270,6 +285,8 @@ def _child(mode: str, out_dir: Path, interpret: bool) -> None:
         env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run([sys.executable, __file__, mode, str(out_dir)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 and interpret:
+        _skip_if_interpreter_broken(proc.stderr)
     assert proc.returncode == 0, \
         f"child {mode} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
 

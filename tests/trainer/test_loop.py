@@ -12,8 +12,8 @@ GOLDEN = Path(__file__).resolve().parent / "data"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
 
 
-def _run(args, timeout):
-    env = dict(ENV, MASTER_PORT=str(20000 + os.getpid() % 20000))
+def _run(args, timeout, **env_overrides):
+    env = dict(ENV, MASTER_PORT=str(20000 + os.getpid() % 20000), **env_overrides)
     proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -23,8 +23,12 @@ def _run(args, timeout):
 def test_main_job_short_run(tmp_path):
     out = tmp_path / "run"
     # (with the clip range TEPO had then: its default is GSPO's range since, docs/ALGORITHMS.md)
+    # MTEPO_FAST_PATHS=0: megatron-core's own grad norm, clipping and AdamW loop, whose fp32 rounding the
+    # metrics below were recorded with; the fast paths (fused AdamW, foreach norm) round differently
+    # (loss 3e-5 relative after one update) and are checked against these paths in
+    # tests/megatron/test_launch_costs.py. What this test pins is the loop's own arithmetic.
     proc = _run(["examples/tiny_tepo/run.py", "train.steps=6", f"train.output_dir={out}", "algorithm.clip_low=0.2",
-                 "algorithm.clip_high=0.28", "--eval-size", "50"], 600)
+                 "algorithm.clip_high=0.28", "--eval-size", "50"], 600, MTEPO_FAST_PATHS="0")
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) >= {"accuracy_before", "accuracy_after", "improvement"}
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
