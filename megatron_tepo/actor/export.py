@@ -354,7 +354,7 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
             expert = is_expert_param(param)
             group = group_for(param, groups)
             size = dist.get_world_size(group)
-            part = tp_partition(param) if size > 1 else None
+            part = tp_partition(param, bool(getattr(layout_fn, "gated", lambda n: False)(gname))) if size > 1 else None
             full = list(param.shape)
             if part is not None:
                 full[part[0]] *= size

@@ -67,7 +67,8 @@ from megatron_tepo.dtypes import dtype_name
 from megatron_tepo.layout import ParallelLayout, validate_layout
 from megatron_tepo.megatron.parallel import initialize_parallel
 from megatron_tepo.megatron.sharding import expert_indices, layer_offsets, load_megatron_state_into
-from megatron_tepo.models import family_config_from_hf, hf_to_megatron
+from megatron_tepo.models import family_config_from_hf, hf_to_megatron, layer_mapping
+from megatron_tepo.models.common import MegatronToHFLayout
 
 from .common import (agree, build_gpt_model, check_out_dir, ensure_process_group, finalize_dir, log_progress,
                      read_config_json, tmp_dir_for, trim_heap)
@@ -330,8 +331,9 @@ def _save_from_filled_model(tmp: Path, family_cfg, ckpt: LazyHFCheckpoint, param
     model = agree(build_gpt_model, family_cfg, params_dtype)
     needed = _stage_reads(model, family_cfg, ckpt, tied_output_read=True)
     stats = {"read": 0}
+    gated = MegatronToHFLayout(family_cfg, layer_mapping(family_cfg)).gated
     agree(lambda: load_megatron_state_into(
         [model], hf_to_megatron(_hf_stream(ckpt, needed, family_cfg.num_layers, progress, stats), family_cfg),
-        family_cfg.tie_word_embeddings))
+        family_cfg.tie_word_embeddings, gated=gated))
     log_progress(f"read and placed in {time.time() - t0:.1f}s; saving torch_dist checkpoint", progress)
     dist_checkpointing.save(model.sharded_state_dict(), str(tmp))

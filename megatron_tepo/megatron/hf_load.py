@@ -33,8 +33,9 @@ def load_hf_weights_into(model_chunks: List[torch.nn.Module], hf_state_dict,
         family_cfg = getattr(unwrap_model(model_chunks[0]), "family_cfg", None)
         if family_cfg is None:
             raise ValueError("load_hf_weights_into needs family_cfg (the chunks carry none)")
+    layout = MegatronToHFLayout(family_cfg, layer_mapping(family_cfg))
     return load_megatron_state_into(model_chunks, hf_to_megatron(hf_state_dict, family_cfg),
-                                    family_cfg.tie_word_embeddings, tp_group=tp_group)
+                                    family_cfg.tie_word_embeddings, tp_group=tp_group, gated=layout.gated)
 
 
 def load_hf_checkpoint_into(model_chunks: List[torch.nn.Module], ckpt, family_cfg: GPTFamilyConfig,

@@ -31,7 +31,7 @@ Left out: virtual pipeline stages beyond plain chunk lists, FSDP/DTensor paramet
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,11 +44,20 @@ TIED_OUTPUT = "output_layer.weight"
 EMBEDDING = "embedding.word_embeddings.weight"
 
 
-def tp_partition(param: torch.Tensor) -> Optional[Tuple[int, int]]:
-    """``(partition_dim, partition_stride)`` of a TP-split parameter, None for a replicated one."""
+def tp_partition(param: torch.Tensor, gated: bool = False) -> Optional[Tuple[int, int]]:
+    """``(partition_dim, partition_stride)`` of a TP-split parameter, None for a replicated one.
+    ``gated``: the tensor is a SwiGLU ``linear_fc1`` (``[gate; up]``, as the family's mapping
+    says: :meth:`~megatron_tepo.models.common.MegatronToHFLayout.gated`), which every rank holds
+    as ``[gate_r; up_r]`` -- stride 2, whatever its ``partition_stride`` says: megatron-core resets
+    that to 1 on Transformer Engine's expert layers (``_set_expert_parameter_attributes``)."""
     if not getattr(param, "tensor_model_parallel", False):
         return None
-    return int(param.partition_dim), int(getattr(param, "partition_stride", 1))
+    dim = int(param.partition_dim)
+    return dim, (2 if gated and dim == 0 else int(getattr(param, "partition_stride", 1)))
+
+
+def _is_gated(gated: Optional[Callable[[str], bool]], name: str) -> bool:
+    return bool(gated(name)) if gated is not None else False
 
 
 def shard_tensor(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
@@ -134,8 +143,8 @@ def group_for(param: torch.Tensor, groups) -> object:
     return groups[1] if is_expert_param(param) else groups[0]
 
 
-def _local_shard(full: torch.Tensor, param: torch.Tensor, group) -> torch.Tensor:
-    part = tp_partition(param)
+def _local_shard(full: torch.Tensor, param: torch.Tensor, group, gated: bool = False) -> torch.Tensor:
+    part = tp_partition(param, gated)
     size = dist.get_world_size(group)
     if part is None or size == 1:
         return full
@@ -144,9 +153,12 @@ def _local_shard(full: torch.Tensor, param: torch.Tensor, group) -> torch.Tensor
 
 def load_megatron_state_into(model_chunks: List[torch.nn.Module],
                              megatron_iter: Iterable[Tuple[str, torch.Tensor]],
-                             tied_embeddings: bool, tp_group=None) -> List[str]:
+                             tied_embeddings: bool, tp_group=None,
+                             gated: Optional[Callable[[str], bool]] = None) -> List[str]:
     """Copy full tensors (global Megatron names) into this rank's parameter shards.
 
+    ``gated(name)``: whether a tensor is a SwiGLU ``linear_fc1`` (the family mapping's
+    :meth:`~megatron_tepo.models.common.MegatronToHFLayout.gated`; see :func:`tp_partition`).
     Tensors for other pipeline stages are skipped. With tied embeddings the last stage's
     ``output_layer.weight`` copy is filled from ``embedding.word_embeddings.weight``. Raises
     ValueError naming any shape mismatch, any tensor given twice, and any parameter of this rank
@@ -165,7 +177,7 @@ def load_megatron_state_into(model_chunks: List[torch.nn.Module],
         given.add(name)
         for gname, param in targets.get(name, []):
             group = group_for(param, groups)
-            local = _local_shard(full, param, group)
+            local = _local_shard(full, param, group, _is_gated(gated, gname))
             if local.shape != param.shape:
                 raise ValueError(f"{gname!r}: full tensor {tuple(full.shape)} gives shard "
                                  f"{tuple(local.shape)} on TP rank {dist.get_rank(group)}/"
@@ -273,11 +285,12 @@ def load_checkpoint_slices_into(model_chunks: List[torch.nn.Module], ckpt, sourc
     is not the one the parameter needs. Returns the global names filled.
     """
     groups = parallel_groups(tp_group)
+    gated = getattr(sources_of, "gated", None)
     filled = []
     for chunk in model_chunks:
         for gname, param in global_named_parameters(chunk):
             key = EMBEDDING if (tied_embeddings and gname == TIED_OUTPUT) else gname
-            part, group = tp_partition(param), group_for(param, groups)
+            part, group = tp_partition(param, _is_gated(gated, key)), group_for(param, groups)
             size = dist.get_world_size(group)
             full_shape = list(param.shape)
             if part is not None and size > 1:
@@ -374,12 +387,14 @@ def local_tensor(param: torch.Tensor, what: str, name: str) -> torch.Tensor:
 
 
 def gather_full_tensors(model_chunks: List[torch.nn.Module], what: str = "param",
-                        tp_group=None) -> Iterator[Tuple[str, torch.Tensor]]:
+                        tp_group=None, gated: Optional[Callable[[str], bool]] = None
+                        ) -> Iterator[Tuple[str, torch.Tensor]]:
     """``(global name, full tensor)`` for every parameter of this rank's stage (and, for MoE, its
     own experts), all-gathered over the (expert-)tensor-parallel group.
 
-    ``what``: "param" or "grad" (``main_grad`` under megatron DDP, else ``.grad``). Collective
-    over the TP group: every TP rank must iterate it to the end in the same order.
+    ``what``: "param" or "grad" (``main_grad`` under megatron DDP, else ``.grad``); ``gated``: as
+    in :func:`load_megatron_state_into`. Collective over the TP group: every TP rank must iterate
+    it to the end in the same order.
     """
     if what not in ("param", "grad"):
         raise ValueError(f"what must be 'param' or 'grad', got {what!r}")
@@ -387,7 +402,7 @@ def gather_full_tensors(model_chunks: List[torch.nn.Module], what: str = "param"
     for chunk in model_chunks:
         for gname, param in global_named_parameters(chunk):
             local = local_tensor(param, what, gname)
-            part = tp_partition(param)
+            part = tp_partition(param, _is_gated(gated, gname))
             group = group_for(param, groups)
             size = dist.get_world_size(group)
             if part is None or size == 1:

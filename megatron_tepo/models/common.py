@@ -544,6 +544,13 @@ class MegatronToHFLayout:
         self.renames = {v: k for k, v in mapping.renames.items()}
         self.fused = {g.megatron: g for g in mapping.fused}
 
+    def gated(self, name: str) -> bool:
+        """Whether Megatron tensor ``name`` is a SwiGLU ``linear_fc1`` (a ``gate_up`` group of the
+        mapping: ``[gate; up]``, which tensor parallelism splits with stride 2)."""
+        m = _MG_LAYER.match(name)
+        group = self.fused.get(m.group(2)) if m is not None else None
+        return group is not None and group.kind == "gate_up"
+
     def __call__(self, name: str, shape) -> list:
         cfg = self.cfg
         if name in self.top:
