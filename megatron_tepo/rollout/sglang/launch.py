@@ -9,9 +9,26 @@ the machine (``ps``, ``/proc/<pid>/cmdline``). This script is what
 :func:`megatron_tepo.rollout.sglang.server.server_command` runs instead of
 ``python -m sglang.launch_server``: inside the server process it appends ``--api-key`` with the
 value of ``TEPO_SGLANG_API_KEY`` (unset or empty: no key) to the list it parses, then does what
-``sglang/launch_server.py`` (0.5.23) does: ``load_plugins()``, ``prepare_server_args``,
-``run_server`` and, at exit, ``kill_process_tree`` of its children. The key is also masked in the
-``server_args=...`` line SGLang logs at start-up. A ``--api-key`` on the command line is refused.
+``python -m sglang.launch_server`` does: ``load_plugins()`` where SGLang has it,
+``prepare_server_args``, ``run_server`` and, at exit, ``kill_process_tree`` of its children. The key
+is also masked in the ``server_args=...`` line SGLang logs at start-up. A ``--api-key`` on the
+command line is refused.
+
+SGLang versions (``pyproject.toml``'s ``sglang`` extra: from 0.5.6, below 0.6). Run: 0.5.23 (the CPU
+build of ``tools/install_sglang_cpu.sh``; the ``sglang`` tests start it through this file). Read,
+not run: the ``sglang/launch_server.py``, ``server_args.py``, ``utils`` and ``entrypoints/engine.py``
+of the 0.5.6, 0.5.10 and 0.5.11 wheels. What differs and is handled here:
+
+* ``sglang.srt.plugins`` (``load_plugins``) first appears in 0.5.11; before it the launch loads no
+  plugins, and neither does this file (a plugins module that is there but fails to import is an
+  error, not skipped);
+* 0.5.6 to 0.5.11 log ``server_args=ServerArgs(...)``, the dataclass's ``repr`` with the key in it;
+  0.5.23 logs ``_server_args_for_logging(server_args)``, a dict. Each is masked.
+
+The same in every version read: ``run_server`` in ``sglang.launch_server``, ``prepare_server_args``
+in ``sglang.srt.server_args``, ``kill_process_tree(pid, include_parent=...)`` in
+``sglang.srt.utils``, and ``--api-key``. sglang-router is a package of its own: run with 0.3.2
+(the CPU install's), no other version read.
 
 ``router`` first: sglang-router instead (what :func:`megatron_tepo.rollout.sglang.server.launch_router`
 runs), which also takes its key (the one it checks on every request and passes on to the servers)
@@ -48,13 +65,30 @@ def sglang_argv(argv, environ):
     return argv + (["--api-key", key] if key else [])
 
 
-def _mask_key_in_startup_log() -> None:
+def _load_plugins() -> bool:
+    """SGLang's ``load_plugins()``, as its launch_server runs it, where SGLang has it (0.5.11 and
+    later); False where ``sglang.srt.plugins`` does not exist (0.5.6 to 0.5.10: no plugins)."""
+    try:
+        from sglang.srt.plugins import load_plugins
+    except ModuleNotFoundError as exc:
+        if exc.name != "sglang.srt.plugins":  # there, but something it imports is missing
+            raise
+        return False
+    load_plugins()
+    return True
+
+
+def _mask_key_in_startup_log(server_args) -> None:
+    """SGLang logs the parsed arguments once at start-up: mask the key there."""
+    if not getattr(server_args, "api_key", None):
+        return
     try:
         from sglang.srt.entrypoints import engine
     except ImportError:  # pragma: no cover - another SGLang layout: nothing to mask
         return
     original = getattr(engine, "_server_args_for_logging", None)
-    if original is None:  # pragma: no cover - another SGLang version
+    if original is None:  # 0.5.6 to 0.5.11: logger.info(f"{server_args=}"), the dataclass's repr
+        _mask_key_in_repr(type(server_args))
         return
 
     def masked(server_args):
@@ -64,6 +98,16 @@ def _mask_key_in_startup_log() -> None:
         return out
 
     engine._server_args_for_logging = masked
+
+
+def _mask_key_in_repr(cls) -> None:
+    plain = cls.__repr__
+
+    def masked_repr(self):
+        text, key = plain(self), getattr(self, "api_key", None)
+        return text.replace(repr(key), repr("***")) if key else text
+
+    cls.__repr__ = masked_repr
 
 
 def router_main(argv) -> None:
@@ -81,13 +125,12 @@ def main(argv=None) -> None:
         return router_main(argv[1:])
     args = sglang_argv(argv, os.environ)
     from sglang.launch_server import run_server
-    from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
-    load_plugins()
+    _load_plugins()
     server_args = prepare_server_args(args)
-    _mask_key_in_startup_log()
+    _mask_key_in_startup_log(server_args)
     try:
         run_server(server_args)
     finally:

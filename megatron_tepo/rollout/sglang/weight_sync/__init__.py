@@ -11,7 +11,13 @@ of a fleet after each update, in one of three modes, one module each over one sh
 * ``disk.py`` -- the bucket as a safetensors file in a directory the servers see.
 
 :func:`make_weight_sync` builds the sync of a mode by its name (``rollout.sync_mode``). SGLang's
-HTTP API 0.5.6 to 0.5.x (tested with 0.5.23).
+HTTP API 0.5.6 to 0.5.x: run against 0.5.23 (the ``sglang`` tests); read, not run, in the 0.5.6, 0.5.10
+and 0.5.11 wheels (``entrypoints/http_server.py``, ``managers/io_struct.py``): every route and
+payload field posted here is there too (``flattened_bucket`` loads of ``/update_weights_from_distributed``
+and ``/update_weights_from_tensor``, ``/pause_generation`` with ``mode``, the update group's ``backend``,
+``flush_cache: false``), except ``/begin_weight_update`` and ``/end_weight_update``, which none of the
+three has: ``base.py`` probes them and goes on without them on a 404. ``/server_info`` (0.5.23) falls
+back to ``/get_server_info`` (``server.py``).
 
 Left out: servers with data or pipeline parallelism (SGLang refuses these updates at dp > 1),
 and tensor mode across hosts.

@@ -24,7 +24,7 @@ that iterated the export itself would all-gather while the sender gathers, and h
 Any other stream is cast and flattened here into one reused buffer.
 
 A push pauses the servers (aborting what they still run), sends the buckets and continues them
-whatever happens. Where the server has them (recent SGLang versions), the loads sit inside
+whatever happens. Where the server has them (0.5.23; not 0.5.6 to 0.5.11), the loads sit inside
 ``/begin_weight_update`` ... ``/end_weight_update``; each server is probed once -- its first
 ``/begin_weight_update`` -- and one that answers 404 is updated without the two from then on.
 One cache flush follows the update.
@@ -48,7 +48,8 @@ from megatron_tepo.buckets import (BucketHandoff, BucketStream, ExportBuffers, F
 
 log = logging.getLogger(__name__)
 
-# the weight-update session of recent SGLang (0.5.23 has it, 0.5.6 not); older versions load without one
+# the weight-update session of recent SGLang (0.5.23 has it; 0.5.6, 0.5.10 and 0.5.11 do not: they answer
+# 404 and are updated without one, see _start_all)
 SESSION_ROUTES = ("/begin_weight_update", "/end_weight_update")
 
 
