@@ -7,7 +7,11 @@
 #   1. the fit check (tools/fit_check.py): per-GPU memory of the actor and the servers (CPU: the
 #      layout rules only); a misfit stops the job before any srun, with the setting to change. It also writes the RunConfig the
 #      trainer reads ($RUN_DIR/run.yaml) and the FIT_* variables (node counts, SGLang TP, ...).
-#   2. the node split (tepo_split_nodes), NCCL settings (tepo_nccl_env);
+#      On cuda it also checks the two pythons (megatron_tepo/launch/pythons.py): a trainer python
+#      (TEPO_PYTHON) with a CPU build of torch, or without Transformer Engine where the layout needs
+#      it, and an SGLang python (MTEPO_SGLANG_PYTHON) that is SGLang's CPU build stop the job there,
+#      in one line naming the variable to set.
+#   2. the node split (tepo_split_nodes), the job's NCCL network settings (tepo_nccl_env);
 #   3. SGLang servers with srun on the rollout nodes (GPUS_PER_NODE / SGLANG_TP servers per node,
 #      one port each), then a wait for every /health (none when the run's rollout.engine is not
 #      sglang, FIT_ENGINE: the embedded engine generates inside the trainer). A server that exits
@@ -18,11 +22,13 @@
 #      megatron_tepo/rollout/sglang/server.py's server_command, shared with the SGLang fleet;
 #   4. the trainer: srun (one task per actor node) + torchrun, c10d rendezvous on the first actor
 #      node (torchrun --standalone when there is one actor node); the SGLang URLs are passed in
-#      TEPO_SGLANG_URLS.
+#      TEPO_SGLANG_URLS. The trainer's own settings (tepo_trainer_env: OMP threads,
+#      CUDA_DEVICE_MAX_CONNECTIONS, NCCL error handling, PYTORCH_CUDA_ALLOC_CONF) are set in this
+#      step only, never in the servers'.
 # Devices (launch.device, FIT_DEVICE): cuda -> srun steps get --gpus-per-node, each server its
 # CUDA_VISIBLE_DEVICES; cpu -> no GPU arguments, every srun step gets --overlap so that the SGLang
-# step and the trainer step share the job's CPUs side by side, one OMP thread per process. Every
-# step gets --cpus-per-task=<the node's CPUs> (tepo_srun_args).
+# step and the trainer step share the job's CPUs side by side, one OMP thread per trainer process.
+# Every step gets --cpus-per-task=<the node's CPUs> (tepo_srun_args).
 # API key: every server requires TEPO_SGLANG_API_KEY (the user's, else a random one per job), which
 # the steps get in their environment (tepo_api_key); /health answers without it.
 # Preemption: the scripts carry `#SBATCH --requeue` and `#SBATCH --signal=B:USR1@120`; USR1
@@ -50,13 +56,16 @@
 #   TRAIN_FILES                 YAML list for data.train_files, e.g. "[/data/dapo.parquet]"
 #   OUTPUT_DIR                  train.output_dir (checkpoints, metrics, logs)
 #   TEPO_NODELIST               space-separated host names instead of SLURM_JOB_NODELIST
-#   TEPO_PYTHON                 python with megatron_tepo (default: .venv/bin/python, else python3)
+#   TEPO_PYTHON                 python with megatron_tepo (default: .venv/bin/python, else python3);
+#                               on cuda it needs a CUDA build of torch (and TE for sequence parallelism)
 #   TEPO_SRUN_ARGS              srun arguments per step (default: --gpus-per-node=<gpus> on cuda,
 #                               --overlap on cpu); --cpus-per-task is added unless it has one
 #   TEPO_CPUS_PER_NODE          CPUs of every step on each node (default: the job's, from
 #                               SLURM_JOB_CPUS_PER_NODE / SLURM_CPUS_ON_NODE; steps do not inherit them)
 #   MTEPO_SGLANG_PYTHON         the python with sglang (default .venv-sglang/bin/python, else TEPO_PYTHON
-#                               if it imports sglang); read by megatron_tepo.rollout.sglang.server
+#                               if it imports sglang); read by megatron_tepo.rollout.sglang.server; on
+#                               cuda not SGLang's CPU build (tools/install_sglang_cpu.sh marks its venv)
+#   PYTORCH_CUDA_ALLOC_CONF     the trainer's allocator (cuda; default expandable_segments:True)
 #   TEPO_SGLANG_API_KEY         the API key every server requires (the trainer reads the same
 #                               variable); unset: a random one per job. Passed to the steps in the
 #                               environment only (no command line shows it, nor a dry run)
@@ -134,21 +143,38 @@ tepo_split_nodes() {
     fi
 }
 
-# NCCL / torch settings for the actor; values already in the environment win. On CPU: one thread
-# per process and no visible GPU instead.
+# The job's own settings, exported to every step (the SGLang servers' too): NCCL's network
+# settings, which both ends of the weight sync's NCCL group share; on CPU, no visible GPU. Values
+# already in the environment win. The trainer's settings are tepo_trainer_env's, not these.
 tepo_nccl_env() {
     if [[ "${FIT_DEVICE:-cuda}" == cpu ]]; then
-        export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
         export CUDA_VISIBLE_DEVICES=""
         return 0
     fi
     export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
     export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
-    export NCCL_ASYNC_ERROR_HANDLING=${NCCL_ASYNC_ERROR_HANDLING:-1}
-    export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
-    export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # megatron TP/SP comm order
-    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
     # NCCL_SOCKET_IFNAME / NCCL_IB_HCA are site-specific: set them in the environment if needed.
+}
+
+# The trainer step's settings, one NAME=VALUE a line, which tepo_start_trainer puts in front of
+# torchrun (`env NAME=VALUE ...`) and the nemo-run launcher's step-trainer sets: the trainer's
+# only, so that no SGLang server inherits them (its scheduler would run 8 OMP threads and one CUDA
+# connection, and SGLang refuses expandable segments where it shares memory by CUDA IPC). Values
+# already in the environment win; PYTORCH_CUDA_ALLOC_CONF only when it is unset (empty counts as
+# set: torch's defaults). CPU: one OMP / MKL thread per process.
+tepo_trainer_env() {
+    if [[ "${FIT_DEVICE:-cuda}" == cpu ]]; then
+        printf '%s\n' "OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}" "MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}"
+        return 0
+    fi
+    printf '%s\n' \
+        "NCCL_ASYNC_ERROR_HANDLING=${NCCL_ASYNC_ERROR_HANDLING:-1}" \
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}" \
+        "CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}" \
+        "OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}" \
+        "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-expandable_segments:True}"
+    # CUDA_DEVICE_MAX_CONNECTIONS=1: megatron's TP/SP communication order; expandable segments:
+    # packed micro-batches change size every step, which fragments the caching allocator
 }
 
 # tepo_fit_check LAUNCH_FILE [OVERRIDE...]: run the fit check (stops the job on a misfit), write
@@ -165,7 +191,7 @@ tepo_fit_check() {
     mkdir -p "$RUN_DIR"
     local env_file="$RUN_DIR/fit.env"
     if ! "$(tepo_python)" "$TEPO_ROOT/tools/fit_check.py" --config "$launch_file" \
-            --write-run-config "$RUN_DIR/run.yaml" --print-shell "${ov[@]}" \
+            --write-run-config "$RUN_DIR/run.yaml" --print-shell --trainer-python "$(tepo_python)" "${ov[@]}" \
             >"$env_file" 2>"$RUN_DIR/fit.log"; then
         cat "$RUN_DIR/fit.log" >&2
         tepo_die "fit check failed (see above); nothing was started"
@@ -364,12 +390,14 @@ tepo_wait_health() {
 
 # tepo_start_trainer [OVERRIDE...]: srun one task per actor node, each running torchrun with
 # GPUS_PER_NODE processes (CPU: processes), c10d rendezvous on the first actor node (one node
-# without TEPO_RDZV_PORT: --standalone, a free local port); runs in the background.
+# without TEPO_RDZV_PORT: --standalone, a free local port), with tepo_trainer_env's settings (this
+# step's only); runs in the background.
 tepo_start_trainer() {
-    local -a srun_args rdzv
+    local -a srun_args rdzv trainer_env
     local srun_line
     srun_line=$(tepo_srun_args) || tepo_die "no srun arguments for the trainer step (see above)"
     read -r -a srun_args <<<"$srun_line"
+    mapfile -t trainer_env < <(tepo_trainer_env)
     local head=${TEPO_ACTOR_HOSTS[0]} nodelist
     nodelist=$(IFS=,; printf '%s' "${TEPO_ACTOR_HOSTS[*]}")
     if (( ${#TEPO_ACTOR_HOSTS[@]} == 1 )) && [[ -z "${TEPO_RDZV_PORT:-}" ]]; then
@@ -381,7 +409,7 @@ tepo_start_trainer() {
     fi
     tepo_run srun --nodes="${#TEPO_ACTOR_HOSTS[@]}" --ntasks-per-node=1 --nodelist="$nodelist" "${srun_args[@]}" \
         --kill-on-bad-exit=1 \
-        "$(tepo_python)" -m torch.distributed.run --nnodes="${#TEPO_ACTOR_HOSTS[@]}" \
+        env "${trainer_env[@]}" "$(tepo_python)" -m torch.distributed.run --nnodes="${#TEPO_ACTOR_HOSTS[@]}" \
         --nproc-per-node="$FIT_GPUS_PER_NODE" "${rdzv[@]}" \
         "$TEPO_ROOT/tools/train.py" --config "$RUN_DIR/run.yaml" "$@" \
         >>"$LOG_DIR/trainer.log" 2>&1 &

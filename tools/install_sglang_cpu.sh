@@ -16,6 +16,11 @@
 #      the receive straight into the parameters (a bucket layout whose loaders only copy), and
 #      a stand-in `sgl_kernel` module.
 #
+# The venv is marked as SGLang's CPU build ($venv/.mtepo-sglang-cpu, written before anything is
+# installed): a launch.device: cuda job refuses it as its SGLang python (the fit check, and
+# megatron_tepo/rollout/sglang/server.py's server_command for a cuda server), naming
+# MTEPO_SGLANG_PYTHON, instead of starting CPU servers with --device cuda.
+#
 # Default target: a SEPARATE venv <repo>/.venv-sglang, because sglang pins transformers==5.19.0
 # and the project's venv uses another version. The server runs there; the project's code and tests
 # run in the main venv and start servers with the sglang venv's python (MTEPO_SGLANG_PYTHON).
@@ -41,6 +46,7 @@ if [ ! -x "$venv/bin/python" ]; then
   "$PYTHON" -m venv "$venv" >&2
 fi
 py="$venv/bin/python"
+printf 'SGLang CPU build of tools/install_sglang_cpu.sh: not for launch.device cuda\n' > "$venv/.mtepo-sglang-cpu"
 stamp="$venv/.mtepo-sglang-installed"
 want="sglang=$SGLANG_VERSION torch=$TORCH_VERSION tv=$TORCHVISION_VERSION router=$ROUTER_VERSION script=$(sha1sum < "${BASH_SOURCE[0]}" | cut -c1-12)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" == "$want" ]; then

@@ -3,7 +3,7 @@
 
     python tools/fit_check.py --config examples/models/qwen3_14b.yaml [--gpu-mem-gib 80] \\
         [--hf-config /models/Qwen3-14B/config.json] [launch.actor_nodes=4 parallel.tp=8 ...] \\
-        [--write-run-config RUN.yaml] [--print-shell]
+        [--write-run-config RUN.yaml] [--print-shell] [--trainer-python PYTHON]
 
 Prints the per-GPU arithmetic (actor: weights, grads, optimizer, activations, logits, reserve;
 SGLang servers: weights + KV cache); on a misfit or a bad file prints one line naming the setting
@@ -12,6 +12,10 @@ to change and exits 2 (``--traceback`` for the whole story).
 prints ``FIT_*=value`` lines for slurm/lib.sh (on stdout; the report then goes to stderr). A launch
 file with ``launch.device: cpu`` (examples/models/tiny_cpu.yaml) gets no GPU arithmetic, only the
 layout rules, and still writes the run config and the FIT_* lines.
+``--trainer-python PYTHON`` (slurm/lib.sh gives its ``TEPO_PYTHON``): on ``launch.device: cuda``
+also check the job's pythons, PYTHON for the trainer and the SGLang python the servers will find
+(megatron_tepo/launch/pythons.py: a CPU build of torch, no Transformer Engine where the layout needs
+it, SGLang's CPU build are refused, naming the variable to set).
 The formulas: docs/LAUNCH.md ("The fit-check arithmetic"); the code: megatron_tepo/launch/.
 """
 import argparse
@@ -28,6 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-config", default=None, help="an HF config.json to use instead of the file's numbers")
     ap.add_argument("--write-run-config", default=None, help="write the trainer's RunConfig YAML here")
     ap.add_argument("--print-shell", action="store_true", help="print FIT_* shell variables on stdout")
+    ap.add_argument("--trainer-python", default=None,
+                    help="launch.device cuda: check this python (the trainer's) and the SGLang python")
     ap.add_argument("overrides", nargs="*", help="dotted overrides: launch.actor_nodes=4 parallel.tp=8 ...")
     add_traceback_flag(ap)
     args = ap.parse_args(argv)
@@ -50,6 +56,11 @@ def _run(args) -> int:
         print(f"fit check of {spec.path} (architecture from {spec.architecture_source})", file=report_out)
         print(report.render(), file=report_out)
         check_fit(spec.shape(), spec.cfg, spec.launch)
+        if args.trainer_python:
+            from megatron_tepo.launch.pythons import check_pythons
+
+            for line in check_pythons(spec, args.trainer_python):
+                print(line, file=report_out)
     except (ConfigError, FitError, NotImplementedError, ValueError) as exc:
         if args.traceback:
             raise

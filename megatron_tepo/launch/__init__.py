@@ -8,17 +8,21 @@
 * :mod:`.fit` -- the layout rules and the verdict (:func:`check_layout`, :func:`check_fit`);
 * :mod:`.spec` -- the launch file (:func:`load_launch`), the run config it writes, the servers'
   serve command and the ``FIT_*`` shell variables;
+* :mod:`.pythons` -- a GPU job's trainer and SGLang pythons, checked before anything starts
+  (:func:`check_pythons`; each answers :mod:`.probe_python`, run under it);
 * :mod:`.nemo_run` -- the nemo-run launcher (``tools/launch_nemo_run.py``; imports nemo-run).
 
 The arithmetic and how the launchers use all this: docs/LAUNCH.md. Nothing here imports
 megatron-core, the actor or the trainer; the nemo-run launcher reuses the SGLang fleet's process
-code (health wait, stop) from ``megatron_tepo.rollout``."""
+code (health wait, stop) from ``megatron_tepo.rollout``, and :mod:`.pythons` its choice of the
+SGLang python."""
 from .fit import FitError, check_fit, check_layout
+from .pythons import check_pythons
 from .report import FitReport
 from .schema import LaunchLayout, SGLangLayout
 from .shape import ModelShape, model_shape
 from .spec import LaunchSpec, load_launch, render_shell, serve_args, shell_vars, write_run_config
 
 __all__ = ["FitError", "FitReport", "LaunchLayout", "LaunchSpec", "ModelShape", "SGLangLayout", "check_fit",
-           "check_layout", "load_launch", "model_shape", "render_shell", "serve_args", "shell_vars",
+           "check_layout", "check_pythons", "load_launch", "model_shape", "render_shell", "serve_args", "shell_vars",
            "write_run_config"]

@@ -5,18 +5,21 @@
     python tools/launch_nemo_run.py --launch examples/models/tiny_cpu.yaml --executor local [...]
 
 The fit check first (:func:`make_plan`: the launch file through :func:`megatron_tepo.launch.load_launch`
-and :func:`~megatron_tepo.launch.check_fit`, the code tools/fit_check.py runs; a misfit exits 2
-before any experiment exists), then one nemo-run experiment with one job of two tasks, ``sglang``
-and ``trainer``, which nemo-run merges into one homogeneous allocation (one sbatch script, one
-``srun`` line per task; the setup lines split the nodes with slurm/lib.sh's own functions). The
-tasks run the two steps of this module on the nodes: ``step-sglang`` (the servers, each the serve
-command of :func:`megatron_tepo.launch.serve_args`, stopped with the trainer's status) and
-``step-trainer`` (waits for every server's ``/health``, then torchrun). The steps start, watch and
-stop the servers with the SGLang fleet's own process code (``megatron_tepo.rollout.sglang.server``:
-``wait_ready``, ``stop_server``). What the job does step by step, why this shape (no heterogeneous
-job, no nemo-run torchrun launcher), the environment it reads and what is left out (containers,
-code packaging, SSH tunnels, multi-node ``--executor local``, paths holding ``/nemo_run``):
-docs/LAUNCH.md ("Through nemo-run"). ``tools/launch_nemo_run.py`` runs :func:`main`.
+and :func:`~megatron_tepo.launch.check_fit`, the code tools/fit_check.py runs, and on
+``launch.device: cuda`` :func:`~megatron_tepo.launch.check_pythons` of the nodes' pythons; a misfit
+or a CPU environment exits 2 before any experiment exists), then one nemo-run experiment with one
+job of two tasks, ``sglang`` and ``trainer``, which nemo-run merges into one homogeneous
+allocation (one sbatch script, one ``srun`` line per task; the setup lines split the nodes with
+slurm/lib.sh's own functions). The tasks run the two steps of this module on the nodes:
+``step-sglang`` (the servers, each the serve command of :func:`megatron_tepo.launch.serve_args`,
+stopped with the trainer's status) and ``step-trainer`` (waits for every server's ``/health``, then
+torchrun with the trainer's own settings, slurm/lib.sh's ``tepo_trainer_env``: :func:`trainer_env`).
+The steps start, watch and stop the servers with the SGLang fleet's own process code
+(``megatron_tepo.rollout.sglang.server``: ``wait_ready``, ``stop_server``). What the job does step
+by step, why this shape (no heterogeneous job, no nemo-run torchrun launcher), the environment it
+reads and what is left out (containers, code packaging, SSH tunnels, multi-node ``--executor
+local``, paths holding ``/nemo_run``): docs/LAUNCH.md ("Through nemo-run").
+``tools/launch_nemo_run.py`` runs :func:`main`.
 """
 from __future__ import annotations
 
@@ -57,6 +60,17 @@ def default_python() -> str:
         return os.environ["TEPO_PYTHON"]
     venv = ROOT / ".venv" / "bin" / "python"
     return str(venv) if venv.exists() else "python3"
+
+
+def trainer_env(device: str, environ=os.environ) -> Dict[str, str]:
+    """The trainer step's own settings: slurm/lib.sh's ``tepo_trainer_env`` (OMP threads,
+    ``CUDA_DEVICE_MAX_CONNECTIONS``, NCCL error handling, ``PYTORCH_CUDA_ALLOC_CONF``), run here
+    in ``environ``, whose values win. Only the trainer step sets them (step-trainer, before
+    torchrun), never the servers' step."""
+    res = subprocess.run(["bash", "-c", 'source "$1" && FIT_DEVICE=$2 tepo_trainer_env', "tepo",
+                          str(ROOT / "slurm" / "lib.sh"), device], env=dict(environ), capture_output=True,
+                         text=True, timeout=60, check=True)
+    return dict(line.split("=", 1) for line in res.stdout.splitlines() if "=" in line)
 
 
 def env_overrides(environ=os.environ) -> List[str]:
@@ -169,7 +183,7 @@ def step_commands(plan: Plan, run_dir: Path, python: str, *, slurm: bool, rdzv_p
                 f"--nproc-per-node={plan.procs_per_node}", *rdzv,
                 str(ROOT / "tools" / "train.py"), "--config", str(run_dir / "run.yaml"), *extra]
     trainer = [python, me, "step-trainer", "--health-timeout", f"{health_timeout:g}", "--done-file", done,
-               "--", *torchrun]
+               "--device", plan.device, "--", *torchrun]
     return {"sglang": sglang, "trainer": trainer}
 
 
@@ -194,7 +208,7 @@ def setup_lines(plan: Plan, python: str) -> str:
         'for p in "${ps[@]}"; do printf "http://%s:%s\\n" "$h" "$p"; done; done | paste -sd, -)',
         'export TEPO_ACTOR_NODELIST TEPO_ROLLOUT_NODELIST TEPO_RDZV_HOST TEPO_SGLANG_PORTS TEPO_SGLANG_URLS',
         'echo "actor nodes: $TEPO_ACTOR_NODELIST; rollout nodes: $TEPO_ROLLOUT_NODELIST; SGLang: $TEPO_SGLANG_URLS"',
-        "tepo_nccl_env",
+        "tepo_nccl_env",  # the job's NCCL network settings; the trainer's own: step-trainer (trainer_env)
         # every srun step gets the node's CPUs (steps do not inherit the job's count): lib.sh's rule
         'TEPO_STEP_CPUS=$(tepo_cpus_per_node) || { echo "no CPU count per node (see above)" >&2; exit 1; }',
         "tepo_api_key",  # TEPO_SGLANG_API_KEY: the user's or a random one, exported to the steps' environment
@@ -230,7 +244,7 @@ def build_experiment(plan: Plan, args, extra: Sequence[str]):
     run_dir = plan.output_dir / "launch" / "nemo-run" / exp._id
     write_run_config(plan.spec, run_dir / "run.yaml")
     (run_dir / "fit.log").write_text(plan.report + "\n", encoding="utf-8")
-    python = args.python or default_python()
+    python = args.python or default_python()  # (checked by launch on cuda)
     slurm = args.executor == "slurm"
     ports = [] if slurm else ([free_port() for _ in range(plan.servers_per_node)] if plan.first_port == 0
                               else [plan.first_port + i for i in range(plan.servers_per_node)])
@@ -266,9 +280,8 @@ def build_experiment(plan: Plan, args, extra: Sequence[str]):
         # (local_api_key, in launch)
         env = {"TEPO_ROOT": str(ROOT), "TEPO_RDZV_HOST": "127.0.0.1",
                "TEPO_SGLANG_URLS": ",".join(f"http://127.0.0.1:{p}" for p in ports)}
-        if plan.device == "cpu":  # slurm/lib.sh's tepo_nccl_env on CPU
-            env.update(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                       MKL_NUM_THREADS=os.environ.get("MKL_NUM_THREADS", "1"), CUDA_VISIBLE_DEVICES="")
+        if plan.device == "cpu":  # slurm/lib.sh's tepo_nccl_env on CPU (the trainer's threads: step-trainer)
+            env.update(CUDA_VISIBLE_DEVICES="")
         executors = [run.LocalExecutor(env_vars=dict(env)) for _ in ("sglang", "trainer")]
     sbatch = Path(exp._exp_dir) / f"{name}_sbatch.sh"
     return exp, run_dir, sbatch, lambda: exp.add(tasks, executor=executors, name=name)
@@ -360,6 +373,8 @@ def step_trainer(argv: Sequence[str]) -> int:
     ap.add_argument("--health-timeout", type=float, default=1800.0)
     ap.add_argument("--done-file", required=True)
     ap.add_argument("--urls", default=None, help="comma-separated (default: $TEPO_SGLANG_URLS)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="the trainer's own settings for this device (slurm/lib.sh's tepo_trainer_env)")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     from megatron_tepo.rollout.sglang.server import API_KEY_ENV, FleetError, SGLangServer, wait_ready
@@ -375,8 +390,9 @@ def step_trainer(argv: Sequence[str]) -> int:
         _log(f"SGLang not healthy after {a.health_timeout:g}s ({' '.join(str(exc).split())})")
         rc = 1
     else:
-        _log("all SGLang servers healthy; " + shlex.join(cmd))
-        proc = subprocess.Popen(cmd)
+        own = trainer_env(a.device)
+        _log("all SGLang servers healthy; " + shlex.join(["env", *(f"{k}={v}" for k, v in own.items()), *cmd]))
+        proc = subprocess.Popen(cmd, env={**os.environ, **own})
         forward = lambda signum, _frame: proc.send_signal(signum)  # noqa: E731
         signal.signal(signal.SIGTERM, forward)
         signal.signal(signal.SIGINT, forward)
@@ -445,19 +461,23 @@ def launch(args) -> int:
         return 2
     from megatron_tepo.config import ConfigError
     from megatron_tepo.launch import FitError
+    from megatron_tepo.launch.pythons import check_pythons
 
     try:
         plan = make_plan(args.launch, env_overrides() + list(args.overrides))
+        if args.executor == "local" and (plan.actor_nodes != 1 or plan.rollout_nodes > 1):
+            print(f"launch_nemo_run: --executor local runs on this machine: needs launch.actor_nodes=1 and "
+                  f"launch.rollout_nodes 0 or 1, not {plan.actor_nodes} and {plan.rollout_nodes}", file=sys.stderr)
+            return EXIT_FIT
+        # launch.device cuda: the pythons of the nodes (megatron_tepo/launch/pythons.py), probed from here
+        found = check_pythons(plan.spec, args.python or default_python(), setting="--python (or TEPO_PYTHON)")
     except (ConfigError, FitError, NotImplementedError, ValueError, OSError) as exc:
         if args.traceback:
             raise
         msg = " ".join(str(exc).split())
         print(f"launch_nemo_run.py: error: fit check FAILED (nothing rendered or submitted): {msg}", file=sys.stderr)
         return EXIT_FIT
-    if args.executor == "local" and (plan.actor_nodes != 1 or plan.rollout_nodes > 1):
-        print(f"launch_nemo_run: --executor local runs on this machine: needs launch.actor_nodes=1 and "
-              f"launch.rollout_nodes 0 or 1, not {plan.actor_nodes} and {plan.rollout_nodes}", file=sys.stderr)
-        return EXIT_FIT
+    plan.report = "\n".join([plan.report, *found])
     print(plan.report, file=sys.stderr)
     if args.nemorun_home:
         os.environ["NEMORUN_HOME"] = str(Path(args.nemorun_home).resolve())

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.launch.gpu_pythons import gpu_pythons, standin_python
+
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "launch_nemo_run.py"
 LAUNCH = ROOT / "examples" / "models" / "qwen3_14b.yaml"
@@ -27,10 +29,13 @@ def _env(**extra):
     return env
 
 
-def _launch(tmp, *args):
+def _launch(tmp, *args, pythons=None):
+    """The 14B launch; ``pythons``: TEPO_PYTHON / MTEPO_SGLANG_PYTHON (default: a GPU job's
+    stand-ins, which the launcher's check of the nodes' pythons accepts: tests/launch/gpu_pythons.py)."""
+    pythons = gpu_pythons(tmp / "pythons") if pythons is None else pythons
     return subprocess.run([sys.executable, str(TOOL), "--launch", str(LAUNCH), "--executor", "slurm",
                            "--account", "acct_rl", "--partition", "gpu", "--nemorun-home", str(tmp / "nemorun"),
-                           *args], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+                           *args], capture_output=True, text=True, env=_env(**pythons), cwd=ROOT, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +119,7 @@ def test_srun_lines_place_servers_and_trainer(rendered):
     assert _opt(server, "--max-running-requests") == "64" and _opt(server, "--context-length") == "10240"
 
     srun, step, torchrun = _step(trainer[0], "step-trainer")
+    assert _opt(step, "--device") == "cuda"  # the trainer's own settings: step-trainer sets them (lib.sh's)
     assert _opt(srun, "--nodes") == "2" and _opt(srun, "--ntasks-per-node") == "1"
     assert _opt(srun, "--nodelist") == "$TEPO_ACTOR_NODELIST"
     assert _opt(srun, "--gpus-per-node") == "8"
@@ -161,13 +167,13 @@ if [[ "$1 $2" == "show hostnames" ]]; then printf '%s\\n' {hosts}; exit 0; fi
 echo "scontrol $*" >> "$FAKE_LOG.scontrol"
 """
 FAKE_SRUN = """#!/usr/bin/env python3
-# stand-in: record argv and the TEPO_* environment; `hostname --ip-address` answers an address
+# stand-in: record argv and the TEPO_*, NCCL / torch / OMP environment; `hostname --ip-address` answers
 import json, os, sys
 if sys.argv[-2:] == ["hostname", "--ip-address"]:
     print("10.0.0.1"); sys.exit(0)
 with open(os.environ["FAKE_LOG"], "a") as f:
     f.write(json.dumps({{"argv": sys.argv[1:], "env": {{k: v for k, v in os.environ.items()
-                        if k.startswith("TEPO_")}}}}) + "\\n")
+                        if k.startswith(("TEPO_", "NCCL_", "TORCH_NCCL_", "CUDA_", "PYTORCH_", "OMP_"))}}}}) + "\\n")
 """
 
 
@@ -206,6 +212,12 @@ def test_rendered_script_runs_the_split(rendered, tmp_path):
     assert not any(key in w for c in calls for w in c["argv"]) and key not in rendered["text"]
     assert _opt(step, "--done-file") == str(rendered["run_config"].parent / "done.77.0")
     assert _opt(_step(sg["argv"], "step-sglang")[1], "--log-dir").endswith("/logs/nemo-run.77.0")
+    # the job's NCCL network settings reach both steps; the trainer's own (step-trainer sets them
+    # before torchrun) reach neither srun, so no SGLang server inherits them
+    for c in (sg, tr):
+        assert c["env"]["NCCL_IB_TIMEOUT"] == "22"
+        assert {k for k in c["env"] if k in ("CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF",
+                                              "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")} == set()
 
 
 def test_bad_cpu_count_stops_the_script(rendered, tmp_path):
@@ -254,6 +266,26 @@ def test_bad_launch_fails_before_rendering(tmp_path, override, needle):
     assert "fit check FAILED" in res.stderr and needle in res.stderr
     assert not (tmp_path / "nemorun").exists()  # no experiment, no sbatch script
     assert not (tmp_path / "out").exists()  # no run config
+
+
+@pytest.mark.parametrize("trainer,sglang,needles", [
+    (dict(te=False), dict(sglang=True, cuda=None),
+     ["actor.sequence_parallel: true needs Transformer Engine", "set --python (or TEPO_PYTHON) to",
+      "has torch 2.6.0+cpu (CPU build): set MTEPO_SGLANG_PYTHON to"]),
+    (dict(cuda=None, te=False), dict(sglang=False), ["has torch 2.6.0+cpu (CPU build): set --python (or TEPO_PYTHON)",
+                                                     "cannot import sglang: set MTEPO_SGLANG_PYTHON"]),
+], ids=["pypi-torch-and-cpu-sglang", "cpu-torch-no-sglang"])
+def test_a_cuda_launch_with_cpu_pythons_fails_before_rendering(tmp_path, trainer, sglang, needles):
+    """The pythons of the nodes are checked at submission (megatron_tepo/launch/pythons.py): the
+    README's test environments (a PyPI torch without Transformer Engine, SGLang's CPU build) are
+    refused in one line naming the setting, and nothing is rendered."""
+    pythons = {"TEPO_PYTHON": str(standin_python(tmp_path / "venv", **trainer)),
+               "MTEPO_SGLANG_PYTHON": str(standin_python(tmp_path / "venv-sglang", **sglang))}
+    res = _launch(tmp_path, "--dryrun", f"train.output_dir={tmp_path / 'out'}", pythons=pythons)
+    assert res.returncode == 2, res.stdout + res.stderr
+    line = next(x for x in res.stderr.splitlines() if "fit check FAILED (nothing rendered or submitted)" in x)
+    assert all(n in line for n in needles), line
+    assert not (tmp_path / "nemorun").exists() and not (tmp_path / "out").exists()
 
 
 def test_slurm_needs_an_account(tmp_path):
@@ -392,6 +424,31 @@ def test_step_trainer_waits_for_health_and_records_its_status(tmp_path):
     assert res.returncode == 3, res.stderr
     assert done.read_text().strip() == "3"
     assert "all SGLang servers healthy" in res.stderr
+
+
+@pytest.mark.parametrize("device,user,want", [
+    ("cuda", {}, {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": "8", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+                  "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+    ("cuda", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64", "OMP_NUM_THREADS": "3"},
+     {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": "3", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}),
+    ("cpu", {}, {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": None,
+                 "PYTORCH_CUDA_ALLOC_CONF": None}),
+])
+def test_step_trainer_gives_torchrun_the_trainers_settings(tmp_path, device, user, want):
+    """slurm/lib.sh's tepo_trainer_env, set by the trainer's step only (the setup lines export none
+    of them: no server inherits them); the user's values win."""
+    srv = _health_server()
+    env = {k: v for k, v in _env(**user).items() if k in user or k not in want}
+    show = "import json, os, sys; print('ENV=' + json.dumps({k: os.environ.get(k) for k in sys.argv[1:]}))"
+    try:
+        res = subprocess.run(_step_cmd("step-trainer", "--urls", f"http://127.0.0.1:{srv.server_port}",
+                                       "--health-timeout", "30", "--done-file", str(tmp_path / "done"),
+                                       "--device", device, "--", sys.executable, "-c", show, *want),
+                             capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        srv.shutdown()
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.split("ENV=", 1)[1]) == want
 
 
 def test_step_trainer_gives_up_on_unhealthy_servers(tmp_path):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.launch.gpu_pythons import gpu_pythons
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((ROOT / "slurm").glob("*.sh"))
 MODEL_SCRIPTS = ["qwen3_14b_tepo.sh", "qwen2.5_7b_tepo.sh", "qwen3_32b_tepo.sh", "qwen3_30b_a3b_tepo.sh"]
@@ -102,10 +104,14 @@ def test_split_from_slurm_nodelist_with_fake_scontrol(tmp_path):
 
 
 def _dry_env(tmp_path, **extra):
+    """A dry run's environment: the pythons of a GPU job (stand-ins that answer the fit check's
+    probe as a CUDA torch with Transformer Engine and a CUDA SGLang would, and run the rest with
+    this python: tests/launch/gpu_pythons.py)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TEPO_"))}
     env.update(TEPO_ROOT=str(ROOT), TEPO_DRY_RUN="1", TEPO_NODELIST="n1 n2 n3 n4",
                TEPO_RUN_DIR=str(tmp_path / "run"), OUTPUT_DIR=str(tmp_path / "out"),
-               TEPO_PYTHON=sys.executable, OMP_NUM_THREADS="1", **extra)
+               OMP_NUM_THREADS="1", **gpu_pythons(tmp_path / "pythons"))
+    env.update(extra)
     return env
 
 

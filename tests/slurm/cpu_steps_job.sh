@@ -4,7 +4,9 @@
 # ($TEPO_FAKE_PYTHON) that records how many CPUs each step's process may run on
 # (os.sched_getaffinity) instead of starting SGLang or torchrun. A bare `srun --overlap` step
 # without a CPU count records the same as a control: under CPU binding (TaskPlugin=task/affinity)
-# it sees one CPU. Reports: $TEPO_REPORT_DIR/{sglang,trainer,bare}.cpus.
+# it sees one CPU. Reports: $TEPO_REPORT_DIR/{sglang,trainer,bare}.cpus, and each step's
+# environment in $TEPO_REPORT_DIR/{sglang,trainer,bare}.env (lib.sh's job-wide tepo_nccl_env is
+# applied first, as tepo_main does: the trainer's own settings must reach its step only).
 #SBATCH --job-name=tepo_cpu_steps_test
 #SBATCH --nodes=1
 #SBATCH --ntasks=1
@@ -20,6 +22,7 @@ RUN_DIR=$TEPO_REPORT_DIR/run LOG_DIR=$TEPO_REPORT_DIR/logs
 mkdir -p "$RUN_DIR" "$LOG_DIR"
 TEPO_STEP_PIDS=()
 tepo_split_nodes 1 0
+tepo_nccl_env
 tepo_start_sglang
 wait "${TEPO_STEP_PIDS[@]}"
 tepo_start_trainer

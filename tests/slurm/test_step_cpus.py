@@ -8,7 +8,10 @@ bound to one CPU, so torchrun's ranks, or a node's SGLang servers, share one cor
 local cluster (Slurm 22.05.8): without ``--exact`` a one-task step is bound to all of the job's
 CPUs on the node, with it (and no count) to one. The job
 (tests/slurm/cpu_steps_job.sh) runs lib.sh's own step functions with a stand-in python that records
-``len(os.sched_getaffinity(0))`` in each step; a bare step without a count is the control."""
+``len(os.sched_getaffinity(0))`` in each step; a bare step without a count is the control.
+The same job shows, through real srun steps, that the trainer's own settings (lib.sh's
+``tepo_trainer_env``: OMP threads, ``CUDA_DEVICE_MAX_CONNECTIONS``, ``PYTORCH_CUDA_ALLOC_CONF``, ...)
+reach the trainer step and not the SGLang step (issue #32 rows 7 and 9)."""
 import os
 import subprocess
 from pathlib import Path
@@ -25,9 +28,12 @@ case "$*" in
     *torch.distributed.run*) kind=trainer ;;
     *) kind=$1 ;;
 esac
+env > "$TEPO_REPORT_DIR/$kind.env"
 exec python3 -c 'import os, sys; open(sys.argv[1], "w").write(str(len(os.sched_getaffinity(0))))' \\
     "$TEPO_REPORT_DIR/$kind.cpus"
 """
+TRAINER_VARS = ("CUDA_DEVICE_MAX_CONNECTIONS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF",
+                "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
 def _node_cpus() -> int:
@@ -42,12 +48,10 @@ def _job_env(**extra):
     return env
 
 
-# cpu: the --overlap steps of launch.device cpu; cuda: the GPU path's steps, with TEPO_SRUN_ARGS="" standing
-# in for --gpus-per-node (no GPUs here), so the CPU count must come from lib.sh itself
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_every_step_gets_the_nodes_cpus(slurm_cluster, tmp_path, device):
+def _submit(tmp_path, device, drop=()):
+    """Run tests/slurm/cpu_steps_job.sh (lib.sh's steps, stand-in python) for ``device``, without
+    the variables ``drop`` in the job's environment; returns the reports folder."""
     cpus = _node_cpus()
-    assert cpus >= 2, f"the test cluster's node has {cpus} CPU(s): a count cannot be told from binding"
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
@@ -57,6 +61,7 @@ def test_every_step_gets_the_nodes_cpus(slurm_cluster, tmp_path, device):
     # stand-in server exits at once, which lib.sh would otherwise answer with 3 restarts (60 s of back-off)
     env = _job_env(TEPO_FAKE_PYTHON=str(fake), TEPO_REPORT_DIR=str(reports), FIT_DEVICE=device,
                    SLURM_EXACT="1", TEPO_SERVER_RESTARTS="0")
+    env = {k: v for k, v in env.items() if k not in drop}
     if device == "cuda":
         env["TEPO_SRUN_ARGS"] = ""
     # the job is given the whole node, as the GPU scripts' `#SBATCH --exclusive` does
@@ -66,7 +71,35 @@ def test_every_step_gets_the_nodes_cpus(slurm_cluster, tmp_path, device):
     text = (tmp_path / f"out-{job}.txt").read_text()
     logs = "".join(f"--- {p.name}:\n{p.read_text()}\n" for p in sorted((reports / "logs").glob("*")))
     assert state == "COMPLETED", f"job {job}: {state} {sacct(job)}\n{text}\n{logs}"
+    return reports
+
+
+# cpu: the --overlap steps of launch.device cpu; cuda: the GPU path's steps, with TEPO_SRUN_ARGS="" standing
+# in for --gpus-per-node (no GPUs here), so the CPU count must come from lib.sh itself
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_every_step_gets_the_nodes_cpus(slurm_cluster, tmp_path, device):
+    cpus = _node_cpus()
+    assert cpus >= 2, f"the test cluster's node has {cpus} CPU(s): a count cannot be told from binding"
+    reports = _submit(tmp_path, device)
     seen = {kind: int((reports / f"{kind}.cpus").read_text()) for kind in ("bare", "sglang", "trainer")}
     assert seen["bare"] == 1, (f"a step without a CPU count sees {seen['bare']} CPUs: CPU binding is off in "
                                f"the test cluster (TaskPlugin=task/affinity in tools/slurm_cluster.sh)")
-    assert seen["sglang"] == cpus and seen["trainer"] == cpus, (seen, cpus, text, logs)
+    assert seen["sglang"] == cpus and seen["trainer"] == cpus, (seen, cpus)
+
+
+def _env_of(path):
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+
+
+@pytest.mark.parametrize("device,want", [
+    ("cuda", {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": "8", "PYTORCH_CUDA_ALLOC_CONF":
+              "expandable_segments:True", "NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}),
+    ("cpu", {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}),
+])
+def test_the_trainers_settings_stay_in_its_step(slurm_cluster, tmp_path, device, want):
+    """Through real srun steps (lib.sh's tepo_nccl_env, then its SGLang and trainer steps, as
+    tepo_main runs them): the trainer's settings are in the trainer step's environment only."""
+    reports = _submit(tmp_path, device, drop=TRAINER_VARS)  # (this test's own OMP_NUM_THREADS=1 too)
+    trainer, server = _env_of(reports / "trainer.env"), _env_of(reports / "sglang.env")
+    assert {k: server[k] for k in TRAINER_VARS if k in server} == {}
+    assert {k: trainer[k] for k in TRAINER_VARS if k in trainer} == want

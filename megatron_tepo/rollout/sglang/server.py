@@ -29,7 +29,13 @@ front of several, and the serve command.
   instead of running it.
 
 SGLang on CPU: ``tools/install_sglang_cpu.sh`` builds the venv whose python starts the servers
-(``ServerConfig.python``, default ``$MTEPO_SGLANG_PYTHON`` or ``<repo>/.venv-sglang/bin/python``).
+(``ServerConfig.python``, default ``$MTEPO_SGLANG_PYTHON`` or ``<repo>/.venv-sglang/bin/python``)
+and marks it (:data:`CPU_BUILD_MARKERS`): a ``cuda`` server is refused such a python
+(:func:`server_command`), and so is a ``launch.device: cuda`` job, by its fit check, before any
+server starts (``megatron_tepo/launch/pythons.py``). The CPU flags are 0.5.23's, the version that
+script installs (``--cuda-graph-backend-*`` is not in 0.5.6 to 0.5.11, which name it
+``--disable-cuda-graph``); the ``cuda`` flags are in every version of the declared range (read in
+the 0.5.6, 0.5.10 and 0.5.11 ``server_args.py``).
 
 Left out: spreading requests over the servers and retrying them (``fleet.py``), weight updates
 (``weight_sync/``), and what runs inside the server process (``launch.py``).
@@ -41,6 +47,7 @@ import importlib.util
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -216,6 +223,23 @@ def default_sglang_python() -> str:
     return os.environ.get("MTEPO_SGLANG_PYTHON", str(REPO / ".venv-sglang" / "bin" / "python"))
 
 
+#: files in a venv that tools/install_sglang_cpu.sh made (the first: its mark, written before it
+#: installs anything; the second: its stamp, in venvs made before the mark was)
+CPU_BUILD_MARKERS = (".mtepo-sglang-cpu", ".mtepo-sglang-installed")
+
+
+def cpu_build_marker(python: str, prefix: Optional[str] = None) -> Optional[Path]:
+    """The mark of tools/install_sglang_cpu.sh in the venv of ``python`` (``<venv>/bin/python``; a
+    bare name is looked up on PATH) or in ``prefix`` (its ``sys.prefix``, where known), or None.
+    A marked python is SGLang's CPU build, which cannot serve on a GPU."""
+    if prefix is None:
+        where = shutil.which(python) if os.sep not in python else python
+        if where is None:
+            return None
+        prefix = str(Path(where).parent.parent)  # not resolved: a venv's python links elsewhere
+    return next((Path(prefix) / m for m in CPU_BUILD_MARKERS if (Path(prefix) / m).is_file()), None)
+
+
 @dataclass
 class ServerConfig:
     """How the servers launched here are started (an attached server was started elsewhere)."""
@@ -258,6 +282,11 @@ def server_command(cfg: ServerConfig, port: int, api_key: Optional[str] = None,
         raise ValueError("ServerConfig.model_path is needed to launch SGLang servers")
     if cfg.device not in ("cpu", "cuda"):
         raise ValueError(f"ServerConfig.device: expected cpu or cuda, found {cfg.device!r}")
+    marker = cpu_build_marker(cfg.python) if cfg.device == "cuda" else None
+    if marker is not None:
+        raise ValueError(f"device cuda: the SGLang python {cfg.python} is the CPU build of "
+                         f"tools/install_sglang_cpu.sh ({marker}); set MTEPO_SGLANG_PYTHON (or --python) "
+                         f"to a python with a CUDA build of SGLang")
     cmd = [cfg.python, SGLANG_LAUNCHER, "--model-path", str(cfg.model_path),
            "--host", cfg.host, "--port", str(int(port))]
     cmd += ["--dtype", cfg.dtype, "--device", cfg.device, "--mem-fraction-static", str(cfg.mem_fraction_static)]
@@ -443,16 +472,24 @@ def launch_router(cfg: ServerConfig, servers: List[SGLangServer], policy: str = 
 
 
 # the serve command ----------------------------------------------------------------------------
+def configured_sglang_python() -> Optional[str]:
+    """``$MTEPO_SGLANG_PYTHON``, else ``<repo>/.venv-sglang/bin/python`` where it exists; None when
+    neither: then the serve command's own python serves, if it imports sglang."""
+    py = default_sglang_python()
+    return py if Path(py).exists() or "MTEPO_SGLANG_PYTHON" in os.environ else None
+
+
 def find_sglang_python(explicit: Optional[str] = None) -> str:
     if explicit:
         return explicit
-    py = default_sglang_python()
-    if Path(py).exists() or "MTEPO_SGLANG_PYTHON" in os.environ:
+    py = configured_sglang_python()
+    if py is not None:
         return py
     if importlib.util.find_spec("sglang") is not None:
         return sys.executable
-    raise FileNotFoundError(f"no SGLang python: {py} does not exist and {sys.executable} cannot import "
-                            "sglang; set MTEPO_SGLANG_PYTHON or --python (CPU: bash tools/install_sglang_cpu.sh)")
+    raise FileNotFoundError(f"no SGLang python: {default_sglang_python()} does not exist and {sys.executable} "
+                            "cannot import sglang; set MTEPO_SGLANG_PYTHON or --python "
+                            "(CPU: bash tools/install_sglang_cpu.sh)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,146 @@
+"""The two pythons of a ``launch.device: cuda`` job, checked before anything starts
+(:func:`check_pythons`): the trainer's and the SGLang servers'.
+
+A checkout that ran the README's test command holds ``.venv`` (a PyPI torch, without Transformer
+Engine or apex) and ``.venv-sglang`` (SGLang's CPU build, ``tools/install_sglang_cpu.sh``), and
+both are the launchers' defaults (``TEPO_PYTHON``; ``MTEPO_SGLANG_PYTHON``). A GPU job that took
+them started CPU servers with ``--device cuda`` and a trainer that refused the layout only after
+the servers were up. So the fit check of a GPU job (``tools/fit_check.py --trainer-python``, which
+slurm/lib.sh runs; the nemo-run launcher at submission) asks each python what it has
+(``probe_python.py``, run under it) and refuses in one line, a part per python, naming the
+variable to set:
+
+* the trainer's python: a CPU build of torch (``torch.version.cuda`` and ``.hip`` both None), or
+  no Transformer Engine where the run needs it (``actor.sequence_parallel: true``, or
+  ``actor.attention: te``; ``auto`` takes SDPA without it);
+* the SGLang python (``rollout.engine: sglang`` only), found as the serve command finds it
+  (``MTEPO_SGLANG_PYTHON``, else ``<repo>/.venv-sglang/bin/python`` where it exists, else the
+  trainer's python): one that cannot import sglang, the CPU build (its venv carries the mark of
+  ``tools/install_sglang_cpu.sh``), or one with a CPU build of torch.
+
+It checks installs, not a GPU: the check may run where there is none (a nemo-run submission from
+a login node). Left out: the CUDA driver and the GPUs themselves, whether TE imports (the trainer
+finds out, in one line), apex, and versions (a torch or SGLang outside the declared ranges passes).
+``launch.device: cpu`` jobs are not checked.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from megatron_tepo.launch.fit import FitError
+from megatron_tepo.launch.spec import LaunchSpec
+
+__all__ = ["PROBE", "probe_python", "check_pythons"]
+
+PROBE = Path(__file__).resolve().with_name("probe_python.py")
+SGLANG_HINT = "a python with a CUDA build of SGLang (pyproject.toml's sglang extra)"
+TRAINER_HINT = ("a python with a CUDA build of torch and Transformer Engine (pip install '.[gpu]', "
+                "or an NGC PyTorch container's)")
+
+
+def probe_python(python: str, env: Optional[dict] = None, timeout: float = 120.0) -> dict:
+    """What ``python`` has (``probe_python.py``'s JSON); ValueError naming the python if it does not
+    run or answers something else."""
+    try:
+        res = subprocess.run([python, str(PROBE)], capture_output=True, text=True, timeout=timeout,
+                             env=os.environ if env is None else env)
+    except OSError as exc:
+        raise ValueError(f"{python} does not run here ({exc.strerror or exc})") from None
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"{python} does not run here (no answer within {timeout:g} s)") from None
+    lines = res.stdout.strip().splitlines()
+    try:
+        info = json.loads(lines[-1]) if res.returncode == 0 and lines else None
+    except ValueError:
+        info = None
+    if not isinstance(info, dict):
+        why = (res.stderr.strip().splitlines() or [f"exit status {res.returncode}"])[-1]
+        raise ValueError(f"{python} does not run here ({why[:300]})")
+    return info
+
+
+def _torch(info: dict) -> str:
+    t = info.get("torch")
+    if not t:
+        return "no torch"
+    kind = f"CUDA {t['cuda']}" if t.get("cuda") else f"ROCm {t['hip']}" if t.get("hip") else "CPU build"
+    return f"torch {t.get('version')} ({kind})"
+
+
+def _gpu_torch(info: dict) -> bool:
+    t = info.get("torch") or {}
+    return bool(t.get("cuda") or t.get("hip"))
+
+
+def _te_needed(spec: LaunchSpec) -> Optional[Tuple[str, str]]:
+    """(the setting that needs Transformer Engine, the other way out) or None."""
+    actor = spec.cfg.actor
+    if actor.sequence_parallel:  # an MoE layer at TP > 1 needs it (the layout rules): no way out
+        moe_tp = spec.shape().is_moe and spec.cfg.parallel.tp > 1
+        return "actor.sequence_parallel: true", "" if moe_tp else ", or set actor.sequence_parallel: false"
+    if actor.attention == "te":
+        return "actor.attention: te", ", or set actor.attention: auto"
+    return None
+
+
+def _trainer(spec: LaunchSpec, python: str, setting: str, found: List[str]) -> List[str]:
+    who = f"the trainer's python {python}"
+    try:
+        info = probe_python(python)
+    except ValueError as exc:
+        return [f"the trainer's python {exc}: set {setting} to {TRAINER_HINT}"]
+    te = bool(info.get("transformer_engine"))
+    found.append(f"trainer python: {python}: {_torch(info)}, Transformer Engine {'installed' if te else 'not installed'}")
+    if not _gpu_torch(info):
+        return [f"launch.device: cuda, but {who} has {_torch(info)}: set {setting} to {TRAINER_HINT}"]
+    need = _te_needed(spec)
+    if need and not te:
+        return [f"{need[0]} needs Transformer Engine, which {who} does not have: set {setting} to "
+                f"{TRAINER_HINT}{need[1]}"]
+    return []
+
+
+def _sglang(trainer_python: str, found: List[str]) -> List[str]:
+    from megatron_tepo.rollout.sglang.server import configured_sglang_python, cpu_build_marker
+
+    python = configured_sglang_python()
+    if python is None:
+        python, source = trainer_python, "the trainer's python: no MTEPO_SGLANG_PYTHON, no .venv-sglang"
+    else:
+        source = "MTEPO_SGLANG_PYTHON" if "MTEPO_SGLANG_PYTHON" in os.environ else "the default, .venv-sglang"
+    who, fix = f"the SGLang python {python} ({source})", f"set MTEPO_SGLANG_PYTHON to {SGLANG_HINT}"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as the serve command runs it
+    try:
+        info = probe_python(python, env)
+    except ValueError as exc:
+        return [f"the SGLang python ({source}) {exc}: {fix}"]
+    found.append(f"SGLang python: {python} ({source}): {_torch(info)}, sglang "
+                 f"{'installed' if info.get('sglang') else 'not installed'}")
+    marker = cpu_build_marker(python, info.get("prefix"))
+    if marker is not None:
+        return [f"launch.device: cuda, but {who} is SGLang's CPU build (tools/install_sglang_cpu.sh: {marker}): {fix}"]
+    if not info.get("sglang"):
+        return [f"launch.device: cuda, but {who} cannot import sglang: {fix}"]
+    if not _gpu_torch(info):
+        return [f"launch.device: cuda, but {who} has {_torch(info)}: {fix}"]
+    return []
+
+
+def check_pythons(spec: LaunchSpec, trainer_python: str, setting: str = "TEPO_PYTHON") -> List[str]:
+    """On ``launch.device: cuda``: raise :class:`~megatron_tepo.launch.fit.FitError` (one line, a
+    part per python, each naming the variable to set; ``setting``: how the trainer's python is set) when the
+    trainer's or the SGLang python is not one for a GPU job; return what was found, one line per
+    python, for the report. ``launch.device: cpu``: nothing checked, ``[]``."""
+    if spec.launch.device != "cuda":
+        return []
+    found: List[str] = []
+    errors = _trainer(spec, trainer_python, setting, found)
+    if spec.cfg.rollout.engine == "sglang":
+        errors += _sglang(trainer_python, found)
+    if errors:
+        raise FitError("; ".join(errors))
+    return found

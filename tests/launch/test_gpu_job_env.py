@@ -1,0 +1,292 @@
+"""What a GPU job runs its steps with (issue #32 rows 5, 7 and 9), tested on CPU.
+
+Row 5: a ``launch.device: cuda`` job took the checkout's test environments by default (``.venv``: a
+PyPI torch without Transformer Engine; ``.venv-sglang``: SGLang's CPU build), started CPU servers
+with ``--device cuda`` and refused the layout only once they were up. Now its fit check refuses
+those pythons first, in one line naming the variable to set (megatron_tepo/launch/pythons.py).
+Stand-in pythons (tests/launch/gpu_pythons.py) answer the check's probe as each kind would.
+
+Rows 7 and 9: the trainer's settings (``CUDA_DEVICE_MAX_CONNECTIONS=1``, ``OMP_NUM_THREADS=8``,
+NCCL error handling, ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the user set it)
+were exported before the servers started, so every SGLang server inherited them. Here the whole of
+slurm/lib.sh's ``tepo_main`` runs with stand-in ``srun`` (runs its command here, in the caller's
+environment, as srun's default ``--export=ALL``), ``curl`` (every server healthy) and pythons that
+record the environment each step's process sees (the serve command's is what SGLang gets)."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_tepo.launch import FitError, load_launch
+from megatron_tepo.launch.pythons import check_pythons
+from megatron_tepo.rollout.sglang.server import CPU_BUILD_MARKERS, ServerConfig, cpu_build_marker, server_command
+from tests.launch.gpu_pythons import gpu_pythons, standin_python
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "examples" / "models"
+TRAINER_VARS = ("CUDA_DEVICE_MAX_CONNECTIONS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF",
+                "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def _clean_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TEPO_", "NCCL_", "TORCH_NCCL_")) and k not in TRAINER_VARS
+           and k not in ("MTEPO_SGLANG_PYTHON", "MODEL_PATH", "TRAIN_FILES", "OUTPUT_DIR", "ACTOR_NODES",
+                         "ROLLOUT_NODES")}
+    env.update(extra)
+    return env
+
+
+# ---- row 5: the pythons of a GPU job -------------------------------------------------------------
+def _checkout_with_test_venv(tmp_path, cuda):
+    """A checkout whose ``.venv`` is what the README's test command makes: a PyPI torch (a CUDA build
+    on Python 3.12, the CPU wheel on 3.11) without Transformer Engine."""
+    ck = tmp_path / "checkout"
+    ck.mkdir()
+    for name in ("slurm", "tools", "megatron_tepo", "examples"):
+        (ck / name).symlink_to(ROOT / name)
+    standin_python(ck / ".venv", cuda=cuda, te=False)
+    return ck
+
+
+def _dry_run_14b(tmp_path, root=ROOT, **env):
+    """``TEPO_DRY_RUN=1 bash <root>/slurm/qwen3_14b_tepo.sh`` in a clean environment plus ``env``."""
+    env = _clean_env(TEPO_ROOT=str(root), TEPO_DRY_RUN="1", TEPO_NODELIST="n1 n2 n3 n4",
+                     TEPO_RUN_DIR=str(tmp_path / "run"), OUTPUT_DIR=str(tmp_path / "out"), **env)
+    return subprocess.run(["bash", str(root / "slurm" / "qwen3_14b_tepo.sh")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("cuda", ["13.0", None], ids=["pypi-cuda-torch", "cpu-torch"])
+def test_a_cuda_job_with_the_default_pythons_is_refused_before_any_srun(tmp_path, cuda):
+    """TEPO_PYTHON and MTEPO_SGLANG_PYTHON unset: the checkout's .venv and the SGLang default
+    (.venv-sglang, SGLang's CPU build, or failing that the trainer's python, which has no sglang) are
+    refused by the fit check, one line naming both variables; no srun, no log folder."""
+    ck = _checkout_with_test_venv(tmp_path, cuda)
+    res = _dry_run_14b(tmp_path, root=ck)
+    assert res.returncode == 1, res.stderr
+    failed = [line for line in res.stderr.splitlines() if "fit check FAILED" in line]
+    assert len(failed) == 1, res.stderr
+    line = failed[0]
+    assert f"the trainer's python {ck}/.venv/bin/python" in line and "set TEPO_PYTHON to" in line
+    want = "needs Transformer Engine" if cuda else "has torch 2.6.0+cpu (CPU build)"
+    assert want in line and "set MTEPO_SGLANG_PYTHON to" in line
+    assert "nothing was started" in res.stderr and "DRY-RUN: srun" not in res.stderr
+    assert not (tmp_path / "out" / "logs").exists()
+
+
+def test_a_cuda_job_with_gpu_pythons_runs_and_says_which(tmp_path):
+    env = gpu_pythons(tmp_path)
+    res = _dry_run_14b(tmp_path, **env)
+    assert res.returncode == 0, res.stderr
+    fit = next((tmp_path / "out" / "logs").iterdir()) / "fit.log"
+    text = fit.read_text()
+    assert (f"trainer python: {env['TEPO_PYTHON']}: torch 2.6.0+cu126 (CUDA 12.6), Transformer Engine installed"
+            in text)
+    assert f"SGLang python: {env['MTEPO_SGLANG_PYTHON']} (MTEPO_SGLANG_PYTHON): torch 2.6.0+cu126" in text
+
+
+def _spec(name="qwen3_14b", *overrides):
+    return load_launch(MODELS / f"{name}.yaml", ["model.path=/models/m", *overrides])
+
+
+def _sglang(tmp_path, monkeypatch, **kw):
+    py = standin_python(tmp_path / "sglang-venv", **{"te": False, "sglang": True, **kw})
+    monkeypatch.setenv("MTEPO_SGLANG_PYTHON", str(py))
+    return py
+
+
+@pytest.mark.parametrize("spec_args,trainer,needle", [
+    (("qwen3_14b",), dict(cuda=None), "launch.device: cuda, but the trainer's python {py} has torch 2.6.0+cpu "
+                                      "(CPU build): set TEPO_PYTHON to a python with a CUDA build of torch"),
+    (("qwen3_14b",), dict(te=False), "actor.sequence_parallel: true needs Transformer Engine, which the trainer's "
+                                     "python {py} does not have: set TEPO_PYTHON to"),
+    (("qwen3_14b", "actor.sequence_parallel=false", "actor.attention=te"), dict(te=False),
+     "actor.attention: te needs Transformer Engine"),
+])
+def test_the_trainers_python_is_refused_naming_the_variable(tmp_path, monkeypatch, spec_args, trainer, needle):
+    _sglang(tmp_path, monkeypatch)
+    py = standin_python(tmp_path / "trainer-venv", **trainer)
+    with pytest.raises(FitError) as err:
+        check_pythons(_spec(*spec_args), str(py))
+    msg = str(err.value)
+    assert needle.format(py=py) in msg and "\n" not in msg and "MTEPO_SGLANG_PYTHON" not in msg
+
+
+def test_sequence_parallelism_without_te_offers_the_way_out_only_where_there_is_one(tmp_path, monkeypatch):
+    _sglang(tmp_path, monkeypatch)
+    py = str(standin_python(tmp_path / "trainer-venv", te=False))
+    with pytest.raises(FitError, match="or set actor.sequence_parallel: false"):
+        check_pythons(_spec("qwen3_14b"), py)
+    with pytest.raises(FitError) as err:  # MoE at TP > 1 needs sequence parallelism: no way out
+        check_pythons(_spec("qwen3_30b_a3b"), py)
+    assert "needs Transformer Engine" in str(err.value) and "sequence_parallel: false" not in str(err.value)
+    # no sequence parallelism, attention auto (SDPA without TE): a PyPI CUDA torch is enough
+    found = check_pythons(_spec("qwen3_14b", "actor.sequence_parallel=false"), py)
+    assert found[0] == f"trainer python: {py}: torch 2.6.0+cu126 (CUDA 12.6), Transformer Engine not installed"
+
+
+@pytest.mark.parametrize("marker", CPU_BUILD_MARKERS)
+def test_the_cpu_build_of_sglang_is_refused(tmp_path, monkeypatch, marker):
+    """The venv tools/install_sglang_cpu.sh made (its mark, or the stamp of a venv made before the
+    mark), whatever its torch says."""
+    py = _sglang(tmp_path, monkeypatch)
+    (tmp_path / "sglang-venv" / marker).write_text("x\n")
+    with pytest.raises(FitError) as err:
+        check_pythons(_spec(), str(standin_python(tmp_path / "trainer-venv")))
+    msg = str(err.value)
+    assert (f"launch.device: cuda, but the SGLang python {py} (MTEPO_SGLANG_PYTHON) is SGLang's CPU build "
+            f"(tools/install_sglang_cpu.sh: {tmp_path / 'sglang-venv' / marker}): set MTEPO_SGLANG_PYTHON to") in msg
+    assert "\n" not in msg and "TEPO_PYTHON to" not in msg.replace("MTEPO_SGLANG_PYTHON to", "")
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(cuda=None), "has torch 2.6.0+cpu (CPU build): set MTEPO_SGLANG_PYTHON"),
+    (dict(sglang=False), "cannot import sglang: set MTEPO_SGLANG_PYTHON"),
+])
+def test_an_sglang_python_that_cannot_serve_a_gpu_is_refused(tmp_path, monkeypatch, kw, needle):
+    _sglang(tmp_path, monkeypatch, **kw)
+    with pytest.raises(FitError, match=re.escape(needle)):
+        check_pythons(_spec(), str(standin_python(tmp_path / "trainer-venv")))
+
+
+def test_a_python_that_does_not_run_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTEPO_SGLANG_PYTHON", str(tmp_path / "nowhere" / "python"))
+    with pytest.raises(FitError) as err:
+        check_pythons(_spec(), str(tmp_path / "missing" / "python"))
+    msg = str(err.value)
+    assert f"the trainer's python {tmp_path}/missing/python does not run here" in msg and "set TEPO_PYTHON" in msg
+    assert (f"the SGLang python (MTEPO_SGLANG_PYTHON) {tmp_path}/nowhere/python does not run here" in msg
+            and "set MTEPO_SGLANG_PYTHON" in msg)
+
+
+def test_what_is_not_checked(tmp_path, monkeypatch):
+    """No servers (rollout.engine: embedded): no SGLang python. launch.device: cpu: nothing."""
+    monkeypatch.setenv("MTEPO_SGLANG_PYTHON", str(tmp_path / "nowhere" / "python"))
+    found = check_pythons(_spec("qwen3_14b", "rollout.engine=embedded"), str(standin_python(tmp_path / "t")))
+    assert len(found) == 1 and found[0].startswith("trainer python:")
+    assert check_pythons(_spec("tiny_cpu"), str(tmp_path / "missing" / "python")) == []
+
+
+def test_a_cuda_server_refuses_the_cpu_build(tmp_path):
+    """The serve command and the fleet's launch_server build every server's command line with
+    server_command: a cuda server with a python of the marked venv is refused there too."""
+    venv = tmp_path / ".venv-sglang"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    (venv / CPU_BUILD_MARKERS[0]).write_text("x\n")
+    py = str(venv / "bin" / "python")
+    refused = r"device cuda: the SGLang python .* is the CPU build .*set MTEPO_SGLANG_PYTHON"
+    with pytest.raises(ValueError, match=refused):
+        server_command(ServerConfig(model_path="/m", python=py, device="cuda"), 30000, base_env={})
+    argv, _ = server_command(ServerConfig(model_path="/m", python=py, device="cpu"), 30000, base_env={})
+    assert argv[0] == py  # what it was built for
+    assert cpu_build_marker(py) == venv / CPU_BUILD_MARKERS[0]
+    assert cpu_build_marker("python-that-is-on-no-path-7c1") is None
+
+
+def test_the_cpu_install_marks_its_venv_before_installing_anything():
+    text = (ROOT / "tools" / "install_sglang_cpu.sh").read_text()
+    mark = text.index(f'> "$venv/{CPU_BUILD_MARKERS[0]}"')
+    assert mark < text.index('"$py" -m pip install') and mark < text.index('echo "$py"; exit 0')
+    assert f'stamp="$venv/{CPU_BUILD_MARKERS[1]}"' in text
+
+
+# ---- rows 7 and 9: each step's environment ------------------------------------------------------
+RECORD = """    *megatron_tepo.rollout.sglang.server*) env > "$TEPO_REPORT_DIR/sglang.$$.env"; exit 0 ;;
+    *torch.distributed.run*) env > "$TEPO_REPORT_DIR/trainer.env"; exit 0 ;;
+"""
+FAKE_SRUN = """#!/bin/bash
+# stand-in srun: drop the options, run the command here in this environment (srun's --export=ALL)
+while [[ "$1" == -* ]]; do shift; done
+exec "$@"
+"""
+
+
+def _read_env(path):
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+
+
+def _run_job(tmp_path, script, device="cuda", **user_env):
+    """tepo_main of ``script`` for real, with stand-in srun / curl and recording pythons; returns
+    (the trainer's environment, [each server's environment])."""
+    bin_dir, reports = tmp_path / "bin", tmp_path / "reports"
+    bin_dir.mkdir()
+    reports.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "curl").write_text("#!/bin/bash\nexit 0\n")  # every /health answers
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    pythons = {"TEPO_PYTHON": str(standin_python(tmp_path / "trainer-venv", cases=RECORD)),
+               "MTEPO_SGLANG_PYTHON": str(standin_python(tmp_path / "sglang-venv", te=False, sglang=True))}
+    if device == "cpu":
+        pythons.pop("MTEPO_SGLANG_PYTHON")
+    env = _clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", TEPO_ROOT=str(ROOT), TEPO_REPORT_DIR=str(reports),
+                     TEPO_RUN_DIR=str(tmp_path / "run"), OUTPUT_DIR=str(tmp_path / "out"), TEPO_SERVER_RESTARTS="0",
+                     MODEL_PATH=str(tmp_path / "model"), **pythons, **user_env)
+    env["TEPO_NODELIST"] = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip() \
+        if device == "cpu" else "n1 n2 n3 n4"
+    res = subprocess.run(["bash", str(ROOT / "slurm" / script)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    servers = [_read_env(p) for p in sorted(reports.glob("sglang.*.env"))]
+    return _read_env(reports / "trainer.env"), servers
+
+
+def test_the_trainers_settings_reach_the_trainer_step_only(tmp_path):
+    """Row 7, cuda (the 14B job: 2 rollout nodes x 4 servers): the trainer's settings are in no
+    server's environment and in the trainer's; the job's NCCL network settings are in both."""
+    trainer, servers = _run_job(tmp_path, "qwen3_14b_tepo.sh")
+    assert len(servers) == 8
+    for env in servers:
+        assert {k: env[k] for k in TRAINER_VARS if k in env} == {}
+        assert env["NCCL_IB_TIMEOUT"] == "22" and env["CUDA_VISIBLE_DEVICES"] in ("0,1", "2,3", "4,5", "6,7")
+    assert (trainer["CUDA_DEVICE_MAX_CONNECTIONS"], trainer["OMP_NUM_THREADS"]) == ("1", "8")
+    assert trainer["NCCL_ASYNC_ERROR_HANDLING"] == trainer["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert "MKL_NUM_THREADS" not in trainer
+    assert trainer["NCCL_IB_TIMEOUT"] == "22" and trainer["TEPO_SGLANG_URLS"].count("http://") == 8
+
+
+@pytest.mark.parametrize("user,want", [
+    (None, "expandable_segments:True"),
+    ("max_split_size_mb:256,garbage_collection_threshold:0.6",) * 2,
+    ("", ""),  # set, though empty: torch's own defaults, the user's choice
+], ids=["unset", "users-value", "users-empty-value"])
+def test_the_trainer_gets_expandable_segments_unless_the_user_set_it(tmp_path, user, want):
+    """Row 9: packed micro-batches change size every step; the trainer step's allocator grows
+    segments instead of fragmenting, unless the user's PYTORCH_CUDA_ALLOC_CONF says otherwise."""
+    extra = {} if user is None else {"PYTORCH_CUDA_ALLOC_CONF": user}
+    trainer, servers = _run_job(tmp_path, "qwen3_14b_tepo.sh", OMP_NUM_THREADS="4", **extra)
+    assert trainer["PYTORCH_CUDA_ALLOC_CONF"] == want
+    assert trainer["OMP_NUM_THREADS"] == "4"  # the user's value wins over the trainer's default 8 too
+    # what the job adds stays out of the servers; the user's own environment is the whole job's
+    assert all("CUDA_DEVICE_MAX_CONNECTIONS" not in env and env["OMP_NUM_THREADS"] == "4" for env in servers)
+    assert all(env.get("PYTORCH_CUDA_ALLOC_CONF") == user for env in servers)
+
+
+def test_the_cpu_job_gives_its_trainer_one_thread_and_the_servers_theirs(tmp_path):
+    """launch.device cpu (slurm/local_cpu_tepo.sh): one OMP/MKL thread in the trainer step, none set
+    in the server step (the serve command gives each CPU server launch.sglang.threads), no GPU in
+    either, no allocator setting."""
+    trainer, servers = _run_job(tmp_path, "local_cpu_tepo.sh", device="cpu")
+    assert len(servers) == 1
+    assert (trainer["OMP_NUM_THREADS"], trainer["MKL_NUM_THREADS"], trainer["CUDA_VISIBLE_DEVICES"]) == ("1", "1", "")
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in trainer and "CUDA_DEVICE_MAX_CONNECTIONS" not in trainer
+    assert {k: servers[0][k] for k in TRAINER_VARS if k in servers[0]} == {}
+    assert servers[0]["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_the_dry_run_shows_the_trainers_settings_on_its_srun_line(tmp_path):
+    env = gpu_pythons(tmp_path)
+    res = _dry_run_14b(tmp_path, **env)
+    assert res.returncode == 0, res.stderr
+    logs = next((tmp_path / "out" / "logs").iterdir())
+    trainer = (logs / "trainer.log").read_text()
+    assert ("--kill-on-bad-exit=1 env NCCL_ASYNC_ERROR_HANDLING=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1 "
+            "CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=8 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+            f"{env['TEPO_PYTHON']} -m torch.distributed.run") in trainer
+    sglang = (logs / "sglang.n3.srun.log").read_text()
+    assert not any(v in sglang for v in TRAINER_VARS)
