@@ -161,13 +161,15 @@ def plan_actor(hf_config, layout: ParallelLayout, actor_config: Optional[ActorCo
 
 
 def actor_transformer_config(family_cfg: GPTFamilyConfig, layout: ParallelLayout, settings: ActorConfig,
-                             initialize: bool = True):
+                             initialize: bool = True, on_gpu: bool = False):
     """The megatron ``TransformerConfig`` the actor builds its model with (no process group needed).
-    ``initialize=False`` when weights will be loaded: no random init is drawn."""
+    ``initialize=False`` when weights will be loaded: no random init is drawn (and with ``on_gpu``
+    the parameters are made on the GPU, never as a host copy)."""
     return transformer_config(
         family_cfg, tp=layout.tp, pp=layout.pp, ep=layout.ep, actor=settings, initialize=initialize,
         variable_seq_lengths=layout.pp > 1,  # token-budget micro-batches vary in shape
-        calculate_per_token_loss=True)  # see the module docstring: exact gradient sums
+        calculate_per_token_loss=True,  # see the module docstring: exact gradient sums
+        on_gpu=on_gpu)
 
 
 class MegatronActor:
@@ -241,7 +243,8 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ construction
     def _transformer_config(self, initialize: bool = True):
-        return actor_transformer_config(self.family_cfg, self.layout, self.settings, initialize=initialize)
+        return actor_transformer_config(self.family_cfg, self.layout, self.settings, initialize=initialize,
+                                        on_gpu=self.device.type == "cuda")
 
     def _build_model_chunk(self):
         return build_gpt_chunk(self.config, self.family_cfg, self._ps.is_pipeline_first_stage(),

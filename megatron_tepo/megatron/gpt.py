@@ -39,9 +39,13 @@ for all local experts); its ``linear_fc*.weight{i}`` parameters are named as
 Left out: ``persist_layer_norm`` and the masked-softmax kernels of the unfused attention (apex),
 virtual pipeline stages, context parallelism.
 
-CPU-safe flags on every device: CPU initialisation (identical init for every TP size). With
-weights to load the init is off (``transformer_config(initialize=False)``): nothing is drawn, and
-the parameters' pages stay untouched until the loader writes this rank's slices into them.
+Where the parameters are made: a random init runs on the CPU (``use_cpu_initialization``: the
+same init for every TP size). With weights to load the init is off
+(``transformer_config(initialize=False)``): nothing is drawn; on a CPU the parameters' pages stay
+untouched until the loader writes this rank's slices into them, and the actor on a GPU makes the
+parameters there (``on_gpu``: ``use_cpu_initialization=False``): megatron-core's Transformer Engine wrappers
+run ``_initialize_affine_weight_cpu`` whenever CPU initialisation is on, init or not, which built
+a full fp32 master of every TE linear on the host (about 50 GB per rank for a 14B model).
 """
 from __future__ import annotations
 
@@ -155,7 +159,7 @@ def require_resolved(actor: ActorConfig) -> ActorConfig:
 def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int = 1,
                        actor: ActorConfig = FP32_ACTOR, params_dtype: Optional[torch.dtype] = None,
                        initialize: bool = True, variable_seq_lengths: bool = False,
-                       calculate_per_token_loss: bool = False):
+                       calculate_per_token_loss: bool = False, on_gpu: bool = False):
     """megatron ``TransformerConfig`` for ``family_cfg`` at this layout with ``actor``'s settings
     (resolved already: :func:`resolve_actor_config`). ``params_dtype`` overrides the parameters'
     dtype only (the checkpoint converter stores bf16 checkpoints in bf16 without bf16 compute).
@@ -165,7 +169,10 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
     :func:`build_gpt_chunk` then sets the ``tensor_model_parallel`` / ``partition_dim`` /
     ``partition_stride`` attributes that megatron's own layers get only from their init
     (:func:`megatron_tepo.megatron.sharding.mark_tensor_parallel_attributes`).
-    ``variable_seq_lengths`` is needed with PP and micro-batches of varying shapes.
+    ``variable_seq_lengths`` is needed with PP and micro-batches of varying shapes. ``on_gpu``
+    (with ``initialize=False``): the parameters are made on the current CUDA device
+    (``use_cpu_initialization=False``), not on the host (the module docstring says why); the
+    actor's choice on a GPU, never the converter's (its skeleton may live on the meta device).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -195,7 +202,8 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
         bf16=bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        use_cpu_initialization=True,
+        # weights to load on a GPU: made there, never as a full fp32 host copy (module docstring)
+        use_cpu_initialization=not (on_gpu and not initialize),
         perform_initialization=initialize,
         gradient_accumulation_fusion=actor.gradient_accumulation_fusion == "on",
         apply_rope_fusion=actor.attention == "te",  # TE's fused RoPE (THD included): follows TE

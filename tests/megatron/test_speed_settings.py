@@ -152,3 +152,25 @@ def test_te_rope_fusion_follows_te_and_an_empty_fusion_is_not_used(with_te):
         ActorConfig(precision="fp32", attention="sdpa", fusions="on"), cuda=True))
     assert on.apply_rope_fusion is False
     assert on.bias_activation_fusion is True and on.bias_dropout_fusion is False
+
+
+def test_weights_to_load_on_a_gpu_are_made_there():
+    """Issue #32 row 6: with ``use_cpu_initialization`` on, megatron-core's TE wrappers build every
+    linear's full fp32 master on the host even with the init off (about 50 GB per rank for a 14B).
+    The actor on a GPU with weights to load makes its parameters there; a random init stays on the
+    CPU (the same init at every TP size), and so does everything on a CPU and the converter's
+    skeletons (``on_gpu`` off)."""
+    from megatron_tepo.actor.actor import actor_transformer_config
+    from megatron_tepo.layout import ParallelLayout
+
+    fam = family_config_from_hf(tiny_hf_config("qwen3"), spec="local")
+    actor = gpt.resolve_actor_config(ActorConfig(precision="fp32", attention="sdpa"), cuda=False)
+
+    def flags(**kw):
+        c = actor_transformer_config(fam, ParallelLayout(), actor, **kw)
+        return c.use_cpu_initialization, c.perform_initialization
+
+    assert flags(initialize=False, on_gpu=True) == (False, False)
+    assert flags(initialize=True, on_gpu=True) == (True, True)
+    assert flags(initialize=False, on_gpu=False) == (True, False)
+    assert gpt.transformer_config(fam, tp=1, pp=1, actor=actor, initialize=False).use_cpu_initialization is True
