@@ -153,6 +153,9 @@ class TrainConfig:
     seed: int = 1
     save_every: int = 10  # checkpoint every N rollout steps, and always the last one (0: the last only)
     keep_checkpoints: int = 3  # keep the newest N complete checkpoints (0: all)
+    # write a checkpoint's tensors in the background while training goes on (at most one in flight;
+    # published, its `complete` marker last, once written); false: every rank waits for the files
+    async_save: bool = True
     resume: bool = True  # continue from the newest complete checkpoint under output_dir
     # A resumed run refuses settings that differ from its checkpoint's (the error lists them)
     # unless this is true; RESUME_MAY_CHANGE lists what may always change (steps, intervals).
@@ -160,6 +163,14 @@ class TrainConfig:
     export_hf: bool = True  # at the end of the run, the policy as an HF model in <output_dir>/hf
     eval_every: int = 0
     output_dir: str = "outputs/run"
+
+
+#: the watchdog's faulthandler backstop fires this long after a phase's time-out (trainer/watchdog.py)
+WATCHDOG_BACKSTOP_S = 60.0
+#: how much longer than the longest watched phase a process group waits in one collective
+PG_TIMEOUT_MARGIN_S = 300.0
+#: a process group's wait when some phase is not watched (its watchdog 0): Slurm's time limit ends first
+UNWATCHED_PG_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 @dataclass
@@ -187,6 +198,20 @@ class FaultConfig:
     # test only: the run that starts at step 1 hangs at this step (0: off), on global rank 0, inside
     # the collective phase before its policy updates (a resumed run never hangs)
     inject_hang_at_step: int = 0
+
+    def process_group_timeout_s(self) -> float:
+        """How long every process group of a run (torch's default group, megatron's groups, the
+        driver's gloo group, the weight sync's group) waits in one collective: longer than the
+        longest phase the watchdog guards (plus its backstop and :data:`PG_TIMEOUT_MARGIN_S`), so
+        that the watchdog -- which names the phase and the setting and lets the job requeue --
+        always fires first. A rank can wait in one collective for a whole phase: the followers in
+        the driver's broadcast through a rollout, TP ranks behind a sync, every rank through a
+        checkpoint save. When a phase's watchdog is off (0) its waits have no bound:
+        :data:`UNWATCHED_PG_TIMEOUT_S`."""
+        limits = [self.watchdog_generate_s, self.watchdog_collective_s, self.watchdog_sync_s]
+        if any(float(limit) <= 0 for limit in limits):
+            return UNWATCHED_PG_TIMEOUT_S
+        return max(float(limit) for limit in limits) + WATCHDOG_BACKSTOP_S + PG_TIMEOUT_MARGIN_S
 
 
 @dataclass
@@ -481,7 +506,8 @@ def _coerce(value: Any, tp: Any, path: str, where: Dict[str, str]) -> Any:
 #: ``train.output_dir``, so a different one there means the folder was moved, or is named by
 #: another path).
 RESUME_MAY_CHANGE = (
-    "train.steps", "train.save_every", "train.keep_checkpoints", "train.eval_every", "train.export_hf",
+    "train.steps", "train.save_every", "train.keep_checkpoints", "train.async_save", "train.eval_every",
+    "train.export_hf",
     "train.resume", "train.allow_config_change", "train.output_dir", "rollout.sglang_urls",
     "rollout.request_timeout_s", "rollout.router", "rollout.sync_address", "reward.workers", "fault", "notes",
 )

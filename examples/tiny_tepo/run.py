@@ -120,7 +120,7 @@ def main(argv=None):
           + (f"; resuming from {find_latest_checkpoint(ckpt_root)}" if resuming else
              f"; held-out greedy accuracy before: {extra['accuracy_before']:.3f}"), flush=True)
     train(cfg, actor, engine, task, logger=logger, on_step=progress, eval_fn=lambda: {"eval_acc": held_out()},
-          checkpoint_root=ckpt_root, extra_state=extra)
+          checkpoint_root=ckpt_root, extra_state=extra, report=lambda line: print(f"[tepo] {line}", flush=True))
     before = extra["accuracy_before"]
     logger.close()
     after = held_out()

@@ -189,17 +189,21 @@ class MegatronActor:
         seed: megatron's model-parallel RNG seed (initialisation when no weights are given).
         total_steps: optimizer steps of the whole run (the LR decay horizon unless
             ``optim.lr_decay_steps`` is set).
+        process_group_timeout_s: how long every process group waits in one collective (None:
+            torch's and megatron's defaults); the trainer derives it from ``fault.watchdog_*_s``.
     """
 
     def __init__(self, hf_config, hf_weights=None, layout: Optional[ParallelLayout] = None,
                  optim: Optional[OptimConfig] = None, actor_config: Optional[ActorConfig] = None, *,
-                 seed: int = 1234, total_steps: int = 1000, **settings):
+                 seed: int = 1234, total_steps: int = 1000, process_group_timeout_s: Optional[float] = None,
+                 **settings):
         self.layout = layout = layout or ParallelLayout()
         self.settings, self.family_cfg = plan_actor(_load_hf_config(hf_config), layout, actor_config, **settings)
         self.optim_cfg = optim or OptimConfig()
         self.total_steps = total_steps
         self.dp_size = initialize_parallel(layout, self.family_cfg, seed=seed,
-                                           sequence_parallel=self.settings.sequence_parallel)
+                                           sequence_parallel=self.settings.sequence_parallel,
+                                           timeout_s=process_group_timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
         from megatron.core import parallel_state as ps
@@ -476,14 +480,45 @@ class MegatronActor:
                                        group=self._ps.get_pipeline_model_parallel_group())
         return result[0]
 
+    def gradients_finite(self) -> bool:
+        """Collective (every rank): whether the reduced gradients in every rank's DDP buffers are all
+        finite. One sum per buffer, one all-reduce over the world, one host read. Read before the
+        optimizer step: megatron copies these into the optimizer's main gradients only inside its
+        ``step()``, which then writes whatever they hold (no loss scaler catches a NaN in bf16 or
+        fp32)."""
+        bad = torch.zeros((), dtype=torch.float32, device=self.device)
+        for chunk in self.model:
+            buffers = list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", []))
+            grads = [b.grad_data for b in buffers if getattr(b, "grad_data", None) is not None]
+            if not grads:  # (no contiguous buffers) every parameter's main_grad
+                grads = [p.main_grad for p in chunk.parameters() if getattr(p, "main_grad", None) is not None]
+            for g in grads:
+                bad += (~torch.isfinite(g.sum(dtype=torch.float32))).float()  # NaN / inf survive a sum
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return float(bad) == 0.0
+
+    def discard_gradients(self) -> None:
+        """Drop the gradients of this step (every rank): the next forward-backward starts from zero."""
+        self.optimizer.zero_grad()
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+
     def optimizer_step(self) -> Dict[str, float]:
-        """Clip, Adam step, advance the LR schedule; returns ``grad_norm`` (pre-clip) and ``lr`` used."""
+        """Clip, Adam step, advance the LR schedule; returns ``grad_norm`` (pre-clip), ``lr`` used and
+        ``skipped_update``. Collective. A non-finite gradient on any rank (:meth:`gradients_finite`)
+        skips the update: no weight, Adam state or LR step changes, the gradients are dropped, and
+        the result says ``skipped_update: 1.0`` with ``grad_norm`` NaN."""
         lr = float(self.optimizer.param_groups[0]["lr"])
+        if not self.gradients_finite():
+            self.discard_gradients()
+            return {"grad_norm": math.nan, "lr": lr, "skipped_update": 1.0}
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError("megatron optimizer step reported failure (inf/nan gradients)")
         self.scheduler.step(increment=1)
-        return {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "lr": lr}
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "lr": lr,
+                "skipped_update": 0.0}
 
     def train_step(self, batch: RolloutBatch, loss: PolicyLoss) -> Dict[str, float]:
         """One optimizer step over a DP-local mini-batch; returns loss, grad_norm, lr and metrics."""
@@ -492,15 +527,28 @@ class MegatronActor:
         return metrics
 
     # ------------------------------------------------------------------ checkpointing
-    def save_checkpoint(self, directory, extra_state: Optional[dict] = None, write_extra=None):
+    def save_checkpoint(self, directory, extra_state: Optional[dict] = None, write_extra=None,
+                        asynchronous: bool = False, on_publish=None):
         """Collective: model, optimizer, LR scheduler, every rank's RNG states and the JSON
         ``extra_state`` (e.g. trainer step, data position), written atomically to ``directory``
         (a ``<directory>.tmp-*`` renamed once complete; ``complete`` marker); ``write_extra(tmp)``
-        adds files on rank 0. See :mod:`megatron_tepo.actor.checkpointing`. Returns the path."""
-        from megatron_tepo.actor.checkpointing import save_actor_checkpoint
+        adds files on rank 0, ``on_publish(path)`` runs there once it is complete. ``asynchronous``:
+        the tensors are written in the background and the checkpoint is published by a later
+        :meth:`finalize_checkpoints` (at most one in flight).
+        See :mod:`megatron_tepo.actor.checkpointing`. Returns the path."""
+        from megatron_tepo.actor.checkpointing import AsyncSaves, save_actor_checkpoint
 
         self.sync_params()
-        return save_actor_checkpoint(self, directory, extra_state, write_extra)
+        if asynchronous and getattr(self, "_async_saves", None) is None:
+            self._async_saves = AsyncSaves()
+        return save_actor_checkpoint(self, directory, extra_state, write_extra,
+                                     saves=self._async_saves if asynchronous else None, on_publish=on_publish)
+
+    def finalize_checkpoints(self, blocking: bool = False) -> int:
+        """Collective: publish the asynchronous saves whose files are written (``blocking``: wait
+        for every one); returns how many are still in flight (0 without asynchronous saves)."""
+        saves = getattr(self, "_async_saves", None)
+        return saves.finalize(blocking=blocking) if saves is not None else 0
 
     def prefer_settings_over_checkpoint(self) -> None:
         """A later :meth:`load_checkpoint` keeps this actor's optimizer settings (LR schedule,

@@ -43,7 +43,7 @@ from megatron_tepo.checkpoint.store import (COMPLETE_MARKER, EXTRA_STATE, FORMAT
 from megatron_tepo.megatron.parallel import raise_if_any_rank_failed
 
 __all__ = ["save_actor_checkpoint", "load_actor_checkpoint", "load_newest_checkpoint", "get_rng_state",
-           "set_rng_state", "actor_layout"]
+           "set_rng_state", "actor_layout", "AsyncSaves"]
 
 DIST_OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -201,14 +201,53 @@ def _sharded_state_dict(actor, is_loading: bool, with_optimizer: bool = True) ->
     return state
 
 
+class AsyncSaves:
+    """The asynchronous checkpoint saves of one actor: megatron-core's ``AsyncCallsQueue`` with at
+    most one save in flight. Every method is collective (all ranks call it at the same point)."""
+
+    def __init__(self):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.queue = AsyncCallsQueue()  # (a forked writer per save: it writes from its own copy)
+
+    def schedule(self, request) -> None:
+        self.queue.schedule_async_request(request)
+
+    def finalize(self, blocking: bool = False) -> int:
+        """Publish every save whose files are written (``blocking``: wait for them first); returns
+        how many saves are still in flight."""
+        self.queue.maybe_finalize_async_calls(blocking=blocking)
+        return self.queue.get_num_unfinalized_calls()
+
+    def close(self) -> None:
+        self.finalize(blocking=True)
+        self.queue.close()
+
+
 def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict] = None,
-                          write_extra: Optional[Callable[[Path], None]] = None) -> Path:
+                          write_extra: Optional[Callable[[Path], None]] = None,
+                          saves: Optional[AsyncSaves] = None,
+                          on_publish: Optional[Callable[[Path], None]] = None) -> Path:
     """Collective: write ``actor``'s full training state to ``directory`` atomically (see module doc).
     An existing ``directory`` is replaced (only once the new checkpoint is complete).
     ``write_extra(tmp_dir)`` runs on rank 0 before the marker: more files that are part of the
-    checkpoint (the trainer's run config and conversion sidecars)."""
+    checkpoint (the trainer's run config and conversion sidecars); ``on_publish(directory)`` runs on
+    rank 0 once it is complete (the trainer prunes older checkpoints there).
+
+    ``saves`` (:class:`AsyncSaves`): the model and optimizer tensors are written asynchronously.
+    The state is captured now (on a GPU: copied to host memory; the writer is a forked process
+    that writes from its own copy of it, so training may change the weights at once); this call
+    returns before the files are written, and the checkpoint is published -- the ``complete``
+    marker written last, the temporary directory renamed -- by the :meth:`AsyncSaves.finalize`
+    call that finds the writes done. A save still in flight when the next one starts is finished
+    first: at most one is in flight. Until it is published the checkpoint is a ``*.tmp-*``
+    directory, which a resume never takes."""
     from megatron.core import dist_checkpointing
 
+    from megatron_tepo.megatron.compat import async_save_kwargs
+
+    if saves is not None:
+        saves.finalize(blocking=True)  # at most one save in flight
     final = Path(directory).absolute()
     extra_json = json.dumps(extra_state if extra_state is not None else {}, sort_keys=True)  # fail early
     layout = actor_layout(actor)
@@ -228,34 +267,44 @@ def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict
     # RNG-neutral (the run continues exactly as a run resumed from this checkpoint does).
     rng = get_rng_state()
     state = _sharded_state_dict(actor, is_loading=False)
-    dist_checkpointing.save(state, str(tmp), content_metadata={"format": FORMAT})
+    request = dist_checkpointing.save(state, str(tmp), content_metadata={"format": FORMAT},
+                                      **(async_save_kwargs() if saves is not None else {}))
     set_rng_state(rng)
     (tmp / RNG_DIR).mkdir(exist_ok=True)  # by every rank: no extra collective
     torch.save(rng, tmp / RNG_DIR / f"rank{global_rank()}.pt")
-    _barrier()
 
-    err = None
-    if global_rank() == 0:
-        try:
-            if write_extra is not None:
-                write_extra(tmp)
-            write_file_atomic(tmp / EXTRA_STATE, extra_json)
-            marker = {"format": FORMAT, "step": (extra_state or {}).get("step"), "time": time.time(),
-                      "layout": layout}
-            fsync_dir(tmp / RNG_DIR)
-            write_file_atomic(tmp / COMPLETE_MARKER, json.dumps(marker, sort_keys=True))  # last
-            fsync_dir(tmp)
-            old = None
-            if final.exists():
-                old = final.with_name(f"{final.name}.tmp-old-{tag}")
-                os.replace(final, old)
-            os.replace(tmp, final)
-            fsync_dir(final.parent)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        except Exception as e:  # noqa: BLE001 -- agreed on below, so no rank is left waiting
-            err = e
-    _agree_ok(err)
+    def publish() -> None:  # collective; after every rank's files are written
+        _barrier()
+        err = None
+        if global_rank() == 0:
+            try:
+                if write_extra is not None:
+                    write_extra(tmp)
+                write_file_atomic(tmp / EXTRA_STATE, extra_json)
+                marker = {"format": FORMAT, "step": (extra_state or {}).get("step"), "time": time.time(),
+                          "layout": layout}
+                fsync_dir(tmp / RNG_DIR)
+                write_file_atomic(tmp / COMPLETE_MARKER, json.dumps(marker, sort_keys=True))  # last
+                fsync_dir(tmp)
+                old = None
+                if final.exists():
+                    old = final.with_name(f"{final.name}.tmp-old-{tag}")
+                    os.replace(final, old)
+                os.replace(tmp, final)
+                fsync_dir(final.parent)
+                if old is not None:
+                    shutil.rmtree(old, ignore_errors=True)
+                if on_publish is not None:
+                    on_publish(final)
+            except Exception as e:  # noqa: BLE001 -- agreed on below, so no rank is left waiting
+                err = e
+        _agree_ok(err)
+
+    if saves is None:
+        publish()
+    else:
+        request.add_finalize_fn(publish)  # after megatron's own (the DCP metadata, metadata.json)
+        saves.schedule(request)
     return final
 
 

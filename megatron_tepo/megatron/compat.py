@@ -20,7 +20,7 @@ from packaging.version import Version
 
 __all__ = ["SUPPORTED", "mcore_version", "check_supported", "LEGACY_COMMON_FILE", "common_state_in_dcp",
            "dist_ckpt_common_files", "save_strategy_base", "adopt_current_lr_in_saved_groups",
-           "whole_layer_cuda_graph_kwargs"]
+           "whole_layer_cuda_graph_kwargs", "async_save_kwargs"]
 
 #: the megatron-core versions this package is tested with (keep in step with pyproject.toml)
 SUPPORTED = SpecifierSet(">=0.16.1,<0.20")
@@ -124,3 +124,18 @@ def whole_layer_cuda_graph_kwargs(config_cls: type) -> dict:
     ``cuda_graph_scope`` itself is deprecated); which one ``config_cls`` has decides."""
     fields = {f.name for f in dataclasses.fields(config_cls)}
     return {"cuda_graph_modules": []} if "cuda_graph_modules" in fields else {"cuda_graph_scope": []}
+
+
+# ------------------------------------------------------------------ asynchronous checkpoint saves
+def async_save_kwargs(save_fn=None) -> dict:
+    """``dist_checkpointing.save``'s arguments for an asynchronous save: ``async_sharded_save``, and
+    on megatron-core >= 0.19 (which defaults to NVIDIA's resiliency extension, an extra package)
+    ``async_strategy="mcore"``, megatron-core's own writer, which 0.16.1 always uses."""
+    import inspect
+
+    if save_fn is None:
+        from megatron.core.dist_checkpointing import save as save_fn
+    kwargs = {"async_sharded_save": True}
+    if "async_strategy" in inspect.signature(save_fn).parameters:
+        kwargs["async_strategy"] = "mcore"
+    return kwargs

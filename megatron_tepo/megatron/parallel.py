@@ -11,8 +11,10 @@ Left out: context parallelism, virtual pipeline stages, expert-tensor parallelis
 """
 from __future__ import annotations
 
+import math
 import os
-from typing import Optional
+from datetime import timedelta
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,9 +46,13 @@ def validate_layout_here(layout: ParallelLayout, family_cfg, world_size: Optiona
 
 
 def initialize_parallel(layout: ParallelLayout, family_cfg, seed: int = 1234,
-                        backend: Optional[str] = None, sequence_parallel: bool = False) -> int:
+                        backend: Optional[str] = None, sequence_parallel: bool = False,
+                        timeout_s: Optional[float] = None) -> int:
     """Validate, then start the process groups; returns the data-parallel size. Idempotent only in
-    the sense that an already-initialized default group is reused."""
+    the sense that an already-initialized default group is reused. ``timeout_s``: how long every
+    group (the default one, megatron's) waits in one collective (None: torch's and megatron's
+    defaults, 10 / 30 minutes); the trainer derives it from the watchdog's settings
+    (:func:`megatron_tepo.trainer.watchdog.process_group_timeout_s`)."""
     dp = validate_layout_here(layout, family_cfg, sequence_parallel=sequence_parallel)
     on_gpu = torch.cuda.is_available()
     torch.set_num_threads(1 if not on_gpu else min(torch.get_num_threads(), usable_cpus()))
@@ -58,15 +64,17 @@ def initialize_parallel(layout: ParallelLayout, family_cfg, seed: int = 1234,
     if not dist.is_initialized():
         if on_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend or ("nccl" if on_gpu else "gloo"))
+        dist.init_process_group(backend or ("nccl" if on_gpu else "gloo"),
+                                timeout=timedelta(seconds=timeout_s) if timeout_s else None)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    minutes = {"distributed_timeout_minutes": max(1, math.ceil(timeout_s / 60))} if timeout_s else {}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        expert_model_parallel_size=layout.ep)
+        expert_model_parallel_size=layout.ep, **minutes)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return dp
 
@@ -78,6 +86,23 @@ def usable_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+def group_timeouts() -> Dict[str, timedelta]:
+    """The time-out of torch's default group and of each of megatron's groups here, by name (what
+    the tests read back)."""
+    from megatron.core import parallel_state as ps
+
+    groups = {"default": dist.distributed_c10d._get_default_group(),
+              "tensor": ps.get_tensor_model_parallel_group(), "pipeline": ps.get_pipeline_model_parallel_group(),
+              "data": ps.get_data_parallel_group(), "model": ps.get_model_parallel_group()}
+    return {name: group_timeout(group) for name, group in groups.items()}
+
+
+def group_timeout(group) -> timedelta:
+    """One process group's time-out (its CPU backend's options; its CUDA one's with NCCL)."""
+    device = torch.device("cuda" if torch.cuda.is_available() and dist.get_backend(group) == "nccl" else "cpu")
+    return group._get_backend(device).options._timeout
 
 
 def destroy_parallel() -> None:

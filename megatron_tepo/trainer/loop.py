@@ -8,7 +8,9 @@ every loss and ablation config runs through it unchanged.
 Checkpoints hold the actor (model, optimizer, LR schedule, RNG: ``MegatronActor.save_checkpoint``)
 plus the loop's own state (step, prompt order and RNG, the engine's sampling RNG, and with
 one-step-off generation the next step's rollout), written atomically; a resumed run continues
-exactly (tested with a SIGKILL).
+exactly (tested with a SIGKILL). With ``train.async_save`` (the default) the tensors are written
+in the background while the next steps train: each step publishes a save that is written by then,
+a new save first finishes the one in flight, and the run finishes its last one before it returns.
 
 One-step-off generation (``rollout.max_staleness: 1``): while the actor trains step k, the driver
 generates step k+1's rollout in a background thread with the weights step k started from; the
@@ -44,6 +46,7 @@ import time
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
@@ -59,7 +62,7 @@ from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.config import AlgorithmConfig, RunConfig
 from megatron_tepo.rewards import RewardFn, scores_and_counts
 from megatron_tepo.rollout.engine import Sample, gathered_tensors
-from megatron_tepo.trainer.watchdog import Watchdog
+from megatron_tepo.trainer.watchdog import Watchdog, process_group_timeout_s
 
 try:
     import torch.distributed as dist
@@ -95,11 +98,13 @@ class Driver:
     computes reaches the other ranks as pickled objects over a gloo group of its own (the actor's
     collectives keep theirs). In a one-process run everything is local."""
 
-    def __init__(self):
+    def __init__(self, timeout_s: Optional[float] = None):
         on = dist is not None and dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size() if on else 1
         self.rank = dist.get_rank() if on else 0
-        self._group = dist.new_group(backend="gloo") if self.world > 1 else None
+        # timeout_s: the followers wait in its broadcast through a whole rollout (see watchdog.py)
+        self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s) if timeout_s else None)
+                       if self.world > 1 else None)
         self._jobs = None  # the background thread's queue, once started
 
     def start(self, fn: Callable[[], object]) -> Optional[Future]:
@@ -265,18 +270,29 @@ def evaluate(engine, prompts, answers, reward_fn: RewardFn, stop_token_ids, *, n
 
 
 def policy_update(actor, mb: RolloutBatch, loss: PolicyLoss) -> Dict[str, float]:
-    """One optimizer step, skipped (and reported as ``skipped_update``) when the loss or the
-    gradient norm is not finite: the weights, and so any checkpoint, never see a NaN."""
+    """One optimizer step, skipped (and reported as ``skipped_update``) when the loss or a gradient
+    is not finite (the actor checks the reduced gradients before its optimizer touches anything):
+    the weights, and so any checkpoint, never see a NaN."""
     metrics = actor.forward_backward(mb, loss)
-    grad_norm = float(actor.optimizer.get_grad_norm()) if math.isfinite(metrics["loss"]) else math.nan
-    if not math.isfinite(grad_norm):
-        actor.optimizer.zero_grad()
-        for chunk in actor.model:
-            chunk.zero_grad_buffer()
-        metrics.update(skipped_update=1.0, grad_norm=grad_norm)
+    if not math.isfinite(metrics["loss"]):
+        actor.discard_gradients()
+        metrics.update(skipped_update=1.0, grad_norm=math.nan)
         return metrics
-    metrics.update(actor.optimizer_step(), skipped_update=0.0)
+    metrics.update({"skipped_update": 0.0, **actor.optimizer_step()})
     return metrics
+
+
+def skipped_update_message(step: int, updates: List[Dict[str, float]], max_steps_without_update: int) -> str:
+    """The one line a step with skipped updates prints: how many, why, and what stops a run that keeps
+    skipping."""
+    skipped = [u for u in updates if u["skipped_update"]]
+    losses = sum(1 for u in skipped if not math.isfinite(u.get("loss", math.nan)))
+    why = ", ".join(f"{n} with a non-finite {what}" for n, what in ((losses, "loss"),
+                                                                  (len(skipped) - losses, "gradient (NaN or inf)")) if n)
+    stop = (f"fault.max_steps_without_update={max_steps_without_update} stops a run without updates"
+            if max_steps_without_update else "fault.max_steps_without_update: 0, the run goes on")
+    return (f"step {step}: {len(skipped)} of {len(updates)} policy update(s) skipped: {why}; no weight changed "
+            f"({stop})")
 
 
 class NoUpdateError(RuntimeError):
@@ -433,7 +449,7 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
     extra = extra_state if extra_state is not None else {}
     drift_check = DriftCheck(mean_threshold=cfg.rollout.drift_warn_mean, max_threshold=cfg.rollout.drift_warn_max,
                              prefix="drift")
-    driver = Driver()
+    driver = Driver(timeout_s=process_group_timeout_s(cfg.fault))
     dp_rank, dp_size = data_parallel_coords(actor)
     rows_per_mb = cfg.train.mini_batch_prompts * n
     if rows_per_mb % dp_size:
@@ -488,10 +504,13 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
                 logger.log(step, metrics)
             stalled = stalled + 1 if metrics["updates"] == 0 else 0
             with watchdog.phase("collective"):
+                _finalize_saves(actor)  # an asynchronous save written by now is published
                 _save(cfg, actor, checkpoint_root, step, _loop_state(step, rng, order, engine, extra, pending, stalled),
                       checkpoint_files, driver, pending)
             history.append(metrics)
             if cfg.fault.max_steps_without_update and stalled >= cfg.fault.max_steps_without_update:
+                with watchdog.phase("collective"):
+                    _finalize_saves(actor, blocking=True)  # the last checkpoint complete before the stop
                 raise NoUpdateError(stalled_message(stalled, step, metrics, n))
 
         for step in range(start, cfg.train.steps + 1):
@@ -552,6 +571,8 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
             rollout_s += time.time() - t
             with watchdog.phase("sync"):
                 sync_s = sync_weights(actor, engine)
+            if report is not None and any(u["skipped_update"] for u in updates):
+                report(skipped_update_message(step, updates, cfg.fault.max_steps_without_update))
             done = [u for u in updates if not u["skipped_update"]] or updates
             metrics = {k: sum(u[k] for u in done) / len(done) for k in done[0] if isinstance(done[0][k], float)}
             metrics["skipped_update"] = float(sum(u["skipped_update"] for u in updates))
@@ -559,7 +580,17 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
             metrics.update(gen, reward_mean=float(reward.mean()), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
                            step_s=time.time() - t0, response_length_mean=response_length_mean, **drift)
             finish(step, metrics, pending)
+        with watchdog.phase("collective"):
+            _finalize_saves(actor, blocking=True)  # every checkpoint complete before the run returns
         return history
+
+
+def _finalize_saves(actor, blocking: bool = False) -> None:
+    """Collective: publish the actor's asynchronous checkpoint saves that are written (``blocking``:
+    wait for them)."""
+    finalize = getattr(actor, "finalize_checkpoints", None)
+    if finalize is not None:
+        finalize(blocking=blocking)
 
 
 def _save(cfg: RunConfig, actor, root: Optional[Path], step: int, state: Dict, files, driver: Driver,
@@ -575,6 +606,10 @@ def _save(cfg: RunConfig, actor, root: Optional[Path], step: int, state: Dict, f
         if pending is not None:
             _write_pending(pending, tmp / PENDING_FILE)
 
-    actor.save_checkpoint(Path(root) / f"step_{step}", state, write_extra=write_extra if driver.is_driver else None)
-    if cfg.train.keep_checkpoints and driver.is_driver:
-        prune_checkpoints(root, cfg.train.keep_checkpoints)
+    def prune(_published: Path) -> None:  # once the new one is complete: the kept ones stay complete
+        if cfg.train.keep_checkpoints:
+            prune_checkpoints(root, cfg.train.keep_checkpoints)
+
+    driver_only = driver.is_driver
+    actor.save_checkpoint(Path(root) / f"step_{step}", state, write_extra=write_extra if driver_only else None,
+                          asynchronous=cfg.train.async_save, on_publish=prune if driver_only else None)

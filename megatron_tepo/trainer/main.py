@@ -71,11 +71,15 @@ def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool
 
 def actor_args(cfg: RunConfig) -> dict:
     """``MegatronActor``'s keyword arguments from the run config: the layout (``parallel``), how it
-    computes (``actor``), the optimizer (``optim``), the seed and the LR horizon."""
+    computes (``actor``), the optimizer (``optim``), the seed, the LR horizon and the process
+    groups' time-out (longer than the watchdog's longest phase, ``fault``)."""
+    from megatron_tepo.trainer.watchdog import process_group_timeout_s
+
     updates_per_step = cfg.train.epochs_per_step * (cfg.rollout.prompts_per_step // cfg.train.mini_batch_prompts)
     return dict(layout=cfg.parallel,
                 optim=cfg.optim, actor_config=cfg.actor, seed=cfg.train.seed,
-                total_steps=cfg.train.steps * updates_per_step)
+                total_steps=cfg.train.steps * updates_per_step,
+                process_group_timeout_s=process_group_timeout_s(cfg.fault))
 
 
 def build_actor_and_engine(cfg: RunConfig, model_dir: str, pad_token_id: int):

@@ -48,10 +48,18 @@ import threading
 import time
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
+from megatron_tepo.config import WATCHDOG_BACKSTOP_S
+
 WATCHDOG_EXIT = 75  # EX_TEMPFAIL: the watchdog stopped a hung process; retry (requeue)
-BACKSTOP_GRACE_S = 60.0  # faulthandler's backstop fires this long after the watchdog should have
+BACKSTOP_GRACE_S = WATCHDOG_BACKSTOP_S  # faulthandler's backstop fires this long after the watchdog should have
 PHASES = ("generate", "collective", "sync")
 EXIT_REASON_ENV = "TEPO_EXIT_REASON_FILE"
+
+
+def process_group_timeout_s(fault) -> float:
+    """The process groups' time-out for ``fault`` (:meth:`~megatron_tepo.config.FaultConfig.process_group_timeout_s`:
+    longer than the longest phase this watchdog guards)."""
+    return fault.process_group_timeout_s()
 
 
 def _rank(rank: Optional[int]) -> int:

@@ -3,7 +3,6 @@ NoUpdateError saying why (equal rewards everywhere / every update non-finite) in
 through all its steps; an update in between starts the count again; 0 never stops. A fake engine
 and actor (no model): the loop's bookkeeping only."""
 import math
-from types import SimpleNamespace
 
 import pytest
 
@@ -23,19 +22,26 @@ class EchoEngine(RolloutEngine):
 
 
 class NanActor:
-    """Every update's loss is NaN (skipped by the loop) except on the calls in ``finite``."""
+    """Every update's loss is NaN (skipped by the loop) except on the calls in ``finite``; with
+    ``nan_grads`` the losses are finite and the gradients of those calls are not (the actor's
+    optimizer step skips them, as ``MegatronActor.optimizer_step`` does)."""
 
-    def __init__(self, finite=()):
-        self.calls, self.finite = 0, set(finite)
-        self.optimizer = SimpleNamespace(get_grad_norm=lambda: 1.0, zero_grad=lambda: None)
-        self.model = [SimpleNamespace(zero_grad_buffer=lambda: None)]
+    def __init__(self, finite=(), nan_grads=()):
+        self.calls, self.finite, self.nan_grads = 0, set(finite), set(nan_grads)
+        self.discarded = 0
 
     def forward_backward(self, mb, loss):
         self.calls += 1
-        return {"loss": 0.5 if self.calls in self.finite else math.nan}
+        finite = self.calls in self.finite or self.calls in self.nan_grads
+        return {"loss": 0.5 if finite else math.nan}
+
+    def discard_gradients(self):
+        self.discarded += 1
 
     def optimizer_step(self):
-        return {"lr": 1e-4}
+        if self.calls in self.nan_grads:
+            return {"lr": 1e-4, "grad_norm": math.nan, "skipped_update": 1.0}
+        return {"lr": 1e-4, "grad_norm": 1.0, "skipped_update": 0.0}
 
     def export_hf_state(self):
         return iter(())
@@ -99,3 +105,20 @@ def test_the_count_is_saved_with_each_checkpoint_and_a_resumed_run_goes_on_count
     assert seen == [3]
     assert "no policy update for 3 steps in a row (steps 1-3, fault.max_steps_without_update=3)" in str(err.value)
     assert saved[3]["steps_without_update"] == 3
+
+
+def test_a_skipped_update_is_said_in_one_line_and_counted():
+    """A NaN loss (the loop skips) and a NaN gradient (the actor's step skips) are each said once, in
+    one line naming the step, the count and the setting that stops such a run."""
+    lines, seen = [], []
+    actor = NanActor(finite={2}, nan_grads={3})
+    train(_cfg(3, 5), actor, EchoEngine(), _task(lambda r: float(r[1] == 0)), report=lines.append,
+          on_step=lambda s, m: seen.append((s, m["updates"], m["skipped_update"])))
+    assert seen == [(1, 0.0, 1.0), (2, 1.0, 0.0), (3, 0.0, 1.0)]
+    said = [line for line in lines if "skipped" in line]
+    assert said == [
+        "step 1: 1 of 1 policy update(s) skipped: 1 with a non-finite loss; no weight changed "
+        "(fault.max_steps_without_update=5 stops a run without updates)",
+        "step 3: 1 of 1 policy update(s) skipped: 1 with a non-finite gradient (NaN or inf); no weight changed "
+        "(fault.max_steps_without_update=5 stops a run without updates)"]
+    assert actor.discarded == 1  # the loop drops the NaN loss's gradients; the actor its own

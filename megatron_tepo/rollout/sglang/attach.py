@@ -40,13 +40,15 @@ def sglang_urls(rollout: RolloutConfig) -> List[str]:
     return urls
 
 
-def weight_sync(rollout: RolloutConfig, fleet, urls: List[str], is_sender: bool) -> WeightSync:
+def weight_sync(rollout: RolloutConfig, fleet, urls: List[str], is_sender: bool, fault=None) -> WeightSync:
     """The weight sync of ``rollout.sync_mode`` to ``fleet`` (None on a rank that only drains the
-    export); the mode's own options from ``rollout`` and the servers' ``urls``."""
+    export); the mode's own options from ``rollout``, the servers' ``urls`` and the run's ``fault``
+    section (the update group's time-out)."""
     mode = rollout.sync_mode
     return make_weight_sync(mode, fleet, bucket_bytes=rollout.sync_bucket_mb << 20,
                             wire_dtype=getattr(torch, rollout.sync_dtype), is_sender=is_sender,
-                            keep_buffers=rollout.sync_keep_buffers, **SYNC_MODES[mode].options_from(rollout, urls))
+                            keep_buffers=rollout.sync_keep_buffers,
+                            **SYNC_MODES[mode].options_from(rollout, urls, fault))
 
 
 def attach_fleet(settings: EngineSettings) -> SGLangFleet:
@@ -59,13 +61,13 @@ def attach_fleet(settings: EngineSettings) -> SGLangFleet:
                                     step_timeout=max(r.request_timeout_s, 600.0), router=r.router,
                                     probe_timeout=f.probe_timeout_s, return_timeout=f.server_return_timeout_s,
                                     server_restarts=f.server_restarts, restart_backoff=f.restart_backoff_s))
-    fleet.weight_sync = weight_sync(r, fleet, urls, True)
+    fleet.weight_sync = weight_sync(r, fleet, urls, True, f)
     return fleet
 
 
 def follower_sync(settings: EngineSettings) -> WeightSync:
     """What a rank other than the driver holds: a weight sync that drains its part of the export."""
-    return weight_sync(settings.rollout, None, sglang_urls(settings.rollout), False)
+    return weight_sync(settings.rollout, None, sglang_urls(settings.rollout), False, settings.fault)
 
 
 register_engine("sglang", attach_fleet, follower_sync=follower_sync, check=sglang_urls)

@@ -1,8 +1,9 @@
 """torchrun worker: save / resume of the Megatron actor continues bit-exactly.
 
 argv[1]: a scratch root (shared by the ranks); argv[2]: JSON list of cases
-``{"tp", "pp", "dist_opt", "reshard_to_tp1", "partial_checks", "precision"}`` (precision: fp32 by
-default; bf16 also compares the optimizer's fp32 main parameters after step 3). Per case: actor A (HF weights)
+``{"tp", "pp", "dist_opt", "reshard_to_tp1", "partial_checks", "precision", "async"}`` (precision:
+fp32 by default; bf16 also compares the optimizer's fp32 main parameters after step 3; async: the
+save is asynchronous, A trains step 3 while it is written and publishes it after). Per case: actor A (HF weights)
 trains steps 1-2, saves ``step_2`` (extra_state), draws ``torch.rand``, trains step 3. Then A is
 dropped, the RNGs are scrambled, a FRESH actor B (different init seed, no HF weights) loads the
 newest complete checkpoint, draws ``torch.rand`` and trains step 3. Every rank reports whether
@@ -85,14 +86,19 @@ def run_case(case, root: Path):
                       max_tokens_per_micro_batch=64, total_steps=10)
     for b in batches[:2]:
         a.train_step(local(a, b), LOSS)
-    path = a.save_checkpoint(root / "step_2", extra_state={"step": 2, "data_position": 16})
+    asynchronous = case.get("async", False)
+    path = a.save_checkpoint(root / "step_2", extra_state={"step": 2, "data_position": 16}, asynchronous=asynchronous)
     out["saved_path"] = str(path)
-    out["listing"] = sorted(p.name for p in root.iterdir())
+    out["published_at_return"] = (root / "step_2" / "complete").exists()
     full_at_save = {n: t.clone() for n, t in a.export_hf_state()} if case.get("reshard_to_tp1") else None
     tracker_a = _tracker_states()
     rand_a = torch.rand(6)
     py_a, np_a = random.random(), float(np.random.rand())
-    m3a = a.train_step(local(a, batches[2]), LOSS)
+    m3a = a.train_step(local(a, batches[2]), LOSS)  # (with an asynchronous save: while it is written)
+    if asynchronous:
+        out["in_flight_after_step3"] = a.finalize_checkpoints() + 0  # (0 if written by now)
+        a.finalize_checkpoints(blocking=True)
+    out["listing"] = sorted(p.name for p in root.iterdir())
     params_a, main_a = _params(a), _main_params(a)
     out["dtypes"] = sorted({str(p.dtype) for p in params_a.values()})
     out["main_dtypes"] = sorted({str(p.dtype) for p in main_a})

@@ -111,9 +111,10 @@ class WeightSync(abc.ABC):
 
     # ------------------------------------------------------------------ what a mode says
     @classmethod
-    def options_from(cls, rollout, urls: List[str]) -> dict:
+    def options_from(cls, rollout, urls: List[str], fault=None) -> dict:
         """The mode's own options (beyond :class:`WeightSync`'s) from a run config's ``rollout``
-        section (:class:`~megatron_tepo.config.RolloutConfig`); ``urls``: the servers'."""
+        section (:class:`~megatron_tepo.config.RolloutConfig`); ``urls``: the servers';
+        ``fault``: the run's :class:`~megatron_tepo.config.FaultConfig`, when there is one."""
         return {}
 
     def _prepare(self, servers) -> None:

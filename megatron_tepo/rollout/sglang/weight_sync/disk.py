@@ -38,7 +38,7 @@ class DiskSync(WeightSync):
         self._files = 0
 
     @classmethod
-    def options_from(cls, rollout, urls) -> dict:
+    def options_from(cls, rollout, urls, fault=None) -> dict:
         return {"shared_dir": rollout.sync_dir}
 
     def _prepare(self, servers) -> None:

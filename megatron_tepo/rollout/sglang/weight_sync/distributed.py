@@ -121,25 +121,33 @@ def sync_master_address(urls: List[str], setting: Optional[str] = None) -> str:
 class DistributedSync(WeightSync):
     """``backend``: the group's (default nccl where CUDA is available, else gloo);
     ``master_address`` / ``master_port``: where the servers reach the sender (the port: a free
-    one when None); ``group_name``: the group's name on both sides."""
+    one when None); ``group_name``: the group's name on both sides; ``group_timeout_s``: how long
+    the sender's side of the group waits in one broadcast (default: the request time-out; a run
+    gives its process groups' time-out, ``FaultConfig.process_group_timeout_s``, so that the
+    watchdog's ``sync`` phase fires first)."""
 
     mode = "distributed"
     align_buckets = True  # a flattened bucket's tensors start at multiples of their item size
 
     def __init__(self, target, backend: Optional[str] = None, master_address: str = "127.0.0.1",
-                 master_port: Optional[int] = None, group_name: str = "mtepo_weight_sync", **common):
+                 master_port: Optional[int] = None, group_name: str = "mtepo_weight_sync",
+                 group_timeout_s: Optional[float] = None, **common):
         super().__init__(target, **common)
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.master_address, self.master_port = master_address, master_port
         self.group_name = group_name
+        self.group_timeout_s = group_timeout_s or self.timeout
         self._pg = None
         self._pg_servers: Tuple[str, ...] = ()
         self._pending = None  # the last bucket's requests, until every server answered them
         self._bcast = None  # the last bucket's broadcast, until it completes
 
     @classmethod
-    def options_from(cls, rollout, urls: List[str]) -> dict:
-        return {"master_address": sync_master_address(urls, rollout.sync_address)}
+    def options_from(cls, rollout, urls: List[str], fault=None) -> dict:
+        options = {"master_address": sync_master_address(urls, rollout.sync_address)}
+        if fault is not None:
+            options["group_timeout_s"] = fault.process_group_timeout_s()
+        return options
 
     def _prepare(self, servers) -> None:
         self._ensure_group(servers)
@@ -159,7 +167,7 @@ class DistributedSync(WeightSync):
                  "world_size": world, "group_name": self.group_name, "backend": self.backend})
             for s, off in zip(servers, offsets)])
         pg = init_custom_process_group(self.backend, f"tcp://{self.master_address}:{port}", world, 0,
-                                       self.group_name, timeout=timedelta(seconds=self.timeout))
+                                       self.group_name, timeout=timedelta(seconds=self.group_timeout_s))
         self._join(*joining, "/init_weights_update_group")
         self._pg, self._pg_servers = pg, urls
 

@@ -1,0 +1,83 @@
+"""torchrun worker: a NaN in one gradient never reaches the weights (issue #32 row 3).
+
+argv[1]: JSON list of cases ``{"tp", "precision", "dist_opt"}``. Per case: an actor from HF weights
+takes one step (so Adam's moments and step counts exist), runs forward-backward on a second batch,
+then global rank 0 writes a NaN into one element of one parameter's ``main_grad`` (the reduced
+gradient the optimizer reads). Recorded per rank: what ``optimizer_step`` returned, whether every
+model parameter, every optimizer main parameter and every Adam state tensor is unchanged (bit for
+bit) and finite, the LR scheduler's step count before and after; then a clean forward-backward and
+step on a third batch, which must update the weights again.
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+import torch.distributed as dist
+
+from megatron_tepo.algorithms import PolicyLoss
+from tests.dist_utils import write_result
+from tests.megatron.helpers import hf_state, make_batch, make_hf_model, tiny_hf_config
+
+LOSS = PolicyLoss.of("grpo")
+
+
+def _batch(seed):
+    b = make_batch(seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    b.old_log_probs = (-2.0 - torch.rand(b.response_mask.shape, generator=g)) * b.response_mask
+    return b
+
+
+def _snapshot(actor):
+    subs = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    tensors = [p.detach().clone() for p in actor.model[0].parameters()]
+    for opt in subs:
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                tensors.append(p.detach().clone())
+                tensors += [v.detach().clone() for v in opt.optimizer.state[p].values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def case(spec):
+    from megatron_tepo.actor import MegatronActor
+    from megatron_tepo.config import OptimConfig
+    from megatron_tepo.layout import ParallelLayout
+
+    cfg = tiny_hf_config("qwen3")
+    hf = make_hf_model(cfg, seed=0)
+    actor = MegatronActor(cfg, hf_state(hf), layout=ParallelLayout(tp=spec["tp"]),
+                          optim=OptimConfig(lr=1e-3, clip_grad=1.0, use_distributed_optimizer=spec.get("dist_opt", False)),
+                          precision=spec["precision"], attention="sdpa")
+    actor.train_step(_batch(10), LOSS)
+    actor.forward_backward(_batch(20), LOSS)
+    if dist.get_rank() == 0:
+        p = next(p for p in actor.model[0].parameters() if p.requires_grad)
+        p.main_grad.view(-1)[3] = float("nan")
+    before = _snapshot(actor)
+    sched_before = actor.scheduler.num_steps
+    result = actor.optimizer_step()
+    after = _snapshot(actor)
+    out = {"result": {k: (None if v != v else v) for k, v in result.items()},
+           "unchanged": all(torch.equal(a, b) for a, b in zip(before, after)) and len(before) == len(after),
+           "finite": all(bool(torch.isfinite(t).all()) for t in after),
+           "scheduler": [sched_before, actor.scheduler.num_steps]}
+    # the next clean step updates again
+    metrics = actor.train_step(_batch(30), LOSS)
+    later = _snapshot(actor)
+    out["next"] = {"skipped_update": metrics.get("skipped_update"), "grad_norm": metrics["grad_norm"],
+                   "changed": any(not torch.equal(a, b) for a, b in zip(after, later)),
+                   "finite": all(bool(torch.isfinite(t).all()) for t in later)}
+    return out
+
+
+def main():
+    cases = json.loads(sys.argv[1])
+    write_result({"cases": [case(c) for c in cases]})
+
+
+if __name__ == "__main__":
+    main()
