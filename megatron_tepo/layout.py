@@ -2,8 +2,9 @@
 
 :class:`ParallelLayout` is the run config's ``parallel`` section (tensor, pipeline, expert and
 context parallel sizes; data parallelism fills the rest of the world). :func:`validate_layout`
-holds every divisibility rule, written once: the actor checks it before it starts a process group,
-the HF -> Megatron converter before it reads a tensor, the fit check on the login node. Each
+holds every divisibility rule, written once: the run config checks what it can when it is read
+(the rules that need neither the model nor the world), the actor before it starts a process
+group, the HF -> Megatron converter before it reads a tensor, the fit check on the login node. Each
 caller says what it knows (the world size, whether Transformer Engine imports, whether the ranks
 run on CPU) and how the world size is set, so the one message names the user's own knobs.
 
@@ -16,9 +17,9 @@ expert-tensor parallelism.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Tuple
 
-__all__ = ["ParallelLayout", "ModelDims", "validate_layout"]
+__all__ = ["ParallelLayout", "ModelDims", "LayoutError", "validate_layout"]
 
 
 @dataclass(frozen=True)
@@ -56,16 +57,29 @@ class ModelDims:
     num_experts: int = 0  # 0: dense
 
 
-def validate_layout(layout: ParallelLayout, model: ModelDims, world_size: int, *,
+class LayoutError(ValueError):
+    """A refused layout: the one-line message, and ``problems``: ``(field, why)`` for each broken
+    rule that needs neither the model nor the world, the ones the run config checks and names in
+    its own style (``parallel.cp: why``)."""
+
+    def __init__(self, message: str, problems: List[Tuple[str, str]]):
+        super().__init__(message)
+        self.problems = problems
+
+
+def validate_layout(layout: ParallelLayout, model: Optional[ModelDims], world_size: Optional[int], *,
                     sequence_parallel: bool = False, te_available: Optional[bool] = None,
-                    cpu: bool = False, field: str = "parallel.", world: str = "the world size") -> int:
+                    cpu: bool = False, field: str = "parallel.", world: str = "the world size") -> Optional[int]:
     """Check ``layout`` against ``model`` in a world of ``world_size`` ranks; return the
     data-parallel size. Raises ValueError (one line) naming every rule broken.
 
-    ``te_available``: whether Transformer Engine imports where the actor runs (None: unknown, its
-    rule is skipped); ``cpu``: the actor runs on CPU (MoE with PP is refused there); ``field``: how
-    the sizes are named to the user (``parallel.`` for the config, ``--`` for a command line);
-    ``world``: what sets the world size, for the message.
+    ``model`` None: the rules that need the model's sizes are skipped, and ``world_size`` None
+    those that need the world (then None is returned): what the run config checks when it is read,
+    before anything knows the model or the world. ``te_available``: whether Transformer Engine
+    imports where the actor runs (None: unknown, its rule is skipped); ``cpu``: the actor runs on
+    CPU (MoE with PP is refused there); ``field``: how the sizes are named to the user
+    (``parallel.`` for the config, ``--`` for a command line); ``world``: what sets the world size,
+    for the message.
     """
     tp, pp, ep, cp = layout.tp, layout.pp, layout.ep, layout.cp
     f = field
@@ -74,22 +88,25 @@ def validate_layout(layout: ParallelLayout, model: ModelDims, world_size: int, *
            if not isinstance(value, int) or value < 1]
     if bad:
         raise ValueError("invalid parallel layout: " + ", ".join(bad) + " must be integers >= 1")
+    problems = []  # (field, why) beside each message: see LayoutError
     if cp != 1:
-        errors.append(f"{f}cp={cp}: context parallelism is not implemented (keep it 1)")
+        why = "context parallelism is not implemented (keep it 1)"
+        errors.append(f"{f}cp={cp}: {why}")
+        problems.append((f"{f}cp", f"{why}, got {cp}"))
     for name in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
-        value = getattr(model, name)
+        value = getattr(model, name) if model is not None else 0
         if value % tp:
             note = " (the actor does not pad the vocabulary)" if name == "vocab_size" else ""
             errors.append(f"{f}tp={tp} does not divide {name}={value}{note}")
-    if model.num_hidden_layers % pp:
+    if model is not None and model.num_hidden_layers % pp:
         errors.append(f"{f}pp={pp} does not divide num_hidden_layers={model.num_hidden_layers}")
-    if world_size % layout.model_parallel:
+    if world_size is not None and world_size % layout.model_parallel:
         errors.append(f"{f}tp x {f}pp" + (f" x {f}cp" if cp > 1 else "")
                       + f" = {layout.model_parallel} does not divide {world} ({world_size})")
-    elif ep > 1 and layout.dp(world_size) % ep:
+    elif world_size is not None and ep > 1 and layout.dp(world_size) % ep:
         errors.append(f"{f}ep={ep} does not divide the data-parallel size {layout.dp(world_size)}")
-    moe = model.num_experts > 0
-    if ep > 1 and not moe:
+    moe = model is not None and model.num_experts > 0
+    if model is not None and ep > 1 and not moe:
         errors.append(f"{f}ep={ep} > 1 needs an MoE model")
     elif moe and model.num_experts % ep:
         errors.append(f"{f}ep={ep} does not divide num_experts={model.num_experts}")
@@ -104,6 +121,7 @@ def validate_layout(layout: ParallelLayout, model: ModelDims, world_size: int, *
                       "megatron's torch norms refuse sequence parallelism)")
     if sequence_parallel and tp == 1:
         errors.append(f"actor.sequence_parallel=true needs {f}tp > 1")
+        problems.append(("actor.sequence_parallel", f"needs {f}tp > 1"))
     if errors:
-        raise ValueError("invalid parallel layout: " + "; ".join(errors))
-    return layout.dp(world_size)
+        raise LayoutError("invalid parallel layout: " + "; ".join(errors), problems)
+    return layout.dp(world_size) if world_size is not None else None

@@ -1,0 +1,114 @@
+"""The rules that span fields of a :class:`~megatron_tepo.config.schema.RunConfig`; every error is a
+:class:`~megatron_tepo.config.schema.ConfigError` naming the field. Each rule is written once: the
+layout's through :func:`megatron_tepo.layout.validate_layout` (the model- and world-independent
+part), the loss's through the loss registry, the actor's packing rule through
+:func:`packing_problem`, which the actor's plan asks too.
+
+Left out: rules that need the model or the world size (the actor's plan and the fit check run
+``validate_layout`` with them), and the types of single fields (``loading`` coerces them).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, List
+
+from megatron_tepo.config.schema import ActorConfig, ConfigError, RunConfig
+from megatron_tepo.layout import LayoutError, validate_layout
+
+__all__ = ["validate", "packing_problem"]
+
+
+def packing_problem(actor: ActorConfig) -> str:
+    """Why ``actor``'s settings cannot pack sequences, or "" (the rule of the config and of the
+    actor's plan, which asks it again once ``auto`` is decided)."""
+    if actor.pack_sequences and actor.attention == "unfused":
+        return ("actor.pack_sequences=true needs actor.attention sdpa or te (megatron's unfused attention cannot "
+                "keep packed sequences apart); set actor.pack_sequences: false to use it")
+    return ""
+
+
+def _positive(cfg: Any, prefix: str, names: List[str], allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ConfigError(f"{prefix}.{name}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Rules spanning fields; every error names the field."""
+    from megatron_tepo.algorithms import losses  # algorithms are pure torch: no heavy imports
+    from megatron_tepo.algorithms.correction import RolloutCorrection
+    from megatron_tepo.algorithms.kl import kl_mask_needs_entropy_change
+
+    alg = cfg.algorithm
+    if alg.loss not in losses.POLICY_LOSSES:
+        raise ConfigError(f"algorithm.loss: unknown loss {alg.loss!r}; "
+                          f"valid: {', '.join(sorted(losses.POLICY_LOSSES))}")
+    valid_args = losses.get_loss_defaults(alg.loss)
+    for key in alg.loss_args:
+        if key not in valid_args:
+            raise ConfigError(f"algorithm.loss_args.{key}: not an argument of loss {alg.loss!r}; "
+                              f"valid: {', '.join(sorted(valid_args)) or '(none)'}")
+    for name in ("clip_low", "clip_high"):
+        value = getattr(alg, name)
+        if value is not None and value < 0:
+            raise ConfigError(f"algorithm.{name}: must be >= 0, got {value!r}")
+    if alg.entropy_adv_alpha < 0:
+        raise ConfigError(f"algorithm.entropy_adv_alpha: must be >= 0, got {alg.entropy_adv_alpha!r}")
+    if alg.entropy_adv_kappa <= 0:
+        raise ConfigError(f"algorithm.entropy_adv_kappa: must be > 0, got {alg.entropy_adv_kappa!r}")
+    if alg.kl_coef < 0:
+        raise ConfigError(f"algorithm.kl_coef: must be >= 0, got {alg.kl_coef!r}")
+    try:
+        losses.PolicyLoss.from_config(alg)  # what the trainer builds, its RolloutCorrection included
+    except ValueError as exc:
+        # RolloutCorrection's messages start with its field's name: give them the section's path
+        correction_keys = {f.name for f in dataclasses.fields(RolloutCorrection)}
+        where = "algorithm.rollout_correction." if str(exc).split(" ", 1)[0] in correction_keys else "algorithm: "
+        raise ConfigError(f"{where}{exc}") from None
+    if alg.old_log_prob == "rollout":
+        if alg.loss == "steer":
+            raise ConfigError("algorithm.old_log_prob: 'rollout' gives no old-policy entropy, which loss 'steer' "
+                              "needs; use old_log_prob: recompute")
+        if alg.kl_coef and alg.delta_entropy == "measured" and kl_mask_needs_entropy_change(alg.kl_mask):
+            raise ConfigError(f"algorithm.old_log_prob: 'rollout' gives no old-policy entropy, which kl_mask "
+                              f"{alg.kl_mask!r} with delta_entropy 'measured' needs; set algorithm.delta_entropy: "
+                              f"predicted (dH from the training pass's own entropy) or old_log_prob: recompute")
+    _positive(cfg.advantage, "advantage", ["eps"], allow_zero=True)
+    r = cfg.rollout
+    _positive(r, "rollout", ["prompts_per_step", "n_samples", "max_prompt_len", "max_new_tokens",
+                             "max_sampling_rounds", "temperature", "top_p"])
+    if r.top_p > 1:
+        raise ConfigError(f"rollout.top_p: must be in (0, 1], got {r.top_p!r}")
+    o = cfg.optim
+    _positive(o, "optim", ["lr"])
+    _positive(o, "optim", ["min_lr", "lr_warmup_steps", "lr_warmup_init", "weight_decay", "clip_grad"],
+              allow_zero=True)
+    if o.lr_decay_steps is not None and o.lr_decay_steps <= o.lr_warmup_steps:
+        raise ConfigError(f"optim.lr_decay_steps: must exceed optim.lr_warmup_steps "
+                          f"({o.lr_warmup_steps}), got {o.lr_decay_steps}")
+    t = cfg.train
+    _positive(t, "train", ["steps", "mini_batch_prompts", "epochs_per_step"])
+    _positive(t, "train", ["save_every", "eval_every", "keep_checkpoints"], allow_zero=True)
+    if r.prompts_per_step % t.mini_batch_prompts:
+        raise ConfigError(f"train.mini_batch_prompts: {t.mini_batch_prompts} must divide "
+                          f"rollout.prompts_per_step ({r.prompts_per_step})")
+    _positive(cfg.parallel, "parallel", ["tp", "pp", "ep", "cp"])
+    a = cfg.actor
+    try:  # the layout's rules that need neither the model nor the world: the one rule set's
+        validate_layout(cfg.parallel, None, None, sequence_parallel=a.sequence_parallel)
+    except LayoutError as exc:
+        field, why = exc.problems[0] if exc.problems else ("parallel", str(exc))
+        raise ConfigError(f"{field}: {why}") from None
+    _positive(a, "actor", ["max_tokens_per_micro_batch", "recompute_num_layers"])
+    problem = packing_problem(a)
+    if problem:
+        raise ConfigError(problem)
+    _positive(cfg.reward, "reward", ["workers", "timeout_s"])
+    _positive(cfg.fault, "fault", ["probe_timeout_s"])
+    _positive(cfg.fault, "fault", ["server_restarts", "restart_backoff_s", "server_return_timeout_s",
+                                   "watchdog_generate_s", "watchdog_collective_s", "watchdog_sync_s",
+                                   "max_steps_without_update", "inject_hang_at_step"], allow_zero=True)
+    _positive(r, "rollout", ["request_timeout_s", "sync_bucket_mb", "drift_warn_mean", "drift_warn_max"])
+    if r.sync_mode == "disk" and r.engine == "sglang" and not r.sync_dir:
+        raise ConfigError("rollout.sync_dir: sync_mode 'disk' needs a directory the SGLang servers can read")
