@@ -1,14 +1,16 @@
 """Small network helpers: :func:`free_port`, the one way this package and its tools pick a port
-(the SGLang fleet, the weight sync, the launchers, the converter's torchrun, the tests).
+(the SGLang fleet, the weight sync, the launchers, the converter's torchrun, the tests), and
+:func:`single_process_env`, the ``env://`` variables of a one-process world.
 
 Standard library only: ``rollout/`` (which imports nothing of megatron), ``slurm/lib.sh`` and the
 test helpers import it without loading torch."""
 from __future__ import annotations
 
+import os
 import random
 import socket
 
-__all__ = ["free_port", "ephemeral_range"]
+__all__ = ["free_port", "ephemeral_range", "single_process_env"]
 
 _LOWEST = 10000  # below this, ports of well-known services
 
@@ -49,3 +51,12 @@ def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def single_process_env() -> None:
+    """Outside torchrun (no ``RANK`` set): the ``env://`` variables of a one-process world on a
+    free loopback port, so ``init_process_group`` works in a plain ``python`` run."""
+    if "RANK" in os.environ:
+        return
+    port = free_port("127.0.0.1")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -1,7 +1,7 @@
 """Faster stand-ins for megatron-core's own slow paths: what a step launches and syncs, not what it
 computes.
 
-A profile of the actor on one H100 (docs/BENCHMARKS.md, "The actor's launch costs") found the GPU
+A profile of the actor on one H100 (docs/BENCHMARKS.md, "Launch costs") found the GPU
 waiting for the CPU most of the step, in code that belongs to megatron-core's local (no
 Transformer Engine, no apex) paths. Each entry of :data:`PATCHES` replaces one of them by an
 equivalent that launches a fixed number of ops and reads nothing back on the host:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tepo.layout import ParallelLayout, validate_layout
+from megatron_tepo.net import single_process_env  # noqa: F401 -- (imported from here too)
 
 
 def world_size_here(world_size: Optional[int] = None) -> int:
@@ -128,15 +129,3 @@ def raise_if_any_rank_failed(error: Optional[BaseException], what: str,
             raise exc_type(f"{what} failed on rank(s) " + "; ".join(f"{r}: {e}" for r, e in bad))
     if error is not None:
         raise error
-
-
-def single_process_env() -> None:
-    """Outside torchrun (no ``RANK`` set): the ``env://`` variables of a one-process world on a
-    free loopback port, so ``init_process_group`` works in a plain ``python`` run."""
-    if "RANK" in os.environ:
-        return
-    from megatron_tepo.net import free_port
-
-    port = free_port("127.0.0.1")
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-

@@ -1,10 +1,11 @@
-"""The layer spec of the actor's decoder layers, chosen the way megatron-core chooses one: by a
-backend that answers which module fills each slot of megatron's own spec functions.
+"""The layer spec of the actor's decoder layers: one of megatron-core's own spec functions for the
+resolved ``actor.attention``, with this project's core attention in the slot megatron provides
+for it where that is the choice (megatron-core's ``ModuleSpec`` swap: the layer code is untouched).
 
 * ``te`` -- Transformer Engine's spec (``get_gpt_layer_with_transformer_engine_spec``); TE folds the
   pre-norms into the following linear's ``layer_norm_weight``, so the HF mapping's norm names follow
   it (:attr:`GPTFamilyConfig.spec` is ``"te"``).
-* ``sdpa`` -- megatron's local spec with :class:`SDPABackend`, whose core attention is
+* ``sdpa`` -- megatron's local spec with :func:`sdpa_core_attention` in its core-attention slot:
   :class:`~megatron_tepo.megatron.attention.SDPACoreAttention` (its packed mode given as the
   module's own constructor argument, through the ``ModuleSpec``'s params).
 * ``unfused`` -- megatron's local spec as it ships (``DotProductAttention``).
@@ -17,7 +18,7 @@ from __future__ import annotations
 import importlib.util
 from megatron_tepo.models.common import GPTFamilyConfig
 
-__all__ = ["ATTENTIONS", "te_available", "family_spec_name", "layer_spec", "SDPABackend"]
+__all__ = ["ATTENTIONS", "te_available", "family_spec_name", "layer_spec", "sdpa_core_attention"]
 
 #: the actor's attention implementations (``actor.attention`` once ``auto`` is resolved)
 ATTENTIONS = ("te", "sdpa", "unfused")
@@ -41,19 +42,16 @@ def family_spec_name(attention: str) -> str:
     return "te" if attention == "te" else "local"
 
 
-class SDPABackend:
-    """The core-attention answer of megatron's local backend (``LocalSpecProvider.core_attention``),
-    with torch SDPA in place of ``DotProductAttention``; every other slot stays the local one."""
+def sdpa_core_attention(packed_attention: str = "loop"):
+    """The ``ModuleSpec`` of the core attention in megatron's local spec for ``attention: sdpa``:
+    :class:`~megatron_tepo.megatron.attention.SDPACoreAttention` in place of
+    ``DotProductAttention``, its packed mode (``varlen`` / ``flex`` / ``loop``) a constructor
+    argument through the spec's params; every other slot stays the local one."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
-    def __init__(self, packed_attention: str = "loop"):
-        self.packed_attention = packed_attention
+    from megatron_tepo.megatron.attention import SDPACoreAttention
 
-    def core_attention(self):
-        from megatron.core.transformer.spec_utils import ModuleSpec
-
-        from megatron_tepo.megatron.attention import SDPACoreAttention
-
-        return ModuleSpec(module=SDPACoreAttention, params={"packed_attention": self.packed_attention})
+    return ModuleSpec(module=SDPACoreAttention, params={"packed_attention": packed_attention})
 
 
 def layer_spec(cfg: GPTFamilyConfig, attention: str, *, packed_attention: str = "loop",
@@ -72,7 +70,6 @@ def layer_spec(cfg: GPTFamilyConfig, attention: str, *, packed_attention: str = 
                                                                 **cfg.layer_spec_kwargs())
     spec = specs.get_gpt_layer_local_spec(moe_grouped_gemm=moe_grouped_gemm, normalization="RMSNorm",
                                           **cfg.layer_spec_kwargs())
-    if attention == "sdpa":  # the slot megatron's local spec fills from its backend's core_attention()
-        spec.submodules.self_attention.submodules.core_attention = \
-            SDPABackend(packed_attention).core_attention()
+    if attention == "sdpa":  # the slot megatron's local spec fills with DotProductAttention
+        spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention(packed_attention)
     return spec

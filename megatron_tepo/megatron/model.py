@@ -1,0 +1,332 @@
+"""One rank's share of a megatron-core model in training: the one home of the megatron stack.
+
+:func:`build_train_model` turns an HF config (and weights), a :class:`~megatron_tepo.layout.ParallelLayout`
+and the run's ``actor`` / ``optim`` settings into a :class:`TrainModel`, in this order:
+
+1. :func:`plan_actor` -- the settings with ``auto`` decided for this machine, the family config
+   and the layout checked, before any process group starts;
+2. the process groups (:func:`~megatron_tepo.megatron.parallel.initialize_parallel`, their time-out);
+3. the ``TransformerConfig`` (:func:`actor_transformer_config`) and the stage's model from the one
+   construction function, :func:`~megatron_tepo.megatron.gpt.build_gpt_chunk` (a ``HybridModel``
+   builder would be a second function beside it); HF weights loaded into it, each rank reading
+   its own slices; ``Float16Module`` in bf16;
+4. megatron's DDP (gradients reduced in fp32, summed: see ``actor/actor.py`` on exact gradients),
+   megatron's optimizer (torch's fused AdamW where megatron falls back to torch,
+   :mod:`.fast_paths`) and its LR schedule (:func:`build_lr_scheduler`).
+
+:class:`TrainModel` is the small interface the actor's RL verbs use: the groups it computes over
+(``tp_group``, ``dp_group``, ``is_last_stage``, :meth:`TrainModel.broadcast_from_last_stage`),
+:meth:`TrainModel.run` (megatron's pipeline schedule over micro-batches, their megatron inputs
+built here), :meth:`TrainModel.zero_grads`, :meth:`TrainModel.step` (a non-finite gradient on any
+rank skips it; else clip, Adam, LR schedule), :meth:`TrainModel.discard_gradients` and
+:meth:`TrainModel.sync_params`. Its ``model`` / ``optimizer`` / ``scheduler`` / ``config`` are
+megatron's own objects, which the checkpoints and the weight export read.
+
+Left out: virtual pipeline stages, context parallelism, fp16 loss scaling, megatron's FSDP.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_tepo.config import ActorConfig, OptimConfig
+from megatron_tepo.config.validation import packing_problem
+from megatron_tepo.layout import ParallelLayout
+from megatron_tepo.megatron.fast_paths import use_fused_adam
+from megatron_tepo.megatron.gpt import build_gpt_chunk, family_spec, resolve_actor_config, transformer_config
+from megatron_tepo.megatron.hf_load import load_hf_checkpoint_into, load_hf_weights_into
+from megatron_tepo.megatron.parallel import initialize_parallel, validate_layout_here
+from megatron_tepo.models import GPTFamilyConfig, family_config_from_hf
+
+__all__ = ["TrainModel", "build_train_model", "plan_actor", "actor_transformer_config", "build_lr_scheduler",
+           "load_hf_config"]
+
+
+def load_hf_config(hf_config):
+    """A ``PretrainedConfig``/dict, or a directory / config.json path (read as a dict)."""
+    if isinstance(hf_config, (str, os.PathLike)):
+        path = Path(hf_config)
+        path = path / "config.json" if path.is_dir() else path
+        return json.loads(path.read_text())
+    return hf_config
+
+
+def build_lr_scheduler(optimizer, o: OptimConfig, total_steps: int = 1000):
+    """megatron's ``OptimizerParamScheduler``: linear warmup from ``lr_warmup_init`` to ``lr`` over
+    ``lr_warmup_steps``, then constant / linear / cosine decay to ``min_lr`` at ``lr_decay_steps``
+    (default: ``total_steps``, the run's number of optimizer steps).
+    Step 0 (the first optimizer step) uses the lr at ``num_steps=0``."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if o.lr_decay_style not in ("constant", "linear", "cosine"):
+        raise ValueError(f"lr_decay_style must be constant, linear or cosine, got {o.lr_decay_style!r}")
+    decay = o.lr_decay_steps or max(total_steps, o.lr_warmup_steps + 1)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=o.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=decay, lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay, wd_incr_style="constant")
+
+
+def plan_actor(hf_config, layout: ParallelLayout, actor_config: Optional[ActorConfig] = None,
+               world_size: Optional[int] = None, **settings) -> Tuple[ActorConfig, GPTFamilyConfig]:
+    """What :func:`build_train_model` will build, checked before any process group starts: the
+    settings (``actor_config`` with the keyword ``settings`` on top, ``auto`` resolved for this
+    machine) and the family config of ``hf_config`` (an HF config or dict) with their layer spec.
+    Raises ValueError naming the setting (unknown names: TypeError) when they, or ``layout`` at
+    ``world_size`` (default: the current world), cannot run here."""
+    names = [f.name for f in dataclasses.fields(ActorConfig)]
+    unknown = set(settings) - set(names)
+    if unknown:
+        raise TypeError(f"MegatronActor got unknown setting(s) {sorted(unknown)}; the actor's settings are {names}")
+    resolved = resolve_actor_config(dataclasses.replace(actor_config or ActorConfig(), **settings))
+    problem = packing_problem(resolved)
+    if problem:
+        raise ValueError(problem)
+    family_cfg = family_config_from_hf(hf_config, spec=family_spec(resolved))
+    validate_layout_here(layout, family_cfg, world_size=world_size, sequence_parallel=resolved.sequence_parallel)
+    return resolved, family_cfg
+
+
+def actor_transformer_config(family_cfg: GPTFamilyConfig, layout: ParallelLayout, settings: ActorConfig,
+                             initialize: bool = True, on_gpu: bool = False):
+    """The megatron ``TransformerConfig`` the actor builds its model with (no process group needed).
+    ``initialize=False`` when weights will be loaded: no random init is drawn (and with ``on_gpu``
+    the parameters are made on the GPU, never as a host copy)."""
+    return transformer_config(
+        family_cfg, tp=layout.tp, pp=layout.pp, ep=layout.ep, actor=settings, initialize=initialize,
+        variable_seq_lengths=layout.pp > 1,  # token-budget micro-batches vary in shape
+        calculate_per_token_loss=True,  # the loss is already each micro-batch's share: exact gradient sums
+        on_gpu=on_gpu)
+
+
+class TrainModel:
+    """One rank's megatron-core model in training: its chunks in DDP, the optimizer, the LR schedule
+    and the pipeline schedule (see the module docstring). Made by :func:`build_train_model`."""
+
+    def __init__(self, model: List[torch.nn.Module], optimizer, scheduler, config, settings: ActorConfig,
+                 family_cfg: GPTFamilyConfig, layout: ParallelLayout, device: torch.device, dp_size: int):
+        from megatron.core import parallel_state as ps
+
+        self._ps = ps
+        self.model, self.optimizer, self.scheduler, self.config = model, optimizer, scheduler, config
+        self.settings, self.family_cfg, self.layout = settings, family_cfg, layout
+        self.device, self.dp_size = device, dp_size
+        config.grad_scale_func = optimizer.scale_loss
+        config.finalize_model_grads_func = self._finalize_grads
+
+    # ------------------------------------------------------------------ groups
+    @property
+    def tp_group(self):
+        return self._ps.get_tensor_model_parallel_group()
+
+    @property
+    def dp_group(self):
+        return self._ps.get_data_parallel_group()
+
+    @property
+    def dp_rank(self) -> int:
+        return self._ps.get_data_parallel_rank() if self.dp_size > 1 else 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self._ps.is_pipeline_last_stage()
+
+    def broadcast_from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as the last pipeline stage holds it, on every stage (in place)."""
+        if self._ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(tensor, src=self._ps.get_pipeline_model_parallel_last_rank(),
+                           group=self._ps.get_pipeline_model_parallel_group())
+        return tensor
+
+    def broadcast_object_from_last_stage(self, obj):
+        """A picklable ``obj`` as the last pipeline stage holds it, on every stage."""
+        box = [obj]
+        if self._ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast_object_list(box, src=self._ps.get_pipeline_model_parallel_last_rank(),
+                                       group=self._ps.get_pipeline_model_parallel_group())
+        return box[0]
+
+    # ------------------------------------------------------------------ the schedule
+    def inputs(self, mb) -> Dict[str, Any]:
+        """megatron's forward inputs for micro-batch ``mb`` (``input_ids`` / ``position_ids``, and
+        ``cu_seqlens`` / ``max_seqlen`` when packed: :class:`~megatron_tepo.actor.micro_batch.MicroBatch`)."""
+        d = self.device
+        inputs: Dict[str, Any] = dict(input_ids=mb.input_ids.to(d), position_ids=mb.position_ids.to(d),
+                                      attention_mask=None)
+        if mb.cu_seqlens is not None:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            # the sdpa attention splits on the host (CPU boundaries: no device sync per layer);
+            # Transformer Engine's kernels read them on the device
+            cu = mb.cu_seqlens.to(d) if self.settings.attention == "te" else mb.cu_seqlens
+            inputs["packed_seq_params"] = PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+        elif self.settings.attention == "unfused":  # megatron's local attention wants the mask itself
+            s = mb.input_ids.shape[1]
+            causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=d), diagonal=1)
+            inputs["attention_mask"] = causal[None, None]
+        if self.settings.precision == "bf16":
+            inputs["fp32_output"] = False  # keep the logits bf16: the vocab op computes in fp32
+        return inputs
+
+    def run(self, micro_batches: list, loss_func_for: Callable, forward_only: bool) -> List[Any]:
+        """megatron's pipeline schedule over ``micro_batches`` (each with ``shape`` ``(rows,
+        length)``): ``loss_func_for(mb, output)`` -> ``(loss, num_tokens, stored)``; returns the
+        stored values of the last stage (forward and, unless ``forward_only``, backward)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(**self.inputs(mb), labels=None)
+            return output, partial(loss_func_for, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=self.model,
+            num_microbatches=len(micro_batches), seq_length=max(mb.shape[1] for mb in micro_batches),
+            micro_batch_size=max(mb.shape[0] for mb in micro_batches), forward_only=forward_only)
+
+    def _finalize_grads(self, model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+        """megatron's finalize_model_grads without its division by the token count (the losses
+        carry the whole mini-batch's normaliser already)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+    # ------------------------------------------------------------------ gradients and the step
+    def zero_grads(self) -> None:
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def discard_gradients(self) -> None:
+        """Drop the gradients of this step (every rank): the next forward-backward starts from zero."""
+        self.optimizer.zero_grad()
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+
+    def gradients_finite(self) -> bool:
+        """Collective (every rank): whether the reduced gradients in every rank's DDP buffers are all
+        finite. One sum per buffer, one all-reduce over the world, one host read. Read before the
+        optimizer step: megatron copies these into the optimizer's main gradients only inside its
+        ``step()``, which then writes whatever they hold (no loss scaler catches a NaN in bf16 or
+        fp32)."""
+        bad = torch.zeros((), dtype=torch.float32, device=self.device)
+        for chunk in self.model:
+            buffers = list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", []))
+            grads = [b.grad_data for b in buffers if getattr(b, "grad_data", None) is not None]
+            if not grads:  # (no contiguous buffers) every parameter's main_grad
+                grads = [p.main_grad for p in chunk.parameters() if getattr(p, "main_grad", None) is not None]
+            for g in grads:
+                bad += (~torch.isfinite(g.sum(dtype=torch.float32))).float()  # NaN / inf survive a sum
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return float(bad) == 0.0
+
+    def step(self) -> Dict[str, float]:
+        """Clip, Adam step, advance the LR schedule; returns ``grad_norm`` (pre-clip), ``lr`` used and
+        ``skipped_update``. Collective. A non-finite gradient on any rank (:meth:`gradients_finite`)
+        skips the update: no weight, Adam state or LR step changes, the gradients are dropped, and
+        the result says ``skipped_update: 1.0`` with ``grad_norm`` NaN."""
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if not self.gradients_finite():
+            self.discard_gradients()
+            return {"grad_norm": math.nan, "lr": lr, "skipped_update": 1.0}
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("megatron optimizer step reported failure (inf/nan gradients)")
+        self.scheduler.step(increment=1)
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "lr": lr,
+                "skipped_update": 0.0}
+
+    def sync_params(self) -> None:
+        """Finish the parameter all-gather of the last optimizer step (``overlap_param_gather``
+        defers it to the next forward's pre-hooks): called before the weights are read other than
+        by a forward (export for the weight sync, checkpoints). A no-op otherwise."""
+        for chunk in self.model:
+            if chunk.ddp_config.use_distributed_optimizer and chunk.ddp_config.overlap_param_gather:
+                chunk.start_param_sync(force_sync=True)
+
+
+def ddp_config(optim: OptimConfig, settings: ActorConfig):
+    """megatron's ``DistributedDataParallelConfig`` from ``optim`` and ``actor`` settings:
+    ``overlap_grad_reduce`` as set; ``overlap_param_gather`` only with the distributed optimizer
+    (megatron refuses it otherwise); gradients reduced in fp32 and summed (``calculate_per_token_loss``
+    needs ``average_in_collective=False``)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    dist_opt = optim.use_distributed_optimizer
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=settings.overlap_grad_reduce,
+        overlap_param_gather=dist_opt and settings.overlap_param_gather,
+        use_distributed_optimizer=dist_opt,
+        average_in_collective=False)
+
+
+def build_optimizer(optim: OptimConfig, model: List[torch.nn.Module], bf16: bool):
+    """megatron's Adam (plain or distributed) over ``model``; torch's fused AdamW where megatron
+    falls back to torch (no TE, no apex)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    o = optim
+    cfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                          adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                          clip_grad=o.clip_grad, bf16=bf16, fp16=False,
+                          params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                          use_distributed_optimizer=o.use_distributed_optimizer)
+    optimizer = get_megatron_optimizer(cfg, model)
+    use_fused_adam(optimizer)  # torch's fused AdamW where megatron fell back to the per-parameter loop
+    return optimizer
+
+
+def build_train_model(hf_config, weights=None, layout: Optional[ParallelLayout] = None,
+                      optim: Optional[OptimConfig] = None, actor_config: Optional[ActorConfig] = None, *,
+                      seed: int = 1234, total_steps: int = 1000, process_group_timeout_s: Optional[float] = None,
+                      **settings) -> TrainModel:
+    """This rank's :class:`TrainModel` (see the module docstring for the steps; the arguments are
+    :class:`~megatron_tepo.actor.MegatronActor`'s). ``weights``: None (megatron's random init), an
+    HF state dict, or an open lazy reader of an HF safetensors checkpoint (``read_rows_into``:
+    :class:`~megatron_tepo.checkpoint.hf_io.LazyHFCheckpoint`, which the caller closes), from which
+    each rank reads only its own slices."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    layout = layout or ParallelLayout()
+    optim = optim or OptimConfig()
+    resolved, family_cfg = plan_actor(load_hf_config(hf_config), layout, actor_config, **settings)
+    dp_size = initialize_parallel(layout, family_cfg, seed=seed, sequence_parallel=resolved.sequence_parallel,
+                                  timeout_s=process_group_timeout_s)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    from megatron.core import parallel_state as ps
+
+    # with weights, no random init: the parameters stay untouched torch.empty until loaded
+    config = actor_transformer_config(family_cfg, layout, resolved, initialize=weights is None,
+                                      on_gpu=device.type == "cuda")
+    chunk = build_gpt_chunk(config, family_cfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage(),
+                            actor=resolved).to(device)
+    chunk.family_cfg = family_cfg  # lets load_hf_weights_into find the mapping
+    if hasattr(weights, "read_rows_into"):
+        load_hf_checkpoint_into([chunk], weights, family_cfg)  # this rank's slices only
+    elif weights is not None:
+        load_hf_weights_into([chunk], weights, family_cfg)
+    bf16 = resolved.precision == "bf16"
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        chunk = Float16Module(config, chunk)
+    ddp = DistributedDataParallel(config, ddp_config(optim, resolved), chunk)
+    if ddp.ddp_config.overlap_grad_reduce:
+        # the schedule runs every micro-batch but the last under no_sync: the bucket reductions
+        # start during the last backward, and finalize_model_grads waits for them
+        config.no_sync_func = ddp.no_sync
+    model = [ddp]
+    optimizer = build_optimizer(optim, model, bf16)
+    scheduler = build_lr_scheduler(optimizer, optim, total_steps)
+    return TrainModel(model, optimizer, scheduler, config, resolved, family_cfg, layout, device, dp_size)
