@@ -76,3 +76,14 @@ def test_the_checkpoint_package_keeps_its_public_names():
               "write_conversion_sidecars"}
     assert before <= set(checkpoint.__all__)
     assert all(callable(getattr(checkpoint, name)) for name in checkpoint.__all__)
+
+
+def test_the_trainer_imports_nothing_of_megatron():
+    """#33: the trainer composes the actor, the engines and the losses; the megatron stack is the
+    actor's (its one home is ``megatron/model.py``), so no trainer module imports the megatron
+    backend or megatron-core, even lazily."""
+    edges = _graph()
+    assert "megatron" not in edges.get("trainer", {}), edges["trainer"].get("megatron")
+    core = sorted(str(f.relative_to(PKG)) for f in (PKG / "trainer").rglob("*.py")
+                  if any(m == "megatron" or m.startswith("megatron.") for m in imported_modules(f)))
+    assert core == []

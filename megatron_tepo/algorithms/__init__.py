@@ -36,6 +36,7 @@ from .losses import (
     get_loss_defaults,
     ppo_clip,
     register_policy_loss,
+    stale_sequence_ratio_warning,
 )
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "PolicyLoss",
     "register_policy_loss",
     "get_loss_defaults",
+    "stale_sequence_ratio_warning",
     "compute_policy_loss",
     "clamp_log_ratio",
     "ppo_clip",

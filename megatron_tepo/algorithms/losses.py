@@ -110,6 +110,9 @@ class PolicyLossSpec:
     name: str
     fn: Callable[[LossContext], LossTerms]
     defaults: Mapping[str, Any]
+    # its default clip range is the widest measured to train one step off as well as on-policy
+    # (a sequence-level ratio): a wider range with rollout.max_staleness > 0 is warned about
+    off_policy_range: bool = False
 
     @property
     def specific_keys(self) -> tuple[str, ...]:
@@ -123,12 +126,14 @@ POLICY_LOSSES: Mapping[str, PolicyLossSpec] = MappingProxyType(_REGISTRY)
 
 
 def register_policy_loss(
-    name: str, *, defaults: Mapping[str, Any]
+    name: str, *, defaults: Mapping[str, Any], off_policy_range: bool = False
 ) -> Callable[[Callable[[LossContext], LossTerms]], Callable[[LossContext], LossTerms]]:
     """Decorator registering ``fn(ctx: LossContext) -> LossTerms`` under ``name``.
 
     ``defaults`` may override the shared ``clip_low``/``clip_high``/``agg`` defaults
     (:data:`SHARED_DEFAULTS`); every other key is a loss-specific option with its default.
+    ``off_policy_range``: the default clip range is the widest that was measured to train one step
+    off (:func:`stale_sequence_ratio_warning`).
     """
     merged = {**SHARED_DEFAULTS, **dict(defaults)}
     if merged["agg"] not in AGG_MODES:
@@ -137,7 +142,8 @@ def register_policy_loss(
     def decorator(fn: Callable[[LossContext], LossTerms]) -> Callable[[LossContext], LossTerms]:
         if name in _REGISTRY:
             raise ValueError(f"policy loss {name!r} is already registered")
-        _REGISTRY[name] = PolicyLossSpec(name=name, fn=fn, defaults=MappingProxyType(merged))
+        _REGISTRY[name] = PolicyLossSpec(name=name, fn=fn, defaults=MappingProxyType(merged),
+                                         off_policy_range=off_policy_range)
         return fn
 
     return decorator
@@ -152,6 +158,34 @@ def _spec(name: str) -> PolicyLossSpec:
 def get_loss_defaults(name: str) -> dict[str, Any]:
     """A copy of the defaults of loss ``name`` (``clip_low``, ``clip_high``, ``agg`` + its own keys)."""
     return dict(_spec(name).defaults)
+
+
+# Losses whose trust region is a sequence-level (geometric-mean) ratio (``off_policy_range``). The
+# widest range at which they were measured to train one step off as well as on-policy is their
+# default: TEPO learned worse one step off at 0.2/0.28 on the tiny benchmark, and as well as
+# on-policy at 3e-4/4e-4 and at 0.01/0.014, its default (docs/BENCHMARKS.md, "One step off", "A
+# range in between"); a run with a wider range says so. A default moved without a one-step-off
+# measurement would need its own measured range here.
+STALE_SEQUENCE_RATIO_WARNING = (
+    "rollout.max_staleness={staleness} with algorithm.loss={loss} and clip {low}/{high}: on the tiny benchmark this "
+    "loss learned worse one step off with its ratio clipped at 0.2/0.28, and as well as on-policy at {tight_low}/"
+    "{tight_high} (docs/BENCHMARKS.md, 'One step off'); watch rollout_mismatch_kl and held-out accuracy")
+
+
+def stale_sequence_ratio_warning(alg, max_staleness: int) -> Optional[str]:
+    """The warning for a loss with ``off_policy_range`` trained off-policy (``max_staleness`` > 0)
+    with a wider clip range than was measured to work, or None. ``alg``: the run config's
+    ``algorithm`` section (``loss``, ``clip_low``, ``clip_high``)."""
+    if not max_staleness or alg.loss not in _REGISTRY or not _REGISTRY[alg.loss].off_policy_range:
+        return None
+    defaults = get_loss_defaults(alg.loss)
+    low = defaults["clip_low"] if alg.clip_low is None else alg.clip_low
+    high = defaults["clip_high"] if alg.clip_high is None else alg.clip_high
+    tight_low, tight_high = defaults["clip_low"], defaults["clip_high"]  # measured one step off (above)
+    if low <= tight_low and high <= tight_high:
+        return None
+    return STALE_SEQUENCE_RATIO_WARNING.format(staleness=max_staleness, loss=alg.loss, low=low, high=high,
+                                               tight_low=tight_low, tight_high=tight_high)
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,7 +253,8 @@ def _check_number(value: Any, key: str, loss: str) -> float:
 # --------------------------------------------------------------------------------------------
 # The losses
 # --------------------------------------------------------------------------------------------
-@register_policy_loss("tepo", defaults={"clip_low": 0.01, "clip_high": 0.014})  # docs/ALGORITHMS.md, "tepo": why
+# docs/ALGORITHMS.md, "tepo": why this range; measured one step off (stale_sequence_ratio_warning)
+@register_policy_loss("tepo", defaults={"clip_low": 0.01, "clip_high": 0.014}, off_policy_range=True)
 def tepo_loss(ctx: LossContext) -> LossTerms:
     """TEPO (paper eq. 4): sequence-level likelihood ratio, token-level aggregation.
 

@@ -9,7 +9,7 @@ attached by URL from ``TEPO_SGLANG_URLS`` / ``rollout.sglang_urls``, kept in syn
 ``rollout.sync_mode``; in ``distributed`` mode the servers connect back to ``TEPO_SYNC_ADDRESS`` /
 ``rollout.sync_address``, by default this host's interface on the route to the first server; the
 servers' API key comes from ``TEPO_SGLANG_API_KEY``). Global rank 0 drives (generates, scores, evaluates, logs; see
-:class:`~megatron_tepo.trainer.loop.Driver`); every rank runs the actor. It reads ``data.train_files`` / ``data.eval_files`` through the tokenizer's chat template
+:class:`~megatron_tepo.trainer.driver.Driver`); every rank runs the actor. It reads ``data.train_files`` / ``data.eval_files`` through the tokenizer's chat template
 (over-long prompts dropped and counted; malformed rows an error naming file and line, or skipped
 and counted with ``data.on_bad_row: skip``), scores responses (``reward.kind``: math-verify in a
 process pool, or exact match), and runs :func:`megatron_tepo.trainer.loop.train` with checkpoints and resume under
@@ -29,13 +29,13 @@ from typing import List, Optional
 import torch
 
 from megatron_tepo.config import RunConfig, dump_config, load_config
-from megatron_tepo.trainer.loop import NoUpdateError, no_update_cause  # noqa: F401 -- (imported from here too)
+from megatron_tepo.trainer.stalls import NoUpdateError, no_update_cause  # noqa: F401 -- (imported from here too)
 
 
 def build_task(cfg: RunConfig, tokenizer, pool):
     from megatron_tepo.data import load_prompts
     from megatron_tepo.rewards import token_reward
-    from megatron_tepo.trainer.loop import Task
+    from megatron_tepo.trainer.rollouts import Task
 
     if not cfg.data.train_files:
         raise ValueError("data.train_files: no training prompt files given")
@@ -60,9 +60,9 @@ def build_task(cfg: RunConfig, tokenizer, pool):
 def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool = True):
     """The rollout engine of ``rollout.engine`` (from the engine registry,
     :mod:`megatron_tepo.rollout.registry`) on the driver; a
-    :class:`~megatron_tepo.trainer.loop.FollowerEngine` (weight-sync side only) on other ranks."""
+    :class:`~megatron_tepo.trainer.driver.FollowerEngine` (weight-sync side only) on other ranks."""
     from megatron_tepo.rollout.registry import EngineSettings, engine_factory
-    from megatron_tepo.trainer.loop import FollowerEngine
+    from megatron_tepo.trainer.driver import FollowerEngine
 
     factory = engine_factory(cfg.rollout.engine)
     settings = EngineSettings(cfg.rollout, model_dir, pad_token_id, cfg.train.seed, cfg.fault)
@@ -89,7 +89,7 @@ def build_actor_and_engine(cfg: RunConfig, model_dir: str, pad_token_id: int):
     seed. Outside torchrun it starts
     a one-process gloo world."""
     from megatron_tepo.actor import MegatronActor
-    from megatron_tepo.megatron.parallel import single_process_env
+    from megatron_tepo.net import single_process_env
 
     single_process_env()
     actor = MegatronActor(model_dir, hf_weights=model_dir, **actor_args(cfg))

@@ -111,7 +111,7 @@ def test_main_job_says_why_a_step_made_no_update_and_still_evaluates(tmp_path):
 
 def test_a_sequence_ratio_loss_one_step_off_warns_only_above_the_measured_range():
     from megatron_tepo.config import AlgorithmConfig
-    from megatron_tepo.trainer.loop import stale_sequence_ratio_warning
+    from megatron_tepo.algorithms import stale_sequence_ratio_warning
 
     wide = AlgorithmConfig(loss="tepo", clip_low=0.2, clip_high=0.28)
     msg = stale_sequence_ratio_warning(wide, 1)

@@ -88,7 +88,7 @@ def test_zero_never_stops():
 
 
 def test_the_count_is_saved_with_each_checkpoint_and_a_resumed_run_goes_on_counting(tmp_path, monkeypatch):
-    from megatron_tepo.trainer import loop
+    from megatron_tepo.trainer import run_state as loop  # (the checkpoint plumbing moved out of loop.py)
 
     saved = {}
     monkeypatch.setattr(loop, "_save", lambda cfg, actor, root, step, state, *a: saved.__setitem__(step, state))

@@ -1,0 +1,214 @@
+"""One step of the RL loop as its phases, in order (:data:`STEP`): generate (with the reward and
+dynamic sampling, on the driver) -> advantages -> old log-probs -> policy updates -> weight sync
+-> log (evaluation, the step's report and log) -> save (its checkpoint, the stall check). The
+reward and the dynamic-sampling filter run inside ``generate``: a filtered-out group is replaced by
+sampling more, so they are a loop within the generation, not phases after it.
+
+Each phase is ``phase(run, step)``: ``run`` is the run's parts and state
+(:class:`~megatron_tepo.trainer.loop.Run`), ``step`` the :class:`Step` the phases hand on to each
+other. :func:`~megatron_tepo.trainer.loop.train` runs the phases of :data:`STEP` for every step;
+a mode with more to do per step passes a longer list (colocated mode: the engine releases its
+memory after ``generate`` and takes it back around ``sync``, the actor offloads after ``update``).
+A step whose rollout kept no group (every group had equal rewards for ``max_sampling_rounds``
+rounds) is *skipped*: the phases between ``generate`` and ``log`` do nothing for it.
+
+Waits are watched (:class:`~megatron_tepo.trainer.watchdog.Watchdog` phases ``generate``,
+``collective``, ``sync``). With one-step-off generation (``rollout.max_staleness: 1``) ``generate``
+starts the next step's rollout in the driver's background thread, and ``sync`` waits for it before
+the weights change, so no request runs across an update.
+
+Left out: what each phase computes beyond calling the parts (losses, advantages, the actor and the
+engines are their own modules).
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Dict, List, Optional
+
+from megatron_tepo.algorithms import compute_group_advantages
+from megatron_tepo.algorithms.advantages import gpg_correction
+from megatron_tepo.batch import RolloutBatch
+from megatron_tepo.trainer.rollouts import sync_weights
+from megatron_tepo.trainer.stalls import NoUpdateError, skipped_update_message, stalled_message
+
+__all__ = ["Step", "STEP", "generate", "advantages", "old_log_probs", "update", "sync", "log", "save",
+           "policy_update"]
+
+
+@dataclass
+class Step:
+    """What one step's phases hand on to each other."""
+    number: int
+    t0: float = field(default_factory=time.time)
+    prompts: list = field(default_factory=list)
+    groups: list = field(default_factory=list)
+    rewards: object = None  # one tensor, group after group
+    version: int = 0  # the weights the rollout was generated with (step k: the weights step k started from)
+    gen: Dict = field(default_factory=dict)  # the rollout's statistics
+    skipped: bool = False  # no group kept: nothing to train on
+    overlap: bool = False  # the next step's rollout is being generated (one-step-off)
+    ahead: Optional[Future] = None
+    rollout_s: float = 0.0
+    batch: Optional[RolloutBatch] = None  # this rank's share
+    response_length_mean: float = 0.0
+    t_train: float = 0.0
+    drift: Dict = field(default_factory=dict)
+    updates: List[Dict] = field(default_factory=list)
+    metrics: Dict = field(default_factory=dict)
+
+
+def generate(run, step: Step) -> None:
+    """1. generate -> reward -> dynamic sampling, on the driver; one-step-off: this step's rollout was
+    generated while the previous step trained, and the next one's starts now, with this step's weights."""
+    cfg, driver, state = run.cfg, run.driver, run.state
+    with run.watchdog.phase("generate"):
+        prompts, groups, rewards, gen, version = driver.run(lambda: state.pending or run.generate_rollout(step.number))
+    step.rollout_s = time.time() - step.t0  # waiting for the rollout (generating it, when not done ahead)
+    # (every rank knows whether a rollout runs ahead: waiting for it is a collective)
+    step.overlap = bool(cfg.rollout.max_staleness) and step.number < cfg.train.steps
+    state.pending = None
+    step.ahead = driver.start(partial(run.generate_rollout, step.number)) if step.overlap else None
+    step.prompts, step.groups, step.rewards, step.version = prompts, groups, rewards, version
+    step.gen = {**gen, "rollout_staleness": float(step.number - version)}
+    if not prompts:  # every group had equal rewards for max_sampling_rounds rounds
+        t = time.time()
+        with run.watchdog.phase("generate"):
+            state.pending = driver.local(lambda: step.ahead.result()) if step.overlap else None
+        step.skipped = True
+        step.metrics = {"skipped_step": 1.0, "updates": 0.0, **step.gen, "rollout_s": step.rollout_s + time.time() - t,
+                        "step_s": time.time() - step.t0}
+
+
+def advantages(run, step: Step) -> None:
+    """2. group advantages (eq. 9), GPG's correction when configured; the batch, this rank's share."""
+    if step.skipped:
+        return
+    cfg, n = run.cfg, run.cfg.rollout.n_samples
+    adv = compute_group_advantages(step.rewards, n, std_normalize=cfg.advantage.std_normalize, eps=cfg.advantage.eps)
+    if cfg.advantage.gpg_correction:
+        adv = adv * gpg_correction(step.rewards, n)
+    batch = RolloutBatch.from_groups(step.prompts, step.groups, run.task.pad_token_id, advantages=adv,
+                                     temperature=cfg.rollout.temperature)
+    step.response_length_mean = float(batch.response_mask.sum(1).mean())
+    if run.dp_size > 1:  # this rank's share of every mini-batch (rows_per_mb is a multiple of dp_size)
+        batch = batch.split_for_data_parallel(run.dp_rank, run.dp_size)
+    step.batch = batch
+
+
+def old_log_probs(run, step: Step) -> None:
+    """3. old log-probs: the actor's (and its entropy, and the drift against the engine's), or the
+    engine's own."""
+    if step.skipped:
+        return
+    step.t_train, batch = time.time(), step.batch
+    if run.cfg.algorithm.old_log_prob == "rollout":
+        batch.old_log_probs = batch.rollout_log_probs
+        return
+    with run.watchdog.phase("collective"):
+        batch.old_log_probs, batch.old_entropy = run.actor.compute_log_probs(batch)
+        fresh = step.number == step.version  # a batch of older weights differs by an update: reported, no warning
+        local = run.drift_check(batch.rollout_log_probs, batch.old_log_probs, batch.response_mask,
+                                warn=run.dp_size == 1 and fresh and run.driver.is_driver)
+        step.drift = local if run.dp_size == 1 else run.driver.combine_drift(local, run.drift_check, run.dp_size,
+                                                                            warn=fresh)
+
+
+def update(run, step: Step) -> None:
+    """4. policy updates over mini-batches of prompts, ``train.epochs_per_step`` passes (each update
+    is progress for the watchdog)."""
+    if step.skipped:
+        return
+    cfg, batch = run.cfg, step.batch
+    local_rows_per_mb = run.rows_per_mb // run.dp_size
+    with run.watchdog.phase("collective"):
+        if step.number == cfg.fault.inject_hang_at_step and run.state.start == 1 and run.driver.is_driver:
+            _hang(step.number)  # test only: the other ranks block in the update's collectives
+        for _ in range(cfg.train.epochs_per_step):
+            for first in range(0, batch.batch_size, local_rows_per_mb):
+                mb = batch.select(range(first, min(first + local_rows_per_mb, batch.batch_size)))
+                step.updates.append(policy_update(run.actor, mb, run.loss))
+                run.watchdog.beat()
+
+
+def sync(run, step: Step) -> None:
+    """5. the weight sync to the rollout engine, once the next step's rollout is in (no request runs
+    across a weight update); the step's metrics."""
+    if step.skipped:
+        return
+    t = time.time()
+    train_s = t - step.t_train
+    with run.watchdog.phase("generate"):
+        run.state.pending = run.driver.local(lambda: step.ahead.result()) if step.overlap else None
+    step.rollout_s += time.time() - t
+    with run.watchdog.phase("sync"):
+        sync_s = sync_weights(run.actor, run.engine)
+    updates = step.updates
+    if run.report is not None and any(u["skipped_update"] for u in updates):
+        run.report(skipped_update_message(step.number, updates, run.cfg.fault.max_steps_without_update))
+    done = [u for u in updates if not u["skipped_update"]] or updates
+    metrics = {k: sum(u[k] for u in done) / len(done) for k in done[0] if isinstance(done[0][k], float)}
+    metrics["skipped_update"] = float(sum(u["skipped_update"] for u in updates))
+    metrics["updates"] = float(len(updates)) - metrics["skipped_update"]
+    metrics.update(step.gen, reward_mean=float(step.rewards.mean()), rollout_s=step.rollout_s, train_s=train_s,
+                   sync_s=sync_s, step_s=time.time() - step.t0, response_length_mean=step.response_length_mean,
+                   **step.drift)
+    step.metrics = metrics
+
+
+def log(run, step: Step) -> None:
+    """6. every step, with or without an update (a collapsed run is measured too): the held-out
+    evaluation when due, the step's report and its line in the metrics log."""
+    cfg, metrics = run.cfg, step.metrics
+    if cfg.train.eval_every and step.number % cfg.train.eval_every == 0:
+        with run.watchdog.phase("generate"):
+            metrics.update(run.driver.run(run.eval_fn or dict))
+    if run.on_step is not None:
+        run.on_step(step.number, metrics)
+    if run.logger is not None:
+        run.logger.log(step.number, metrics)
+
+
+def save(run, step: Step) -> None:
+    """7. the step's checkpoint (when due) and its metrics kept; a run that stopped updating stops
+    (:class:`~megatron_tepo.trainer.stalls.NoUpdateError`, its last checkpoint complete)."""
+    cfg, state, metrics = run.cfg, run.state, step.metrics
+    state.stalled = state.stalled + 1 if metrics["updates"] == 0 else 0
+    with run.watchdog.phase("collective"):
+        run.checkpoints.save(step.number, state, run.engine)
+    run.history.append(metrics)
+    if cfg.fault.max_steps_without_update and state.stalled >= cfg.fault.max_steps_without_update:
+        with run.watchdog.phase("collective"):
+            run.checkpoints.finish()  # the last checkpoint complete before the stop
+        raise NoUpdateError(stalled_message(state.stalled, step.number, metrics, cfg.rollout.n_samples))
+
+
+#: one step, in order (see the module docstring)
+STEP: tuple = (generate, advantages, old_log_probs, update, sync, log, save)
+
+
+def policy_update(actor, mb: RolloutBatch, loss) -> Dict[str, float]:
+    """One optimizer step, skipped (and reported as ``skipped_update``) when the loss or a gradient
+    is not finite (the actor checks the reduced gradients before its optimizer touches anything):
+    the weights, and so any checkpoint, never see a NaN."""
+    import math
+
+    metrics = actor.forward_backward(mb, loss)
+    if not math.isfinite(metrics["loss"]):
+        actor.discard_gradients()
+        metrics.update(skipped_update=1.0, grad_norm=math.nan)
+        return metrics
+    metrics.update({"skipped_update": 0.0, **actor.optimizer_step()})
+    return metrics
+
+
+def _hang(number: int) -> None:
+    """``fault.inject_hang_at_step`` (test only): block forever, as a rank stuck in a collective does."""
+    print(f"[train] fault.inject_hang_at_step={number}: global rank 0 hangs now (test only)", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+Phase = Callable[[object, Step], None]
