@@ -24,8 +24,8 @@ import torch
 
 from megatron_tepo.dtypes import SAFETENSORS_NAMES
 
-__all__ = ["FlatBucket", "BucketStream", "BucketHandoff", "ExportBuffers", "tensor_bytes", "iter_buckets",
-           "flatten_bucket", "to_flat_bucket", "write_safetensors", "host_bytes"]
+__all__ = ["FlatBucket", "BucketStream", "BucketHandoff", "ExportBuffers", "BucketTransform", "WireDtype",
+           "tensor_bytes", "iter_buckets", "flatten_bucket", "to_flat_bucket", "write_safetensors", "host_bytes"]
 
 NamedTensors = Iterable[Tuple[str, torch.Tensor]]
 
@@ -56,6 +56,34 @@ class FlatBucket:
     def named_tensors(self) -> List[Tuple[str, torch.Tensor]]:
         """Views into ``flat`` (valid while the buffer is; see ``reuse`` of ``iter_flat_buckets``)."""
         return [(n, self.tensor(i)) for i, n in enumerate(self.names)]
+
+
+class BucketTransform:
+    """A stage between the actor's export and what the engines receive: the place for, e.g., an
+    FP8 rollout (quantize each weight of a bucket and add its scales as tensors of the bucket).
+
+    ``cast``: the dtype the floating tensors take before any collective (None: as they are), so
+    that the shards travel in it; ``__call__(bucket) -> bucket``: on the sending rank, once a bucket
+    is gathered, before it is sent. A transform that returns a new bucket keeps the one it was given
+    readable until it returns (the export may reuse that buffer for the next bucket) and copies its
+    ``release``. The weight sync applies its transforms in order (``WeightSync(transforms=...)``);
+    the wire dtype (``rollout.sync_dtype``) is the first, :class:`WireDtype`."""
+
+    cast: Optional[torch.dtype] = None
+
+    def __call__(self, bucket: "FlatBucket") -> "FlatBucket":
+        return bucket
+
+
+class WireDtype(BucketTransform):
+    """Floating tensors sent in ``dtype`` (``rollout.sync_dtype``): cast on every rank before the
+    collectives (``cast``), so the gathered bucket passes unchanged."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.cast = dtype
+
+    def __repr__(self) -> str:
+        return f"WireDtype({self.cast})"
 
 
 class BucketStream(abc.ABC):

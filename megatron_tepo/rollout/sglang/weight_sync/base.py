@@ -43,8 +43,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_tepo.buckets import (BucketHandoff, BucketStream, ExportBuffers, FlatBucket, NamedTensors, iter_buckets,
-                                   tensor_bytes, to_flat_bucket)
+from megatron_tepo.buckets import (BucketHandoff, BucketStream, BucketTransform, ExportBuffers, FlatBucket, NamedTensors,
+                                   WireDtype, iter_buckets, tensor_bytes, to_flat_bucket)
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,9 @@ class WeightSync(abc.ABC):
 
     ``target``: an :class:`~megatron_tepo.rollout.sglang.fleet.SGLangFleet` (or anything with
     ``alive_servers()``). ``wire_dtype``: cast before sending (e.g. ``torch.bfloat16`` for a bf16
-    server; halves the bytes of a float32 actor); ``None`` sends as exported. ``sender_rank``:
+    server; halves the bytes of a float32 actor); ``None`` sends as exported. ``transforms``: more
+    stages between the export and the servers (:class:`~megatron_tepo.buckets.BucketTransform`,
+    e.g. a quantizer), after the wire dtype's. ``sender_rank``:
     the global rank that talks to the servers (``is_sender`` defaults to being it; when
     torch.distributed is up the two must agree, since the bucketed export gathers to that rank).
     ``keep_buffers``: keep the export's bucket buffers from one push to the next (about two buckets
@@ -95,8 +97,13 @@ class WeightSync(abc.ABC):
 
     def __init__(self, target, bucket_bytes: int = 256 << 20, wire_dtype: Optional[torch.dtype] = None,
                  is_sender: Optional[bool] = None, timeout: float = 600.0, sender_rank: int = 0,
-                 keep_buffers: bool = True):
-        self.target, self.bucket_bytes, self.wire_dtype = target, bucket_bytes, wire_dtype
+                 keep_buffers: bool = True, transforms: Sequence[BucketTransform] = ()):
+        self.target, self.bucket_bytes = target, bucket_bytes
+        # what happens to the buckets between the export and the servers, in order: the wire dtype
+        # first (a cast before the collectives), then any other stage (see BucketTransform)
+        self.transforms: List[BucketTransform] = ([WireDtype(wire_dtype)] if wire_dtype is not None else []) + \
+            list(transforms)
+        self.wire_dtype = next((t.cast for t in reversed(self.transforms) if t.cast is not None), None)
         rank = _dist_rank()
         self.sender_rank = sender_rank
         self.is_sender = (rank is None or rank == sender_rank) if is_sender is None else bool(is_sender)
@@ -209,7 +216,8 @@ class WeightSync(abc.ABC):
             stats.bucketed_export = True
             dst = self.sender_rank if _dist_rank() is not None else None
             kw = {"buffers": self._export_buffers} if self._export_buffers is not None else {}
-            return named_tensors.flat_buckets(self.bucket_bytes, dtype=self.wire_dtype, dst=dst, reuse=True, **kw)
+            return self._transformed(named_tensors.flat_buckets(self.bucket_bytes, dtype=self.wire_dtype, dst=dst,
+                                                                reuse=True, **kw))
         if not self.is_sender:  # a plain stream: nothing to send from this rank, just drain it
             return (None for _ in named_tensors)
 
@@ -225,7 +233,18 @@ class WeightSync(abc.ABC):
                 fb = to_flat_bucket(bucket, out)
                 del bucket
                 yield handoff.give(fb)
-        return flatten_each()
+        return self._transformed(flatten_each())
+
+    def _transformed(self, buckets: Iterator[Optional[FlatBucket]]) -> Iterator[Optional[FlatBucket]]:
+        """``buckets`` through :attr:`transforms`, in order (a rank that only drains gets None)."""
+        if not any(type(t).__call__ is not BucketTransform.__call__ for t in self.transforms):
+            return buckets  # every stage a cast (done before the collectives): nothing to apply here
+        return (self._apply(b) if b is not None else None for b in buckets)
+
+    def _apply(self, bucket: FlatBucket) -> FlatBucket:
+        for transform in self.transforms:
+            bucket = transform(bucket)
+        return bucket
 
     def push(self, named_tensors: NamedTensors, flush_cache: bool = True) -> SyncStats:
         """Send the stream to every live server; on non-sender ranks just drain it (collective).
