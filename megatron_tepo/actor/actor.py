@@ -335,6 +335,17 @@ class MegatronActor:
         metrics.update(self.optimizer_step())
         return metrics
 
+    # ------------------------------------------------------------------ memory (colocated mode)
+    def offload(self, parts=("optimizer", "grads", "params")) -> int:
+        """Every rank, between steps: ``parts`` (``optimizer``, ``grads``, ``params``) to host memory,
+        their device memory freed; returns the bytes moved
+        (:meth:`~megatron_tepo.megatron.model.TrainModel.offload`)."""
+        return self.train_model.offload(parts)
+
+    def onload(self) -> int:
+        """Bring back what :meth:`offload` moved, bit-identical; returns the bytes moved."""
+        return self.train_model.onload()
+
     # ------------------------------------------------------------------ checkpointing
     def save_checkpoint(self, directory, extra_state: Optional[dict] = None, write_extra=None,
                         asynchronous: bool = False, on_publish=None):

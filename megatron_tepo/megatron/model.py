@@ -19,7 +19,9 @@ and the run's ``actor`` / ``optim`` settings into a :class:`TrainModel`, in this
 :meth:`TrainModel.run` (megatron's pipeline schedule over micro-batches, their megatron inputs
 built here), :meth:`TrainModel.zero_grads`, :meth:`TrainModel.step` (a non-finite gradient on any
 rank skips it; else clip, Adam, LR schedule), :meth:`TrainModel.discard_gradients` and
-:meth:`TrainModel.sync_params`. Its ``model`` / ``optimizer`` / ``scheduler`` / ``config`` are
+:meth:`TrainModel.sync_params`, and for colocated mode :meth:`TrainModel.offload` /
+:meth:`TrainModel.onload` (its optimizer states, gradients and parameters to host memory and back,
+bit-identical: :mod:`.offload`). Its ``model`` / ``optimizer`` / ``scheduler`` / ``config`` are
 megatron's own objects, which the checkpoints and the weight export read.
 
 Left out: virtual pipeline stages, context parallelism, fp16 loss scaling, megatron's FSDP.
@@ -32,7 +34,7 @@ import math
 import os
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,10 +45,14 @@ from megatron_tepo.layout import ParallelLayout
 from megatron_tepo.megatron.fast_paths import use_fused_adam
 from megatron_tepo.megatron.gpt import build_gpt_chunk, family_spec, resolve_actor_config, transformer_config
 from megatron_tepo.megatron.hf_load import load_hf_checkpoint_into, load_hf_weights_into
+from megatron_tepo.megatron.offload import HostOffload
 from megatron_tepo.megatron.parallel import initialize_parallel, validate_layout_here
 from megatron_tepo.models import GPTFamilyConfig, family_config_from_hf
 
-__all__ = ["TrainModel", "build_train_model", "plan_actor", "actor_transformer_config", "build_lr_scheduler",
+#: what :meth:`TrainModel.offload` can move to host memory, in the order it moves them
+OFFLOAD_PARTS = ("optimizer", "grads", "params")
+
+__all__ = ["TrainModel", "OFFLOAD_PARTS", "build_train_model", "plan_actor", "actor_transformer_config", "build_lr_scheduler",
            "load_hf_config"]
 
 
@@ -119,6 +125,9 @@ class TrainModel:
         self.model, self.optimizer, self.scheduler, self.config = model, optimizer, scheduler, config
         self.settings, self.family_cfg, self.layout = settings, family_cfg, layout
         self.device, self.dp_size = device, dp_size
+        self._host: Dict[str, HostOffload] = {}  # part -> its host copies (colocated mode)
+        self._offloaded: List[str] = []
+        self._gather_owed = False  # an optimizer step's deferred parameter gather not done yet
         config.grad_scale_func = optimizer.scale_loss
         config.finalize_model_grads_func = self._finalize_grads
 
@@ -189,6 +198,7 @@ class TrainModel:
             output = model(**self.inputs(mb), labels=None)
             return output, partial(loss_func_for, mb)
 
+        self._gather_owed = False  # the forward's pre-hooks finish any deferred parameter gather
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=self.model,
             num_microbatches=len(micro_batches), seq_length=max(mb.shape[1] for mb in micro_batches),
@@ -241,19 +251,92 @@ class TrainModel:
             self.discard_gradients()
             return {"grad_norm": math.nan, "lr": lr, "skipped_update": 1.0}
         ok, grad_norm, _ = self.optimizer.step()
+        self._gather_owed = True  # (overlap_param_gather: the new weights are gathered later; see sync_params)
         if not ok:
             raise RuntimeError("megatron optimizer step reported failure (inf/nan gradients)")
         self.scheduler.step(increment=1)
         return {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "lr": lr,
                 "skipped_update": 0.0}
 
+    # ------------------------------------------------------------------ memory (colocated mode)
+    def memory_parts(self) -> Dict[str, List[torch.Tensor]]:
+        """The tensors of each part that :meth:`offload` moves: ``params`` (the model's parameters,
+        in megatron's DDP parameter buffers where it keeps them), ``grads`` (the DDP gradient
+        buffers, or each parameter's ``main_grad``) and ``optimizer`` (the optimizer's own tensors:
+        Adam's states and the fp32 main parameters where they are copies, never the model's)."""
+        params: List[torch.Tensor] = []
+        grads: List[torch.Tensor] = []
+        for chunk in self.model:
+            for b in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", [])):
+                if getattr(b, "param_data", None) is not None:
+                    params.append(b.param_data)
+                if getattr(b, "grad_data", None) is not None:
+                    grads.append(b.grad_data)
+            for p in chunk.parameters():
+                params.append(p)
+                if getattr(p, "main_grad", None) is not None:
+                    grads.append(p.main_grad)
+        model_storages = {t.untyped_storage()._cdata for t in params + grads}
+        optimizer: List[torch.Tensor] = []
+        for opt in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
+            inner = getattr(opt, "optimizer", None)
+            if inner is None:
+                continue
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    optimizer += [t for t in (p, p.grad) if t is not None]
+            for state in inner.state.values():
+                optimizer += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        optimizer = [t for t in optimizer if t.untyped_storage()._cdata not in model_storages]
+        return {"optimizer": optimizer, "grads": grads, "params": params}
+
+    def offload(self, parts: Sequence[str] = OFFLOAD_PARTS) -> int:
+        """Move ``parts`` (of :data:`OFFLOAD_PARTS`) to host memory and free their device memory;
+        returns the bytes moved. Returns once the memory is free (:class:`~.offload.HostOffload`).
+        Every rank, between steps; :meth:`onload` brings them back, bit-identical."""
+        unknown = sorted(set(parts) - set(OFFLOAD_PARTS))
+        if unknown:
+            raise ValueError(f"offload: unknown part(s) {unknown}; choose from {list(OFFLOAD_PARTS)}")
+        self.sync_params()  # a deferred parameter all-gather writes the parameters: finish it first
+        tensors = self.memory_parts()
+        moved = 0
+        for part in OFFLOAD_PARTS:  # optimizer, grads, params: the order onload reverses
+            if part not in parts or part in self._offloaded:
+                continue
+            held = self._host.get(part)
+            if held is None or not held.holds(tensors[part]):
+                held = self._host[part] = HostOffload(tensors[part])  # host copies made once, then reused
+            held.offload()
+            self._offloaded.append(part)
+            moved += held.nbytes
+        return moved
+
+    def onload(self) -> int:
+        """Bring back what :meth:`offload` moved (in reverse order); returns the bytes moved."""
+        moved = 0
+        while self._offloaded:
+            held = self._host[self._offloaded.pop()]
+            held.onload()
+            moved += held.nbytes
+        return moved
+
+    @property
+    def offloaded(self) -> Tuple[str, ...]:
+        """The parts now in host memory."""
+        return tuple(self._offloaded)
+
     def sync_params(self) -> None:
         """Finish the parameter all-gather of the last optimizer step (``overlap_param_gather``
         defers it to the next forward's pre-hooks): called before the weights are read other than
-        by a forward (export for the weight sync, checkpoints). A no-op otherwise."""
+        by a forward (export for the weight sync, checkpoints, an offload). A no-op when no gather
+        is owed: a gather between a backward and its step would mark the buckets gathered, and the
+        next forward would then skip the gather of the step's new weights."""
+        if not self._gather_owed:
+            return
         for chunk in self.model:
             if chunk.ddp_config.use_distributed_optimizer and chunk.ddp_config.overlap_param_gather:
                 chunk.start_param_sync(force_sync=True)
+        self._gather_owed = False
 
 
 def ddp_config(optim: OptimConfig, settings: ActorConfig):
