@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-__all__ = ["ParallelLayout", "ModelDims", "LayoutError", "validate_layout"]
+__all__ = ["ParallelLayout", "ModelShape", "LayoutError", "validate_layout"]
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,13 @@ class ParallelLayout:
 
 
 @dataclass(frozen=True)
-class ModelDims:
-    """The sizes of a model that the layout rules read, under their Hugging Face names."""
+class ModelShape:
+    """The model's sizes, under their Hugging Face names: the one shape type. The layout rules read it
+    here, the fit check's memory arithmetic reads it (docs/LAUNCH.md's letters: ``h`` hidden_size,
+    ``F`` intermediate_size, ``nh`` num_attention_heads, ``ng`` num_key_value_heads, ``d`` head_dim,
+    ``V`` vocab_size, ``E`` num_experts, ``k`` num_experts_per_tok, ``Fm`` moe_intermediate_size), and
+    the family config makes it from any HF config the families know (``GPTFamilyConfig.dims()``).
+    ``hidden_size``, ``head_dim`` and ``tie_word_embeddings`` only matter to the memory arithmetic."""
 
     num_attention_heads: int
     num_key_value_heads: int
@@ -55,6 +60,18 @@ class ModelDims:
     intermediate_size: int
     num_hidden_layers: int
     num_experts: int = 0  # 0: dense
+    hidden_size: int = 0
+    head_dim: int = 0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    family: str = ""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 class LayoutError(ValueError):
@@ -67,7 +84,7 @@ class LayoutError(ValueError):
         self.problems = problems
 
 
-def validate_layout(layout: ParallelLayout, model: Optional[ModelDims], world_size: Optional[int], *,
+def validate_layout(layout: ParallelLayout, model: Optional[ModelShape], world_size: Optional[int], *,
                     sequence_parallel: bool = False, te_available: Optional[bool] = None,
                     cpu: bool = False, field: str = "parallel.", world: str = "the world size") -> Optional[int]:
     """Check ``layout`` against ``model`` in a world of ``world_size`` ranks; return the

@@ -3,28 +3,37 @@
 #
 # One job = the Megatron actor on the first ACTOR nodes of the allocation + an SGLang fleet on the
 # next ROLLOUT nodes (or, with launch.rollout_nodes: 0 and launch.device: cpu, on the actor nodes
-# themselves: "colocated", the tiny CPU job of slurm/local_cpu_tepo.sh). tepo_main runs, in order:
-#   1. the fit check (tools/fit_check.py): per-GPU memory of the actor and the servers (CPU: the
-#      layout rules only); a misfit stops the job before any srun, with the setting to change. It also writes the RunConfig the
-#      trainer reads ($RUN_DIR/run.yaml) and the FIT_* variables (node counts, SGLang TP, ...).
-#      On cuda it also checks the two pythons (megatron_tepo/launch/pythons.py): a trainer python
-#      (TEPO_PYTHON) with a CPU build of torch, or without Transformer Engine where the layout needs
-#      it, and an SGLang python (MTEPO_SGLANG_PYTHON) that is SGLang's CPU build stop the job there,
-#      in one line naming the variable to set.
-#   2. the node split (tepo_split_nodes), the job's NCCL network settings (tepo_nccl_env);
-#   3. SGLang servers with srun on the rollout nodes (GPUS_PER_NODE / SGLANG_TP servers per node,
-#      one port each), then a wait for every /health (none when the run's rollout.engine is not
-#      sglang, FIT_ENGINE: the embedded engine generates inside the trainer). A server that exits
-#      is started again on its port (tepo_keep_serving: TEPO_SERVER_RESTARTS times, with a
-#      back-off); the trainer's fleet waits for it (fault.server_return_timeout_s) and re-syncs its
-#      weights. Each server is `python -m megatron_tepo.rollout.sglang.server` with the options the
-#      fit check made of the launch file (FIT_SERVE_ARGS); SGLang's command line is built in Python, in
-#      megatron_tepo/rollout/sglang/server.py's server_command, shared with the SGLang fleet;
-#   4. the trainer: srun (one task per actor node) + torchrun, c10d rendezvous on the first actor
-#      node (torchrun --standalone when there is one actor node); the SGLang URLs are passed in
+# themselves: "colocated", the tiny CPU job of slurm/local_cpu_tepo.sh). tepo_main runs the fit
+# check, then the steps it names in FIT_STEPS, in their order: the launch sequence of
+# megatron_tepo/launch/sequence.py, which the nemo-run launcher follows too. Each step NAME is the
+# function tepo_step_NAME here:
+#   fit check (tools/fit_check.py): per-GPU memory of the actor and the servers (CPU: the layout
+#      rules only); a misfit stops the job before any srun, with the setting to change. It also
+#      writes the RunConfig the trainer reads ($RUN_DIR/run.yaml) and the FIT_* variables (node
+#      counts, the steps, the servers' options, ...). On cuda it also checks the two pythons
+#      (megatron_tepo/launch/pythons.py): a trainer python (TEPO_PYTHON) with a CPU build of torch,
+#      or without Transformer Engine where the layout needs it, and an SGLang python
+#      (MTEPO_SGLANG_PYTHON) that is SGLang's CPU build stop the job there, in one line naming the
+#      variable to set.
+#   split_nodes: the node split (tepo_split_nodes);
+#   job_env: the job's NCCL network settings (tepo_nccl_env), the servers' API key (tepo_api_key),
+#      the signal traps (tepo_install_traps);
+#   servers: the rollout servers with srun on the rollout nodes (GPUS_PER_NODE / TP servers per
+#      node, one port each; tepo_start_sglang). A server that exits is started again on its port
+#      (tepo_keep_serving: TEPO_SERVER_RESTARTS times, with a back-off); the trainer's fleet waits
+#      for it (fault.server_return_timeout_s) and re-syncs its weights. Each server is the serve
+#      command of the launch file's servers (`python -m megatron_tepo.rollout.sglang.server` and
+#      FIT_SERVE_ARGS, one server's options written by their own type,
+#      megatron_tepo/rollout/sglang/options.py's ServerConfig, which the serve command reads back
+#      and turns into SGLang's command line with server_command, shared with the SGLang fleet);
+#   health: a wait for every server's /health (tepo_wait_health). Neither this nor servers when the
+#      run's rollout.engine (FIT_ENGINE) is not the engine the launch serves: the embedded engine
+#      generates inside the trainer;
+#   trainer: srun (one task per actor node) + torchrun, c10d rendezvous on the first actor node
+#      (torchrun --standalone when there is one actor node); the servers' URLs are passed in
 #      TEPO_SGLANG_URLS. The trainer's own settings (tepo_trainer_env: OMP threads,
 #      CUDA_DEVICE_MAX_CONNECTIONS, NCCL error handling, PYTORCH_CUDA_ALLOC_CONF) are set in this
-#      step only, never in the servers'.
+#      step only, never in the servers'. Its status is the job's (a failure may requeue it).
 # Devices (launch.device, FIT_DEVICE): cuda -> srun steps get --gpus-per-node, each server its
 # CUDA_VISIBLE_DEVICES; cpu -> no GPU arguments, every srun step gets --overlap so that the SGLang
 # step and the trainer step share the job's CPUs side by side, one OMP thread per trainer process.
@@ -56,14 +65,15 @@
 #   TRAIN_FILES                 YAML list for data.train_files, e.g. "[/data/dapo.parquet]"
 #   OUTPUT_DIR                  train.output_dir (checkpoints, metrics, logs)
 #   TEPO_NODELIST               space-separated host names instead of SLURM_JOB_NODELIST
-#   TEPO_PYTHON                 python with megatron_tepo (default: .venv/bin/python, else python3);
-#                               on cuda it needs a CUDA build of torch (and TE for sequence parallelism)
+#   TEPO_PYTHON                 python with megatron_tepo (default: .venv/bin/python, else python3:
+#                               tepo_python, which the nemo-run launcher runs too); on cuda it needs a
+#                               CUDA build of torch (and TE for sequence parallelism)
 #   TEPO_SRUN_ARGS              srun arguments per step (default: --gpus-per-node=<gpus> on cuda,
 #                               --overlap on cpu); --cpus-per-task is added unless it has one
 #   TEPO_CPUS_PER_NODE          CPUs of every step on each node (default: the job's, from
 #                               SLURM_JOB_CPUS_PER_NODE / SLURM_CPUS_ON_NODE; steps do not inherit them)
 #   MTEPO_SGLANG_PYTHON         the python with sglang (default .venv-sglang/bin/python, else TEPO_PYTHON
-#                               if it imports sglang); read by megatron_tepo.rollout.sglang.server; on
+#                               if it imports sglang); read by the serve command; on
 #                               cuda not SGLang's CPU build (tools/install_sglang_cpu.sh marks its venv)
 #   PYTORCH_CUDA_ALLOC_CONF     the trainer's allocator (cuda; default expandable_segments:True)
 #   TEPO_SGLANG_API_KEY         the API key every server requires (the trainer reads the same
@@ -250,7 +260,7 @@ tepo_srun_args() {
 
 # TEPO_SGLANG_API_KEY: the user's, else a new random one (32 hex digits) for this job; exported,
 # so that it reaches the servers and the trainer through srun's environment, never a command line
-# (megatron_tepo.rollout.sglang.server hands it to SGLang inside the server process).
+# (the serve command hands it to SGLang inside the server process).
 tepo_api_key() {
     if [[ -z "${TEPO_SGLANG_API_KEY:-}" ]]; then
         TEPO_SGLANG_API_KEY=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')
@@ -282,9 +292,9 @@ tepo_run() {
 }
 
 # The serve command of one server: the python, then FIT_SERVE_ARGS as the fit check wrote it
-# (already shell-quoted: `-m megatron_tepo.rollout.sglang.server` and the options of the launch file's
-# SGLang settings, made in one place, megatron_tepo/launch/spec.py's serve_args, which the nemo-run
-# launcher calls too; the serve command turns them into SGLang's flags), then the port.
+# (already shell-quoted: `-m` the engine's serve module and one server's options, made in one
+# place, megatron_tepo/launch/spec.py's serve_args, which the nemo-run launcher calls too; the serve
+# command reads them back into the same type and turns them into SGLang's flags), then the port.
 # tepo_serve_cmd PORT: one shell-quoted command line.
 tepo_serve_cmd() {
     printf '%q %s --port %q ' "$(tepo_python)" "$FIT_SERVE_ARGS" "$1"
@@ -488,7 +498,46 @@ tepo_install_traps() {
     trap tepo_stop_steps EXIT
 }
 
-# tepo_main LAUNCH_FILE [OVERRIDE...]: the whole job (see the top of this file).
+# The steps of the job (see the top of this file; FIT_STEPS names them in order). Each gets the
+# overrides of the script; only the trainer uses them.
+tepo_step_split_nodes() {
+    tepo_split_nodes "$FIT_ACTOR_NODES" "$FIT_ROLLOUT_NODES" || tepo_die "node split failed"
+    if ((FIT_ROLLOUT_NODES == 0)); then
+        tepo_log "actor nodes: ${TEPO_ACTOR_HOSTS[*]}; SGLang colocated on them"
+    else
+        tepo_log "actor nodes: ${TEPO_ACTOR_HOSTS[*]}; rollout nodes: ${TEPO_ROLLOUT_HOSTS[*]}"
+    fi
+}
+
+tepo_step_job_env() {
+    tepo_nccl_env
+    tepo_api_key
+    tepo_install_traps
+}
+
+tepo_step_servers() {
+    tepo_start_sglang
+}
+
+tepo_step_health() {
+    tepo_wait_health "${TEPO_HEALTH_TIMEOUT:-1800}"
+}
+
+# The trainer step: its status is the job's; a failed one may requeue the job.
+tepo_step_trainer() {
+    export TEPO_EXIT_REASON_FILE="$LOG_DIR/exit_reason.json"  # the trainer's ranks say why they stopped
+    rm -f "$TEPO_EXIT_REASON_FILE" "$TEPO_EXIT_REASON_FILE".rank*
+    tepo_start_trainer "$@"
+    local rc=0
+    # `wait` returns early when a trapped signal arrives; the trap then requeues
+    wait "$TEPO_TRAINER_PID" || rc=$?
+    tepo_log "trainer exited with status $rc"
+    ((rc == 0)) || tepo_requeue_after_failure "$rc"
+    return "$rc"
+}
+
+# tepo_main LAUNCH_FILE [OVERRIDE...]: the whole job (see the top of this file): the fit check, then
+# each step of FIT_STEPS in turn; returns the last one's (the trainer's) status.
 tepo_main() {
     local launch_file=$1
     shift
@@ -501,28 +550,20 @@ tepo_main() {
     mkdir -p "$LOG_DIR"
     cp "$RUN_DIR/fit.log" "$LOG_DIR/fit.log"
     tepo_log "attempt $attempt; logs in $LOG_DIR; checkpoints in $FIT_OUTPUT_DIR (resume: newest complete one)"
-    tepo_split_nodes "$FIT_ACTOR_NODES" "$FIT_ROLLOUT_NODES" || tepo_die "node split failed"
-    if ((FIT_ROLLOUT_NODES == 0)); then
-        tepo_log "actor nodes: ${TEPO_ACTOR_HOSTS[*]}; SGLang colocated on them"
-    else
-        tepo_log "actor nodes: ${TEPO_ACTOR_HOSTS[*]}; rollout nodes: ${TEPO_ROLLOUT_HOSTS[*]}"
-    fi
-    tepo_nccl_env
-    tepo_api_key
-    tepo_install_traps
-    if [[ "${FIT_ENGINE:-sglang}" == sglang ]]; then
-        tepo_start_sglang
-        tepo_wait_health "${TEPO_HEALTH_TIMEOUT:-1800}"
-    else
+    local -a steps
+    local step i rc=0
+    read -r -a steps <<<"${FIT_STEPS:-}"
+    ((${#steps[@]})) || tepo_die "FIT_STEPS: empty (the fit check names the job's steps: $RUN_DIR/fit.env)"
+    for step in "${steps[@]}"; do
+        declare -F "tepo_step_$step" >/dev/null || tepo_die "FIT_STEPS: no step '$step' in slurm/lib.sh (FIT_STEPS='$FIT_STEPS')"
+    done
+    if [[ " ${steps[*]} " != *" servers "* ]]; then
         tepo_log "rollout.engine: ${FIT_ENGINE} (generates inside the trainer): no SGLang server started"
     fi
-    export TEPO_EXIT_REASON_FILE="$LOG_DIR/exit_reason.json"  # the trainer's ranks say why they stopped
-    rm -f "$TEPO_EXIT_REASON_FILE" "$TEPO_EXIT_REASON_FILE".rank*
-    tepo_start_trainer "$@"
-    local rc=0
-    # `wait` returns early when a trapped signal arrives; the trap then requeues
-    wait "$TEPO_TRAINER_PID" || rc=$?
-    tepo_log "trainer exited with status $rc"
-    ((rc == 0)) || tepo_requeue_after_failure "$rc"
+    for i in "${!steps[@]}"; do
+        tepo_log "step $((i + 1)) of ${#steps[@]}: ${steps[i]}"
+        rc=0
+        "tepo_step_${steps[i]}" "$@" || rc=$?
+    done
     return "$rc"
 }

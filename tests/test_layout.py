@@ -6,11 +6,11 @@ import json
 import pytest
 
 from megatron_tepo.config import ConfigError, RunConfig, from_dict
-from megatron_tepo.layout import ModelDims, ParallelLayout, validate_layout
+from megatron_tepo.layout import ModelShape, ParallelLayout, validate_layout
 
-DENSE = ModelDims(num_attention_heads=4, num_key_value_heads=2, vocab_size=256, intermediate_size=64,
+DENSE = ModelShape(num_attention_heads=4, num_key_value_heads=2, vocab_size=256, intermediate_size=64,
                   num_hidden_layers=4)
-MOE = ModelDims(num_attention_heads=4, num_key_value_heads=2, vocab_size=256, intermediate_size=64,
+MOE = ModelShape(num_attention_heads=4, num_key_value_heads=2, vocab_size=256, intermediate_size=64,
                 num_hidden_layers=4, num_experts=4)
 
 
@@ -90,7 +90,9 @@ def test_converter_and_fit_check_raise_the_same_rule(tmp_path):
         "max_position_embeddings": 128}))
     with pytest.raises(ValueError, match=r"--tp=3 does not divide num_attention_heads=4"):
         check_hf_input(hf, tp=3)
-    shape = ModelShape(num_layers=4, hidden=64, ffn=64, heads=4, kv_groups=2, head_dim=16, vocab=256, tied=False)
+    # (#33: one model-shape type under the HF names, layout.ModelShape; the same sizes)
+    shape = ModelShape(num_hidden_layers=4, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=False)
     cfg = RunConfig(parallel=ParallelLayout(tp=3))
     with pytest.raises(FitError, match=r"parallel.tp=3 does not divide num_attention_heads=4"):
         check_layout(shape, cfg, LaunchLayout(gpus_per_node=3))

@@ -25,13 +25,14 @@ def check_layout(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> None:
     launch's actor world, and the fleet's own rule."""
     errors = []
     try:
-        validate_layout(cfg.parallel, m.dims(), launch.actor_gpus, sequence_parallel=cfg.actor.sequence_parallel,
+        validate_layout(cfg.parallel, m, launch.actor_gpus, sequence_parallel=cfg.actor.sequence_parallel,
                         cpu=launch.device == "cpu",
                         world="the actor's ranks (launch.actor_nodes x launch.gpus_per_node)")
     except ValueError as exc:
         errors.append(str(exc).removeprefix("invalid parallel layout: "))
-    if m.heads % launch.sglang.tp:
-        errors.append(f"launch.sglang.tp={launch.sglang.tp} does not divide num_attention_heads={m.heads}")
+    r = launch.rollout
+    if m.num_attention_heads % r.server.tp:
+        errors.append(f"{r.key}.tp={r.server.tp} does not divide num_attention_heads={m.num_attention_heads}")
     if errors:
         raise FitError("invalid layout: " + "; ".join(errors))
 
@@ -41,6 +42,9 @@ def check_fit(m: ModelShape, cfg: RunConfig, launch: LaunchLayout, raise_error: 
     check_layout(m, cfg, launch)
     if launch.device == "cpu":
         return FitReport(m, None, None, launch, cfg)
+    if launch.rollout.server.max_running_requests < 1:  # (0: SGLang's own number, which is not priced)
+        raise FitError(f"{launch.rollout.key}.max_running_requests: must be >= 1 on cuda (the fit check prices "
+                       f"the KV cache of that many sequences per server)")
     report = FitReport(m, actor_memory(m, cfg, launch), server_memory(m, cfg, launch), launch, cfg)
     if raise_error:
         errors = ([report.actor_error()] if not report.actor_fits else []) + \

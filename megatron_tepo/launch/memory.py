@@ -27,27 +27,27 @@ GiB = 2 ** 30
 # --------------------------------------------------------------------------------------------
 def _layer_params(m: ModelShape, t: int, e: int) -> Tuple[int, int]:
     """(non-expert, expert) parameters of one layer on one GPU; exact integer division."""
-    h, d = m.hidden, m.head_dim
-    attn = (h * m.heads * d + 2 * h * m.kv_groups * d + m.heads * d * h) // t + h
-    if m.qkv_bias:
-        attn += (m.heads + 2 * m.kv_groups) * d // t
+    h, d = m.hidden_size, m.head_dim
+    attn = (h * m.num_attention_heads * d + 2 * h * m.num_key_value_heads * d + m.num_attention_heads * d * h) // t + h
+    if m.attention_bias:
+        attn += (m.num_attention_heads + 2 * m.num_key_value_heads) * d // t
     if m.qk_norm:
         attn += 2 * d
     if m.is_moe:
-        return attn + h * m.num_experts + h, (m.num_experts // e) * 3 * h * m.moe_ffn // t
-    return attn + 3 * h * m.ffn // t + h, 0
+        return attn + h * m.num_experts + h, (m.num_experts // e) * 3 * h * m.moe_intermediate_size // t
+    return attn + 3 * h * m.intermediate_size // t + h, 0
 
 
 def param_counts(m: ModelShape, t: int = 1, p: int = 1, e: int = 1) -> Dict[str, Tuple[int, int]]:
     """(non-expert, expert) parameters on one GPU of the first and of the last pipeline stage;
     ``t=p=e=1`` gives the whole model (``"first"`` == ``"last"``)."""
     dense, expert = _layer_params(m, t, e)
-    n = m.num_layers // p
-    emb = m.vocab * m.hidden // t
+    n = m.num_hidden_layers // p
+    emb = m.vocab_size * m.hidden_size // t
     first = n * dense + emb
-    last = n * dense + m.hidden + (emb if (not m.tied or p > 1) else 0)
+    last = n * dense + m.hidden_size + (emb if (not m.tie_word_embeddings or p > 1) else 0)
     if p == 1:
-        first = last = n * dense + emb + m.hidden + (0 if m.tied else emb)
+        first = last = n * dense + emb + m.hidden_size + (0 if m.tie_word_embeddings else emb)
     return {"first": (first, n * expert), "last": (last, n * expert)}
 
 
@@ -64,21 +64,21 @@ def layer_activation_bytes(m: ModelShape, t: int, sp: bool, elem: int = 2, fused
     """Bytes per token of one layer kept for backward (docs/LAUNCH.md): ``elem`` bytes per
     activation element, ``fused`` SwiGLU, ``unfused_seq`` the padded row length when the
     attention materialises its scores (0: flash-style), ``selective`` core-attention recompute."""
-    h, d = m.hidden, m.head_dim
+    h, d = m.hidden_size, m.head_dim
     whole = 4 * h  # two norm inputs + two linear inputs
-    sharded = (m.heads + 2 * m.kv_groups) * d + (1 if selective else 2) * m.heads * d
+    sharded = (m.num_attention_heads + 2 * m.num_key_value_heads) * d + (1 if selective else 2) * m.num_attention_heads * d
     if m.qk_norm:
-        sharded += (m.heads + m.kv_groups) * d
-    extra_bytes_sharded = 0 if selective else 4 * m.heads
+        sharded += (m.num_attention_heads + m.num_key_value_heads) * d
+    extra_bytes_sharded = 0 if selective else 4 * m.num_attention_heads
     if unfused_seq and not selective:
-        extra_bytes_sharded += (4 + (elem if elem < 4 else 0)) * m.heads * unfused_seq
+        extra_bytes_sharded += (4 + (elem if elem < 4 else 0)) * m.num_attention_heads * unfused_seq
     extra_bytes_whole = 0
     if m.is_moe:
-        whole += m.topk * h  # dispatched tokens (not split by TP)
-        sharded += m.topk * 3 * m.moe_ffn
-        extra_bytes_whole = 4 * m.num_experts + 4 * m.topk
+        whole += m.num_experts_per_tok * h  # dispatched tokens (not split by TP)
+        sharded += m.num_experts_per_tok * 3 * m.moe_intermediate_size
+        extra_bytes_whole = 4 * m.num_experts + 4 * m.num_experts_per_tok
     else:
-        sharded += (3 if fused else 4) * m.ffn
+        sharded += (3 if fused else 4) * m.intermediate_size
     if sp:
         return (elem * (whole + sharded) + extra_bytes_sharded + extra_bytes_whole) / t
     return elem * whole + extra_bytes_whole + (elem * sharded + extra_bytes_sharded) / t
@@ -87,7 +87,7 @@ def layer_activation_bytes(m: ModelShape, t: int, sp: bool, elem: int = 2, fused
 def logits_bytes(m: ModelShape, t: int, elem: int = 2) -> float:
     """Bytes per token of the logits working set on the last stage: the logits and their
     gradient in the parameters' dtype, ``2 * elem * V / t``."""
-    return 2 * elem * m.vocab / t
+    return 2 * elem * m.vocab_size / t
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,12 +149,12 @@ def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> ActorMe
     ref = cfg.algorithm.kl_target == "ref"
     longest = cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens
     s = max(act.max_tokens_per_micro_batch, longest)
-    n = m.num_layers // p
+    n = m.num_hidden_layers // p
     fused = act.fusions == "on" or (act.fusions == "auto" and launch.device == "cuda")
     unfused_seq = min(s, longest) if act.attention == "unfused" else 0
     per_layer = layer_activation_bytes(m, t, sp, elem, fused, unfused_seq, act.recompute == "selective")
     if act.recompute == "full":
-        kept = elem * m.hidden / t if sp else elem * m.hidden
+        kept = elem * m.hidden_size / t if sp else elem * m.hidden_size
         working = per_layer * s * min(act.recompute_num_layers, n)  # one block re-run at a time
     else:
         kept, working = per_layer, 0.0
@@ -177,11 +177,12 @@ def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> ActorMe
 
 def server_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> ServerMemory:
     """Per-GPU memory of one SGLang server GPU (bytes; docs/LAUNCH.md)."""
-    ts = launch.sglang.tp
+    server = launch.rollout.server
+    ts = server.tp
     dense, expert = param_counts(m, ts, 1, 1)["first"]
-    kv_per_token = 2 * m.num_layers * math.ceil(m.kv_groups / ts) * m.head_dim * 2
-    kv_tokens = launch.sglang.max_running_requests * (cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens)
+    kv_per_token = 2 * m.num_hidden_layers * math.ceil(m.num_key_value_heads / ts) * m.head_dim * 2
+    kv_tokens = server.max_running_requests * (cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens)
     return ServerMemory(params=dense + expert, weights=2 * (dense + expert), kv_bytes_per_token=kv_per_token,
                         kv_tokens=kv_tokens, kv_cache=float(kv_per_token * kv_tokens),
-                        budget=launch.sglang.mem_fraction_static * launch.gpu_mem_gib * GiB,
+                        budget=server.mem_fraction_static * launch.gpu_mem_gib * GiB,
                         servers=launch.servers)

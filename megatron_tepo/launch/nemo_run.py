@@ -8,12 +8,15 @@ The fit check first (:func:`make_plan`: the launch file through :func:`megatron_
 and :func:`~megatron_tepo.launch.check_fit`, the code tools/fit_check.py runs, and on
 ``launch.device: cuda`` :func:`~megatron_tepo.launch.check_pythons` of the nodes' pythons; a misfit
 or a CPU environment exits 2 before any experiment exists), then one nemo-run experiment with one
-job of two tasks, ``sglang`` and ``trainer``, which nemo-run merges into one homogeneous
-allocation (one sbatch script, one ``srun`` line per task; the setup lines split the nodes with
-slurm/lib.sh's own functions). The tasks run the two steps of this module on the nodes:
-``step-sglang`` (the servers, each the serve command of :func:`megatron_tepo.launch.serve_args`,
-stopped with the trainer's status) and ``step-trainer`` (waits for every server's ``/health``, then
-torchrun with the trainer's own settings, slurm/lib.sh's ``tepo_trainer_env``: :func:`trainer_env`).
+job of two tasks, ``sglang`` and ``trainer`` (``trainer`` alone for a run without servers), which
+nemo-run merges into one homogeneous allocation (one sbatch script, one ``srun`` line per task).
+The job follows the launch sequence of :mod:`megatron_tepo.launch.sequence`, step by step in its
+order, as slurm/lib.sh does: the setup lines split the nodes and set the job's environment with
+lib.sh's own functions and name the servers' ports and URLs; the tasks run the two steps of this
+module on the nodes: ``step-sglang`` (the servers, each the serve command of
+:func:`megatron_tepo.launch.serve_args`, stopped with the trainer's status) and ``step-trainer``
+(waits for every server's ``/health``, then torchrun with the trainer's own settings, lib.sh's
+``tepo_trainer_env``). The nodes' python is lib.sh's ``tepo_python`` unless ``--python`` names one.
 The steps start, watch and stop the servers with the SGLang fleet's own process code
 (``megatron_tepo.rollout.sglang.server``: ``wait_ready``, ``stop_server``). What the job does step
 by step, why this shape (no heterogeneous job, no nemo-run torchrun launcher), the environment it
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from megatron_tepo.launch.sequence import job_steps, node_python, trainer_env
 from megatron_tepo.launch.spec import LaunchSpec, serve_args
 from megatron_tepo.net import free_port  # outside the ephemeral range
 
@@ -43,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout the job runs (its too
 TOOL = ROOT / "tools" / "launch_nemo_run.py"  # what the steps run on the nodes
 
 EXIT_FIT = 2  # a misfit or a bad launch file (a user error): nothing rendered
+TASK_STEP = {"sglang": "servers", "trainer": "trainer"}  # the step of the sequence each task carries out
 
 
 class Raw(str):
@@ -52,25 +57,6 @@ class Raw(str):
 def sh(words: Sequence[str]) -> List[str]:
     """Quote each word for the shell (nemo-run joins srun arguments with spaces), except Raw ones."""
     return [str.__str__(w) if isinstance(w, Raw) else shlex.quote(str(w)) for w in words]
-
-
-def default_python() -> str:
-    """The python on the nodes: slurm/lib.sh's ``tepo_python`` rule."""
-    if os.environ.get("TEPO_PYTHON"):
-        return os.environ["TEPO_PYTHON"]
-    venv = ROOT / ".venv" / "bin" / "python"
-    return str(venv) if venv.exists() else "python3"
-
-
-def trainer_env(device: str, environ=os.environ) -> Dict[str, str]:
-    """The trainer step's own settings: slurm/lib.sh's ``tepo_trainer_env`` (OMP threads,
-    ``CUDA_DEVICE_MAX_CONNECTIONS``, NCCL error handling, ``PYTORCH_CUDA_ALLOC_CONF``), run here
-    in ``environ``, whose values win. Only the trainer step sets them (step-trainer, before
-    torchrun), never the servers' step."""
-    res = subprocess.run(["bash", "-c", 'source "$1" && FIT_DEVICE=$2 tepo_trainer_env', "tepo",
-                          str(ROOT / "slurm" / "lib.sh"), device], env=dict(environ), capture_output=True,
-                         text=True, timeout=60, check=True)
-    return dict(line.split("=", 1) for line in res.stdout.splitlines() if "=" in line)
 
 
 def env_overrides(environ=os.environ) -> List[str]:
@@ -127,7 +113,15 @@ class Plan:
 
     @property
     def first_port(self) -> int:  # 0: free ports of the batch host
-        return self.spec.launch.sglang.port
+        return self.spec.launch.rollout.port
+
+    @property
+    def steps(self):  # the job's steps (megatron_tepo/launch/sequence.py), as lib.sh runs them
+        return job_steps(self.spec.cfg, self.spec.launch)
+
+    @property
+    def roles(self) -> List[str]:  # the tasks: the servers' (their step) and the trainer's
+        return [role for role in ("sglang", "trainer") if TASK_STEP[role] in self.steps]
 
     @property
     def output_dir(self) -> Path:
@@ -143,8 +137,9 @@ def make_plan(launch_file: str, overrides: Sequence[str]) -> Plan:
     report = check_fit(spec.shape(), spec.cfg, spec.launch)
     plan = Plan(Path(launch_file).stem, spec, report.render())
     if plan.first_port == 0 and plan.server_nodes != 1:
-        raise ValueError(f"launch.sglang.port: 0 (free ports of the batch host) needs the servers on one "
-                         f"node, not {plan.server_nodes}; give launch.sglang.port a fixed port")
+        key = f"{plan.spec.launch.rollout.key}.port"
+        raise ValueError(f"{key}: 0 (free ports of the batch host) needs the servers on one "
+                         f"node, not {plan.server_nodes}; give {key} a fixed port")
     return plan
 
 
@@ -157,8 +152,9 @@ def server_command(plan: Plan, python: str) -> List[str]:
 def step_commands(plan: Plan, run_dir: Path, python: str, *, slurm: bool, rdzv_port: int,
                   health_timeout: float, ports: Sequence[int] = (), extra: Sequence[str] = ()
                   ) -> Dict[str, List[str]]:
-    """The two tasks' command lines (shell words). ``slurm``: node names, the attempt and free ports
-    come from the variables the setup lines export; else (one machine) everything is literal."""
+    """The tasks' command lines (shell words), by role (:attr:`Plan.roles`). ``slurm``: node names,
+    the attempt and free ports come from the variables the setup lines export; else (one machine)
+    everything is literal."""
     me = str(TOOL)
     if slurm:
         attempt = '"${SLURM_JOB_ID:-0}.${SLURM_RESTART_COUNT:-0}"'
@@ -176,7 +172,8 @@ def step_commands(plan: Plan, run_dir: Path, python: str, *, slurm: bool, rdzv_p
         rdzv = ["--standalone"]
     else:
         rdzv = ["--rdzv-backend=c10d", *rdzv]
-    sglang = [python, me, "step-sglang", "--ports", port_list, "--gpus-per-server", str(plan.spec.launch.sglang.tp),
+    sglang = [python, me, "step-sglang", "--ports", port_list, "--gpus-per-server",
+              str(plan.spec.launch.rollout.server.tp),
               "--device", plan.device, "--done-file", done, "--log-dir", logs, "--",
               *server_command(plan, python)]
     torchrun = [python, "-m", "torch.distributed.run", f"--nnodes={plan.actor_nodes}",
@@ -184,38 +181,59 @@ def step_commands(plan: Plan, run_dir: Path, python: str, *, slurm: bool, rdzv_p
                 str(ROOT / "tools" / "train.py"), "--config", str(run_dir / "run.yaml"), *extra]
     trainer = [python, me, "step-trainer", "--health-timeout", f"{health_timeout:g}", "--done-file", done,
                "--device", plan.device, "--", *torchrun]
-    return {"sglang": sglang, "trainer": trainer}
+    return {role: cmd for role, cmd in (("sglang", sglang), ("trainer", trainer)) if role in plan.roles}
 
 
 def setup_lines(plan: Plan, python: str) -> str:
-    """Shell lines run in the batch script before the srun lines: the node split by slurm/lib.sh's
-    ``tepo_split_nodes`` (rollout 0: the servers on the actor hosts), ports, URLs, env, traps."""
-    spn = plan.servers_per_node
-    if plan.first_port == 0:  # one server node (checked): free ports of the batch host
-        ports = f'$(for ((i = 0; i < {spn}; i++)); do tepo_free_port; done | paste -sd, -)'
-    else:
-        ports = ",".join(str(plan.first_port + i) for i in range(spn))
-    return "\n".join([
-        f"# megatron_tepo: {plan.launch_file.name}, fit check passed at submission",
-        f"export TEPO_ROOT={shlex.quote(str(ROOT))} TEPO_PYTHON={shlex.quote(python)} FIT_DEVICE={plan.device}",
-        'source "$TEPO_ROOT/slurm/lib.sh"',
+    """Shell lines run in the batch script before the srun lines: the batch shell's part of each
+    step of :attr:`Plan.steps`, in their order, with slurm/lib.sh's own functions (the node split,
+    the job's environment, the servers' ports and URLs; ``health``: step-trainer waits; ``trainer``:
+    its task)."""
+    lines = [f"# megatron_tepo: {plan.launch_file.name}, fit check passed at submission",
+             f"export TEPO_ROOT={shlex.quote(str(ROOT))} TEPO_PYTHON={shlex.quote(python)} FIT_DEVICE={plan.device}",
+             'source "$TEPO_ROOT/slurm/lib.sh"']
+    for step in plan.steps:
+        lines += [f"# step {step}", *_SETUP[step](plan)]
+    return "\n".join(lines)
+
+
+def _setup_split_nodes(plan: Plan) -> List[str]:  # lib.sh's split (rollout 0: the servers on the actor hosts)
+    return [
         f'tepo_split_nodes {plan.actor_nodes} {plan.rollout_nodes} || {{ echo "node split failed" >&2; exit 1; }}',
         'TEPO_ACTOR_NODELIST=$(IFS=,; printf %s "${TEPO_ACTOR_HOSTS[*]}")',
         'TEPO_ROLLOUT_NODELIST=$(IFS=,; printf %s "${TEPO_ROLLOUT_HOSTS[*]}")',
         'TEPO_RDZV_HOST=${TEPO_ACTOR_HOSTS[0]}',
-        f"TEPO_SGLANG_PORTS={ports}",
-        'TEPO_SGLANG_URLS=$(for h in "${TEPO_ROLLOUT_HOSTS[@]}"; do IFS=, read -r -a ps <<<"$TEPO_SGLANG_PORTS"; '
-        'for p in "${ps[@]}"; do printf "http://%s:%s\\n" "$h" "$p"; done; done | paste -sd, -)',
-        'export TEPO_ACTOR_NODELIST TEPO_ROLLOUT_NODELIST TEPO_RDZV_HOST TEPO_SGLANG_PORTS TEPO_SGLANG_URLS',
-        'echo "actor nodes: $TEPO_ACTOR_NODELIST; rollout nodes: $TEPO_ROLLOUT_NODELIST; SGLang: $TEPO_SGLANG_URLS"',
+        'export TEPO_ACTOR_NODELIST TEPO_ROLLOUT_NODELIST TEPO_RDZV_HOST',
+        'echo "actor nodes: $TEPO_ACTOR_NODELIST; rollout nodes: $TEPO_ROLLOUT_NODELIST"']
+
+
+def _setup_job_env(plan: Plan) -> List[str]:
+    return [
         "tepo_nccl_env",  # the job's NCCL network settings; the trainer's own: step-trainer (trainer_env)
         # every srun step gets the node's CPUs (steps do not inherit the job's count): lib.sh's rule
         'TEPO_STEP_CPUS=$(tepo_cpus_per_node) || { echo "no CPU count per node (see above)" >&2; exit 1; }',
         "tepo_api_key",  # TEPO_SGLANG_API_KEY: the user's or a random one, exported to the steps' environment
         # USR1 only (--signal=B:USR1@120, before the time limit): a TERM is scancel, not a requeue;
         # preemption requeues through Slurm itself (--requeue)
-        "trap 'TEPO_STEP_PIDS=(\"${pids[@]}\"); tepo_on_preempt' USR1",
-    ])
+        "trap 'TEPO_STEP_PIDS=(\"${pids[@]}\"); tepo_on_preempt' USR1"]
+
+
+def _setup_servers(plan: Plan) -> List[str]:  # the ports of a node's servers and every server's URL
+    spn = plan.servers_per_node
+    if plan.first_port == 0:  # one server node (checked): free ports of the batch host
+        ports = f'$(for ((i = 0; i < {spn}; i++)); do tepo_free_port; done | paste -sd, -)'
+    else:
+        ports = ",".join(str(plan.first_port + i) for i in range(spn))
+    return [
+        f"TEPO_SGLANG_PORTS={ports}",
+        'TEPO_SGLANG_URLS=$(for h in "${TEPO_ROLLOUT_HOSTS[@]}"; do IFS=, read -r -a ps <<<"$TEPO_SGLANG_PORTS"; '
+        'for p in "${ps[@]}"; do printf "http://%s:%s\\n" "$h" "$p"; done; done | paste -sd, -)',
+        'export TEPO_SGLANG_PORTS TEPO_SGLANG_URLS',
+        'echo "SGLang: $TEPO_SGLANG_URLS"']
+
+
+_SETUP = {"split_nodes": _setup_split_nodes, "job_env": _setup_job_env, "servers": _setup_servers,
+          "health": lambda plan: [], "trainer": lambda plan: []}  # (step-trainer waits; its task)
 
 
 def srun_args(plan: Plan, role: str) -> List[str]:
@@ -244,7 +262,7 @@ def build_experiment(plan: Plan, args, extra: Sequence[str]):
     run_dir = plan.output_dir / "launch" / "nemo-run" / exp._id
     write_run_config(plan.spec, run_dir / "run.yaml")
     (run_dir / "fit.log").write_text(plan.report + "\n", encoding="utf-8")
-    python = args.python or default_python()  # (checked by launch on cuda)
+    python = args.python or node_python()  # (checked by launch on cuda)
     slurm = args.executor == "slurm"
     ports = [] if slurm else ([free_port() for _ in range(plan.servers_per_node)] if plan.first_port == 0
                               else [plan.first_port + i for i in range(plan.servers_per_node)])
@@ -259,7 +277,7 @@ def build_experiment(plan: Plan, args, extra: Sequence[str]):
                             f"{bad[0]} (move the checkout or train.output_dir)")
     quote = sh if slurm else list  # nemo-run joins a Slurm command with spaces; local runs argv as is
     tasks = [run.Script(entrypoint=cmds[role][0], path=cmds[role][1], args=quote(cmds[role][2:]))
-             for role in ("sglang", "trainer")]
+             for role in plan.roles]
     if slurm:
         common = dict(
             account=args.account, partition=args.partition, time=args.time, qos=args.qos,
@@ -273,16 +291,16 @@ def build_experiment(plan: Plan, args, extra: Sequence[str]):
             setup_lines=setup_lines(plan, python), wait_time_for_group_job=0,
             monitor_group_job_wait_time=args.monitor_interval,
             additional_parameters={"requeue": True}, retries=args.retries)
-        executors = [run.SlurmExecutor(**common, srun_args=srun_args(plan, role)) for role in ("sglang", "trainer")]
+        executors = [run.SlurmExecutor(**common, srun_args=srun_args(plan, role)) for role in plan.roles]
     else:
         # no API key here: nemo-run writes env_vars to its experiment folder (configs/*_executor.yaml,
         # _TASKS) and prints them in a dry run; the steps inherit it from this process at run time
         # (local_api_key, in launch)
-        env = {"TEPO_ROOT": str(ROOT), "TEPO_RDZV_HOST": "127.0.0.1",
-               "TEPO_SGLANG_URLS": ",".join(f"http://127.0.0.1:{p}" for p in ports)}
+        env = {"TEPO_ROOT": str(ROOT), "TEPO_RDZV_HOST": "127.0.0.1",  # (the servers' step's URLs: none without it)
+               "TEPO_SGLANG_URLS": ",".join(f"http://127.0.0.1:{p}" for p in ports) if "sglang" in plan.roles else ""}
         if plan.device == "cpu":  # slurm/lib.sh's tepo_nccl_env on CPU (the trainer's threads: step-trainer)
             env.update(CUDA_VISIBLE_DEVICES="")
-        executors = [run.LocalExecutor(env_vars=dict(env)) for _ in ("sglang", "trainer")]
+        executors = [run.LocalExecutor(env_vars=dict(env)) for _ in plan.roles]
     sbatch = Path(exp._exp_dir) / f"{name}_sbatch.sh"
     return exp, run_dir, sbatch, lambda: exp.add(tasks, executor=executors, name=name)
 
@@ -317,7 +335,8 @@ def step_sglang(argv: Sequence[str]) -> int:
     a = ap.parse_args(argv)
     from concurrent.futures import ThreadPoolExecutor
 
-    from megatron_tepo.rollout.sglang.server import SGLangServer, stop_server
+    from megatron_tepo.rollout.sglang.client import SGLangServer
+    from megatron_tepo.rollout.sglang.server import stop_server
 
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     host = socket.gethostname()
@@ -377,7 +396,9 @@ def step_trainer(argv: Sequence[str]) -> int:
                     help="the trainer's own settings for this device (slurm/lib.sh's tepo_trainer_env)")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
-    from megatron_tepo.rollout.sglang.server import API_KEY_ENV, FleetError, SGLangServer, wait_ready
+    from megatron_tepo.rollout.sglang.client import FleetError, SGLangServer
+    from megatron_tepo.rollout.sglang.options import API_KEY_ENV
+    from megatron_tepo.rollout.sglang.server import wait_ready
 
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     node0 = os.environ.get("SLURM_NODEID", "0") == "0"
@@ -419,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dryrun", action="store_true", help="render (sbatch script) and stop")
     ap.add_argument("--detach", action="store_true", help="submit and return without waiting")
     ap.add_argument("--nemorun-home", default=None, help="nemo-run's home (default: $NEMORUN_HOME)")
-    ap.add_argument("--python", default=None, help="python on the nodes (default: $TEPO_PYTHON or .venv)")
+    ap.add_argument("--python", default=None, help="python on the nodes (default: slurm/lib.sh's tepo_python: "
+                                                     "$TEPO_PYTHON, else .venv, else python3)")
     ap.add_argument("--health-timeout", type=float, default=1800.0, help="seconds to wait for SGLang")
     ap.add_argument("--rdzv-port", type=int, default=29500)
     ap.add_argument("--monitor-interval", type=int, default=30,
@@ -470,7 +492,7 @@ def launch(args) -> int:
                   f"launch.rollout_nodes 0 or 1, not {plan.actor_nodes} and {plan.rollout_nodes}", file=sys.stderr)
             return EXIT_FIT
         # launch.device cuda: the pythons of the nodes (megatron_tepo/launch/pythons.py), probed from here
-        found = check_pythons(plan.spec, args.python or default_python(), setting="--python (or TEPO_PYTHON)")
+        found = check_pythons(plan.spec, args.python or node_python(), setting="--python (or TEPO_PYTHON)")
     except (ConfigError, FitError, NotImplementedError, ValueError, OSError) as exc:
         if args.traceback:
             raise

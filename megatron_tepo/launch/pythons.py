@@ -105,7 +105,7 @@ def _trainer(spec: LaunchSpec, python: str, setting: str, found: List[str]) -> L
 
 
 def _sglang(trainer_python: str, found: List[str]) -> List[str]:
-    from megatron_tepo.rollout.sglang.server import configured_sglang_python, cpu_build_marker
+    from megatron_tepo.rollout.sglang.options import configured_sglang_python, cpu_build_marker
 
     python = configured_sglang_python()
     if python is None:

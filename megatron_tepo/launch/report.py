@@ -56,11 +56,11 @@ class FitReport:
                 f"({self.breakdown_actor()}); " + ", or ".join(hints))
 
     def server_error(self) -> str:
-        s = self.server
+        s, k = self.server, self.launch.rollout.key
         return (f"rollout servers do not fit: {s.total / GiB:.1f} GiB > {s.budget / GiB:.1f} GiB per GPU "
-                f"(launch.sglang.mem_fraction_static {self.launch.sglang.mem_fraction_static:g} x "
+                f"({k}.mem_fraction_static {self.launch.rollout.server.mem_fraction_static:g} x "
                 f"{self.launch.gpu_mem_gib:g} GiB; weights {_gib(s.weights)} + KV cache {_gib(s.kv_cache)}); "
-                f"raise launch.sglang.tp, or lower launch.sglang.max_running_requests, "
+                f"raise {k}.tp, or lower {k}.max_running_requests, "
                 f"or lower rollout.max_new_tokens / rollout.max_prompt_len")
 
     def breakdown_actor(self) -> str:
@@ -75,7 +75,7 @@ class FitReport:
         if self.actor is None:
             return self.render_cpu()
         m, a, s, L, cfg = self.shape, self.actor, self.server, self.launch, self.cfg
-        par = cfg.parallel
+        par, server = cfg.parallel, self.launch.rollout.server
         lines = [
             self.model_line(),
             f"actor: {L.actor_nodes} node(s) x {L.gpus_per_node} GPUs = {L.actor_gpus}; tp={par.tp} pp={par.pp} "
@@ -85,20 +85,20 @@ class FitReport:
             f"packed={cfg.actor.pack_sequences} micro-batch tokens={a.tokens}",
             f"  per GPU ({a.stage} stage): params {a.dense_params + a.expert_params:,}; {self.breakdown_actor()}",
             f"  total {_gib(a.total)} of {L.gpu_mem_gib:g} GiB: {'fits' if self.actor_fits else 'DOES NOT FIT'}",
-            f"rollout: {L.rollout_nodes} node(s), {s.servers} SGLang server(s) x tp={L.sglang.tp}, "
-            f"{L.sglang.max_running_requests} running requests each ({s.servers * L.sglang.max_running_requests} "
+            f"rollout: {L.rollout_nodes} node(s), {s.servers} SGLang server(s) x tp={server.tp}, "
+            f"{server.max_running_requests} running requests each ({s.servers * server.max_running_requests} "
             f"concurrent; a step has {cfg.rollout.prompts_per_step * cfg.rollout.n_samples} sequences)",
             f"  per GPU: weights {_gib(s.weights)} + KV cache {_gib(s.kv_cache)} "
             f"({s.kv_tokens:,} tokens x {s.kv_bytes_per_token:,} B) = {_gib(s.total)} of {_gib(s.budget)} "
-            f"(mem_fraction_static {L.sglang.mem_fraction_static:g}): {'fits' if self.server_fits else 'DOES NOT FIT'}",
+            f"(mem_fraction_static {server.mem_fraction_static:g}): {'fits' if self.server_fits else 'DOES NOT FIT'}",
         ]
         return "\n".join(lines)
 
     def model_line(self) -> str:
         m = self.shape
         return (f"model: {m.family}, {total_params(m):,} parameters "
-                f"(L={m.num_layers}, h={m.hidden}, F={m.ffn}, nh={m.heads}, ng={m.kv_groups}, d={m.head_dim}, "
-                f"V={m.vocab}, tied={m.tied}" + (f", E={m.num_experts}, k={m.topk}, Fm={m.moe_ffn}" if m.is_moe else "")
+                f"(L={m.num_hidden_layers}, h={m.hidden_size}, F={m.intermediate_size}, nh={m.num_attention_heads}, ng={m.num_key_value_heads}, d={m.head_dim}, "
+                f"V={m.vocab_size}, tied={m.tie_word_embeddings}" + (f", E={m.num_experts}, k={m.num_experts_per_tok}, Fm={m.moe_intermediate_size}" if m.is_moe else "")
                 + ")")
 
     def render_cpu(self) -> str:
@@ -109,7 +109,7 @@ class FitReport:
             self.model_line(),
             f"actor (cpu): {L.actor_nodes} node(s) x {L.gpus_per_node} processes = {L.actor_gpus}; "
             f"tp={par.tp} pp={par.pp} ep={par.ep} dp={par.dp(L.actor_gpus)}",
-            f"rollout (cpu): {L.servers} SGLang server(s) {where}, tp={L.sglang.tp}, "
-            f"{L.sglang.threads} thread(s) each",
+            f"rollout (cpu): {L.servers} SGLang server(s) {where}, tp={L.rollout.server.tp}, "
+            f"{L.rollout.server.threads_per_server} thread(s) each",
             "memory: not checked (launch.device: cpu; the GPU arithmetic does not apply)",
         ])

@@ -1,29 +1,53 @@
-"""The ``launch`` section of a launch file: where the job runs (:class:`LaunchLayout`) and how its
-SGLang servers are sized (:class:`SGLangLayout`), read by :func:`read_layout` with the run
-config's own typed loader (:func:`megatron_tepo.config.build_section`: unknown and moved keys,
-types and choices are errors naming the key and its file and line), then checked against each
-other. What the settings mean: docs/LAUNCH.md. Left out: the rest of the file (the run config and
-the architecture, :mod:`megatron_tepo.launch.spec`) and any memory arithmetic."""
+"""The ``launch`` section of a launch file: where the job runs (:class:`LaunchLayout`) and its
+rollout servers (:class:`RolloutServers`: which engine, where, and one server's options), read by
+:func:`read_layout` with the run config's own typed loader
+(:func:`megatron_tepo.config.build_section`: unknown and moved keys, types and choices are errors
+naming the key and its file and line), then checked against each other.
+
+The servers' section names its engine and holds its options::
+
+    launch:
+      rollout:
+        engine: sglang      # a name of megatron_tepo/launch/engines.py
+        tp: 2               # the engine's options (sglang: ServerConfig's launch keys) ...
+        port: 30000         # ... and where the servers run: port, servers_per_node
+      # or, the old form, the same as engine: sglang:  sglang: {tp: 2, port: 30000}
+
+Its option keys and their defaults are the engine's own options type (one server's schema, whose
+device-dependent defaults follow ``launch.device``); errors name the section the file used
+(``launch.rollout.tp`` or ``launch.sglang.tp``). What the settings mean: docs/LAUNCH.md. Left out:
+the rest of the file (the run config and the architecture, :mod:`megatron_tepo.launch.spec`) and
+any memory arithmetic."""
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, Literal, Optional
 
 from megatron_tepo.config import ConfigError, build_section
+from megatron_tepo.launch.engines import ServedEngine, served_engine
 
-__all__ = ["SGLangLayout", "LaunchLayout", "read_layout"]
+__all__ = ["RolloutServers", "LaunchLayout", "read_layout"]
+
+OLD_SECTION = "sglang"  # launch.sglang: the old name of launch.rollout with engine: sglang
 
 
 @dataclass
-class SGLangLayout:
-    tp: int = 1  # GPUs per SGLang server
-    max_running_requests: int = 64  # concurrent sequences per server (SGLang --max-running-requests)
-    mem_fraction_static: float = 0.85  # SGLang --mem-fraction-static: weights + KV pool share
+class RolloutServers:
+    """The rollout servers the launcher starts: ``engine`` (a name of
+    :data:`~megatron_tepo.launch.engines.SERVED_ENGINES`), where they run, and one server's options
+    (``server``: the engine's options type; None: its defaults for ``launch.device``)."""
+    engine: str = "sglang"
     port: int = 30000  # first server port on a node (server i uses port + i); 0: free ports picked
     # by the batch shell (one-node jobs whose servers run on the batch host only)
     servers_per_node: int = 0  # 0: gpus_per_node / tp on GPU, 1 on CPU
-    max_total_tokens: int = 0  # SGLang --max-total-tokens (KV pool in tokens); 0: SGLang's sizing
-    threads: int = 1  # OMP threads per CPU server (launch.device: cpu)
+    server: Any = None
+    key: str = "launch.rollout"  # the section the launch file set them in, for the errors
+
+
+PLACEMENT = ("port", "servers_per_node")  # RolloutServers' keys beside the engine's options
 
 
 @dataclass
@@ -34,7 +58,11 @@ class LaunchLayout:
     actor_nodes: int = 1
     rollout_nodes: int = 1
     reserve_gib: float = 4.0  # CUDA context + NCCL buffers + fragmentation, per actor GPU
-    sglang: SGLangLayout = field(default_factory=SGLangLayout)
+    rollout: RolloutServers = field(default_factory=RolloutServers)
+
+    def __post_init__(self):
+        if self.rollout.server is None:
+            self.rollout.server = served_engine(self.rollout.engine).options(device=self.device)
 
     @property
     def actor_gpus(self) -> int:
@@ -42,46 +70,80 @@ class LaunchLayout:
 
     @property
     def colocated(self) -> bool:
-        """The SGLang servers run on the actor nodes (``launch.rollout_nodes: 0``, CPU only)."""
+        """The rollout servers run on the actor nodes (``launch.rollout_nodes: 0``, CPU only)."""
         return self.rollout_nodes == 0
 
     @property
     def servers_per_node(self) -> int:
-        if self.sglang.servers_per_node:
-            return self.sglang.servers_per_node
-        return 1 if self.device == "cpu" else self.gpus_per_node // self.sglang.tp
+        if self.rollout.servers_per_node:
+            return self.rollout.servers_per_node
+        return 1 if self.device == "cpu" else self.gpus_per_node // self.rollout.server.tp
 
     @property
     def servers(self) -> int:
         return (self.actor_nodes if self.colocated else self.rollout_nodes) * self.servers_per_node
 
 
+@functools.lru_cache(maxsize=None)
+def section_type(engine: ServedEngine) -> type:
+    """The servers' section as a dataclass for the typed loader: the placement keys and the
+    engine's option keys, typed and defaulted by the options type (not copied: made from it)."""
+    hints = typing.get_type_hints(engine.options)
+    own = {f.name: f for f in dataclasses.fields(RolloutServers)}
+    specs = [(k, int, field(default=own[k].default)) for k in PLACEMENT]
+    specs += [(k, hints[f.name], field(default=f.default)) for k, f in engine.options.launch_keys().items()]
+    return dataclasses.make_dataclass(f"{engine.name}_servers", specs)
+
+
+def read_servers(section: Any, key: str, device: str, where: Dict[str, str]) -> RolloutServers:
+    """``launch.rollout`` (``key``; ``launch.sglang``: the old form, engine sglang) for ``device``."""
+    if not isinstance(section, dict):
+        loc = f" ({where[key]})" if key in where else ""
+        raise ConfigError(f"{key}{loc}: expected a mapping for section '{key}', found "
+                          f"{type(section).__name__} {section!r}")
+    section = dict(section)
+    name = section.pop("engine", "sglang") if key == "launch.rollout" else "sglang"
+    engine = served_engine(name, f"{key}.engine", where.get(f"{key}.engine"))
+    typed = build_section(section_type(engine), section, key, where)
+    options = {f.name: getattr(typed, k) for k, f in engine.options.launch_keys().items()}
+    return RolloutServers(engine=name, port=typed.port, servers_per_node=typed.servers_per_node,
+                          server=engine.options(device=device, **options), key=key)
+
+
 def read_layout(data: Any, where: Optional[Dict[str, str]] = None) -> LaunchLayout:
     """The ``launch`` section: typed by the run config's loader (``where``: dotted key -> file and
     line, as :func:`megatron_tepo.config.read_yaml_file` records them), then its cross-field rules."""
+    where = where or {}
+    sections = {}
+    if isinstance(data, dict):
+        data = dict(data)
+        sections = {k: data.pop(k) for k in ("rollout", OLD_SECTION) if k in data}
+    if len(sections) == 2:
+        raise ConfigError(f"launch.{OLD_SECTION}: the old name of launch.rollout (engine: sglang); "
+                          f"give one of the two sections")
     out: LaunchLayout = build_section(LaunchLayout, data, "launch", where)
+    for name, section in sections.items():
+        out.rollout = read_servers(section, f"launch.{name}", out.device, where)
     for name in ("gpus_per_node", "actor_nodes"):
         if getattr(out, name) < 1:
             raise ConfigError(f"launch.{name}: must be >= 1, got {getattr(out, name)}")
     if out.rollout_nodes < 0:
         raise ConfigError(f"launch.rollout_nodes: must be >= 0, got {out.rollout_nodes}")
     if out.rollout_nodes == 0 and out.device != "cpu":
-        raise ConfigError("launch.rollout_nodes: 0 (SGLang servers on the actor nodes) needs "
+        raise ConfigError("launch.rollout_nodes: 0 (the rollout servers on the actor nodes) needs "
                           "launch.device: cpu; on GPUs give the servers their own nodes (>= 1)")
     if out.gpu_mem_gib <= 0 or out.reserve_gib < 0:
         raise ConfigError("launch.gpu_mem_gib must be > 0 and launch.reserve_gib >= 0")
-    s = out.sglang
-    if s.tp < 1 or out.gpus_per_node % s.tp:
-        raise ConfigError(f"launch.sglang.tp: {s.tp} must be >= 1 and divide launch.gpus_per_node "
+    r, k = out.rollout, out.rollout.key
+    tp = r.server.tp
+    if tp < 1 or out.gpus_per_node % tp:
+        raise ConfigError(f"{k}.tp: {tp} must be >= 1 and divide launch.gpus_per_node "
                           f"({out.gpus_per_node}); a server does not span nodes")
-    if s.max_running_requests < 1:
-        raise ConfigError("launch.sglang.max_running_requests: must be >= 1")
-    if s.servers_per_node < 0 or s.max_total_tokens < 0 or s.threads < 1 or not 0 <= s.port < 65536:
-        raise ConfigError("launch.sglang: servers_per_node and max_total_tokens must be >= 0, "
-                          "threads >= 1, port in [0, 65535]")
-    if out.device == "cuda" and s.servers_per_node * s.tp > out.gpus_per_node:
-        raise ConfigError(f"launch.sglang.servers_per_node: {s.servers_per_node} servers x tp {s.tp} "
+    for option, why in r.server.invalid():
+        raise ConfigError(f"{k}.{option}: {why}, got {getattr(r.server, r.server.launch_keys()[option].name)}")
+    if r.servers_per_node < 0 or not 0 <= r.port < 65536:
+        raise ConfigError(f"{k}: servers_per_node must be >= 0 and port in [0, 65535]")
+    if out.device == "cuda" and r.servers_per_node * tp > out.gpus_per_node:
+        raise ConfigError(f"{k}.servers_per_node: {r.servers_per_node} servers x tp {tp} "
                           f"need more than launch.gpus_per_node ({out.gpus_per_node}) GPUs")
-    if not 0 < s.mem_fraction_static <= 1:
-        raise ConfigError("launch.sglang.mem_fraction_static: must be in (0, 1]")
     return out

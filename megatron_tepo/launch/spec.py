@@ -1,17 +1,20 @@
 """A launch file, read (:func:`load_launch` -> :class:`LaunchSpec`) and handed on: the run config
-the trainer is started with (:func:`write_run_config`), the serve command of every SGLang server
-(:func:`serve_args`: the one place where ``launch.sglang`` becomes the server's command-line
-options) and the ``FIT_*`` shell variables of slurm/lib.sh (:func:`shell_vars`, :func:`render_shell`).
+the trainer is started with (:func:`write_run_config`), the serve command of every rollout server
+(:func:`serve_args`: the one place where the launch file's server options become the serve
+command's options) and the ``FIT_*`` shell variables of slurm/lib.sh (:func:`shell_vars`,
+:func:`render_shell`).
 
 A launch file (``examples/models/<model>.yaml``) holds the model's HF ``config.json`` numbers
-(``architecture``, or a path to one; a ``config.json`` in ``model.path`` wins), the placement
-(``launch``: :mod:`megatron_tepo.launch.schema`) and a :class:`~megatron_tepo.config.RunConfig`
-fragment (everything else, ``_base_`` naming the method file), which is typed and validated by the
-run config's own loader, errors naming the key and its line in the launch file. docs/LAUNCH.md
-says how the Slurm scripts and the nemo-run launcher use it. Left out: the memory arithmetic and
-the fit check (:mod:`megatron_tepo.launch.fit`)."""
+(``architecture``, or a path to one; a ``config.json`` in ``model.path`` wins), the placement and
+the rollout servers (``launch``: :mod:`megatron_tepo.launch.schema`) and a
+:class:`~megatron_tepo.config.RunConfig` fragment (everything else, ``_base_`` naming the method
+file), which is typed and validated by the run config's own loader, errors naming the key and its
+line in the launch file. docs/LAUNCH.md says how the Slurm scripts and the nemo-run launcher use
+it. Left out: the memory arithmetic and the fit check (:mod:`megatron_tepo.launch.fit`), the order
+of the job's steps (:mod:`megatron_tepo.launch.sequence`)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from dataclasses import dataclass
@@ -21,15 +24,17 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import yaml
 
 from megatron_tepo.config import ConfigError, RunConfig, apply_overrides, from_file_data, load_config, read_yaml_file
+from megatron_tepo.launch.engines import SERVED_ENGINES, served_engine
 from megatron_tepo.launch.schema import LaunchLayout, read_layout
+from megatron_tepo.launch.sequence import job_steps
 from megatron_tepo.launch.shape import ModelShape, model_shape
 
 __all__ = ["LaunchSpec", "load_launch", "write_run_config", "SERVE_MODULE", "serve_args", "shell_vars",
            "render_shell"]
 
 LAUNCH_KEYS = ("architecture", "launch")
-#: the serve command (one SGLang server in the foreground), run with the project's python on the nodes
-SERVE_MODULE = "megatron_tepo.rollout.sglang.server"
+#: the SGLang serve command (one server in the foreground), run with the project's python on the nodes
+SERVE_MODULE = SERVED_ENGINES["sglang"].serve_module
 
 
 @dataclass
@@ -68,6 +73,10 @@ def load_launch(path: Union[str, Path], overrides: Sequence[str] = (),
     bases = data.pop("_base_", None)
     data = apply_overrides(data, run_ov, where)
     cfg = from_file_data(path, data if bases is None else {"_base_": bases, **data}, where)
+    served = cfg.rollout.engine
+    if served in SERVED_ENGINES and served != launch.rollout.engine:
+        raise ConfigError(f"rollout.engine: {served}, but {launch.rollout.key} serves {launch.rollout.engine}: "
+                          f"the launcher starts the servers the trainer attaches to; name one engine")
     bases = [bases] if isinstance(bases, str) else bases or []
     run_data = {"_base_": [str((path.parent / b).resolve()) for b in bases], **data} if bases else data
     source = ""
@@ -103,44 +112,33 @@ def write_run_config(spec: LaunchSpec, out: Union[str, Path]) -> Path:
 
 
 def serve_args(spec: LaunchSpec) -> List[str]:
-    """The words after the python of every SGLang server of the job, all but ``--port`` (one per
-    server): ``-m megatron_tepo.rollout.sglang.server`` and the options the launch file sets. The only
-    place where ``launch.sglang`` (and the device, model path and context length) become the
-    server's options: slurm/lib.sh reads them as ``FIT_SERVE_ARGS``, the nemo-run launcher calls
-    this; the serve command turns them into SGLang's flags (the rollout fleet's ``server_command``)."""
+    """The words after the python of every rollout server of the job, all but ``--port`` (one per
+    server): ``-m`` the engine's serve module and one server's options (``launch.rollout``) with
+    what the launcher decides (the model path; every interface, for the actor nodes; on cuda the
+    context length of a rollout), written by the options type itself (``to_argv``), which the serve
+    command reads back. slurm/lib.sh reads them as ``FIT_SERVE_ARGS``, the nemo-run launcher calls this."""
     L, cfg = spec.launch, spec.cfg
-    s = L.sglang
-    args = ["-m", SERVE_MODULE, "--model-path", cfg.model.path, "--host", "0.0.0.0", "--tp", str(s.tp),
-            "--device", L.device, "--mem-fraction-static", f"{s.mem_fraction_static:g}",
-            "--max-running-requests", str(s.max_running_requests)]
-    if L.device == "cpu":
-        args += ["--threads", str(s.threads)]
-    else:
-        args += ["--context-length", str(cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens)]
-    if s.max_total_tokens:
-        args += ["--max-total-tokens", str(s.max_total_tokens)]
-    return args
+    ctx = cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens if L.device == "cuda" else None
+    server = dataclasses.replace(L.rollout.server, model_path=cfg.model.path, host="0.0.0.0", context_length=ctx)
+    return ["-m", served_engine(L.rollout.engine).serve_module, *server.to_argv()]
 
 
 def shell_vars(spec: LaunchSpec) -> Dict[str, str]:
-    """What slurm/lib.sh needs, as ``FIT_*`` shell variables. ``FIT_SERVE_ARGS`` is :func:`serve_args`,
-    shell-quoted; the values it is made of (``FIT_SGLANG_*``, ``FIT_MODEL_PATH``, ``FIT_CONTEXT_LEN``)
-    are there as before, though lib.sh reads only ``FIT_SGLANG_TP`` and ``FIT_SGLANG_PORT`` of them.
-    ``FIT_ENGINE`` is ``rollout.engine``: lib.sh starts no server for an engine other than ``sglang``."""
-    L = spec.launch
+    """What slurm/lib.sh needs, as ``FIT_*`` shell variables: the placement, ``FIT_STEPS`` (the
+    job's steps, :func:`megatron_tepo.launch.sequence.job_steps`) and ``FIT_SERVE_ARGS`` (:func:`serve_args`,
+    shell-quoted). ``FIT_ENGINE`` is ``rollout.engine`` (for the log of a job without servers);
+    ``FIT_SGLANG_MAX_TOTAL_TOKENS`` is the server's KV pool, which lib.sh does not read (the serve
+    command has it in ``FIT_SERVE_ARGS``)."""
+    L, r = spec.launch, spec.launch.rollout
     return {
         "FIT_DEVICE": L.device,
-        "FIT_ENGINE": spec.cfg.rollout.engine,  # sglang: lib.sh starts the servers; embedded: none
+        "FIT_ENGINE": spec.cfg.rollout.engine,
+        "FIT_STEPS": " ".join(job_steps(spec.cfg, L)),
         "FIT_ACTOR_NODES": str(L.actor_nodes), "FIT_ROLLOUT_NODES": str(L.rollout_nodes),
-        "FIT_GPUS_PER_NODE": str(L.gpus_per_node), "FIT_SGLANG_TP": str(L.sglang.tp),
-        "FIT_SERVERS_PER_NODE": str(L.servers_per_node),
-        "FIT_SGLANG_MAX_TOTAL_TOKENS": str(L.sglang.max_total_tokens),
-        "FIT_SGLANG_THREADS": str(L.sglang.threads),
-        "FIT_SGLANG_MAX_RUNNING": str(L.sglang.max_running_requests),
-        "FIT_SGLANG_MEM_FRACTION": f"{L.sglang.mem_fraction_static:g}",
-        "FIT_SGLANG_PORT": str(L.sglang.port),
-        "FIT_MODEL_PATH": spec.cfg.model.path, "FIT_OUTPUT_DIR": spec.cfg.train.output_dir,
-        "FIT_CONTEXT_LEN": str(spec.cfg.rollout.max_prompt_len + spec.cfg.rollout.max_new_tokens),
+        "FIT_GPUS_PER_NODE": str(L.gpus_per_node), "FIT_SGLANG_TP": str(r.server.tp),
+        "FIT_SERVERS_PER_NODE": str(L.servers_per_node), "FIT_SGLANG_PORT": str(r.port),
+        "FIT_SGLANG_MAX_TOTAL_TOKENS": str(r.server.max_total_tokens),
+        "FIT_OUTPUT_DIR": spec.cfg.train.output_dir,
         "FIT_SERVE_ARGS": shlex.join(serve_args(spec)),
     }
 

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron_tepo.layout import ModelDims
+from megatron_tepo.layout import ModelShape
 
 SPECS = ("local", "te")
 
@@ -114,11 +114,17 @@ class GPTFamilyConfig:
     spec: str = "local"  # "local" (megatron modules) or "te" (Transformer Engine fused norms)
     moe: Optional[MoEConfig] = None  # routed experts in every layer; None: dense
 
-    def dims(self) -> ModelDims:
-        """The sizes the parallel layout rules read (:func:`megatron_tepo.layout.validate_layout`)."""
-        return ModelDims(num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_query_groups,
-                         vocab_size=self.vocab_size, intermediate_size=self.ffn_hidden_size,
-                         num_hidden_layers=self.num_layers, num_experts=self.num_experts)
+    def dims(self) -> ModelShape:
+        """The model's shape, the one type the layout rules (:func:`megatron_tepo.layout.validate_layout`)
+        and the fit check's memory arithmetic read."""
+        moe = self.moe
+        return ModelShape(num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_query_groups,
+                          vocab_size=self.vocab_size, intermediate_size=self.ffn_hidden_size,
+                          num_hidden_layers=self.num_layers, num_experts=self.num_experts,
+                          hidden_size=self.hidden_size, head_dim=self.head_dim,
+                          tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.qkv_bias,
+                          qk_norm=self.qk_layernorm, num_experts_per_tok=moe.router_topk if moe else 0,
+                          moe_intermediate_size=moe.ffn_hidden_size if moe else 0, family=self.family)
 
     def __post_init__(self):
         if self.spec not in SPECS:

@@ -189,7 +189,7 @@ def test_hf_config_path_wins(tmp_path):
     cfg_json = tmp_path / "config.json"
     cfg_json.write_text(json.dumps(dict(TINY_ARCH, num_hidden_layers=4)))
     spec = load_launch(MODELS / "qwen3_14b.yaml", hf_config=cfg_json)
-    assert spec.shape().num_layers == 4 and spec.architecture_source == str(cfg_json)
+    assert spec.shape().num_hidden_layers == 4 and spec.architecture_source == str(cfg_json)
 
 
 def test_cli(tmp_path, capsys):

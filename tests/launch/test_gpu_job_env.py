@@ -22,7 +22,7 @@ import pytest
 
 from megatron_tepo.launch import FitError, load_launch
 from megatron_tepo.launch.pythons import check_pythons
-from megatron_tepo.rollout.sglang.server import CPU_BUILD_MARKERS, ServerConfig, cpu_build_marker, server_command
+from megatron_tepo.rollout.sglang.options import CPU_BUILD_MARKERS, ServerConfig, cpu_build_marker, server_command
 from tests.launch.gpu_pythons import gpu_pythons, standin_python
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -48,7 +48,7 @@ def test_one_serve_command_for_both_launchers(tmp_path, name, device_args):
 
 def test_serve_command_makes_sglang_flags_of_them(monkeypatch):
     """The last hops: the serve command's parser, then the fleet's server_command (SGLang's flags)."""
-    from megatron_tepo.rollout.sglang import server as serve
+    from megatron_tepo.rollout.sglang import serve
 
     spec = load_launch(MODELS / "qwen3_14b.yaml", ["model.path=/models/m", "launch.sglang.mem_fraction_static=0.7",
                                                   "launch.sglang.max_total_tokens=65536"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_tepo.rollout.engine import FINISH_LENGTH
-from megatron_tepo.rollout.sglang.server import FleetError
+from megatron_tepo.rollout.sglang.client import FleetError
 
 VOCAB = 256
 

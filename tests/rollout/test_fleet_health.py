@@ -186,7 +186,7 @@ def test_router_stands_only_in_front_of_the_healthy_servers(two_fakes, monkeypat
     """With sglang-router: from a server's death the router is bypassed; a returned server goes
     behind a rebuilt router only after the weight sync reached it."""
     import megatron_tepo.rollout.sglang.fleet as fleet_mod
-    from megatron_tepo.rollout.sglang.server import SGLangServer
+    from megatron_tepo.rollout.sglang.client import SGLangServer
 
     a, b = two_fakes
     routers, events = [], []

@@ -9,7 +9,8 @@ import torch
 
 from megatron_tepo.rollout.engine import FINISH_LENGTH, FINISH_STOP
 from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
-from megatron_tepo.rollout.sglang.server import FleetError, RequestFailed, ServerConfig
+from megatron_tepo.rollout.sglang.client import FleetError, RequestFailed
+from megatron_tepo.rollout.sglang.server import ServerConfig
 from megatron_tepo.algorithms.drift import DriftCheck
 from megatron_tepo.rollout.sglang.weight_sync import TensorSync, make_weight_sync
 from tests.rollout.helpers import (VOCAB, error_with_all_servers_hung, hf_response_log_probs,

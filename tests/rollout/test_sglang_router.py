@@ -12,7 +12,9 @@ import pytest
 import requests
 
 from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet, use_router
-from megatron_tepo.rollout.sglang.server import API_KEY_ENV, SGLANG_LAUNCHER, FleetError, ServerConfig, router_command
+from megatron_tepo.rollout.sglang.client import FleetError
+from megatron_tepo.rollout.sglang.options import API_KEY_ENV, SGLANG_LAUNCHER, ServerConfig
+from megatron_tepo.rollout.sglang.router import router_command
 from tests.rollout.helpers import cmdlines, error_with_all_servers_hung, kill_during_step, save_tiny_qwen3
 
 pytestmark = pytest.mark.sglang

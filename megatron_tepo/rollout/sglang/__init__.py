@@ -1,9 +1,14 @@
 """The SGLang rollout engine: a fleet of SGLang servers behind the engine interface.
 
-* ``server.py`` -- one server's process and address: the SGLang command line, launch, health,
-  stop, sglang-router in front of several, and the serve command
-  (``python -m megatron_tepo.rollout.sglang.server``, what the Slurm launchers run per server).
-* ``launch.py`` -- what that command line runs inside the SGLang venv (SGLang's own launch with
+* ``options.py`` -- one server's options, once (``ServerConfig``: one default per value, written on
+  a command line and read back) and SGLang's flags made of them (``server_command``).
+* ``client.py`` -- one server over HTTP: its calls, ``/health``, the generation probe, its health
+  state.
+* ``server.py`` -- one server as a process of this one: launch, wait for health, stop; ``python -m``
+  of it is the serve command (``serve.py``: one server in the foreground, what the Slurm launchers
+  run per server).
+* ``router.py`` -- sglang-router in front of several servers.
+* ``launch.py`` -- what ``server_command``'s command line runs inside the SGLang venv (SGLang's own launch with
   the API key taken from the environment); it imports nothing of this package.
 * ``fleet.py`` -- dispatch: a step's requests spread over the servers (or through the router),
   retried elsewhere on failure; the :class:`~megatron_tepo.rollout.engine.RolloutEngine`.

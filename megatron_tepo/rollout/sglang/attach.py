@@ -7,7 +7,8 @@ The servers are ``TEPO_SGLANG_URLS`` (comma-separated; the Slurm launchers set i
 and the sending weight sync; every other rank builds only a weight sync that drains its part of
 the actor's export (``is_sender=False``), so that the export's collectives match.
 
-Left out: launching servers (the Slurm launchers and the tests start them; ``server.py``).
+Left out: launching servers (the Slurm launchers and the tests start them; ``server.py``,
+``serve.py``).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 from megatron_tepo.config import RolloutConfig
 from megatron_tepo.rollout.registry import EngineSettings, register_engine
 from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
-from megatron_tepo.rollout.sglang.server import API_KEY_ENV
+from megatron_tepo.rollout.sglang.options import API_KEY_ENV
 from megatron_tepo.rollout.sglang.weight_sync import SYNC_MODES, WeightSync, make_weight_sync
 
 URLS_ENV = "TEPO_SGLANG_URLS"

@@ -1,7 +1,7 @@
 """The SGLang fleet: a step's requests spread over SGLang servers, behind the
 :class:`~megatron_tepo.rollout.engine.RolloutEngine` interface, and the servers kept alive.
 
-Servers are either started here (``FleetConfig.num_servers``, launched as ``server.py`` says:
+Servers are either started here (``FleetConfig.num_servers``, launched as ``server.py`` and ``options.py`` say:
 subprocesses of this one under the SGLang venv's python, each with a random API key -- its own,
 or one shared by the servers behind a router -- handed over in the environment, bound to
 ``ServerConfig.host`` -- loopback by default -- on a free port) or attached to by URL (with their
@@ -31,10 +31,11 @@ then marks the stale ones healthy and rebuilds the router over the healthy set).
 state is logged and counted; :meth:`health_metrics` hands the counts since its last call to the
 step metrics.
 
-Left out: starting, stopping and the probe of one server, the router's process (``server.py``);
-how weights reach the servers (``weight_sync/``; the fleet holds one and calls it). A server that
-dies during a weight sync fails that sync (the export it needs again is collective over the
-actor's ranks): the run stops and resumes from its last checkpoint (docs/FAULT_TOLERANCE.md).
+Left out: starting and stopping one server (``server.py``), its HTTP calls and probe (``client.py``),
+the router's process (``router.py``); how weights reach the servers (``weight_sync/``; the fleet
+holds one and calls it). A server that dies during a weight sync fails that sync (the export it
+needs again is collective over the actor's ranks): the run stops and resumes from its last
+checkpoint (docs/FAULT_TOLERANCE.md).
 """
 from __future__ import annotations
 
@@ -52,9 +53,10 @@ import torch
 from megatron_tepo.rollout.engine import (FINISH_LENGTH, FINISH_STOP, Group, RolloutEngine, Sample,
                                           make_params, validate_prompts)
 from megatron_tepo.rollout.sglang.health import COUNTERS, Event, State, counter
-from megatron_tepo.rollout.sglang.server import (ROUTER_POLICIES, FleetError, RequestFailed, ServerConfig,
-                                                 SGLangServer, launch_router, launch_server, router_installed,
-                                                 stop_server, wait_ready)
+from megatron_tepo.rollout.sglang.client import FleetError, RequestFailed, SGLangServer
+from megatron_tepo.rollout.sglang.options import ServerConfig
+from megatron_tepo.rollout.sglang.router import ROUTER_POLICIES, launch_router, router_installed
+from megatron_tepo.rollout.sglang.server import launch_server, stop_server, wait_ready
 from megatron_tepo.rollout.sglang.weight_sync import TensorSync
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ the command line.
 
 SGLang reads its API key only from ``--api-key``, and a command line is visible to every user of
 the machine (``ps``, ``/proc/<pid>/cmdline``). This script is what
-:func:`megatron_tepo.rollout.sglang.server.server_command` runs instead of
+:func:`megatron_tepo.rollout.sglang.options.server_command` runs instead of
 ``python -m sglang.launch_server``: inside the server process it appends ``--api-key`` with the
 value of ``TEPO_SGLANG_API_KEY`` (unset or empty: no key) to the list it parses, then does what
 ``python -m sglang.launch_server`` does: ``load_plugins()`` where SGLang has it,
@@ -30,7 +30,7 @@ in ``sglang.srt.server_args``, ``kill_process_tree(pid, include_parent=...)`` in
 ``sglang.srt.utils``, and ``--api-key``. sglang-router is a package of its own: run with 0.3.2
 (the CPU install's), no other version read.
 
-``router`` first: sglang-router instead (what :func:`megatron_tepo.rollout.sglang.server.launch_router`
+``router`` first: sglang-router instead (what :func:`megatron_tepo.rollout.sglang.router.launch_router`
 runs), which also takes its key (the one it checks on every request and passes on to the servers)
 only from ``--api-key``. The arguments after ``router``, plus ``--api-key`` from the environment,
 are parsed by sglang_router's own parser (``sglang_router.launch_router.parse_router_args``) and
@@ -40,7 +40,7 @@ does, so the key lives in the router's memory only.
 It runs under the SGLang venv's python, by path: it imports only the standard library and sglang
 (or sglang_router) (nothing of megatron_tepo, which that venv need not have), and drops its own
 folder from ``sys.path`` first so that the modules next to it cannot shadow others. That is why
-it is a file of its own rather than part of ``server.py``, which runs in the trainer's venv (and
+it is a file of its own rather than part of ``server.py`` or ``serve.py``, which run in the trainer's venv (and
 which SGLang's spawned children would re-import as their main module). The CPU patches of
 ``tools/install_sglang_cpu.sh`` load at interpreter start-up (a ``.pth`` file), as for
 ``python -m sglang.launch_server``. Left out: SGLang's other entry points (``sglang serve``, gRPC).

@@ -17,7 +17,7 @@ payload field posted here is there too (``flattened_bucket`` loads of ``/update_
 and ``/update_weights_from_tensor``, ``/pause_generation`` with ``mode``, the update group's ``backend``,
 ``flush_cache: false``), except ``/begin_weight_update`` and ``/end_weight_update``, which none of the
 three has: ``base.py`` probes them and goes on without them on a 404. ``/server_info`` (0.5.23) falls
-back to ``/get_server_info`` (``server.py``).
+back to ``/get_server_info`` (``client.py``).
 
 Left out: servers with data or pipeline parallelism (SGLang refuses these updates at dp > 1),
 and tensor mode across hosts.

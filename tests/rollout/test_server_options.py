@@ -1,0 +1,63 @@
+"""One schema per SGLang server (issue #33 point 3): ServerConfig is written on a command line and read
+back into the same type, with one default per value (the device's through one rule), and a launch
+file's servers are that type from the YAML to the serve command."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from megatron_tepo.launch import load_launch, serve_args
+from megatron_tepo.rollout.sglang import serve
+from megatron_tepo.rollout.sglang.options import DEVICE_DEFAULTS, SERVE_COMMAND_DEFAULTS, ServerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "examples" / "models"
+
+
+@pytest.mark.parametrize("cfg", [
+    ServerConfig(),
+    ServerConfig(device="cuda"),
+    ServerConfig(model_path="/models/m x", host="0.0.0.0", dtype="float32", device="cuda", tp=4,
+                 mem_fraction_static=0.7, max_running_requests=0, threads_per_server=3, max_total_tokens=65536,
+                 context_length=10240, skip_warmup=False, extra_args=["--log-level", "warning"]),
+    ServerConfig(model_path="/m", max_total_tokens=0, max_running_requests=8),
+], ids=["cpu-defaults", "cuda-defaults", "every-option", "zeros"])
+def test_the_command_line_reads_back_into_the_same_config(cfg):
+    argv = cfg.to_argv()
+    assert ServerConfig.from_argv(argv) == cfg
+    assert ServerConfig.from_argv(argv, **SERVE_COMMAND_DEFAULTS) == cfg  # every option is written
+
+
+def test_the_device_decides_its_defaults_through_one_rule():
+    for device, defaults in DEVICE_DEFAULTS.items():
+        cfg = ServerConfig(device=device)
+        assert {k: getattr(cfg, k) for k in defaults} == defaults
+    given = ServerConfig(device="cuda", mem_fraction_static=0.5, max_total_tokens=4096, max_running_requests=0)
+    assert (given.mem_fraction_static, given.max_total_tokens, given.max_running_requests) == (0.5, 4096, 0)
+    with pytest.raises(ValueError, match="ServerConfig.device: expected cpu or cuda, found 'tpu'"):
+        ServerConfig(device="tpu")
+
+
+@pytest.mark.parametrize("name", ["qwen3_14b", "tiny_cpu"])
+def test_a_launch_files_servers_are_one_type_from_yaml_to_the_serve_command(name, monkeypatch):
+    """launch file -> ServerConfig -> FIT_SERVE_ARGS -> the serve command's parser -> ServerConfig."""
+    monkeypatch.setenv("MTEPO_SGLANG_PYTHON", "/sglang/bin/python")
+    spec = load_launch(MODELS / f"{name}.yaml", ["model.path=/models/m"])
+    sent = spec.launch.rollout.server
+    assert isinstance(sent, ServerConfig) and sent.device == spec.launch.device
+    ns = serve.build_parser().parse_args([*serve_args(spec)[2:], "--port", "30000"])
+    got = ServerConfig.from_namespace(ns, python="/sglang/bin/python")
+    ctx = spec.cfg.rollout.max_prompt_len + spec.cfg.rollout.max_new_tokens if sent.device == "cuda" else None
+    assert got == dataclasses.replace(sent, model_path="/models/m", host="0.0.0.0", context_length=ctx,
+                                      python="/sglang/bin/python")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_launch_file_without_server_options_takes_the_servers_defaults(tmp_path, device):
+    import yaml
+
+    launch = {"device": device, "gpus_per_node": 2, "rollout_nodes": 0 if device == "cpu" else 1}
+    path = tmp_path / "l.yaml"
+    path.write_text(yaml.safe_dump({"_base_": str(ROOT / "examples" / "tiny_tepo" / "config.yaml"),
+                                    "architecture": {"num_attention_heads": 4}, "launch": launch}))
+    assert load_launch(path).launch.rollout.server == ServerConfig(device=device)
