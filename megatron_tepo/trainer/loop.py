@@ -13,8 +13,9 @@ Checkpoints hold the actor (model, optimizer, LR schedule, RNG: ``MegatronActor.
 plus the loop's own state (step, prompt order and RNG, the engine's sampling RNG, and with
 one-step-off generation the next step's rollout), written atomically; a resumed run continues
 exactly (tested with a SIGKILL). With ``train.async_save`` (the default) the tensors are written
-in the background while the next steps train: each step publishes a save that is written by then,
-a new save first finishes the one in flight, and the run finishes its last one before it returns.
+in the background while the next step generates: it is complete and published before that step's
+first update (so a run stopped in that step resumes from it), and the run finishes its last one
+before it returns.
 
 One-step-off generation (``rollout.max_staleness: 1``): while the actor trains step k, the driver
 generates step k+1's rollout in a background thread with the weights step k started from; the

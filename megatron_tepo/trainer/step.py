@@ -118,12 +118,16 @@ def old_log_probs(run, step: Step) -> None:
 
 def update(run, step: Step) -> None:
     """4. policy updates over mini-batches of prompts, ``train.epochs_per_step`` passes (each update
-    is progress for the watchdog)."""
+    is progress for the watchdog); first, the previous step's checkpoint published."""
     if step.skipped:
         return
     cfg, batch = run.cfg, step.batch
     local_rows_per_mb = run.rows_per_mb // run.dp_size
     with run.watchdog.phase("collective"):
+        # the previous step's asynchronous checkpoint, written while this step generated, is
+        # complete and published before the weights change again (a run stopped in this step
+        # resumes from it)
+        run.checkpoints.finish()
         if step.number == cfg.fault.inject_hang_at_step and run.state.start == 1 and run.driver.is_driver:
             _hang(step.number)  # test only: the other ranks block in the update's collectives
         for _ in range(cfg.train.epochs_per_step):

@@ -38,3 +38,42 @@ def test_async_saves_give_the_metrics_of_synchronous_saves(tmp_path):
     assert asyn[0] == sync[0]  # every metric of every step, bit for bit
     assert asyn[1] == sync[1] == ["step_4", "step_6"]  # complete, no temporary directory left
     assert asyn[2] == sync[2]  # the loop's state saved with each
+
+
+def test_a_checkpoint_is_published_before_the_next_steps_first_update(tmp_path):
+    """The write of step k's asynchronous checkpoint overlaps step k+1's generation and old
+    log-probs, and is complete and published (a blocking finalize, every rank) before step k+1's
+    first update: a run that hangs or dies in step k+1 resumes from step k (the Slurm hang test
+    resumes at the step it hung in). A fake actor that records the order of its calls."""
+    from megatron_tepo.config import from_dict
+    from megatron_tepo.trainer.loop import train
+    from tests.trainer.test_no_update_stop import EchoEngine, NanActor, _task
+
+    class Recorder(NanActor):
+        def __init__(self):
+            super().__init__(finite=set(range(1, 100)))
+            self.events = []
+
+        def forward_backward(self, mb, loss):
+            self.events.append("update")
+            return super().forward_backward(mb, loss)
+
+        def save_checkpoint(self, directory, state, write_extra=None, asynchronous=False, on_publish=None):
+            self.events.append(f"save {Path(directory).name} async={asynchronous}")
+
+        def finalize_checkpoints(self, blocking=False):
+            self.events.append(f"finalize blocking={blocking}")
+
+    cfg = from_dict({"rollout": {"prompts_per_step": 2, "n_samples": 2, "max_sampling_rounds": 1},
+                     "algorithm": {"old_log_prob": "rollout"},
+                     "train": {"steps": 3, "mini_batch_prompts": 2, "epochs_per_step": 1, "save_every": 1},
+                     "fault": {"watchdog_generate_s": 0, "watchdog_collective_s": 0, "watchdog_sync_s": 0}})
+    actor = Recorder()
+    train(cfg, actor, EchoEngine(), _task(lambda r: float(r[1] == 0)), checkpoint_root=tmp_path)
+    events = actor.events
+    saves = [i for i, e in enumerate(events) if e.startswith("save")]
+    assert [events[i] for i in saves] == [f"save step_{k} async=True" for k in (1, 2, 3)]
+    for i in saves[:-1]:
+        nxt = events.index("update", i)
+        assert "finalize blocking=True" in events[i:nxt], events[i:nxt + 1]
+    assert events[-1] == "finalize blocking=True"  # the last one complete before train() returns
