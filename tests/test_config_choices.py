@@ -48,6 +48,7 @@ def _packed_modes():
     (C.AlgorithmConfig, "delta_entropy", lambda: set(A.DELTA_ENTROPY_MODES)),
     (C.RolloutCorrectionConfig, "rollout_is", lambda: set(A.CORRECTION_LEVELS)),
     (C.RolloutCorrectionConfig, "rollout_rs", lambda: set(A.CORRECTION_LEVELS)),
+    (C.ActorConfig, "offload", lambda: set(C.OFFLOAD_LEVELS) | {"auto"}),
     (C.RolloutConfig, "engine", _engines),
     (C.RolloutConfig, "sync_mode", _sync_modes),
     (C.ActorConfig, "attention", _attentions),

@@ -346,6 +346,11 @@ class MegatronActor:
         """Bring back what :meth:`offload` moved, bit-identical; returns the bytes moved."""
         return self.train_model.onload()
 
+    @property
+    def offloaded(self) -> Tuple[str, ...]:
+        """The parts now in host memory."""
+        return self.train_model.offloaded
+
     # ------------------------------------------------------------------ checkpointing
     def save_checkpoint(self, directory, extra_state: Optional[dict] = None, write_extra=None,
                         asynchronous: bool = False, on_publish=None):

@@ -24,6 +24,7 @@ to safetensors first. GGUF is read by transformers, not here.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -151,7 +152,10 @@ class LazyHFCheckpoint:
         if fh is None:
             fh = self._handles[self._file_of[name]] = open(self._file_of[name], "rb")
         fh.seek(start)
-        got = fh.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+        # the tensor's bytes as a buffer without .numpy(), which would pin its storage's size for
+        # good (colocated mode frees and re-allocates the parameters' storages: megatron/offload.py)
+        flat = out.reshape(-1).view(torch.uint8)
+        got = fh.readinto((ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr()))
         if got != end - start:
             raise ValueError(f"HF tensor {name!r}: {self._file_of[name].name} is truncated "
                              f"(read {got} of {end - start} bytes)")

@@ -17,6 +17,7 @@ interpolation and config "groups"; a config is one file tree plus overrides, so 
 exactly what ``dump_config`` writes next to the run.
 """
 from megatron_tepo.config.schema import (WATCHDOG_BACKSTOP_S, PG_TIMEOUT_MARGIN_S, UNWATCHED_PG_TIMEOUT_S,  # noqa: F401
+                                         OFFLOAD_LEVELS,
                                          ActorConfig, AdvantageConfig, AlgorithmConfig, ConfigError, DataConfig,
                                          FaultConfig, ModelConfig, OptimConfig, ParallelLayout, RewardConfig,
                                          RolloutConfig, RolloutCorrectionConfig, RunConfig, TrainConfig)

@@ -100,6 +100,11 @@ class RolloutConfig:
     # One-step-off generation (1): the next step's groups are generated, with the weights this step
     # started from, while the actor trains this step; 0: generation and training alternate.
     max_staleness: Literal[0, 1] = 0
+    # Colocated mode: the engine and the actor share the GPUs and take turns with the memory; each
+    # step the engine releases its memory after generating, the actor comes back from host memory,
+    # trains and offloads (actor.offload), and the engine takes its memory back around the weight
+    # sync. (One-step-off generation needs both at once: refused.)
+    colocated: bool = False
     drift_warn_mean: float = 0.05  # warn when engine vs actor log-probs differ more (mean |d|)
     drift_warn_max: float = 1.0  # ... or at most (max |d|)
 
@@ -196,6 +201,11 @@ class FaultConfig:
         return max(float(limit) for limit in limits) + WATCHDOG_BACKSTOP_S + PG_TIMEOUT_MARGIN_S
 
 
+#: actor.offload's levels: the parts of the actor (megatron.model.OFFLOAD_PARTS) each one moves
+OFFLOAD_LEVELS = {"none": (), "optimizer": ("optimizer",), "optimizer_grads": ("optimizer", "grads"),
+                  "all": ("optimizer", "grads", "params")}
+
+
 @dataclass
 class ActorConfig:
     """How the Megatron actor computes: the one home of these settings. The trainer, the main job,
@@ -247,6 +257,11 @@ class ActorConfig:
       with fp32, loop on CPU (there the per-sequence fused SDPA kernel keeps no scores, while
       eager FlexAttention materialises ``[heads, t, t]`` scores and compiling it costs more than
       the loop saves on a CPU job).
+    * ``offload``: colocated mode (``rollout.colocated``) only: what the actor moves to host memory
+      while the engine generates (:data:`OFFLOAD_LEVELS`): ``optimizer`` (Adam's states and the
+      fp32 main parameters), ``optimizer_grads`` (and the gradient buffers), ``all`` (and the
+      parameters, after the weight sync); ``auto`` -- ``all`` in colocated mode (the launcher
+      passes the least that fits, from the fit check), ``none`` otherwise.
     """
 
     precision: Literal["bf16", "fp32"] = "bf16"
@@ -262,6 +277,12 @@ class ActorConfig:
     gradient_accumulation_fusion: Literal["auto", "on", "off"] = "auto"
     moe_grouped_gemm: Literal["auto", "on", "off"] = "auto"
     packed_attention: Literal["auto", "varlen", "flex", "loop"] = "auto"
+    offload: Literal["auto", "none", "optimizer", "optimizer_grads", "all"] = "auto"
+
+    def offload_parts(self, colocated: bool) -> tuple:
+        """The parts of the actor that ``offload`` moves (``auto`` decided by ``colocated``)."""
+        level = ("all" if colocated else "none") if self.offload == "auto" else self.offload
+        return OFFLOAD_LEVELS[level]
 
 
 @dataclass

@@ -110,5 +110,11 @@ def validate(cfg: RunConfig) -> None:
                                    "watchdog_generate_s", "watchdog_collective_s", "watchdog_sync_s",
                                    "max_steps_without_update", "inject_hang_at_step"], allow_zero=True)
     _positive(r, "rollout", ["request_timeout_s", "sync_bucket_mb", "drift_warn_mean", "drift_warn_max"])
+    if r.colocated and r.max_staleness:
+        raise ConfigError("rollout.max_staleness: one-step-off generation needs the engine and the actor on the "
+                          "GPUs at once, which rollout.colocated takes turns with; set max_staleness: 0")
+    if not r.colocated and a.offload not in ("auto", "none"):
+        raise ConfigError(f"actor.offload: {a.offload!r} moves the actor out of the GPUs while the engine "
+                          f"generates, which only rollout.colocated does; set rollout.colocated: true or offload: none")
     if r.sync_mode == "disk" and r.engine == "sglang" and not r.sync_dir:
         raise ConfigError("rollout.sync_dir: sync_mode 'disk' needs a directory the SGLang servers can read")

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_tepo.config import ActorConfig, OptimConfig
+from megatron_tepo.config import OFFLOAD_LEVELS, ActorConfig, OptimConfig
 from megatron_tepo.config.validation import packing_problem
 from megatron_tepo.layout import ParallelLayout
 from megatron_tepo.megatron.fast_paths import use_fused_adam
@@ -49,8 +49,9 @@ from megatron_tepo.megatron.offload import HostOffload
 from megatron_tepo.megatron.parallel import initialize_parallel, validate_layout_here
 from megatron_tepo.models import GPTFamilyConfig, family_config_from_hf
 
-#: what :meth:`TrainModel.offload` can move to host memory, in the order it moves them
-OFFLOAD_PARTS = ("optimizer", "grads", "params")
+#: what :meth:`TrainModel.offload` can move to host memory, in the order it moves them (the parts
+#: of the config's ``actor.offload: all``)
+OFFLOAD_PARTS = OFFLOAD_LEVELS["all"]
 
 __all__ = ["TrainModel", "OFFLOAD_PARTS", "build_train_model", "plan_actor", "actor_transformer_config", "build_lr_scheduler",
            "load_hf_config"]

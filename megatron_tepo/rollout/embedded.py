@@ -11,6 +11,10 @@ each sampled token is its log-probability under that distribution (with ``top_p 
 and deterministic for a given seed. Registered as ``rollout.engine: embedded``: the driver loads
 the run's HF checkpoint in float32.
 
+Colocated mode (``rollout.colocated``): :meth:`EmbeddedEngine.release_memory` frees the weights'
+memory (their content is gone until the next weight update; generating before it is an error) and
+the KV cache, which lives only inside one :meth:`EmbeddedEngine.generate` call, is only marked.
+
 Left out: serving several processes (it lives in the driver's), and sampling beyond temperature
 and top-p.
 """
@@ -20,7 +24,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from megatron_tepo.rollout.engine import (FINISH_LENGTH, FINISH_STOP, Group, RolloutEngine, Sample,
+from megatron_tepo.rollout.engine import (FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Group, RolloutEngine, Sample,
                                           gathered_tensors, make_params, validate_prompts)
 from megatron_tepo.rollout.registry import EngineSettings, register_engine
 
@@ -59,6 +63,8 @@ class EmbeddedEngine(RolloutEngine):
         self.pad_token_id = pad_token_id
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._released: set = set()  # colocated mode: the memory tags released
+        self._weights_stale = False  # weights taken back, not yet updated: nothing to generate with
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: List[List[int]], n: int = 1, temperature: float = 1.0,
@@ -66,6 +72,11 @@ class EmbeddedEngine(RolloutEngine):
                  stop_token_ids: Sequence[int] = ()) -> List[Group]:
         sp = make_params(n, temperature, top_p, max_new_tokens, stop_token_ids)
         validate_prompts(prompts, self.vocab_size)
+        if self._released or self._weights_stale:
+            what = f"its {', '.join(sorted(self._released))} released" if self._released else \
+                "its weights taken back but not updated yet"
+            raise RuntimeError(f"EmbeddedEngine.generate: {what} (colocated mode: resume the memory, then "
+                               f"update the weights, before generating)")
         rows = [list(p) for p in prompts for _ in range(sp.n)]
         samples: List[Sample] = []
         for start in range(0, len(rows), self.max_batch_size):
@@ -149,13 +160,44 @@ class EmbeddedEngine(RolloutEngine):
         if missing:
             raise ValueError(f"EmbeddedEngine.update_weights: {len(missing)} of {len(self._params)} parameters "
                              f"were not in the stream (the engine now mixes old and new weights), e.g. {missing[:4]}")
+        self._weights_stale = False
 
     def flush_cache(self) -> None:
         pass  # the KV cache lives only inside one generate() call
 
+    # ------------------------------------------------------------------ memory (colocated mode)
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """``weights``: every parameter's tensor dropped (its memory freed, memory-mapped or not;
+        the content is gone; the buffers, which no weight update carries, are kept);
+        ``kv_cache`` / ``cuda_graph``: nothing is held between calls of :meth:`generate`, only
+        marked released."""
+        _check_tags(tags)
+        if "weights" in tags and "weights" not in self._released:
+            self._shapes = {}
+            for p in {id(p): p for p in self._params.values()}.values():  # a tied weight once
+                self._shapes[id(p)] = (p, p.shape)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._released |= set(tags)
+
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Take the memory of ``tags`` back; resumed weights hold garbage until :meth:`update_weights`."""
+        _check_tags(tags)
+        if "weights" in tags and "weights" in self._released:
+            for p, shape in self._shapes.values():
+                p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+            self._shapes = {}
+            self._weights_stale = True
+        self._released -= set(tags)
+
     def close(self) -> None:
         self.model = None
         self._params = {}
+
+
+def _check_tags(tags: Sequence[str]) -> None:
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown:
+        raise ValueError(f"unknown memory tag(s) {unknown}; choose from {list(MEMORY_TAGS)}")
 
 
 def _from_settings(settings: EngineSettings) -> EmbeddedEngine:

@@ -5,7 +5,9 @@ fleet :class:`~megatron_tepo.rollout.sglang.fleet.SGLangFleet`) takes prompts as
 returns, per prompt, a *group* of ``n`` samples, each with its response token ids, the engine's
 log-probability of every sampled token under the distribution it sampled from (``softmax(logits /
 temperature)``, after top-p) and why it stopped. Weights arrive as a stream of ``(HF name,
-tensor)`` -- the same stream :func:`megatron_tepo.actor.export.export_hf_state` yields.
+tensor)`` -- the same stream :func:`megatron_tepo.actor.export.export_hf_state` yields. In colocated
+mode an engine also releases and takes back its device memory (:meth:`RolloutEngine.release_memory`,
+:meth:`RolloutEngine.resume_memory`) while the actor uses the same GPUs.
 """
 from __future__ import annotations
 
@@ -57,6 +59,10 @@ class Sample:
 
 Group = List[Sample]  # the n samples of one prompt
 
+#: what an engine can release and take back (colocated mode), under SGLang's tags: its weights
+#: (their content is lost until the next weight update), its KV cache, its CUDA graphs
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
 
 class RolloutEngine(abc.ABC):
     """Generates groups of responses and accepts new weights in Hugging Face layout."""
@@ -83,6 +89,18 @@ class RolloutEngine(abc.ABC):
 
     def flush_cache(self) -> None:
         """Drop cached KV / prefixes (after a weight update they are stale)."""
+
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Colocated mode: free the device memory of ``tags`` (of :data:`MEMORY_TAGS`), returning
+        once it is free for another process. Released weights lose their content: after
+        :meth:`resume_memory` of ``weights`` the engine generates nothing until a weight update
+        has ended. Releasing what is released already changes nothing."""
+        raise NotImplementedError(f"{type(self).__name__} cannot release its memory (rollout.colocated)")
+
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Colocated mode: take back the memory of ``tags`` released by :meth:`release_memory`
+        (taking back what is held changes nothing)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot release its memory (rollout.colocated)")
 
     def health_metrics(self) -> Dict[str, float]:
         """What the engine survived since the last call (servers that died, restarted, were

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 from megatron_tepo.algorithms import PolicyLoss, stale_sequence_ratio_warning
 from megatron_tepo.algorithms.drift import DriftCheck
@@ -55,7 +55,7 @@ from megatron_tepo.trainer.driver import Driver, FollowerEngine
 from megatron_tepo.trainer.rollouts import Generated, Task, evaluate, generate_groups, sync_weights
 from megatron_tepo.trainer.run_state import Checkpoints, RunState
 from megatron_tepo.trainer.stalls import NoUpdateError, no_update_cause, stalled_message
-from megatron_tepo.trainer.step import STEP, Phase, Step, policy_update
+from megatron_tepo.trainer.step import STEP, Mode, Step, mode_of, policy_update
 from megatron_tepo.trainer.watchdog import Watchdog
 
 __all__ = ["train", "Run", "Task", "NoUpdateError", "generate_groups", "evaluate", "sync_weights",
@@ -67,7 +67,7 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
           eval_fn: Optional[Callable[[], Dict[str, float]]] = None,
           checkpoint_root: Optional[Path] = None, extra_state: Optional[Dict] = None,
           checkpoint_files: Optional[Callable[[Path], None]] = None,
-          report: Optional[Callable[[str], None]] = None, phases: Sequence[Phase] = STEP) -> List[Dict[str, float]]:
+          report: Optional[Callable[[str], None]] = None, mode: Optional[Mode] = None) -> List[Dict[str, float]]:
     """The RL loop. Returns the per-step metrics (also logged). ``eval_fn`` runs every
     ``train.eval_every`` steps (0: never) and its results join that step's metrics. With
     ``checkpoint_root``, a checkpoint is written every ``train.save_every`` steps and at the last
@@ -88,13 +88,16 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
     With several processes, call it on every rank: ``engine``, ``logger``, ``on_step``, ``report``
     and ``eval_fn`` are used on the driver (global rank 0) only and may be None elsewhere; the
     returned metrics are the same on every rank."""
+    mode = mode or mode_of(cfg)  # SEPARATE, or COLOCATED (rollout.colocated): trainer/step.py
     run = Run(cfg, actor, engine, task, logger=logger, on_step=on_step, eval_fn=eval_fn, report=report,
               checkpoints=(checkpoint_root, checkpoint_files), extra_state=extra_state)
     with run.watchdog:
-        run.resume()  # the newest checkpoint that loads, its weights pushed to the engine
+        run.resume()  # the newest checkpoint that loads
+        for phase in mode.start:  # the engine ready to generate (a resumed run's weights pushed to it)
+            phase(run, Step(run.state.start - 1))
         for number in range(run.state.start, cfg.train.steps + 1):
             step = Step(number)
-            for phase in phases:  # generate -> advantages -> old log-probs -> update -> sync -> log -> save
+            for phase in mode.step:  # generate -> advantages -> old log-probs -> update -> sync -> log -> save
                 phase(run, step)
         with run.watchdog.phase("collective"):
             run.checkpoints.finish()  # every checkpoint complete before the run returns
@@ -132,14 +135,18 @@ class Run:
         self.checkpoints = Checkpoints(cfg, actor, checkpoints[0], checkpoints[1], self.driver)
         self.checkpoints.clean()
         self.watchdog = Watchdog.from_config(cfg.fault, rank=self.driver.rank)  # this rank's (fault.watchdog_*)
+        self.resumed_from: Optional[Path] = None
+        # colocated mode: what the actor moves to host memory while the engine generates
+        self.offload_parts = cfg.actor.offload_parts(cfg.rollout.colocated)
+
+    def actor_offloaded(self) -> bool:
+        return bool(getattr(self.actor, "offloaded", ()))
 
     def resume(self) -> None:
-        """The newest checkpoint that loads (``train.resume``), its weights pushed to the engine
-        before the first generation; the warnings and log state of the run's start."""
-        latest = self.checkpoints.resume(self.state, self.engine, self.report)
+        """The newest checkpoint that loads (``train.resume``; the mode's start pushes its weights
+        to the engine); the warnings and log state of the run's start."""
+        latest = self.resumed_from = self.checkpoints.resume(self.state, self.engine, self.report)
         if latest is not None:
-            with self.watchdog.phase("sync"):
-                sync_weights(self.actor, self.engine)
             if self.report is not None:
                 self.report(f"resumed from {latest}: continuing at step {self.state.start}")
         if self.state.start == 1 and self.report is not None:

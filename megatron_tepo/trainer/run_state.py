@@ -126,6 +126,10 @@ class Checkpoints:
         state.extra["resumed_from"] = str(latest)
         return latest
 
+    def due(self, step: int) -> bool:
+        """Whether ``step`` writes a checkpoint: every ``train.save_every`` steps and the last one."""
+        return _due(self.cfg, self.root, step)
+
     def save(self, step: int, state: RunState, engine) -> None:
         """Collective: publish an asynchronous save that is written by now, then this step's
         checkpoint when one is due."""
@@ -146,11 +150,16 @@ def _finalize_saves(actor, blocking: bool = False) -> None:
         finalize(blocking=blocking)
 
 
+def _due(cfg: RunConfig, root: Optional[Path], step: int) -> bool:
+    t = cfg.train
+    return bool(root) and (step == t.steps or bool(t.save_every and step % t.save_every == 0))
+
+
 def _save(cfg: RunConfig, actor, root: Optional[Path], step: int, state: Dict, files, driver: Driver,
           pending: Optional[Generated] = None) -> None:
     """Checkpoint every ``train.save_every`` steps and always at the last one; prune old ones.
     With one-step-off generation the next step's rollout is saved with it (``PENDING_FILE``)."""
-    if not root or not (step == cfg.train.steps or (cfg.train.save_every and step % cfg.train.save_every == 0)):
+    if not _due(cfg, root, step):
         return
 
     def write_extra(tmp: Path) -> None:

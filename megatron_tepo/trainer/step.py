@@ -31,11 +31,12 @@ from typing import Callable, Dict, List, Optional
 from megatron_tepo.algorithms import compute_group_advantages
 from megatron_tepo.algorithms.advantages import gpg_correction
 from megatron_tepo.batch import RolloutBatch
+from megatron_tepo.rollout.engine import MEMORY_TAGS
 from megatron_tepo.trainer.rollouts import sync_weights
 from megatron_tepo.trainer.stalls import NoUpdateError, skipped_update_message, stalled_message
 
-__all__ = ["Step", "STEP", "generate", "advantages", "old_log_probs", "update", "sync", "log", "save",
-           "policy_update"]
+__all__ = ["Step", "STEP", "COLOCATED_STEP", "Mode", "SEPARATE", "COLOCATED", "mode_of", "generate", "advantages",
+           "old_log_probs", "update", "sync", "log", "save", "policy_update"]
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Step:
     drift: Dict = field(default_factory=dict)
     updates: List[Dict] = field(default_factory=list)
     metrics: Dict = field(default_factory=dict)
+    memory: Dict = field(default_factory=dict)  # colocated mode: the memory phases' times and bytes
 
 
 def generate(run, step: Step) -> None:
@@ -169,6 +171,7 @@ def log(run, step: Step) -> None:
     if cfg.train.eval_every and step.number % cfg.train.eval_every == 0:
         with run.watchdog.phase("generate"):
             metrics.update(run.driver.run(run.eval_fn or dict))
+    metrics.update(step.memory)
     if run.on_step is not None:
         run.on_step(step.number, metrics)
     if run.logger is not None:
@@ -191,6 +194,123 @@ def save(run, step: Step) -> None:
 
 #: one step, in order (see the module docstring)
 STEP: tuple = (generate, advantages, old_log_probs, update, sync, log, save)
+
+
+# ---------------------------------------------------------------------- colocated mode's phases
+# The engine and the actor take turns with the GPUs' memory (rollout.colocated). Each phase
+# returns once the memory it frees is free (the engine's release on every server, the actor's
+# offload on every rank: the driver's call is awaited by every rank). A skipped step keeps the
+# memory as it is: the engine still holds it for the next generation.
+
+def _engine_memory(run, step: Step, key: str, call) -> None:
+    """``call()`` on the driver (the engine's memory), every rank waiting for it; timed as ``key``
+    (a skipped step: nothing)."""
+    if step.skipped:
+        return
+    t0 = time.time()
+    with run.watchdog.phase("sync"):
+        run.driver.run(call)
+    step.memory[key] = step.memory.get(key, 0.0) + time.time() - t0
+
+
+def _actor_memory(run, step: Step, parts) -> None:
+    """The actor's ``parts`` offloaded (None: what is offloaded brought back), every rank."""
+    if step.skipped or (parts is not None and not parts):
+        return
+    t0 = time.time()
+    with run.watchdog.phase("collective"):
+        moved = run.actor.onload() if parts is None else run.actor.offload(parts)
+    way = "onload" if parts is None else "offload"
+    step.memory[f"actor_{way}_gb"] = step.memory.get(f"actor_{way}_gb", 0.0) + moved / 1e9
+    step.memory[f"actor_{way}_s"] = step.memory.get(f"actor_{way}_s", 0.0) + time.time() - t0
+
+
+def release_engine(run, step: Step) -> None:
+    """The engine frees its KV cache, CUDA graphs and weights (every server), for the actor."""
+    _engine_memory(run, step, "engine_release_s", lambda: run.engine.release_memory(MEMORY_TAGS))
+
+
+def onload_actor(run, step: Step) -> None:
+    """The actor's offloaded parts back on its devices."""
+    _actor_memory(run, step, None)
+
+
+def offload_actor(run, step: Step) -> None:
+    """After the updates: the actor's optimizer states and gradients (as ``actor.offload`` says) to
+    host memory; the parameters stay for the weight sync."""
+    _actor_memory(run, step, [p for p in run.offload_parts if p != "params"])
+
+
+def resume_engine_weights(run, step: Step) -> None:
+    """The engine takes its weights' memory back (their content is garbage until the sync: the
+    engine serves nothing until the sync has ended)."""
+    _engine_memory(run, step, "engine_resume_s", lambda: run.engine.resume_memory(("weights",)))
+
+
+def offload_params(run, step: Step) -> None:
+    """After the sync: the actor's parameters to host memory too, when ``actor.offload`` says so."""
+    _actor_memory(run, step, [p for p in run.offload_parts if p == "params"])
+
+
+def resume_engine_cache(run, step: Step) -> None:
+    """The engine takes its KV cache and CUDA graphs back: ready to generate."""
+    _engine_memory(run, step, "engine_resume_s", lambda: run.engine.resume_memory(("kv_cache", "cuda_graph")))
+
+
+def save_colocated(run, step: Step) -> None:
+    """:func:`save`, with the actor back on its devices for a checkpoint (written before it leaves
+    again: an asynchronous writer must not read memory that an offload frees)."""
+    if not run.checkpoints.due(step.number) or not run.actor_offloaded():
+        return save(run, step)
+    with run.watchdog.phase("collective"):
+        run.actor.onload()
+    try:
+        save(run, step)
+    finally:
+        with run.watchdog.phase("collective"):
+            run.checkpoints.finish()
+            run.actor.offload(run.offload_parts)
+
+
+#: one step in colocated mode (see the phases above)
+COLOCATED_STEP: tuple = (generate, release_engine, onload_actor, advantages, old_log_probs, update, offload_actor,
+                         resume_engine_weights, sync, offload_params, resume_engine_cache, log, save_colocated)
+
+
+def sync_resumed(run, step: Step) -> None:
+    """A resumed run's weights pushed to the engine before the first generation."""
+    if run.resumed_from is not None:
+        with run.watchdog.phase("sync"):
+            sync_weights(run.actor, run.engine)
+
+
+def first_sync(run, step: Step) -> None:
+    """The actor's weights pushed to the engine (colocated mode's start, resumed or not)."""
+    with run.watchdog.phase("sync"):
+        sync_weights(run.actor, run.engine)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How a run's steps go: ``start``, once, after the checkpoint is loaded (it leaves the engine
+    ready to generate), then ``step`` for every step."""
+    name: str
+    start: tuple
+    step: tuple
+
+
+#: the engine and the actor on their own devices
+SEPARATE = Mode("separate", start=(sync_resumed,), step=STEP)
+#: the engine and the actor share the GPUs (``rollout.colocated``). The start goes from whatever
+#: state the two are in (each release, resume, offload and onload changes only what it must) to the
+#: one every step starts from: the actor offloaded, the engine holding the actor's weights and its
+#: cache
+COLOCATED = Mode("colocated", start=(release_engine, onload_actor, offload_actor, resume_engine_weights, first_sync,
+                                     offload_params, resume_engine_cache), step=COLOCATED_STEP)
+
+
+def mode_of(cfg) -> Mode:
+    return COLOCATED if cfg.rollout.colocated else SEPARATE
 
 
 def policy_update(actor, mb: RolloutBatch, loss) -> Dict[str, float]:

@@ -1,0 +1,78 @@
+"""Colocated mode through the main job (issue #34): every step the engine releases its memory, the
+actor comes back, trains, offloads and the engine takes its memory back around the weight sync,
+and the metrics are those of the same run with the engine and the actor apart (the golden run of
+test_loop.py, every key but the timings). A checkpoint written in colocated mode (the actor brought
+back for it) resumes into the same steps. The settings that cannot work together are refused in
+one line."""
+import json
+import shutil
+
+import pytest
+
+from tests.trainer.test_loop import GOLDEN, _run
+
+TIMINGS = {"time", "step_s", "sync_s", "rollout_s", "train_s"}
+MEMORY = {"engine_release_s", "engine_resume_s", "actor_onload_s", "actor_offload_s", "actor_onload_gb",
+          "actor_offload_gb"}
+
+
+def _main_job(out, *overrides):
+    # the golden run's command (tests/trainer/test_loop.py::test_main_job_short_run), colocated
+    return _run(["examples/tiny_tepo/run.py", "train.steps=6", f"train.output_dir={out}", "algorithm.clip_low=0.2",
+                 "algorithm.clip_high=0.28", "rollout.colocated=true", *overrides, "--eval-size", "50"], 600,
+                MTEPO_FAST_PATHS="0")
+
+
+def _same_as_golden(lines, steps):
+    golden = [json.loads(x) for x in (GOLDEN / "main_job_6_steps_57a991d.jsonl").read_text().splitlines()]
+    for new in lines:
+        old = golden[new["step"] - 1]
+        assert {k: new[k] for k in old} == pytest.approx(old, rel=1e-6, abs=1e-9), new["step"]
+        assert set(new) - set(old) <= TIMINGS | MEMORY | {"rollout_staleness"}
+    assert [r["step"] for r in lines] == steps
+
+
+def test_colocated_main_job_equals_the_separate_run_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    _main_job(out, "train.save_every=3")
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    _same_as_golden(lines, [1, 2, 3, 4, 5, 6])
+    for r in lines:
+        assert set(r) >= MEMORY, r["step"]
+        # everything the actor holds went out after the step and came back for the next one
+        assert r["actor_offload_gb"] > 0 and r["actor_onload_gb"] > 0
+    # after the first update Adam's moments exist: what comes back is what went out the step before
+    assert [r["actor_onload_gb"] for r in lines[1:]] == [r["actor_offload_gb"] for r in lines[:-1]]
+
+    # resume from step 3's checkpoint (written with the actor brought back from host memory)
+    shutil.rmtree(out / "checkpoints" / "step_6")
+    _main_job(out, "train.save_every=3")
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    _same_as_golden(lines, [1, 2, 3, 4, 5, 6])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"rollout": {"colocated": True, "max_staleness": 1}},
+     "rollout.max_staleness: one-step-off generation needs the engine and the actor on the GPUs at once"),
+    ({"actor": {"offload": "optimizer"}},
+     "actor.offload: 'optimizer' moves the actor out of the GPUs while the engine generates, which only "
+     "rollout.colocated does"),
+])
+def test_settings_that_cannot_work_together_are_refused(overrides, message):
+    from megatron_tepo.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError) as err:
+        from_dict(overrides)
+    assert message in str(err.value)
+
+
+def test_offload_levels_name_the_actors_parts():
+    """Each choice once: the config's offload levels move the parts the train model knows."""
+    from megatron_tepo.config import OFFLOAD_LEVELS, ActorConfig
+    from megatron_tepo.megatron.model import OFFLOAD_PARTS
+
+    assert set(OFFLOAD_LEVELS["all"]) == set(OFFLOAD_PARTS)
+    assert all(set(parts) <= set(OFFLOAD_PARTS) for parts in OFFLOAD_LEVELS.values())
+    assert ActorConfig().offload_parts(colocated=True) == OFFLOAD_PARTS
+    assert ActorConfig().offload_parts(colocated=False) == ()
+    assert ActorConfig(offload="optimizer_grads").offload_parts(colocated=True) == ("optimizer", "grads")
