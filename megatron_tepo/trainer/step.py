@@ -168,6 +168,8 @@ def log(run, step: Step) -> None:
     """6. every step, with or without an update (a collapsed run is measured too): the held-out
     evaluation when due, the step's report and its line in the metrics log."""
     cfg, metrics = run.cfg, step.metrics
+    if not step.skipped:  # (after the phases between the sync and here: colocated mode's memory phases)
+        metrics["step_s"] = time.time() - step.t0
     if cfg.train.eval_every and step.number % cfg.train.eval_every == 0:
         with run.watchdog.phase("generate"):
             metrics.update(run.driver.run(run.eval_fn or dict))
