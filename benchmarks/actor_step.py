@@ -27,6 +27,18 @@ log-prob loss, backward and ``torch.optim.AdamW(fused=True)``; its log-prob pass
 and entropy with a float softmax. Every actor row then carries ``train_vs_hf`` and
 ``log_probs_vs_hf``: its time as a ratio to the anchor's (below 1: faster than plain HF).
 
+``--offload ROUNDS`` adds, after the first variant's timed steps, the actor's memory round trip of
+colocated mode (``MegatronActor.offload`` / ``onload`` of its optimizer states, gradients and
+parameters; :mod:`megatron_tepo.megatron.offload`): one more forward-backward on a 2x256 batch puts
+gradients in the buffers (the timed steps made Adam's states), every storage of the three parts
+is copied aside, then ``ROUNDS`` offload + onload rounds run, each synchronised before and after
+(the first allocates the host copies, pinned on GPU; GB/s is the median of the others, bytes moved
+over seconds, 1 GB = 1e9 bytes). One row ``"kind": "offload"`` reports the bytes per part, each
+round's seconds, ``offload_gbps`` / ``onload_gbps``, the device memory freed while offloaded (GPU),
+the pinned host bytes the copies took (GPU, torch's host allocator statistics where it has them),
+and ``bit_exact``: after every round each storage equals its copy byte for byte, and every one had
+its memory freed while offloaded. On CPU the "device" is host memory: the copies are plain memcpy.
+
 ``--counts`` adds, per batch, what one step launches and syncs (:mod:`megatron_tepo.actor.costs`:
 aten ops and host syncs of the log-prob pass, the forward-backward and the optimizer step, the
 core attention left out) and the graphs dynamo compiled by then: what a launch-bound GPU pays for,
@@ -35,11 +47,12 @@ counted on a CPU.
     python benchmarks/actor_step.py                               # CPU: tiny shape, small batches
     python benchmarks/actor_step.py --device cuda                 # GPU: qwen3-0.6b, 8x2048, 1x8448, 1x32768
     python benchmarks/actor_step.py --counts --batches 2x256,16x32  # CPU: ops / syncs beside the timings
+    python benchmarks/actor_step.py --offload 4 --variant gpu-fast   # + the actor's offload / onload round trip
 
 Defaults on GPU: variants ``today`` (fp32, unfused attention, padded rows, no recompute: the
 actor before bf16 / SDPA / packing / recompute existed) and ``bf16`` (bf16, sdpa, packed, full
 recompute, 16384-token micro-batches); on CPU the tiny shape with ``fp32`` and ``bf16`` variants.
-The GPU check (``benchmarks/gpu_check.sh``) runs the presets ``gpu-fast`` (bf16, sdpa, packed, no
+The GPU check (``benchmarks/gpu_check.sh``) runs, with ``--offload 4``, the presets ``gpu-fast`` (bf16, sdpa, packed, no
 recompute, 16384-token micro-batches, ``fusions`` as resolved: the speed setting),
 ``gpu-fast-unfused`` (the same with ``fusions=off``: which of the two is faster decides the
 default) and ``gpu-lean`` (the same with full recompute and 32768-token micro-batches: the
@@ -222,7 +235,7 @@ def hf_anchor(cfg: dict, batches, repeats: int, cuda: bool) -> dict:
                 raise
         print(json.dumps(row), flush=True)
         out[row["batch"]] = row
-    del model, opt
+    model = opt = None  # (not del: the closures above name them)
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -238,8 +251,88 @@ def with_anchor(row: dict, anchor: dict) -> dict:
     return row
 
 
+OFFLOAD_PARTS = ("optimizer", "grads", "params")
+
+
+def _storages(actor) -> dict:
+    """``{part: {key: storage}}``: the distinct storages (with memory) of each part that the offload moves."""
+    out = {}
+    for part, tensors in actor.train_model.memory_parts().items():
+        out[part] = {}
+        for t in tensors:
+            s = t.untyped_storage()
+            if s.nbytes():
+                out[part].setdefault(s._cdata, s)  # _cdata: the storage itself (as HostOffload keys them)
+    return out
+
+
+def _bytes_of(storage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _pinned_bytes(cuda: bool):
+    """Bytes of pinned host blocks torch's host allocator holds (None on CPU or without the statistic)."""
+    if not cuda:
+        return None
+    try:
+        return int(torch.cuda.host_memory_stats()["allocated_bytes.current"])
+    except (AttributeError, KeyError, RuntimeError, TypeError):
+        return None
+
+
+def offload_round_trip(actor, cfg: dict, rounds: int, cuda: bool, label: str = "") -> dict:
+    """The actor's offload + onload of all three parts, ``rounds`` times (see the module docstring)."""
+    from megatron_tepo.algorithms import PolicyLoss
+
+    batch = make_batch(2, 256, cfg["vocab_size"], seed=1)
+    batch.old_log_probs, batch.old_entropy = actor.compute_log_probs(batch)
+    actor.forward_backward(batch, PolicyLoss.of("tepo", kl_coef=1e-3))  # gradients in the buffers
+    _sync(cuda)
+    before = _storages(actor)
+    snapshot = {k: _bytes_of(s).clone() for part in before.values() for k, s in part.items()}
+    part_bytes = {part: sum(s.nbytes() for s in st.values()) for part, st in before.items()}
+    total = sum(part_bytes.values())
+    grads_nonzero = any(bool(_bytes_of(s).any()) for s in before["grads"].values())
+    pinned0 = _pinned_bytes(cuda)
+    out_s, in_s, moved, freed, equal, device_freed = [], [], [], [], [], []
+    for _ in range(rounds):
+        if cuda:
+            mem0 = torch.cuda.memory_allocated()
+        _sync(cuda)
+        t0 = time.perf_counter()
+        n_out = actor.offload(OFFLOAD_PARTS)
+        _sync(cuda)
+        t1 = time.perf_counter()
+        if cuda:
+            device_freed.append(mem0 - torch.cuda.memory_allocated())
+        freed.append(all(t.untyped_storage().nbytes() == 0
+                         for ts in actor.train_model.memory_parts().values() for t in ts))
+        n_in = actor.onload()
+        _sync(cuda)
+        t2 = time.perf_counter()
+        out_s.append(t1 - t0)
+        in_s.append(t2 - t1)
+        moved.append((n_out, n_in))
+        now = {k: s for part in _storages(actor).values() for k, s in part.items()}
+        equal.append(now.keys() == snapshot.keys() and all(torch.equal(_bytes_of(now[k]), v) for k, v in snapshot.items()))
+    pinned1 = _pinned_bytes(cuda)
+    timed_out, timed_in = (out_s[1:], in_s[1:]) if rounds > 1 else (out_s, in_s)
+    row = {"label": label, "kind": "offload", "parts": list(OFFLOAD_PARTS), "rounds": rounds,
+           "part_gb": {k: round(v / 1e9, 6) for k, v in part_bytes.items()}, "gb": round(total / 1e9, 6),
+           "storages": {k: len(v) for k, v in before.items()},
+           "offload_s": [round(x, 5) for x in out_s], "onload_s": [round(x, 5) for x in in_s],
+           "offload_gbps": round(total / median(timed_out) / 1e9, 3),
+           "onload_gbps": round(total / median(timed_in) / 1e9, 3),
+           "moved_every_round": all(a == b == total for a, b in moved),
+           "device_freed_gb": round(min(device_freed) / 1e9, 3) if device_freed else None,
+           "pinned_host_gb": None if pinned0 is None or pinned1 is None else round((pinned1 - pinned0) / 1e9, 3),
+           "grads_nonzero": grads_nonzero, "all_freed": all(freed), "bit_exact": all(equal) and all(freed)}
+    del snapshot
+    return row
+
+
 def run(cfg: dict, model_dir: str, variant: dict, batches, repeats: int, cuda: bool, label: str = "",
-        anchor: dict | None = None, counts: bool = False) -> list:
+        anchor: dict | None = None, counts: bool = False, offload_rounds: int = 0) -> list:
     from megatron_tepo.actor import MegatronActor
     from megatron_tepo.algorithms import PolicyLoss
 
@@ -291,9 +384,21 @@ def run(cfg: dict, model_dir: str, variant: dict, batches, repeats: int, cuda: b
                 raise
         print(json.dumps(row), flush=True)
         out.append(row)
-        del batch
+        batch = None
         gc.collect()
-    del actor
+    if offload_rounds:
+        if cuda:
+            torch.cuda.empty_cache()
+        try:
+            row = offload_round_trip(actor, cfg, offload_rounds, cuda, label)
+        except RuntimeError as exc:  # (torch.OutOfMemoryError is one)
+            row = {"label": label, "kind": "offload", "error": oom_error(exc)}
+            if row["error"] is None:
+                raise
+        print(json.dumps(row), flush=True)
+        out.append(row)
+        gc.collect()
+    actor = None
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -313,6 +418,9 @@ def main(argv=None):
                     help="hf: a plain transformers model on the same batches first; rows get their ratio to it")
     ap.add_argument("--counts", action="store_true",
                     help="add each step's aten ops, host syncs and compiled graphs (launch costs, any device)")
+    ap.add_argument("--offload", type=int, default=0, metavar="ROUNDS",
+                    help="after the first variant's steps: ROUNDS offload + onload round trips of the actor's "
+                         "optimizer states, gradients and parameters (GB/s each way, bit-exact)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
@@ -340,9 +448,9 @@ def main(argv=None):
             every = sorted({bt for _, _, own in variants for bt in (own or batches)}, key=lambda x: (x[0] * x[1], x))
             anchor = hf_anchor(cfg, every, args.repeats, cuda)
             rows += list(anchor.values())
-        for label, v, own_batches in variants:
+        for i, (label, v, own_batches) in enumerate(variants):
             rows += run(cfg, tmp, v, own_batches or batches, args.repeats, cuda, label=label, anchor=anchor,
-                        counts=args.counts)
+                        counts=args.counts, offload_rounds=args.offload if i == 0 else 0)
     if args.json:
         Path(args.json).write_text(json.dumps({"shape": shape, "rows": rows}, indent=1))
     return rows

@@ -18,7 +18,10 @@ Steps (GPU sizes; the smoke run's in brackets):
   ``gpu-lean`` (full recompute, 32768-token micro-batches) at 8x2048, 1x8448 and 1x32768, each
   as a ratio to the anchor; targets: train step at most 0.66x HF at 8x2048 and 0.8x at 1x8448,
   log-probs + entropy at most 0.5x at 8x2048, 1x32768 with full recompute within 1.6 s
-  [the tiny shape on CPU].
+  [the tiny shape on CPU]. Then (``--offload 4``) the ``gpu-fast`` actor's colocated-mode memory
+  round trip: its optimizer states, gradients and parameters offloaded to pinned host memory and
+  onloaded, 4 rounds (the first allocates the host copies), bit for bit the same afterwards
+  (the step fails otherwise); targets: at least 20 GB/s each way [plain memcpy on CPU].
 * ``vocab_op``: ``benchmarks/vocab_parallel.py``'s GPU mode at 16384 x 151936 bf16: the op's
   default (``auto``: Triton), its chunked path and ``torch.compile`` of the plain ops
   [512 x 2048 fp32 on CPU, against the plain ops eager: no compile].
@@ -62,13 +65,14 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 STEPS = ["tests", "actor_step", "vocab_op", "disk_sync", "hf_load", "main_job"]
 OLD_TOKENS_PER_S = 6200  # train_step at 8 x 2048 on the H100 before bf16/SDPA/packing (../shared/notes/gpu.md)
+OFFLOAD_GBPS = 20  # the actor's offload and onload, each way, from / to pinned host memory on an H100 (#34)
 
 # GPU sizes, and the smoke run's stand-ins for them
 SIZES = {
     False: dict(throughput="8x2048", mid="1x8448", long="1x32768", shape="qwen3-0.6b",
-                vocab=(16384, 151936, "bf16"), vocab_ref="compiled", sync_mb=330, repeats=2),
+                vocab=(16384, 151936, "bf16"), vocab_ref="compiled", sync_mb=330, repeats=2, offload_rounds=4),
     True: dict(throughput="2x128", mid="1x192", long="1x256", shape="tiny",
-               vocab=(512, 2048, "fp32"), vocab_ref="plain", sync_mb=0.3, repeats=1),
+               vocab=(512, 2048, "fp32"), vocab_ref="plain", sync_mb=0.3, repeats=1, offload_rounds=4),
 }
 
 
@@ -139,11 +143,13 @@ def step_actor_step(smoke: bool) -> dict:
     lean = ":".join([s["throughput"], s["mid"], s["long"]])
     argv = ["--device", "cpu" if smoke else "cuda", "--shape", s["shape"], "--repeats", str(s["repeats"]),
             "--anchor", "hf", "--variant", f"gpu-fast@{fast}", "--variant", f"gpu-fast-unfused@{s['throughput']}",
-            "--variant", f"gpu-lean@{lean}"]
+            "--variant", f"gpu-lean@{lean}", "--offload", str(s["offload_rounds"])]
     if not smoke:
         _device(smoke)
     print("$ python benchmarks/actor_step.py", " ".join(argv), flush=True)
     rows = actor_step.main(argv)
+    offload = next((r for r in rows if r.get("kind") == "offload"), {"error": "no offload row"})
+    rows = [r for r in rows if r.get("kind") != "offload"]
     keys = ("train_tokens_per_s", "train_step_s", "log_probs_s", "train_vs_hf", "log_probs_vs_hf", "train_tflops",
             "peak_gib", "micro_batches")
     table = {f"{r['label']} {r['batch']}": ({k: r[k] for k in keys if k in r} if "error" not in r
@@ -157,7 +163,8 @@ def step_actor_step(smoke: bool) -> dict:
     longest = [r for r in rows if r["batch"] == s["long"] and "error" not in r]
     best = max(tput) if tput else None
     on, off = get("gpu-fast", s["throughput"], "train_step_s"), get("gpu-fast-unfused", s["throughput"], "train_step_s")
-    figures = {"rows": table, "old_tokens_per_s": OLD_TOKENS_PER_S,
+    figures = {"offload": {k: v for k, v in offload.items() if k not in ("kind", "parts")},
+               "rows": table, "old_tokens_per_s": OLD_TOKENS_PER_S,
                "fusions_on_vs_off_train": round(on / off, 3) if on and off else None}
 
     def at_most(name, value, limit):
@@ -178,10 +185,17 @@ def step_actor_step(smoke: bool) -> dict:
         at_most(f"fusions on / off, gpu-fast train_step at {s['throughput']} (< 1: keep fusions on)",
                 figures["fusions_on_vs_off_train"], 1.0),
     ]
+    size = f"{offload['gb']:.3g} GB" if "gb" in offload else "?"
+    for way in ("offload", "onload"):  # the gpu-fast actor's optimizer states, gradients and parameters
+        gbps = offload.get(f"{way}_gbps")
+        targets.append(_target(f"gpu-fast actor {way}, {size}, {'to' if way == 'offload' else 'from'} "
+                               "pinned host memory (GB/s)", gbps, OFFLOAD_GBPS,
+                               gbps is not None and gbps >= OFFLOAD_GBPS, smoke))
     # every batch needs a figure from some variant; an OOM of one variant is itself a figure
     ok = all(any(r["batch"] == b and "error" not in r and r["label"] != "hf" for r in rows)
              for b in (s["throughput"], s["mid"])) \
         and (bool(longest) or not smoke)  # on the GPU an OOM at the long batch is the target's MISS
+    ok = ok and offload.get("bit_exact") is True and offload.get("moved_every_round") is True  # functional
     return dict(ok=ok, figures=figures, targets=targets)
 
 

@@ -1,6 +1,7 @@
 """The one-command GPU check (benchmarks/gpu_check.sh), on CPU: its smoke run of the cheap steps
-writes a summary line with figures for each, the report judges targets and fails on a failed or
-missing step, the wheel filter skips what is installed, and the scripts pass bash -n / shellcheck.
+writes a summary line with figures for each (the actor step's offload + onload round trip among
+them, bit-exact), the report judges targets and fails on a failed or missing step, the wheel
+filter skips what is installed, and the scripts pass bash -n / shellcheck.
 
 Not run here: the GPU sizes (no GPU), the main_job step (its supervised warm-up alone takes ~30 s
 on this machine; `GPU_CHECK_SMOKE=1 GPU_CHECK_STEPS=main_job bash benchmarks/gpu_check.sh` runs it),
@@ -65,16 +66,26 @@ def test_smoke_run_records_every_cheap_step_with_figures(tmp_path):
     assert all(r["train_tokens_per_s"] > 0 for r in rows.values())
     # every actor figure as a ratio to the plain HF model on the same batch
     assert all(r["train_vs_hf"] > 0 and r["log_probs_vs_hf"] > 0 for k, r in rows.items() if not k.startswith("hf "))
+    # the actor's offload + onload round trip (colocated mode): every part moved, each way timed, bit for bit back
+    off = by["actor_step"]["figures"]["offload"]
+    assert "error" not in off, off
+    assert off["bit_exact"] is True and off["all_freed"] is True and off["moved_every_round"] is True, off
+    assert off["grads_nonzero"] is True, off
+    assert all(off["part_gb"][part] > 0 for part in ("optimizer", "grads", "params")), off
+    assert off["gb"] == pytest.approx(sum(off["part_gb"].values()), abs=1e-5)
+    assert off["offload_gbps"] > 0 and off["onload_gbps"] > 0, off
+    assert len(off["offload_s"]) == len(off["onload_s"]) == off["rounds"] >= 2, off
     assert by["disk_sync"]["figures"]["bytes_equal"] and by["disk_sync"]["figures"]["tensors_equal"]
     assert by["hf_load"]["figures"]["max_abs_diff_log_probs"] < 1e-4
     assert by["vocab_op"]["figures"]["auto_agrees_with_chunked"]
     # the targets are there, with values, and not judged in a smoke run
     targets = [t for name in CHEAP for t in by[name]["targets"]]
-    assert len(targets) == 10 and all(t["pass"] is None for t in targets)
+    assert len(targets) == 12 and all(t["pass"] is None for t in targets)
+    assert sum("pinned host memory (GB/s)" in t["name"] for t in by["actor_step"]["targets"]) == 2
     # every figure is there, but the vocab op's extra memory: CUDA's allocator statistics measure it
     assert all(t["value"] is not None for t in targets if "extra memory" not in t["name"]), targets
     report = (out / "report.md").read_text()
-    assert "SMOKE" in report and report.count("n/a (smoke)") == 10 and "steps failed: none" in report
+    assert "SMOKE" in report and report.count("n/a (smoke)") == 12 and "steps failed: none" in report
     assert "steps failed: none" in proc.stdout
 
 
