@@ -119,3 +119,31 @@ def test_cli_out_that_cannot_be_written_fails_before_evaluating(tmp_path):
     assert proc.returncode == 2 and "no_model: not a Hugging Face model folder" in proc.stderr
     proc = _evaluate("--model", str(tmp_path / "no_model"), "--file", str(tmp_path / "b.jsonl"), "--top-p", "1.5")
     assert proc.returncode == 2 and "--top-p: must be a number in (0, 1], got 1.5" in proc.stderr
+
+
+@pytest.mark.parametrize("content, needle", [
+    (None, "nope.jsonl: no such file"),
+    ('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n', "nope.jsonl:2: missing field 'answer'"),
+    ("", "no prompts in"),
+])
+def test_a_bad_prompt_file_fails_in_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys, content, needle):
+    """Issue #35: the prompt files are read before the tokenizer and the weights load (on a 14B model
+    minutes); the error is one line and exit status 2."""
+    import transformers
+
+    from megatron_tepo.commands.evaluate import command
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", loaded)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    prompts = tmp_path / "nope.jsonl"
+    if content is not None:
+        prompts.write_text(content)
+    with pytest.raises(SystemExit) as done:
+        command(["--model", str(tmp_path / "model"), "--file", str(prompts)])
+    err = capsys.readouterr().err.strip()
+    assert done.value.code == 2 and needle in err and len(err.splitlines()) == 1, err

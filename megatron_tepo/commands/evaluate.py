@@ -10,7 +10,8 @@ with math-verify in a process pool with a per-answer time-out (time-outs and par
 0 and are counted); ``--reward exact_match``: the response, stripped, equals the answer (the
 trainer's ``reward.kind: exact_match``). Prints a table and writes a JSON report (atomically) with
 ``--out``, whose folder is created (and checked writable) before the evaluation starts. A bad
-argument or file is one line and exit status 2 (``--traceback`` for the whole story).
+argument or file is one line and exit status 2 (``--traceback`` for the whole story), found before
+the model loads: every prompt file is read first.
 
 Left out: the SGLang fleet (this tool uses the embedded engine, fine for small models and CI;
 the trainer evaluates through whichever engine it runs), and LLM-judge grading.
@@ -90,6 +91,10 @@ def run(model_dir: str, benchmarks: dict, *, workers: int = 2, timeout_s: float 
 
     if not (Path(model_dir) / "config.json").is_file():
         raise UserError(f"--model {model_dir}: not a Hugging Face model folder (no config.json)")
+    # every prompt file read before the weights load: a bad file costs seconds, not a model's loading
+    for name, spec in benchmarks.items():
+        if not load_prompts(spec["file"]).records:
+            raise UserError(f"benchmark {name!r}: no prompts in {spec['file']}")
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = EmbeddedEngine(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), seed=seed,
                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
