@@ -16,7 +16,7 @@ stacks="${MTEPO_STACKS:-newest,oldest}"
 # The oldest stack's share: the actor, the megatron glue (CPU patches at their versions), the
 # checkpoint conversion, the vocab-parallel op and the TP/PP/DP trainer runs -- everything that
 # calls megatron-core. The rest (algorithms, rewards, launchers, SGLang) does not depend on it.
-OLDEST_TESTS=(tests/megatron tests/checkpoint tests/ops tests/trainer/test_multiprocess.py)
+OLDEST_TESTS=(tests/megatron tests/checkpoint tests/ops tests/trainer/test_multiprocess.py tests/launch/test_fit_check_quiet.py)
 OLDEST_MARKS="not sglang and not slurm"
 
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=""
