@@ -123,6 +123,12 @@ def main(argv=None):
           checkpoint_root=ckpt_root, extra_state=extra, report=lambda line: print(f"[tepo] {line}", flush=True))
     before = extra["accuracy_before"]
     logger.close()
+    if cfg.rollout.colocated:  # train() hands the memory back to the actor: the engine takes it again
+        from megatron_tepo.rollout.engine import MEMORY_TAGS
+        from megatron_tepo.trainer.rollouts import sync_weights
+
+        engine.resume_memory(MEMORY_TAGS)
+        sync_weights(actor, engine)
     after = held_out()
     summary = {"accuracy_before": before, "accuracy_after": after, "improvement": after - before,
                "steps": cfg.train.steps, "seconds": time.time() - t0, "loss": cfg.algorithm.loss}

@@ -55,7 +55,7 @@ from megatron_tepo.trainer.driver import Driver, FollowerEngine
 from megatron_tepo.trainer.rollouts import Generated, Task, evaluate, generate_groups, sync_weights
 from megatron_tepo.trainer.run_state import Checkpoints, RunState
 from megatron_tepo.trainer.stalls import NoUpdateError, no_update_cause, stalled_message
-from megatron_tepo.trainer.step import STEP, Mode, Step, mode_of, policy_update
+from megatron_tepo.trainer.step import Mode, Step, mode_of, policy_update
 from megatron_tepo.trainer.watchdog import Watchdog
 
 __all__ = ["train", "Run", "Task", "NoUpdateError", "generate_groups", "evaluate", "sync_weights",
@@ -101,6 +101,8 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
                 phase(run, step)
         with run.watchdog.phase("collective"):
             run.checkpoints.finish()  # every checkpoint complete before the run returns
+        for phase in mode.end:  # colocated: the actor back on its devices for the caller (its HF export)
+            phase(run, Step(cfg.train.steps))
     return run.history
 
 

@@ -295,10 +295,12 @@ def first_sync(run, step: Step) -> None:
 @dataclass(frozen=True)
 class Mode:
     """How a run's steps go: ``start``, once, after the checkpoint is loaded (it leaves the engine
-    ready to generate), then ``step`` for every step."""
+    ready to generate), then ``step`` for every step, then ``end``, once the last checkpoint is
+    complete (it leaves the actor as the caller built it)."""
     name: str
     start: tuple
     step: tuple
+    end: tuple = ()
 
 
 #: the engine and the actor on their own devices
@@ -308,7 +310,8 @@ SEPARATE = Mode("separate", start=(sync_resumed,), step=STEP)
 #: one every step starts from: the actor offloaded, the engine holding the actor's weights and its
 #: cache
 COLOCATED = Mode("colocated", start=(release_engine, onload_actor, offload_actor, resume_engine_weights, first_sync,
-                                     offload_params, resume_engine_cache), step=COLOCATED_STEP)
+                                     offload_params, resume_engine_cache), step=COLOCATED_STEP,
+                 end=(release_engine, onload_actor))
 
 
 def mode_of(cfg) -> Mode:
