@@ -2,9 +2,10 @@
 # Shared shell functions of the Slurm launchers (slurm/<model>_tepo.sh source this file).
 #
 # One job = the Megatron actor on the first ACTOR nodes of the allocation + an SGLang fleet on the
-# next ROLLOUT nodes (or, with launch.rollout_nodes: 0 and launch.device: cpu, on the actor nodes
-# themselves: "colocated", the tiny CPU job of slurm/local_cpu_tepo.sh). tepo_main runs the fit
-# check, then the steps it names in FIT_STEPS, in their order: the launch sequence of
+# next ROLLOUT nodes, or on the actor nodes themselves: with launch.rollout.placement: colocated on
+# their GPUs, taking turns with the actor for the memory (slurm/qwen3_14b_tepo_colocated.sh), or on
+# CPU with launch.rollout_nodes: 0 beside the trainer (the tiny CPU job of slurm/local_cpu_tepo.sh).
+# tepo_main runs the fit check, then the steps it names in FIT_STEPS, in their order: the launch sequence of
 # megatron_tepo/launch/sequence.py, which the nemo-run launcher follows too. Each step NAME is the
 # function tepo_step_NAME here:
 #   fit check (tools/fit_check.py): per-GPU memory of the actor and the servers (CPU: the layout
@@ -29,13 +30,18 @@
 #   health: a wait for every server's /health (tepo_wait_health). Neither this nor servers when the
 #      run's rollout.engine (FIT_ENGINE) is not the engine the launch serves: the embedded engine
 #      generates inside the trainer;
+#   release: colocated launches only: every server releases its memory (FIT_RELEASE_TAGS: weights,
+#      KV cache, CUDA graphs; `python -m megatron_tepo.launch.release`, the API key from the
+#      environment) before the trainer starts, so that the actor is built on free GPUs; the trainer
+#      gets TEPO_SGLANG_RELEASED (the fleet's initial state);
 #   trainer: srun (one task per actor node) + torchrun, c10d rendezvous on the first actor node
 #      (torchrun --standalone when there is one actor node); the servers' URLs are passed in
 #      TEPO_SGLANG_URLS. The trainer's own settings (tepo_trainer_env: OMP threads,
 #      CUDA_DEVICE_MAX_CONNECTIONS, NCCL error handling, PYTORCH_CUDA_ALLOC_CONF) are set in this
 #      step only, never in the servers'. Its status is the job's (a failure may requeue it).
 # Devices (launch.device, FIT_DEVICE): cuda -> srun steps get --gpus-per-node, each server its
-# CUDA_VISIBLE_DEVICES; cpu -> no GPU arguments, every srun step gets --overlap so that the SGLang
+# CUDA_VISIBLE_DEVICES (colocated: --overlap too, so that the servers' step and the trainer's share
+# the node's GPUs); cpu -> no GPU arguments, every srun step gets --overlap so that the SGLang
 # step and the trainer step share the job's CPUs side by side, one OMP thread per trainer process.
 # Every step gets --cpus-per-task=<the node's CPUs> (tepo_srun_args).
 # API key: every server requires TEPO_SGLANG_API_KEY (the user's, else a random one per job), which
@@ -249,6 +255,8 @@ tepo_srun_args() {
         args=$TEPO_SRUN_ARGS
     elif [[ "${FIT_DEVICE:-cuda}" == cpu ]]; then
         args="--overlap"
+    elif [[ "${FIT_PLACEMENT:-separate}" == colocated ]]; then
+        args="--gpus-per-node=$FIT_GPUS_PER_NODE --overlap"  # the servers and the trainer on the same GPUs
     else
         args="--gpus-per-node=$FIT_GPUS_PER_NODE"
     fi
@@ -408,6 +416,9 @@ tepo_start_trainer() {
     srun_line=$(tepo_srun_args) || tepo_die "no srun arguments for the trainer step (see above)"
     read -r -a srun_args <<<"$srun_line"
     mapfile -t trainer_env < <(tepo_trainer_env)
+    # colocated: what the release step freed on every server (the fleet's initial state), shown in
+    # the trainer's line like its other settings
+    [[ -n "${TEPO_SGLANG_RELEASED:-}" ]] && trainer_env+=("TEPO_SGLANG_RELEASED=$TEPO_SGLANG_RELEASED")
     local head=${TEPO_ACTOR_HOSTS[0]} nodelist
     nodelist=$(IFS=,; printf '%s' "${TEPO_ACTOR_HOSTS[*]}")
     if (( ${#TEPO_ACTOR_HOSTS[@]} == 1 )) && [[ -z "${TEPO_RDZV_PORT:-}" ]]; then
@@ -417,11 +428,18 @@ tepo_start_trainer() {
         rdzv=(--rdzv-backend=c10d --rdzv-endpoint="$head:${TEPO_RDZV_PORT:-29500}" --rdzv-id="${SLURM_JOB_ID:-tepo}")
         tepo_log "trainer on ${#TEPO_ACTOR_HOSTS[@]} node(s) ($nodelist), rendezvous $head:${TEPO_RDZV_PORT:-29500}"
     fi
+    # the script's overrides (the fit check wrote them into run.yaml) less the launch file's own
+    # sections, which the trainer's run config does not have
+    local -a run_ov=()
+    local ov
+    for ov in "$@"; do
+        [[ "$ov" == launch.* || "$ov" == architecture.* ]] || run_ov+=("$ov")
+    done
     tepo_run srun --nodes="${#TEPO_ACTOR_HOSTS[@]}" --ntasks-per-node=1 --nodelist="$nodelist" "${srun_args[@]}" \
         --kill-on-bad-exit=1 \
         env "${trainer_env[@]}" "$(tepo_python)" -m torch.distributed.run --nnodes="${#TEPO_ACTOR_HOSTS[@]}" \
         --nproc-per-node="$FIT_GPUS_PER_NODE" "${rdzv[@]}" \
-        "$TEPO_ROOT/tools/train.py" --config "$RUN_DIR/run.yaml" "$@" \
+        "$TEPO_ROOT/tools/train.py" --config "$RUN_DIR/run.yaml" "${run_ov[@]}" \
         >>"$LOG_DIR/trainer.log" 2>&1 &
     TEPO_TRAINER_PID=$!
     TEPO_STEP_PIDS+=("$TEPO_TRAINER_PID")
@@ -502,7 +520,9 @@ tepo_install_traps() {
 # overrides of the script; only the trainer uses them.
 tepo_step_split_nodes() {
     tepo_split_nodes "$FIT_ACTOR_NODES" "$FIT_ROLLOUT_NODES" || tepo_die "node split failed"
-    if ((FIT_ROLLOUT_NODES == 0)); then
+    if [[ "${FIT_PLACEMENT:-separate}" == colocated ]]; then
+        tepo_log "actor nodes: ${TEPO_ACTOR_HOSTS[*]}; SGLang colocated on their ${FIT_DEVICE:-cuda} devices (taking turns with the actor)"
+    elif ((FIT_ROLLOUT_NODES == 0)); then
         tepo_log "actor nodes: ${TEPO_ACTOR_HOSTS[*]}; SGLang colocated on them"
     else
         tepo_log "actor nodes: ${TEPO_ACTOR_HOSTS[*]}; rollout nodes: ${TEPO_ROLLOUT_HOSTS[*]}"
@@ -521,6 +541,21 @@ tepo_step_servers() {
 
 tepo_step_health() {
     tepo_wait_health "${TEPO_HEALTH_TIMEOUT:-1800}"
+}
+
+# Colocated launches: every server releases its memory before the trainer starts (the launch
+# sequence's release step, megatron_tepo/launch/sequence.py; the URLs and the API key reach it in the
+# environment), and the trainer is told what is released (TEPO_SGLANG_RELEASED, exported now: the
+# servers' step started before and does not get it).
+tepo_step_release() {
+    [[ -n "${FIT_RELEASE_TAGS:-}" ]] || tepo_die "FIT_RELEASE_TAGS: empty (the fit check names what to release)"
+    tepo_log "releasing the memory of every SGLang server ($FIT_RELEASE_TAGS) before the trainer starts"
+    if ! PYTHONPATH="$TEPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" tepo_run "$(tepo_python)" \
+            -m megatron_tepo.launch.release --tags "$FIT_RELEASE_TAGS" >>"$LOG_DIR/release.log" 2>&1; then
+        cat "$LOG_DIR/release.log" >&2
+        tepo_die "releasing the SGLang servers' memory failed (above; logs: $LOG_DIR/sglang.*)"
+    fi
+    export TEPO_SGLANG_RELEASED=$FIT_RELEASE_TAGS
 }
 
 # The trainer step: its status is the job's; a failed one may requeue the job.
@@ -542,6 +577,7 @@ tepo_main() {
     local launch_file=$1
     shift
     TEPO_STEP_PIDS=()
+    unset TEPO_SGLANG_RELEASED  # only this attempt's release step says what its servers released
     local attempt="${SLURM_JOB_ID:-local}.${SLURM_RESTART_COUNT:-0}"
     RUN_DIR="${TEPO_RUN_DIR:-${OUTPUT_DIR:-$TEPO_ROOT/outputs/$(basename "$launch_file" .yaml)}/launch/$attempt}"
     tepo_fit_check "$launch_file" "$@"

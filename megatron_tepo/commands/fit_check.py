@@ -6,9 +6,13 @@
         [--write-run-config RUN.yaml] [--print-shell] [--trainer-python PYTHON]
 
 Prints the per-GPU arithmetic (actor: weights, grads, optimizer, activations, logits, reserve;
-SGLang servers: weights + KV cache); on a misfit or a bad file prints one line naming the setting
-to change and exits 2 (``--traceback`` for the whole story).
-``--write-run-config`` writes the RunConfig file the trainer is started with; ``--print-shell``
+SGLang servers: weights + KV cache; a colocated layout, ``launch.rollout.placement: colocated``: each
+phase's peak -- rollout, training, weight sync -- at the offload level it picks, the least that
+fits, the servers' derived ``mem_fraction_static`` and the pinned host memory per node); on a
+misfit or a bad file prints one line naming the setting to change and exits 2 (``--traceback`` for
+the whole story).
+``--write-run-config`` writes the RunConfig file the trainer is started with (a colocated layout's
+with ``rollout.colocated: true`` and, on cuda, the picked ``actor.offload``); ``--print-shell``
 prints ``FIT_*=value`` lines for slurm/lib.sh (on stdout; the report then goes to stderr). A launch
 file with ``launch.device: cpu`` (examples/models/tiny_cpu.yaml) gets no GPU arithmetic, only the
 layout rules, and still writes the run config and the FIT_* lines.

@@ -11,7 +11,9 @@
 * :mod:`.spec` -- the launch file (:func:`load_launch`), the run config it writes, the servers'
   serve command and the ``FIT_*`` shell variables;
 * :mod:`.sequence` -- the job's steps after the fit check, in order, which slurm/lib.sh and the
-  nemo-run launcher both follow, and lib.sh's rules the nemo-run launcher runs (python, trainer env);
+  nemo-run launcher both follow (a colocated launch's ``release`` of the servers' memory among
+  them: :mod:`.release` is its command), and lib.sh's rules the nemo-run launcher runs (python,
+  trainer env);
 * :mod:`.pythons` -- a GPU job's trainer and SGLang pythons, checked before anything starts
   (:func:`check_pythons`; each answers :mod:`.probe_python`, run under it);
 * :mod:`.nemo_run` -- the nemo-run launcher (``tools/launch_nemo_run.py``; imports nemo-run).

@@ -2,18 +2,21 @@
 :func:`megatron_tepo.layout.validate_layout`, the only copy, and the fleet's own rule) and does it
 fit in GPU memory (:func:`check_fit`: :mod:`megatron_tepo.launch.memory`'s numbers against
 ``launch.gpu_mem_gib`` and SGLang's static pool, in a :class:`~megatron_tepo.launch.report.FitReport`)?
+A colocated layout (``launch.rollout.placement: colocated`` on cuda) is checked per phase of the step
+at the offload level in use; :func:`settle_colocated` picks that level (``actor.offload: auto``: the
+least that fits) and the servers' ``mem_fraction_static`` and memory saver, before anything is written.
 Pure arithmetic, run before anything starts; on CPU (``launch.device: cpu``) only the layout rules.
 The formulas and what they leave out: docs/LAUNCH.md ("The fit-check arithmetic")."""
 from __future__ import annotations
 
 from megatron_tepo.config import RunConfig
-from megatron_tepo.launch.memory import actor_memory, server_memory
+from megatron_tepo.launch.memory import actor_memory, colocated_memory, server_memory
 from megatron_tepo.launch.report import FitReport
 from megatron_tepo.launch.schema import LaunchLayout
 from megatron_tepo.launch.shape import ModelShape
 from megatron_tepo.layout import validate_layout
 
-__all__ = ["FitError", "check_layout", "check_fit"]
+__all__ = ["FitError", "check_layout", "check_fit", "settle_colocated"]
 
 
 class FitError(ValueError):
@@ -45,11 +48,32 @@ def check_fit(m: ModelShape, cfg: RunConfig, launch: LaunchLayout, raise_error: 
     if launch.rollout.server.max_running_requests < 1:  # (0: SGLang's own number, which is not priced)
         raise FitError(f"{launch.rollout.key}.max_running_requests: must be >= 1 on cuda (the fit check prices "
                        f"the KV cache of that many sequences per server)")
-    report = FitReport(m, actor_memory(m, cfg, launch), server_memory(m, cfg, launch), launch, cfg)
+    colocated = colocated_memory(m, cfg, launch) if launch.colocated else None
+    report = FitReport(m, actor_memory(m, cfg, launch), server_memory(m, cfg, launch), launch, cfg, colocated)
     if raise_error:
-        errors = ([report.actor_error()] if not report.actor_fits else []) + \
-                 ([report.server_error()] if not report.server_fits else [])
+        if colocated is not None:
+            errors = [] if report.colocated_fits else [report.colocated_error()]
+        else:
+            errors = ([report.actor_error()] if not report.actor_fits else []) + \
+                     ([report.server_error()] if not report.server_fits else [])
         if errors:
             raise FitError("\n".join(errors))
     return report
+
+
+def settle_colocated(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> None:
+    """A colocated layout on cuda: what the fit check decides for the run and its servers, set in
+    ``cfg`` and ``launch`` (before the run config and the serve command are written): the offload
+    level (``actor.offload: auto`` -> the least that fits, else the one asked), the servers'
+    ``mem_fraction_static`` (their weights + the KV cache of ``max_running_requests`` sequences +
+    what a released server keeps) and SGLang's memory saver. Whether it fits is :func:`check_fit`'s.
+    On CPU only the memory saver's absence (torch_memory_saver is CUDA's: release frees nothing)."""
+    if not launch.colocated or launch.device != "cuda":
+        return
+    if launch.rollout.server.max_running_requests < 1:
+        return  # check_fit says so
+    c = colocated_memory(m, cfg, launch)
+    cfg.actor.offload = c.level
+    launch.rollout.server.mem_fraction_static = c.fraction
+    launch.rollout.server.enable_memory_saver = True
 

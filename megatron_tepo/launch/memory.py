@@ -1,8 +1,10 @@
 """Memory per GPU, in bytes: parameters on one rank (:func:`param_counts`), activations kept for
 backward (:func:`layer_activation_bytes`), the logits working set, and the totals of the actor's
 largest pipeline stage (:func:`actor_memory`, priced from the run config's ``actor`` section, what
-the trainer hands to the actor) and of one SGLang server GPU (:func:`server_memory`). Pure
-arithmetic; the formulas, their conventions and what they leave out are in docs/LAUNCH.md ("The
+the trainer hands to the actor) and of one SGLang server GPU (:func:`server_memory`); for a
+colocated layout (the servers on the actor's GPUs, taking turns) the peak of each phase of a step
+at each offload level and the servers' derived ``mem_fraction_static`` (:func:`colocated_memory`).
+Pure arithmetic; the formulas, their conventions and what they leave out are in docs/LAUNCH.md ("The
 fit-check arithmetic"); tests/launch/test_fit_vs_actor.py checks the weight, gradient and optimizer
 bytes against a built actor. Left out: deciding whether it fits (:mod:`megatron_tepo.launch.fit`)
 and saying so (:mod:`megatron_tepo.launch.report`)."""
@@ -10,14 +12,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
-from megatron_tepo.config import RunConfig
+from megatron_tepo.config import OFFLOAD_LEVELS, RunConfig
 from megatron_tepo.launch.schema import LaunchLayout
 from megatron_tepo.launch.shape import ModelShape
 
 __all__ = ["GiB", "param_counts", "total_params", "layer_activation_bytes", "logits_bytes", "ActorMemory",
-           "ServerMemory", "actor_memory", "server_memory"]
+           "ServerMemory", "actor_memory", "server_memory", "OFFLOAD_ORDER", "PhasePeaks", "ColocatedMemory",
+           "colocated_memory"]
 
 GiB = 2 ** 30
 
@@ -186,3 +189,112 @@ def server_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> Server
                         kv_tokens=kv_tokens, kv_cache=float(kv_per_token * kv_tokens),
                         budget=server.mem_fraction_static * launch.gpu_mem_gib * GiB,
                         servers=launch.servers)
+
+
+# --------------------------------------------------------------------------------------------
+# Colocated layouts: the servers on the actor's GPUs, taking turns with it (docs/LAUNCH.md)
+# --------------------------------------------------------------------------------------------
+#: actor.offload's levels from the least to the most moved (the fit check picks the first that fits)
+OFFLOAD_ORDER = ("none", "optimizer", "optimizer_grads", "all")
+assert set(OFFLOAD_ORDER) == set(OFFLOAD_LEVELS)
+FRACTION_STEP = 0.01  # the derived mem_fraction_static is rounded up to this
+
+
+@dataclass
+class PhasePeaks:
+    """One offload level's peak per GPU in each phase of a colocated step, and what it moves."""
+    level: str
+    kept: float  # what the actor holds while the engine generates (its reserve not included)
+    at_sync: float  # what the actor holds during the weight sync (its reserve not included)
+    rollout: float  # actor kept + reserve + the server's static pool + its graphs and activations
+    training: float  # the whole actor + what the server keeps after its release
+    sync: float  # the actor's weights (and what it has not offloaded yet) + server weights + buckets
+    moved: float  # bytes per GPU to host memory and back, each way, per step
+    host_per_node: float  # pinned host memory per node (made once, held for the run)
+    fits_gpu: bool
+    fits_host: bool
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_gpu and self.fits_host
+
+    @property
+    def peak(self) -> float:
+        return max(self.rollout, self.training, self.sync)
+
+
+@dataclass
+class ColocatedMemory:
+    """A colocated layout per GPU (bytes): the server's derived ``mem_fraction_static`` and static
+    pool, the phases at every level (:data:`OFFLOAD_ORDER`), the level in use and the least that fits."""
+    server: ServerMemory  # weights and the KV cache of max_running_requests sequences
+    fraction: float  # the derived mem_fraction_static (static pool = weights + KV + the released part)
+    pool: float  # fraction x GPU memory: what SGLang takes while serving, beside its graphs
+    server_reserve: float  # graphs, activations (outside the pool)
+    server_released: float  # what a released server keeps (inside the pool while it serves)
+    buckets: float  # the weight sync's buffers on one GPU
+    actor_reserve: float  # launch.reserve_gib: the trainer's CUDA context, NCCL, fragmentation
+    seq_bytes: float  # the KV cache of one sequence of max_prompt_len + max_new_tokens tokens, per GPU
+    levels: Dict[str, PhasePeaks]
+    level: str  # in use: actor.offload, or the least that fits (auto; "all" when none does)
+    least: Optional[str]  # the least level that fits (None: none does)
+    gpu: float
+    host: float  # launch.host_mem_gib in bytes (0: not checked)
+
+    @property
+    def phases(self) -> PhasePeaks:
+        return self.levels[self.level]
+
+    def capacity(self, level: str) -> int:
+        """Sequences per server whose KV cache fits at ``level`` (the rollout phase at the GPU's size)."""
+        room = (self.gpu - self.levels[level].kept - self.actor_reserve - self.server_reserve - self.server.weights
+                - self.server_released)
+        return max(0, int(room // self.seq_bytes)) if self.seq_bytes else 0
+
+
+def colocated_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> ColocatedMemory:
+    """The phases of a colocated step per GPU (docs/LAUNCH.md, "Colocated layouts"), at every
+    offload level: each GPU holds an actor rank and one TP rank of a server.
+
+    * rollout: what the actor keeps (level ``none``: all of it, its training working set too, which
+      its allocator keeps cached since nothing empties it; else weights, gradients and optimizer
+      less what is offloaded) + its reserve + the server's static pool (``mem_fraction_static`` x
+      GPU: weights + KV cache + what it keeps when released) + the server's graphs and activations;
+    * training: the whole actor (:func:`actor_memory`) + what the released server keeps;
+    * sync: the actor's weights and what it has not offloaded (gradients at ``optimizer``; at
+      ``none`` all it keeps in the rollout phase) + its reserve + the server's weights + what it
+      keeps + the buckets (two on the actor's side, one being received);
+    * host: what is offloaded, pinned, per GPU x GPUs per node.
+    """
+    a = actor_memory(m, cfg, launch)
+    s = server_memory(m, cfg, launch)
+    gpu = launch.gpu_mem_gib * GiB
+    released, reserve = launch.server_released_gib * GiB, launch.server_reserve_gib * GiB
+    fraction = math.ceil((s.weights + s.kv_cache + released) / gpu / FRACTION_STEP - 1e-9) * FRACTION_STEP
+    fraction = round(fraction, 6)
+    pool = fraction * gpu
+    buckets = 3 * cfg.rollout.sync_bucket_mb * 2 ** 20
+    state = {"params": a.weights, "grads": a.grads, "optimizer": a.optimizer}
+    whole = a.weights + a.grads + a.optimizer + a.reference
+    host = launch.host_mem_gib * GiB
+    levels = {}
+    for level in OFFLOAD_ORDER:
+        parts = OFFLOAD_LEVELS[level]
+        moved = sum(state[p] for p in parts)
+        kept = a.total - a.reserve if not parts else whole - moved
+        # params leave after the sync; at none nothing empties the allocator's cache before it either
+        before_sync = kept if not parts else whole - sum(state[p] for p in parts if p != "params")
+        rollout = kept + a.reserve + pool + reserve
+        training = a.total + released
+        sync = before_sync + a.reserve + buckets + s.weights + released
+        host_node = moved * launch.gpus_per_node
+        levels[level] = PhasePeaks(level, kept, before_sync, rollout, training, sync, moved, host_node,
+                                   fits_gpu=max(rollout, training, sync) <= gpu,
+                                   fits_host=not host or host_node <= host)
+    least = next((lv for lv in OFFLOAD_ORDER if levels[lv].fits), None)
+    asked = cfg.actor.offload
+    level = asked if asked != "auto" else (least or "all")
+    seq = s.kv_bytes_per_token * (cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens)
+    return ColocatedMemory(server=s, fraction=fraction, pool=pool, server_reserve=reserve, server_released=released,
+                           buckets=buckets, actor_reserve=a.reserve, seq_bytes=seq, levels=levels, level=level,
+                           least=least, gpu=gpu, host=host)

@@ -15,8 +15,9 @@ order, as slurm/lib.sh does: the setup lines split the nodes and set the job's e
 lib.sh's own functions and name the servers' ports and URLs; the tasks run the two steps of this
 module on the nodes: ``step-sglang`` (the servers, each the serve command of
 :func:`megatron_tepo.launch.serve_args`, stopped with the trainer's status) and ``step-trainer``
-(waits for every server's ``/health``, then torchrun with the trainer's own settings, lib.sh's
-``tepo_trainer_env``). The nodes' python is lib.sh's ``tepo_python`` unless ``--python`` names one.
+(waits for every server's ``/health``; in a colocated launch node 0 then releases every server's
+memory, the ``release`` step, before its torchrun joins the rendezvous; then torchrun with the
+trainer's own settings, lib.sh's ``tepo_trainer_env``, and ``TEPO_SGLANG_RELEASED``). The nodes' python is lib.sh's ``tepo_python`` unless ``--python`` names one.
 The steps start, watch and stop the servers with the SGLang fleet's own process code
 (``megatron_tepo.rollout.sglang.server``: ``wait_ready``, ``stop_server``). What the job does step
 by step, why this shape (no heterogeneous job, no nemo-run torchrun launcher), the environment it
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from megatron_tepo.launch.sequence import job_steps, node_python, trainer_env
+from megatron_tepo.launch.sequence import RELEASE_TAGS, job_steps, node_python, release_servers, trainer_env
 from megatron_tepo.launch.spec import LaunchSpec, serve_args
 from megatron_tepo.net import free_port  # outside the ephemeral range
 
@@ -92,12 +93,12 @@ class Plan:
         return self.spec.launch.actor_nodes
 
     @property
-    def rollout_nodes(self) -> int:  # 0: the servers share the actor nodes (colocated, CPU)
+    def rollout_nodes(self) -> int:  # 0: the servers share the actor nodes (colocated, or beside it on CPU)
         return self.spec.launch.rollout_nodes
 
     @property
     def server_nodes(self) -> int:
-        return self.actor_nodes if self.spec.launch.colocated else self.rollout_nodes
+        return self.actor_nodes if self.spec.launch.shares_actor_nodes else self.rollout_nodes
 
     @property
     def total_nodes(self) -> int:
@@ -179,8 +180,9 @@ def step_commands(plan: Plan, run_dir: Path, python: str, *, slurm: bool, rdzv_p
     torchrun = [python, "-m", "torch.distributed.run", f"--nnodes={plan.actor_nodes}",
                 f"--nproc-per-node={plan.procs_per_node}", *rdzv,
                 str(ROOT / "tools" / "train.py"), "--config", str(run_dir / "run.yaml"), *extra]
+    release = ["--release", ",".join(RELEASE_TAGS)] if "release" in plan.steps else []
     trainer = [python, me, "step-trainer", "--health-timeout", f"{health_timeout:g}", "--done-file", done,
-               "--device", plan.device, "--", *torchrun]
+               "--device", plan.device, *release, "--", *torchrun]
     return {role: cmd for role, cmd in (("sglang", sglang), ("trainer", trainer)) if role in plan.roles}
 
 
@@ -233,7 +235,8 @@ def _setup_servers(plan: Plan) -> List[str]:  # the ports of a node's servers an
 
 
 _SETUP = {"split_nodes": _setup_split_nodes, "job_env": _setup_job_env, "servers": _setup_servers,
-          "health": lambda plan: [], "trainer": lambda plan: []}  # (step-trainer waits; its task)
+          "health": lambda plan: [], "release": lambda plan: [],  # (step-trainer waits, then releases)
+          "trainer": lambda plan: []}  # (its task)
 
 
 def srun_args(plan: Plan, role: str) -> List[str]:
@@ -244,6 +247,8 @@ def srun_args(plan: Plan, role: str) -> List[str]:
     # always all of the node's CPUs (tepo_cpus_per_node, in the setup lines): since Slurm 22.05 a
     # step does not inherit --cpus-per-task, and under CPU binding a one-CPU step is one core
     args.append(f"--gpus-per-node={plan.procs_per_node}" if plan.device == "cuda" else "--overlap")
+    if plan.device == "cuda" and plan.spec.launch.colocated:
+        args.append("--overlap")  # the servers and the trainer share the actor nodes' GPUs
     args.append('--cpus-per-task="$TEPO_STEP_CPUS"')  # (a plain str: nemo-run serialises these)
     return args
 
@@ -394,10 +399,12 @@ def step_trainer(argv: Sequence[str]) -> int:
     ap.add_argument("--urls", default=None, help="comma-separated (default: $TEPO_SGLANG_URLS)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="the trainer's own settings for this device (slurm/lib.sh's tepo_trainer_env)")
+    ap.add_argument("--release", default="",
+                    help="colocated: the memory tags node 0 releases on every server before torchrun starts")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     from megatron_tepo.rollout.sglang.client import FleetError, SGLangServer
-    from megatron_tepo.rollout.sglang.options import API_KEY_ENV
+    from megatron_tepo.rollout.sglang.options import API_KEY_ENV, RELEASED_ENV
     from megatron_tepo.rollout.sglang.server import wait_ready
 
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
@@ -411,7 +418,18 @@ def step_trainer(argv: Sequence[str]) -> int:
         _log(f"SGLang not healthy after {a.health_timeout:g}s ({' '.join(str(exc).split())})")
         rc = 1
     else:
+        rc = 0
+    tags = [t for t in a.release.split(",") if t]
+    if rc == 0 and tags and node0:  # the release step, once per job: node 0 (the others' torchrun
+        try:  # waits at the rendezvous for node 0's, which starts after it)
+            release_servers(urls, os.environ.get(API_KEY_ENV) or None, tags, log=_log)
+        except RuntimeError as exc:
+            _log(str(exc))
+            rc = 1
+    if rc == 0:
         own = trainer_env(a.device)
+        if tags:
+            own[RELEASED_ENV] = ",".join(tags)
         _log("all SGLang servers healthy; " + shlex.join(["env", *(f"{k}={v}" for k, v in own.items()), *cmd]))
         proc = subprocess.Popen(cmd, env={**os.environ, **own})
         forward = lambda signum, _frame: proc.send_signal(signum)  # noqa: E731

@@ -2,13 +2,14 @@
 
     <python> megatron_tepo/launch/probe_python.py
     {"executable": ..., "prefix": ..., "torch": {"version": "2.6.0+cu126", "cuda": "12.6", "hip": null} | null,
-     "transformer_engine": true|false, "sglang": true|false}
+     "transformer_engine": true|false, "sglang": true|false, "torch_memory_saver": true|false}
 
 Run by path under the python it describes, which need not have megatron_tepo (an SGLang venv): the
 standard library only, and it imports nothing it reports on. torch's build comes from its
 ``torch/version.py`` (``cuda`` / ``hip``: the toolkit it was built with, None in a CPU build), read
 as literals, not imported: no CUDA initialisation, well under a second, and it answers on a login
-node without a GPU. Transformer Engine and SGLang: whether the package is installed
+node without a GPU. Transformer Engine, SGLang and its memory saver (``torch_memory_saver``, what a
+colocated layout's servers start with): whether the package is installed
 (``importlib.util.find_spec``), not whether it imports. Left out: whether a GPU is there (the
 job's nodes have them; where this runs may not), the driver, apex.
 """
@@ -56,7 +57,8 @@ def installed(name: str) -> bool:
 
 def probe() -> dict:
     return {"executable": sys.executable, "prefix": sys.prefix, "torch": torch_build(),
-            "transformer_engine": installed("transformer_engine"), "sglang": installed("sglang")}
+            "transformer_engine": installed("transformer_engine"), "sglang": installed("sglang"),
+            "torch_memory_saver": installed("torch_memory_saver")}
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def _trainer(spec: LaunchSpec, python: str, setting: str, found: List[str]) -> L
     return []
 
 
-def _sglang(trainer_python: str, found: List[str]) -> List[str]:
+def _sglang(spec: LaunchSpec, trainer_python: str, found: List[str]) -> List[str]:
     from megatron_tepo.rollout.sglang.options import configured_sglang_python, cpu_build_marker
 
     python = configured_sglang_python()
@@ -127,6 +127,10 @@ def _sglang(trainer_python: str, found: List[str]) -> List[str]:
         return [f"launch.device: cuda, but {who} cannot import sglang: {fix}"]
     if not _gpu_torch(info):
         return [f"launch.device: cuda, but {who} has {_torch(info)}: {fix}"]
+    if spec.launch.colocated and not info.get("torch_memory_saver"):
+        return [f"{spec.launch.rollout.key}.placement: colocated starts the servers with SGLang's memory saver, "
+                f"which {who} does not have (pip install torch_memory_saver, a dependency of SGLang's CUDA "
+                f"install): {fix}"]
     return []
 
 
@@ -140,7 +144,7 @@ def check_pythons(spec: LaunchSpec, trainer_python: str, setting: str = "TEPO_PY
     found: List[str] = []
     errors = _trainer(spec, trainer_python, setting, found)
     if spec.cfg.rollout.engine == "sglang":
-        errors += _sglang(trainer_python, found)
+        errors += _sglang(spec, trainer_python, found)
     if errors:
         raise FitError("; ".join(errors))
     return found

@@ -1,6 +1,7 @@
 """What the fit check says (:class:`FitReport`): the per-GPU breakdown printed by
-``tools/fit_check.py`` and the nemo-run launcher, the CPU variant (no GPU arithmetic), and the
-one-line errors naming the settings to change. The text is compared by tests (tests/launch/,
+``tools/fit_check.py`` and the nemo-run launcher (a colocated layout: each phase's peak at the
+offload level in use, and why the lesser levels do not fit), the CPU variant (no GPU arithmetic),
+and the one-line errors naming the settings to change. The text is compared by tests (tests/launch/,
 docs/LAUNCH.md quotes it); the numbers come from :mod:`megatron_tepo.launch.memory`. Left out:
 the decision and the layout rules (:mod:`megatron_tepo.launch.fit`)."""
 from __future__ import annotations
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_tepo.config import RunConfig
-from megatron_tepo.launch.memory import GiB, ActorMemory, ServerMemory, total_params
+from megatron_tepo.launch.memory import OFFLOAD_ORDER, GiB, ActorMemory, ColocatedMemory, ServerMemory, total_params
 from megatron_tepo.launch.schema import LaunchLayout
 from megatron_tepo.launch.shape import ModelShape
 
@@ -27,6 +28,11 @@ class FitReport:
     server: Optional[ServerMemory]
     launch: LaunchLayout
     cfg: RunConfig
+    colocated: Optional[ColocatedMemory] = None  # launch.rollout.placement: colocated (cuda)
+
+    @property
+    def colocated_fits(self) -> bool:
+        return self.colocated is None or self.colocated.phases.fits
 
     @property
     def actor_fits(self) -> bool:
@@ -63,6 +69,30 @@ class FitReport:
                 f"raise {k}.tp, or lower {k}.max_running_requests, "
                 f"or lower rollout.max_new_tokens / rollout.max_prompt_len")
 
+    def colocated_error(self) -> str:
+        c, L, k = self.colocated, self.launch, self.launch.rollout.key
+        p = c.phases
+        over = [f"{name} phase {getattr(p, name) / GiB:.1f} GiB" for name in ("rollout", "training", "sync")
+                if getattr(p, name) > c.gpu]
+        over = [", ".join(over) + f" > {L.gpu_mem_gib:g} GiB per GPU"] if over else []
+        if not p.fits_host:
+            over.append(f"pinned host memory {p.host_per_node / GiB:.0f} GiB > launch.host_mem_gib "
+                        f"{L.host_mem_gib:g} per node")
+        what = (f"actor.offload: {c.level} does not fit (the least that fits: {c.least})" if c.least
+                else f"no actor.offload level fits, not even all (at {c.level})")
+        hints = []
+        if p.training > c.gpu:
+            hints.append("raise parallel.tp or parallel.pp, or set actor.recompute: full, or lower "
+                         "actor.max_tokens_per_micro_batch (the whole actor trains beside the released servers)")
+        if p.rollout > c.gpu or p.sync > c.gpu:
+            hints.append(f"lower {k}.max_running_requests (room for {c.capacity(c.least or 'all')} per server at "
+                         f"offload {c.least or 'all'}), or raise {k}.tp")
+        if not p.fits_host:
+            hints.append("offload less, or raise launch.actor_nodes (more ranks share the optimizer)")
+        if c.least and c.level != c.least:
+            hints.insert(0, f"set actor.offload: {c.least} (or auto)")
+        return f"colocated layout does not fit: {what}: {'; '.join(over)}; " + "; or ".join(hints)
+
     def breakdown_actor(self) -> str:
         a = self.actor
         parts = [f"weights {_gib(a.weights)}", f"grads {_gib(a.grads)}", f"optimizer {_gib(a.optimizer)}"]
@@ -74,15 +104,13 @@ class FitReport:
     def render(self) -> str:
         if self.actor is None:
             return self.render_cpu()
-        m, a, s, L, cfg = self.shape, self.actor, self.server, self.launch, self.cfg
-        par, server = cfg.parallel, self.launch.rollout.server
+        if self.colocated is not None:
+            return self.render_colocated()
+        a, s, L, cfg = self.actor, self.server, self.launch, self.cfg
+        server = self.launch.rollout.server
         lines = [
             self.model_line(),
-            f"actor: {L.actor_nodes} node(s) x {L.gpus_per_node} GPUs = {L.actor_gpus}; tp={par.tp} pp={par.pp} "
-            f"ep={par.ep} dp={a.dp}" + (f" edp={a.edp}" if m.is_moe else "")
-            + f" sp={cfg.actor.sequence_parallel} distributed_optimizer={cfg.optim.use_distributed_optimizer} "
-            f"precision={cfg.actor.precision} attention={cfg.actor.attention} recompute={cfg.actor.recompute} "
-            f"packed={cfg.actor.pack_sequences} micro-batch tokens={a.tokens}",
+            self.actor_line(),
             f"  per GPU ({a.stage} stage): params {a.dense_params + a.expert_params:,}; {self.breakdown_actor()}",
             f"  total {_gib(a.total)} of {L.gpu_mem_gib:g} GiB: {'fits' if self.actor_fits else 'DOES NOT FIT'}",
             f"rollout: {L.rollout_nodes} node(s), {s.servers} SGLang server(s) x tp={server.tp}, "
@@ -92,6 +120,55 @@ class FitReport:
             f"({s.kv_tokens:,} tokens x {s.kv_bytes_per_token:,} B) = {_gib(s.total)} of {_gib(s.budget)} "
             f"(mem_fraction_static {server.mem_fraction_static:g}): {'fits' if self.server_fits else 'DOES NOT FIT'}",
         ]
+        return "\n".join(lines)
+
+    def actor_line(self) -> str:
+        m, a, L, cfg, par = self.shape, self.actor, self.launch, self.cfg, self.cfg.parallel
+        return (f"actor: {L.actor_nodes} node(s) x {L.gpus_per_node} GPUs = {L.actor_gpus}; tp={par.tp} pp={par.pp} "
+                f"ep={par.ep} dp={a.dp}" + (f" edp={a.edp}" if m.is_moe else "")
+                + f" sp={cfg.actor.sequence_parallel} distributed_optimizer={cfg.optim.use_distributed_optimizer} "
+                f"precision={cfg.actor.precision} attention={cfg.actor.attention} recompute={cfg.actor.recompute} "
+                f"packed={cfg.actor.pack_sequences} micro-batch tokens={a.tokens}")
+
+    def render_colocated(self) -> str:
+        """A colocated layout: the servers on the actor's GPUs; each phase's peak per GPU at the
+        offload level in use, the other levels in one line each, the pinned host memory."""
+        a, s, c, L, cfg = self.actor, self.server, self.colocated, self.launch, self.cfg
+        server, p = L.rollout.server, self.colocated.phases
+        verdict = "fits" if p.fits else "DOES NOT FIT"
+        lines = [
+            self.model_line(),
+            self.actor_line() + " (colocated: the servers on the same GPUs, taking turns)",
+            f"  whole actor per GPU ({a.stage} stage): params {a.dense_params + a.expert_params:,}; "
+            f"{self.breakdown_actor()}; total {_gib(a.total)}",
+            f"servers: {s.servers} SGLang server(s) x tp={server.tp} on the actor nodes ({L.servers_per_node} a node, "
+            f"server i on GPUs [i*{server.tp}, (i+1)*{server.tp})), memory saver, {server.max_running_requests} running "
+            f"requests each ({s.servers * server.max_running_requests} concurrent; a step has "
+            f"{cfg.rollout.prompts_per_step * cfg.rollout.n_samples} sequences)",
+            f"  per GPU: weights {_gib(s.weights)} + KV cache {_gib(s.kv_cache)} ({s.kv_tokens:,} tokens x "
+            f"{s.kv_bytes_per_token:,} B) + kept when released {_gib(c.server_released)} -> mem_fraction_static "
+            f"{c.fraction:.2f} (derived: {_gib(c.pool)}); graphs and activations {_gib(c.server_reserve)}",
+            f"offload: {c.level}" + (" (the least that fits)" if c.level == c.least else
+                                     f" (actor.offload; the least that fits: {c.least})" if c.least else
+                                     " (no level fits)")
+            + f": {_gib(p.moved)} per GPU to host and back each step; pinned host memory {_gib(p.host_per_node)} "
+            f"per node" + (f" of {L.host_mem_gib:g} GiB" if L.host_mem_gib else " (launch.host_mem_gib: not checked)"),
+            f"  rollout phase peak {_gib(p.rollout)}: the actor keeps {_gib(p.kept)} + its reserve {_gib(a.reserve)} "
+            f"+ the server's pool {_gib(c.pool)} + its graphs and activations {_gib(c.server_reserve)} (room for "
+            f"{c.capacity(c.level)} sequences per server)",
+            f"  training phase peak {_gib(p.training)}: the whole actor {_gib(a.total)} + the released server "
+            f"{_gib(c.server_released)}",
+            f"  sync phase peak {_gib(p.sync)}: the actor keeps {_gib(p.at_sync)} + its reserve {_gib(a.reserve)} "
+            f"+ buckets {_gib(c.buckets)} + the server's weights {_gib(s.weights)} + what it keeps "
+            f"{_gib(c.server_released)}",
+            f"  peak {_gib(p.peak)} of {L.gpu_mem_gib:g} GiB per GPU: {verdict}",
+        ]
+        for level in OFFLOAD_ORDER:
+            q = c.levels[level]
+            if level != c.level:
+                lines.append(f"  offload {level}: rollout {_gib(q.rollout)}, training {_gib(q.training)}, sync "
+                             f"{_gib(q.sync)}, host {_gib(q.host_per_node)} per node: "
+                             + ("fits" if q.fits else "does not fit"))
         return "\n".join(lines)
 
     def model_line(self) -> str:
@@ -104,7 +181,8 @@ class FitReport:
     def render_cpu(self) -> str:
         L, cfg = self.launch, self.cfg
         par = cfg.parallel
-        where = "on the actor node(s) (colocated)" if L.colocated else f"on {L.rollout_nodes} node(s)"
+        where = ("on the actor node(s) (colocated: taking turns with the actor)" if L.colocated else
+                 "on the actor node(s) (colocated)" if L.shares_actor_nodes else f"on {L.rollout_nodes} node(s)")
         return "\n".join([
             self.model_line(),
             f"actor (cpu): {L.actor_nodes} node(s) x {L.gpus_per_node} processes = {L.actor_gpus}; "

@@ -10,8 +10,12 @@ the rollout servers (``launch``: :mod:`megatron_tepo.launch.schema`) and a
 :class:`~megatron_tepo.config.RunConfig` fragment (everything else, ``_base_`` naming the method
 file), which is typed and validated by the run config's own loader, errors naming the key and its
 line in the launch file. docs/LAUNCH.md says how the Slurm scripts and the nemo-run launcher use
-it. Left out: the memory arithmetic and the fit check (:mod:`megatron_tepo.launch.fit`), the order
-of the job's steps (:mod:`megatron_tepo.launch.sequence`)."""
+it. A colocated launch (``launch.rollout.placement: colocated``) makes the run colocated
+(``rollout.colocated: true``; a run config that says otherwise is an error naming both) and, on
+cuda, takes the fit check's offload level (``actor.offload``), the servers' ``mem_fraction_static``
+and SGLang's memory saver (:func:`megatron_tepo.launch.fit.settle_colocated`). Left out: the memory
+arithmetic and the fit check (:mod:`megatron_tepo.launch.fit`), the order of the job's steps
+(:mod:`megatron_tepo.launch.sequence`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +29,9 @@ import yaml
 
 from megatron_tepo.config import ConfigError, RunConfig, apply_overrides, from_file_data, load_config, read_yaml_file
 from megatron_tepo.launch.engines import SERVED_ENGINES, served_engine
+from megatron_tepo.launch.fit import settle_colocated
 from megatron_tepo.launch.schema import LaunchLayout, read_layout
-from megatron_tepo.launch.sequence import job_steps
+from megatron_tepo.launch.sequence import RELEASE_TAGS, job_steps
 from megatron_tepo.launch.shape import ModelShape, model_shape
 
 __all__ = ["LaunchSpec", "load_launch", "write_run_config", "SERVE_MODULE", "serve_args", "shell_vars",
@@ -72,11 +77,28 @@ def load_launch(path: Union[str, Path], overrides: Sequence[str] = (),
     launch = read_layout(data.pop("launch", None) or {}, where)
     bases = data.pop("_base_", None)
     data = apply_overrides(data, run_ov, where)
-    cfg = from_file_data(path, data if bases is None else {"_base_": bases, **data}, where)
+    data = _colocate(data, launch, where)
+    try:
+        cfg = from_file_data(path, data if bases is None else {"_base_": bases, **data}, where)
+    except ConfigError as exc:
+        if launch.colocated and str(exc).startswith("rollout.max_staleness: one-step-off"):  # (validation's rule)
+            raise ConfigError(_contradiction("rollout.max_staleness", "1 (one-step-off generation: the servers "
+                                             "generate while the actor trains)", launch, where)
+                              + ": set rollout.max_staleness: 0") from None
+        raise
     served = cfg.rollout.engine
     if served in SERVED_ENGINES and served != launch.rollout.engine:
         raise ConfigError(f"rollout.engine: {served}, but {launch.rollout.key} serves {launch.rollout.engine}: "
                           f"the launcher starts the servers the trainer attaches to; name one engine")
+    if launch.colocated and launch.device == "cuda" and served == launch.rollout.engine \
+            and cfg.rollout.sync_mode == "distributed":
+        raise ConfigError(_contradiction("rollout.sync_mode", "distributed (an NCCL group of the trainer's rank 0 and "
+                                         "every server's ranks, two of them on GPU 0, which NCCL refuses)", launch,
+                                         where) + ": set rollout.sync_mode: ipc (or tensor)")
+    if cfg.rollout.colocated and not launch.colocated and served == launch.rollout.engine:
+        raise ConfigError(f"rollout.colocated ({where.get('rollout.colocated', 'set')}): true, but "
+                          f"{launch.rollout.key}.placement is separate (the servers on their own GPUs, no turns): "
+                          f"set {launch.rollout.key}.placement: colocated, or rollout.colocated: false")
     bases = [bases] if isinstance(bases, str) else bases or []
     run_data = {"_base_": [str((path.parent / b).resolve()) for b in bases], **data} if bases else data
     source = ""
@@ -96,7 +118,32 @@ def load_launch(path: Union[str, Path], overrides: Sequence[str] = (),
             arch = json.loads(Path(arch).read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read HF config {source}: {exc}") from None
-    return LaunchSpec(path, launch, cfg, run_data, arch, source)
+    spec = LaunchSpec(path, launch, cfg, run_data, arch, source)
+    if launch.colocated and served == launch.rollout.engine:
+        settle_colocated(spec.shape(), cfg, launch)  # the offload level, mem_fraction_static, memory saver
+        if launch.device == "cuda":
+            run_data["actor"] = {**(run_data.get("actor") or {}), "offload": cfg.actor.offload}
+    return spec
+
+
+def _contradiction(key: str, value: str, launch: LaunchLayout, where: Dict[str, str]) -> str:
+    placement = f"{launch.rollout.key}.placement"
+    return (f"{key} ({where.get(key, 'set')}): {value} contradicts {placement}: colocated "
+            f"({where.get(placement, 'set')}: the servers and the actor take turns with the GPUs)")
+
+
+def _colocate(data: Dict[str, Any], launch: LaunchLayout, where: Dict[str, str]) -> Dict[str, Any]:
+    """The run config part of a colocated launch: ``rollout.colocated: true`` (the servers and the
+    actor take turns); a ``false`` the file or an override gives is an error naming both."""
+    if not launch.colocated:
+        return data
+    rollout = data.get("rollout") if isinstance(data.get("rollout"), dict) else {}
+    if rollout.get("colocated", True) is not True:
+        value = rollout["colocated"]
+        raise ConfigError(_contradiction("rollout.colocated", str(value).lower() if isinstance(value, bool) else
+                                         repr(value), launch, where)
+                          + ": leave rollout.colocated out (the launch sets it)")
+    return {**data, "rollout": {**rollout, "colocated": True}}
 
 
 def write_run_config(spec: LaunchSpec, out: Union[str, Path]) -> Path:
@@ -119,6 +166,7 @@ def serve_args(spec: LaunchSpec) -> List[str]:
     command reads back. slurm/lib.sh reads them as ``FIT_SERVE_ARGS``, the nemo-run launcher calls this."""
     L, cfg = spec.launch, spec.cfg
     ctx = cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens if L.device == "cuda" else None
+    # (a colocated layout's mem_fraction_static and memory saver: the fit check's, in L.rollout.server)
     server = dataclasses.replace(L.rollout.server, model_path=cfg.model.path, host="0.0.0.0", context_length=ctx)
     return ["-m", served_engine(L.rollout.engine).serve_module, *server.to_argv()]
 
@@ -128,7 +176,8 @@ def shell_vars(spec: LaunchSpec) -> Dict[str, str]:
     job's steps, :func:`megatron_tepo.launch.sequence.job_steps`) and ``FIT_SERVE_ARGS`` (:func:`serve_args`,
     shell-quoted). ``FIT_ENGINE`` is ``rollout.engine`` (for the log of a job without servers);
     ``FIT_SGLANG_MAX_TOTAL_TOKENS`` is the server's KV pool, which lib.sh does not read (the serve
-    command has it in ``FIT_SERVE_ARGS``)."""
+    command has it in ``FIT_SERVE_ARGS``). ``FIT_PLACEMENT`` is ``launch.rollout.placement``;
+    ``FIT_RELEASE_TAGS`` the memory the ``release`` step frees on every server (empty: no such step)."""
     L, r = spec.launch, spec.launch.rollout
     return {
         "FIT_DEVICE": L.device,
@@ -137,6 +186,8 @@ def shell_vars(spec: LaunchSpec) -> Dict[str, str]:
         "FIT_ACTOR_NODES": str(L.actor_nodes), "FIT_ROLLOUT_NODES": str(L.rollout_nodes),
         "FIT_GPUS_PER_NODE": str(L.gpus_per_node), "FIT_SGLANG_TP": str(r.server.tp),
         "FIT_SERVERS_PER_NODE": str(L.servers_per_node), "FIT_SGLANG_PORT": str(r.port),
+        "FIT_PLACEMENT": r.placement,
+        "FIT_RELEASE_TAGS": ",".join(RELEASE_TAGS) if "release" in job_steps(spec.cfg, L) else "",
         "FIT_SGLANG_MAX_TOTAL_TOKENS": str(r.server.max_total_tokens),
         "FIT_OUTPUT_DIR": spec.cfg.train.output_dir,
         "FIT_SERVE_ARGS": shlex.join(serve_args(spec)),

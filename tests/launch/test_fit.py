@@ -245,9 +245,9 @@ def test_cpu_mode_still_checks_the_layout(tmp_path):
     assert tiny(tmp_path, launch=cpu_launch(sglang=dict(tp=1))).launch.servers_per_node == 1  # CPU default
 
 
-def test_colocated_needs_cpu(tmp_path):
+def test_servers_on_the_actor_gpus_need_the_colocated_placement(tmp_path):
     from megatron_tepo.config import ConfigError
-    with pytest.raises(ConfigError, match="rollout_nodes: 0 .* needs launch.device: cpu"):
+    with pytest.raises(ConfigError, match="rollout_nodes: 0 on cuda .* set launch.sglang.placement: colocated"):
         tiny(tmp_path, launch=dict(rollout_nodes=0))
     with pytest.raises(ConfigError, match="launch.device .*: expected one of 'cuda', 'cpu', found 'tpu'"):
         tiny(tmp_path, launch=dict(device="tpu"))

@@ -15,7 +15,6 @@ record the environment each step's process sees (the serve command's is what SGL
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -151,6 +150,21 @@ def test_an_sglang_python_that_cannot_serve_a_gpu_is_refused(tmp_path, monkeypat
     _sglang(tmp_path, monkeypatch, **kw)
     with pytest.raises(FitError, match=re.escape(needle)):
         check_pythons(_spec(), str(standin_python(tmp_path / "trainer-venv")))
+
+
+def test_a_colocated_layout_needs_sglangs_memory_saver(tmp_path, monkeypatch):
+    """The colocated servers start with --enable-memory-saver: an SGLang python without
+    torch_memory_saver would fail on every node; refused at the fit check, naming the variable."""
+    py = _sglang(tmp_path, monkeypatch, memory_saver=False)
+    trainer = str(standin_python(tmp_path / "trainer-venv"))
+    with pytest.raises(FitError) as err:
+        check_pythons(_spec("qwen3_14b_colocated"), trainer)
+    msg = str(err.value)
+    assert (f"launch.sglang.placement: colocated starts the servers with SGLang's memory saver, which the SGLang "
+            f"python {py} (MTEPO_SGLANG_PYTHON) does not have") in msg and "set MTEPO_SGLANG_PYTHON to" in msg
+    assert check_pythons(_spec("qwen3_14b"), trainer)  # the separate layout does not need it
+    _sglang(tmp_path, monkeypatch, memory_saver=True)
+    assert check_pythons(_spec("qwen3_14b_colocated"), trainer)
 
 
 def test_a_python_that_does_not_run_is_named(tmp_path, monkeypatch):

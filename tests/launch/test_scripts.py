@@ -7,12 +7,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.launch.gpu_pythons import gpu_pythons
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((ROOT / "slurm").glob("*.sh"))
-MODEL_SCRIPTS = ["qwen3_14b_tepo.sh", "qwen2.5_7b_tepo.sh", "qwen3_32b_tepo.sh", "qwen3_30b_a3b_tepo.sh"]
+MODEL_SCRIPTS = ["qwen3_14b_tepo.sh", "qwen2.5_7b_tepo.sh", "qwen3_32b_tepo.sh", "qwen3_30b_a3b_tepo.sh",
+                 "qwen3_14b_tepo_colocated.sh"]
 
 
 def test_all_scripts_present():
@@ -132,6 +134,38 @@ def test_dry_run_qwen3_14b(tmp_path):
     assert "CUDA_VISIBLE_DEVICES=6\\,7" in sglang and "--tp\\ 2" in sglang and "--device\\ cuda" in sglang
     assert "--context-length\\ 10240" in sglang
     assert "total 39.6 GiB of 80 GiB: fits" in (logs / "fit.log").read_text()
+
+
+def test_dry_run_qwen3_14b_colocated(tmp_path):
+    """The one-node colocated job: the servers and the trainer on the same node and the same 8 GPUs
+    (each server on its own pair, both steps with --overlap), the servers with SGLang's memory saver
+    and the fit check's mem_fraction_static, their memory released before the trainer starts, which
+    is told so; the run config colocated with the fit check's offload level."""
+    res = subprocess.run(["bash", str(ROOT / "slurm" / "qwen3_14b_tepo_colocated.sh"), "train.steps=3"],
+                         cwd=tmp_path, env=_dry_env(tmp_path, TEPO_NODELIST="n1"), capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "actor nodes: n1; SGLang colocated on their cuda devices (taking turns with the actor)" in res.stderr
+    steps = re.findall(r"\] step \d+ of 6: (\w+)$", res.stderr, re.M)
+    assert steps == ["split_nodes", "job_env", "servers", "health", "release", "trainer"]
+    logs = next((tmp_path / "out" / "logs").iterdir())
+    sglang, trainer = (logs / "sglang.n1.srun.log").read_text(), (logs / "trainer.log").read_text()
+    assert "--nodelist=n1 --gpus-per-node=8 --overlap --cpus-per-task=" in sglang
+    assert "--nodelist=n1 --gpus-per-node=8 --overlap --cpus-per-task=" in trainer
+    assert "--nproc-per-node=8 --standalone" in trainer  # 8 actor ranks on the node's 8 GPUs
+    gpus = re.findall(r"CUDA_VISIBLE_DEVICES=(\d)\\,(\d)\\ tepo_keep_serving", sglang)
+    assert gpus == [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")]  # server i on GPUs [2i, 2i+1]
+    assert sglang.count("--enable-memory-saver") == 4 and sglang.count("--mem-fraction-static\\ 0.74") == 4
+    release = (logs / "release.log").read_text()
+    assert "-m megatron_tepo.launch.release --tags weights\\,kv_cache\\,cuda_graph" in release
+    assert "TEPO_SGLANG_RELEASED=weights\\,kv_cache\\,cuda_graph" in trainer
+    assert "--config" in trainer and "launch." not in trainer.split("train.py", 1)[1]
+    fit = (logs / "fit.log").read_text()
+    assert "offload: optimizer_grads (the least that fits)" in fit and "peak 73.1 GiB of 80 GiB per GPU: fits" in fit
+    for phase in ("rollout", "training", "sync"):
+        assert f"{phase} phase peak " in fit
+    run = yaml.safe_load((tmp_path / "run" / "run.yaml").read_text())
+    assert run["rollout"]["colocated"] is True and run["actor"]["offload"] == "optimizer_grads"
 
 
 def _dry_run_output(tmp_path, res) -> str:

@@ -5,11 +5,13 @@ preemption path (USR1 to the batch shell -> steps stopped -> scontrol requeue ->
 import json
 import math
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megatron_tepo.checkpoint.store import is_complete_checkpoint, list_complete_checkpoints
 from tests.rollout.conftest import require_sglang
@@ -31,9 +33,9 @@ def _job_env(**extra):
     return env
 
 
-def _run(out: Path, steps: int, sglang_python: str):
+def _run(out: Path, steps: int, sglang_python: str, args=SMALL):
     started = time.monotonic()
-    job = sbatch(SCRIPT, f"train.steps={steps}", *SMALL, output=out.parent / f"slurm-{steps}-%j.out",
+    job = sbatch(SCRIPT, f"train.steps={steps}", *args, output=out.parent / f"slurm-{steps}-%j.out",
                  env=_job_env(OUTPUT_DIR=str(out), MTEPO_SGLANG_PYTHON=sglang_python))
     state = wait_job(job, timeout=900)
     wall = time.monotonic() - started
@@ -97,6 +99,37 @@ def test_local_cpu_job_completes_then_resumes(slurm_cluster, tmp_path):
     # the first job ended at its last step, so it saved no next rollout: step 3 is on-policy
     assert _metrics(out)[2]["rollout_staleness"] == 0.0
     assert [p.name for p in list_complete_checkpoints(ckpts)][-1] == "step_3"
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # one submission, ~1-2 min on 2 idle cores
+def test_local_cpu_job_colocated(slurm_cluster, tmp_path):
+    """The tiny CPU job colocated (issue #34 point 5; its launch file with
+    launch.sglang.placement=colocated): the real SGLang CPU server and the TP=2 trainer take turns --
+    the launch releases the server's memory after its health wait and before the trainer starts
+    (SGLang accepts it and, on CPU, frees nothing), the trainer starts from that state
+    (TEPO_SGLANG_RELEASED) and runs colocated: release, onload, offload, resume around every sync."""
+    sglang_python = require_sglang()
+    out = tmp_path / "run"
+    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+    on_policy = [a for a in SMALL if a.split("=")[0] not in ("rollout.max_staleness",
+                                                          "algorithm.rollout_correction.rollout_is")]
+    job, logs, stdout, trainer = _run(out, 2, sglang_python, ["launch.sglang.placement=colocated", *on_policy])
+    assert "SGLang colocated on their cpu devices (taking turns with the actor)" in stdout
+    steps = re.findall(r"\] step \d+ of 6: (\w+)$", stdout, re.M)
+    assert steps == ["split_nodes", "job_env", "servers", "health", "release", "trainer"], stdout[-3000:]
+    release = (logs / "release.log").read_text()
+    assert re.search(rf"released weights,kv_cache,cuda_graph on http://{host}:\d+ in ", release), release
+    run = yaml.safe_load((out / "launch" / f"{job}.0" / "run.yaml").read_text())
+    assert run["rollout"]["colocated"] is True
+    metrics = _metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert math.isfinite(m["loss"]) and m["sync_s"] > 0, m
+        # the colocated phases ran: the engine released and resumed, the actor went to host and back
+        assert m["engine_release_s"] > 0 and m["engine_resume_s"] > 0 and m["actor_offload_gb"] > 0, m
+    assert is_complete_checkpoint(out / "checkpoints" / "step_2")
 
 
 def test_preemption_requeues_and_reruns(slurm_cluster, tmp_path):

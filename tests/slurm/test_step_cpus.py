@@ -14,7 +14,6 @@ The same job shows, through real srun steps, that the trainer's own settings (li
 reach the trainer step and not the SGLang step (issue #32 rows 7 and 9)."""
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 

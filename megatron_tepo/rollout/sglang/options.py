@@ -11,8 +11,8 @@ parses them back (``serve.py``) and :func:`server_command` turns it into SGLang'
 it does for the servers the fleet starts itself (``server.py``'s ``launch_server``).
 
 Defaults: each field's own, except where the device decides, which is one rule
-(:data:`DEVICE_DEFAULTS`, applied to the fields left at ``None`` when a config is made), and where
-the serve command starts a server for other machines (:data:`SERVE_COMMAND_DEFAULTS`).
+(:data:`DEVICE_DEFAULTS`, applied to the fields left at ``None`` when a config is made), and the
+serve command's own (:data:`SERVE_COMMAND_DEFAULTS`: a GPU server, on loopback unless told).
 
 The SGLang python: ``ServerConfig.python``, default ``$MTEPO_SGLANG_PYTHON`` or
 ``<repo>/.venv-sglang/bin/python`` (:func:`default_sglang_python`); the serve command's choice
@@ -42,6 +42,10 @@ REPO = Path(__file__).resolve().parents[3]
 # run by path with the SGLang venv's python (which need not have megatron_tepo installed)
 SGLANG_LAUNCHER = str(Path(__file__).resolve().with_name("launch.py"))
 API_KEY_ENV = "TEPO_SGLANG_API_KEY"  # the servers' key, in their environment (launch.py reads it)
+#: colocated launches: the memory tags (comma-separated) the launcher released on every server before
+#: the trainer started, so that the trainer's fleet knows the servers' state (slurm/lib.sh and the
+#: nemo-run launcher set it; megatron_tepo/launch/sequence.py's ``release`` step)
+RELEASED_ENV = "TEPO_SGLANG_RELEASED"
 
 #: The one rule by which the device changes a default: what a field left at ``None`` becomes.
 #: cpu: SGLang budgets ``mem_fraction_static`` of the machine's memory and counts what other
@@ -53,9 +57,11 @@ DEVICE_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "cpu": {"mem_fraction_static": 0.5, "max_total_tokens": 4096, "max_running_requests": 0},
     "cuda": {"mem_fraction_static": 0.85, "max_total_tokens": 0, "max_running_requests": 64},
 }
-#: The serve command starts a server for other machines on a cluster node: it listens on every
-#: interface and is a GPU server unless told otherwise (a server the fleet starts here: loopback, cpu).
-SERVE_COMMAND_DEFAULTS: Dict[str, Any] = {"host": "0.0.0.0", "device": "cuda"}
+#: The serve command's own defaults (a server started by hand): a GPU server, listening on the
+#: loopback interface only (the config's host, as SGLang's own default); the launchers pass
+#: ``--host 0.0.0.0`` and an API key in the environment (serve.py refuses another address without a
+#: key unless told ``--allow-open``).
+SERVE_COMMAND_DEFAULTS: Dict[str, Any] = {"device": "cuda"}
 
 
 def default_sglang_python() -> str:
@@ -63,10 +69,12 @@ def default_sglang_python() -> str:
 
 
 def _option(default: Any = None, option: Optional[str] = None, *, launch: bool = False, negate: bool = False,
-            help: str = "") -> Any:
-    """A field on the command line as ``--OPTION`` (``negate``: a flag that sets the bool False);
-    ``launch``: also a key of the launch file's server section (``OPTION`` with ``_``)."""
-    return field(default=default, metadata={"option": option, "launch": launch, "negate": negate, "help": help})
+            flag: bool = False, help: str = "") -> Any:
+    """A field on the command line as ``--OPTION`` (``negate``: a flag that sets the bool False;
+    ``flag``: a flag that sets it True); ``launch``: also a key of the launch file's server section
+    (``OPTION`` with ``_``)."""
+    return field(default=default, metadata={"option": option, "launch": launch, "negate": negate, "flag": flag,
+                                            "help": help})
 
 
 @dataclass
@@ -91,6 +99,10 @@ class ServerConfig:
                                               help="KV pool in tokens (default: the device's; 0: SGLang's)")
     context_length: Optional[int] = _option(None, "context-length", help="default: the model's")
     skip_warmup: bool = _option(True, "warmup", negate=True, help="let SGLang run its warm-up request")
+    # SGLang's memory saver: release_memory_occupation frees the GPU memory (colocated launches on
+    # cuda; torch_memory_saver is a CUDA library, so a CPU server releases without it, freeing nothing)
+    enable_memory_saver: bool = _option(False, "enable-memory-saver", flag=True,
+                                        help="SGLang's memory saver (colocated mode on GPUs)")
     extra_args: Sequence[str] = ()  # SGLang flags of its own, after ``--`` on the command line
     env: Dict[str, str] = field(default_factory=dict)
     startup_timeout: float = 180.0
@@ -132,6 +144,8 @@ class ServerConfig:
             value, option = getattr(self, f.name), "--" + f.metadata["option"]
             if f.metadata["negate"]:
                 out += [] if value else [option]
+            elif f.metadata["flag"]:
+                out += [option] if value else []
             elif value is not None:
                 out += [option, str(value)]
         return out + (["--", *self.extra_args] if self.extra_args else [])
@@ -143,8 +157,9 @@ class ServerConfig:
         hints = typing.get_type_hints(ServerConfig)
         for f in ServerConfig.options():
             flag, default = "--" + f.metadata["option"], defaults.get(f.name, f.default)
-            if f.metadata["negate"]:
-                ap.add_argument(flag, dest=f.name, action="store_false", default=default, help=f.metadata["help"])
+            if f.metadata["negate"] or f.metadata["flag"]:
+                ap.add_argument(flag, dest=f.name, action="store_false" if f.metadata["negate"] else "store_true",
+                                default=default, help=f.metadata["help"])
                 continue
             kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
             ap.add_argument(flag, dest=f.name, type=kind, default=default, required=f.name in required,
@@ -224,6 +239,9 @@ def server_command(cfg: ServerConfig, port: int, api_key: Optional[str] = None,
         raise ValueError("ServerConfig.model_path is needed to launch SGLang servers")
     if cfg.device not in DEVICE_DEFAULTS:
         raise ValueError(f"ServerConfig.device: expected cpu or cuda, found {cfg.device!r}")
+    if cfg.enable_memory_saver and cfg.device != "cuda":
+        raise ValueError("ServerConfig.enable_memory_saver: SGLang's memory saver (torch_memory_saver) is CUDA's; "
+                         "a cpu server releases its memory without it")
     marker = cpu_build_marker(cfg.python) if cfg.device == "cuda" else None
     if marker is not None:
         raise ValueError(f"device cuda: the SGLang python {cfg.python} is the CPU build of "
@@ -242,6 +260,8 @@ def server_command(cfg: ServerConfig, port: int, api_key: Optional[str] = None,
         cmd += ["--max-running-requests", str(cfg.max_running_requests)]
     if cfg.context_length:
         cmd += ["--context-length", str(cfg.context_length)]
+    if cfg.enable_memory_saver:
+        cmd += ["--enable-memory-saver"]
     env = dict(os.environ if base_env is None else base_env)
     if cfg.device == "cpu":
         cmd += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch",
