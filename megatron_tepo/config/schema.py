@@ -89,7 +89,9 @@ class RolloutConfig:
     request_timeout_s: float = 600.0  # one SGLang request
     # dispatch over 2+ servers: sglang-router where the SGLang venv has it (auto), or least-loaded
     router: Literal["auto", "sglang_router", "none"] = "auto"
-    sync_mode: Literal["distributed", "tensor", "disk"] = "distributed"  # see rollout/sglang/weight_sync/
+    # see rollout/sglang/weight_sync/; ipc: colocated mode, each actor rank's bucket handed to the
+    # server TP rank on its GPU (CUDA IPC; shared memory on CPU)
+    sync_mode: Literal["distributed", "tensor", "disk", "ipc"] = "distributed"
     sync_bucket_mb: int = 256  # weight-sync bucket: the sender's extra memory is about two
     sync_keep_buffers: bool = True  # hold them between syncs (no re-allocation per push)
     sync_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the servers' dtype (bytes on the wire)

@@ -116,5 +116,8 @@ def validate(cfg: RunConfig) -> None:
     if not r.colocated and a.offload not in ("auto", "none"):
         raise ConfigError(f"actor.offload: {a.offload!r} moves the actor out of the GPUs while the engine "
                           f"generates, which only rollout.colocated does; set rollout.colocated: true or offload: none")
+    if r.sync_mode == "ipc" and cfg.parallel.pp > 1:
+        raise ConfigError("rollout.sync_mode: 'ipc' hands each rank's buckets to the server on its GPU, and with "
+                          f"parallel.pp={cfg.parallel.pp} a rank holds only its stage's; use distributed or tensor")
     if r.sync_mode == "disk" and r.engine == "sglang" and not r.sync_dir:
         raise ConfigError("rollout.sync_dir: sync_mode 'disk' needs a directory the SGLang servers can read")

@@ -3,7 +3,9 @@ with success, reports a TP size on ``/server_info`` and ``/get_server_info``, ca
 (HTTP 404, as an SGLang version without them answers), can take its time over a bucket, and
 records every request (path, JSON body, start and end time); it answers ``/generate`` with two
 fixed tokens and can be frozen (``freeze``: generation and its probe hang while ``/health`` still
-answers, as a SIGSTOP-ed scheduler behind a live HTTP server). It loads nothing: what a real
+answers, as a SIGSTOP-ed scheduler behind a live HTTP server); ``inspect(path, body, when)`` is
+called as a request starts (``when="start"``, before its delay) and before it is answered
+(``"end"``). It loads nothing: what a real
 server does with the bytes is tested against real servers (test_sglang_fleet.py,
 test_sglang_tp2_sync.py)."""
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -24,8 +26,8 @@ class _QuietServer(ThreadingHTTPServer):
 
 class FakeSGLang:
     def __init__(self, tp_size: int = 1, missing: Iterable[str] = (), delays: Optional[Dict[str, float]] = None,
-                 port: int = 0):
-        self.tp_size, self.missing, self.delays = tp_size, set(missing), dict(delays or {})
+                 port: int = 0, inspect: Optional[Callable[[str, Optional[dict], str], None]] = None):
+        self.tp_size, self.missing, self.delays, self.inspect = tp_size, set(missing), dict(delays or {}), inspect
         self.requests: List[dict] = []  # {"method", "path", "body", "start", "end"}
         # freeze(): /generate and /health_generate hang until thaw() (a SIGSTOP-ed scheduler)
         self.frozen, self.thawed = threading.Event(), threading.Event()
@@ -51,6 +53,8 @@ class FakeSGLang:
                     fake.inflight[path] = fake.inflight.get(path, 0) + 1
                     fake.max_inflight[path] = max(fake.max_inflight.get(path, 0), fake.inflight[path])
                 try:
+                    if fake.inspect is not None:
+                        fake.inspect(path, body, "start")
                     if path in fake.missing:
                         status, out = 404, {"detail": "Not Found"}
                     elif method == "GET" and path in ("/server_info", "/get_server_info"):
@@ -70,6 +74,8 @@ class FakeSGLang:
                     else:
                         time.sleep(fake.delays.get(path, 0.0))
                         status, out = 200, {"success": True, "message": "ok"}
+                    if fake.inspect is not None:
+                        fake.inspect(path, body, "end")
                 finally:
                     with fake._lock:
                         fake.inflight[path] -= 1

@@ -11,9 +11,10 @@
 * ``launch.py`` -- what ``server_command``'s command line runs inside the SGLang venv (SGLang's own launch with
   the API key taken from the environment); it imports nothing of this package.
 * ``fleet.py`` -- dispatch: a step's requests spread over the servers (or through the router),
-  retried elsewhere on failure; the :class:`~megatron_tepo.rollout.engine.RolloutEngine`.
+  retried elsewhere on failure; colocated mode's memory release and resume; the
+  :class:`~megatron_tepo.rollout.engine.RolloutEngine`.
 * ``weight_sync/`` -- the actor's weights pushed to every server, one module per mode
-  (``distributed``, ``tensor``, ``disk``) over a shared base.
+  (``distributed``, ``tensor``, ``disk``, ``ipc``) over a shared base.
 * ``attach.py`` -- the engine a run config asks for (``rollout.engine: sglang``, registered with
   :mod:`megatron_tepo.rollout.registry`): the fleet attached to the configured servers, with its
   weight sync.

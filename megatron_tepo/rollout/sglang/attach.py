@@ -3,7 +3,10 @@ run config names, with the weight sync of ``rollout.sync_mode``; registered with
 registry (:mod:`megatron_tepo.rollout.registry`).
 
 The servers are ``TEPO_SGLANG_URLS`` (comma-separated; the Slurm launchers set it) if set, else
-``rollout.sglang_urls``; their API key is ``TEPO_SGLANG_API_KEY``. The driver builds the fleet
+``rollout.sglang_urls``; their API key is ``TEPO_SGLANG_API_KEY``. ``TEPO_SGLANG_RELEASED``
+(comma-separated memory tags; a colocated launch sets it after releasing every server's memory
+before the trainer starts) is the fleet's initial memory state; it needs ``rollout.colocated``,
+whose phases take the memory back. The driver builds the fleet
 and the sending weight sync; every other rank builds only a weight sync that drains its part of
 the actor's export (``is_sender=False``), so that the export's collectives match.
 
@@ -13,15 +16,15 @@ Left out: launching servers (the Slurm launchers and the tests start them; ``ser
 from __future__ import annotations
 
 import os
-from typing import List
+from typing import List, Tuple
 from urllib.parse import urlparse
 
 import torch
 
 from megatron_tepo.config import RolloutConfig
 from megatron_tepo.rollout.registry import EngineSettings, register_engine
-from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
-from megatron_tepo.rollout.sglang.options import API_KEY_ENV
+from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet, memory_tags
+from megatron_tepo.rollout.sglang.options import API_KEY_ENV, RELEASED_ENV
 from megatron_tepo.rollout.sglang.weight_sync import SYNC_MODES, WeightSync, make_weight_sync
 
 URLS_ENV = "TEPO_SGLANG_URLS"
@@ -39,6 +42,28 @@ def sglang_urls(rollout: RolloutConfig) -> List[str]:
         if urlparse(u).scheme not in ("http", "https") or not urlparse(u).hostname:
             raise ValueError(f"rollout.sglang_urls / TEPO_SGLANG_URLS: {u!r} is not an http(s) URL")
     return urls
+
+
+def released_tags(rollout: RolloutConfig) -> Tuple[str, ...]:
+    """The memory tags the launcher released on the servers before the trainer started
+    (``TEPO_SGLANG_RELEASED``, comma-separated; unset or empty: none). An unknown tag, or tags
+    released for a run that is not colocated (nothing would take them back), is an error."""
+    raw = os.environ.get(RELEASED_ENV, "")
+    tags = [t.strip() for t in raw.split(",") if t.strip()]
+    try:
+        memory_tags(tags)
+    except ValueError as exc:
+        raise ValueError(f"{RELEASED_ENV}={raw!r}: {exc}") from None
+    if tags and not rollout.colocated:
+        raise ValueError(f"{RELEASED_ENV}={raw!r}: the launcher released the servers' memory (a colocated launch) "
+                         "but rollout.colocated is false, so nothing would take it back; set rollout.colocated: true")
+    return tuple(tags)
+
+
+def check(rollout: RolloutConfig) -> None:
+    """The settings errors of an SGLang run, before the actor is built."""
+    sglang_urls(rollout)
+    released_tags(rollout)
 
 
 def weight_sync(rollout: RolloutConfig, fleet, urls: List[str], is_sender: bool, fault=None) -> WeightSync:
@@ -61,7 +86,8 @@ def attach_fleet(settings: EngineSettings) -> SGLangFleet:
     fleet = SGLangFleet(FleetConfig(urls=urls, api_keys=keys, request_timeout=r.request_timeout_s,
                                     step_timeout=max(r.request_timeout_s, 600.0), router=r.router,
                                     probe_timeout=f.probe_timeout_s, return_timeout=f.server_return_timeout_s,
-                                    server_restarts=f.server_restarts, restart_backoff=f.restart_backoff_s))
+                                    server_restarts=f.server_restarts, restart_backoff=f.restart_backoff_s,
+                                    released=released_tags(r)))
     fleet.weight_sync = weight_sync(r, fleet, urls, True, f)
     return fleet
 
@@ -71,4 +97,4 @@ def follower_sync(settings: EngineSettings) -> WeightSync:
     return weight_sync(settings.rollout, None, sglang_urls(settings.rollout), False, settings.fault)
 
 
-register_engine("sglang", attach_fleet, follower_sync=follower_sync, check=sglang_urls)
+register_engine("sglang", attach_fleet, follower_sync=follower_sync, check=check)

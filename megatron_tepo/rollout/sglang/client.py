@@ -1,7 +1,8 @@
 """One SGLang server as an HTTP endpoint (launched here or attached by URL): :class:`SGLangServer`,
 its address, API key and (if launched here) process, its HTTP calls, ``/health`` and the generation
-probe, its TP size and its health state (``health.py``); the fleet also keeps its load on it. The
-errors of a call (:class:`RequestFailed`) and of the fleet (:class:`FleetError`).
+probe, its TP size and its health state (``health.py``); the fleet also keeps its load on it, and
+(colocated mode) what memory it has released. The errors of a call (:class:`RequestFailed`) and of
+the fleet (:class:`FleetError`).
 
 Left out: how the process is started and stopped (``server.py``), spreading requests over several
 servers and retrying them (``fleet.py``).
@@ -9,7 +10,7 @@ servers and retrying them (``fleet.py``).
 from __future__ import annotations
 
 import subprocess
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, Optional, Tuple
 
 import requests
 
@@ -44,6 +45,10 @@ class SGLangServer:
         self.health = ServerHealth()
         self.last_error: Optional[str] = None
         self.served = 0  # requests answered (by every incarnation)
+        # colocated mode, of one incarnation: the memory tags it released, and whether its weights
+        # were taken back (their content garbage) and await a weight sync. A new incarnation (a
+        # restarted or returned process) holds all its memory and its start-up weights.
+        self._memory: Tuple[int, FrozenSet[str], bool] = (0, frozenset(), False)
 
     @property
     def alive(self) -> bool:
@@ -58,6 +63,28 @@ class SGLangServer:
     def incarnation(self) -> int:
         """+1 every time the server comes back (a new process: a new weight-update group)."""
         return self.health.incarnation
+
+    @property
+    def released(self) -> FrozenSet[str]:
+        """The memory tags this process has released (colocated mode; empty: it holds everything)."""
+        incarnation, tags, _ = self._memory
+        return tags if incarnation == self.incarnation else frozenset()
+
+    @property
+    def awaits_weights(self) -> bool:
+        """Its weights' memory was taken back and no weight sync has reached it since: it holds
+        garbage and must serve nothing."""
+        incarnation, _, owed = self._memory
+        return owed and incarnation == self.incarnation
+
+    @property
+    def memory_ready(self) -> bool:
+        """Holds all its memory and valid weights (what serving needs beyond being healthy)."""
+        return not self.released and not self.awaits_weights
+
+    def set_memory(self, released: Iterable[str], awaits_weights: bool) -> None:
+        """Record the memory state of the current incarnation."""
+        self._memory = (self.incarnation, frozenset(released), bool(awaits_weights))
 
     def replace_process(self, url: str, proc: subprocess.Popen, log_path: Optional[str]) -> None:
         """A restart: the new process's address and log (the key and TP size stay)."""
@@ -162,7 +189,9 @@ class SGLangServer:
     def describe(self) -> str:
         pid = f" pid={self.pid}" if self.pid else ""
         err = f" last error: {self.last_error}" if self.last_error else ""
-        return f"{self.url}{pid} [{self.health.state.value}, served {self.served}]{err}"
+        memory = "".join([f", released {','.join(sorted(self.released))}" if self.released else "",
+                          ", awaits its weights" if self.awaits_weights else ""])
+        return f"{self.url}{pid} [{self.health.state.value}{memory}, served {self.served}]{err}"
 
     def __repr__(self):
         return f"SGLangServer({self.describe()})"

@@ -31,6 +31,23 @@ then marks the stale ones healthy and rebuilds the router over the healthy set).
 state is logged and counted; :meth:`health_metrics` hands the counts since its last call to the
 step metrics.
 
+Colocated mode (the servers share the actor's GPUs): :meth:`release_memory` / :meth:`resume_memory`
+post ``/release_memory_occupation`` / ``/resume_memory_occupation`` with the tags to every live
+server and return once every one has answered (its memory is free, or taken back). The fleet keeps
+what it has released (its state) and, per server incarnation, what that process has released
+(``SGLangServer.released``), and sends each server only what changes it: releasing what is
+released, or resuming what is held, posts nothing (SGLang itself would stop at a resume of a tag
+it holds, a ``KeyError`` in its scheduler). A release first aborts whatever the server still runs
+(``/pause_generation``, mode abort; SGLang asserts the server is idle) and lets it continue
+after. A server serves only when it holds all its memory and valid weights: from a resume of its
+weights (their content is garbage) until a weight sync has reached it, and while any of its memory
+is released, it is not picked and the router is not used. A server that comes back (restarted or
+returned: a new process, all its memory held, its start-up weights) is brought to the fleet's
+state at the next memory call or weight sync, whichever comes first (what the fleet has released
+is released on it; a restart of the fleet's own does so as soon as the new process answers, so as
+to give the GPU back to the actor), and it is stale until a sync reached it, as always. The initial state of
+attached servers a launcher released before the trainer started: ``FleetConfig.released``.
+
 Left out: starting and stopping one server (``server.py``), its HTTP calls and probe (``client.py``),
 the router's process (``router.py``); how weights reach the servers (``weight_sync/``; the fleet
 holds one and calls it). A server that dies during a weight sync fails that sync (the export it
@@ -50,7 +67,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_tepo.rollout.engine import (FINISH_LENGTH, FINISH_STOP, Group, RolloutEngine, Sample,
+from megatron_tepo.rollout.engine import (FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Group, RolloutEngine, Sample,
                                           make_params, validate_prompts)
 from megatron_tepo.rollout.sglang.health import COUNTERS, Event, State, counter
 from megatron_tepo.rollout.sglang.client import FleetError, RequestFailed, SGLangServer
@@ -84,6 +101,9 @@ class FleetConfig:
     server_restarts: int = 3             # launched servers: restarts each (fault.server_restarts)
     restart_backoff: float = 10.0        # the k-th restart waits restart_backoff * 2**(k-1) s
     return_timeout: float = 600.0        # attached servers: a sync waits this long for a dead one
+    # colocated mode: the memory tags the attached servers had released when the fleet attached
+    # (a colocated launch releases them after their health wait: TEPO_SGLANG_RELEASED)
+    released: Sequence[str] = ()
 
 
 def use_router(cfg: FleetConfig, n_servers: int) -> bool:
@@ -100,6 +120,15 @@ def use_router(cfg: FleetConfig, n_servers: int) -> bool:
         raise FleetError(f"FleetConfig.router=sglang_router but {cfg.server.python} cannot import sglang_router: "
                          "`bash tools/install_sglang_cpu.sh` installs it (or pip install sglang-router)")
     return True
+
+
+def memory_tags(tags: Iterable[str]) -> frozenset:
+    """``tags`` as a set of :data:`~megatron_tepo.rollout.engine.MEMORY_TAGS` (an unknown one is an error)."""
+    tags = frozenset([tags] if isinstance(tags, str) else tags)
+    unknown = sorted(tags - set(MEMORY_TAGS))
+    if unknown:
+        raise ValueError(f"unknown memory tag(s) {unknown}: expected some of {MEMORY_TAGS}")
+    return tags
 
 
 def parse_generate_output(out: dict) -> Sample:
@@ -132,12 +161,16 @@ class SGLangFleet(RolloutEngine):
         self._steps_running = 0
         self._probe_round = threading.Lock()  # held by a monitor round and by a weight sync
         self._waited_for: Dict[int, int] = {}  # attached server id -> incarnation whose return was awaited
+        self._memory_lock = threading.Lock()  # one memory alignment at a time (a restart's and the phases')
         self.router: Optional[SGLangServer] = None
         self._router_members: Tuple[Tuple[str, int], ...] = ()
         self.weight_sync = weight_sync
         self.routed = 0  # requests answered through the router
         keys = list(cfg.api_keys) + [None] * (len(cfg.urls) - len(cfg.api_keys))
         self.servers += [SGLangServer(u, k) for u, k in zip(cfg.urls, keys)]
+        self._released = memory_tags(cfg.released)  # what the fleet has released (colocated mode)
+        for s in self.servers:
+            s.set_memory(self._released, False)
         self._routed = use_router(cfg, len(self.servers) + cfg.num_servers)
         if self._routed and len(set(keys)) > 1:
             if cfg.router == "sglang_router":
@@ -206,6 +239,10 @@ class SGLangFleet(RolloutEngine):
             return
         if not self._closing.is_set():
             s.health.fire(Event.READY, f"restarted at {s.url}, pid {s.pid}; waits for a weight sync")
+            try:  # colocated mode: what the fleet has released, released on the new process at once
+                self._align([s])
+            except FleetError as e:  # (retried at the next memory call or weight sync)
+                log.warning("SGLang server %s: %s", s.url, e)
 
     def _join_restarts(self) -> None:
         """Wait for every restart under way (each ends stale, or dead once its attempts are used;
@@ -247,7 +284,7 @@ class SGLangFleet(RolloutEngine):
         with self._lock:
             counts, self._counts = self._counts, {}
         out = {k: float(counts.get(k, 0)) for k in COUNTERS}
-        out["fleet_healthy"] = float(len(self.serving_servers()))
+        out["fleet_healthy"] = float(len(self.healthy_servers()))
         return out
 
     # ------------------------------------------------------------------ dispatch
@@ -255,9 +292,15 @@ class SGLangFleet(RolloutEngine):
         """The servers a weight sync goes to: healthy, suspect and stale ones."""
         return [s for s in self.servers if s.alive]
 
-    def serving_servers(self) -> List[SGLangServer]:
-        """The servers that take requests: the healthy ones."""
+    def healthy_servers(self) -> List[SGLangServer]:
+        """The healthy servers (what the router stands in front of)."""
         return [s for s in self.servers if s.health.serving]
+
+    def serving_servers(self) -> List[SGLangServer]:
+        """The servers that take requests: the healthy ones that hold all their memory and valid
+        weights (colocated mode: none between a release and the resume of the KV cache, nor from
+        a resume of the weights until a weight sync reached it)."""
+        return [s for s in self.servers if s.health.serving and s.memory_ready]
 
     def _describe_all(self) -> str:
         out = "; ".join(s.describe() for s in self.servers)
@@ -267,9 +310,10 @@ class SGLangFleet(RolloutEngine):
 
     def _pick(self, exclude: set) -> Optional[SGLangServer]:
         with self._lock:
-            cands = [s for s in self.servers if s.health.serving and s.url not in exclude]
+            serving = self.serving_servers()
+            cands = [s for s in serving if s.url not in exclude]
             if not cands:
-                cands = [s for s in self.servers if s.health.serving]  # all tried: reuse a live one
+                cands = serving  # all tried: reuse a live one
             if not cands:
                 return None
             best = min(cands, key=lambda s: (s.inflight, s.served))
@@ -318,20 +362,21 @@ class SGLangFleet(RolloutEngine):
     def _members(self) -> set:
         """The healthy servers as the router must know them: address and incarnation (an attached
         server restarted by its job comes back at the same address, as a new process)."""
-        return {(s.url, s.incarnation) for s in self.serving_servers()}
+        return {(s.url, s.incarnation) for s in self.healthy_servers()}
 
     def _use_router(self) -> Optional[SGLangServer]:
-        """The router, when it stands in front of exactly the healthy servers."""
+        """The router, when it stands in front of exactly the healthy servers and every one of
+        them serves (colocated mode: none while their memory is released or their weights owed)."""
         router = self.router
         if router is None or not router.alive:
             return None
-        if set(self._router_members) != self._members():
+        if set(self._router_members) != self._members() or not all(s.memory_ready for s in self.healthy_servers()):
             return None
         return router
 
     def _rebuild_router(self) -> None:
         """(Re)start sglang-router in front of the healthy servers (at least one)."""
-        serving = self.serving_servers()
+        serving = self.healthy_servers()
         old, self.router, self._router_members = self.router, None, ()
         if old is not None:
             stop_server(old)
@@ -390,6 +435,11 @@ class SGLangFleet(RolloutEngine):
     def _run_all(self, path: str, payloads: List[dict], parse) -> List[Any]:
         deadline = time.monotonic() + self.cfg.step_timeout
         if not self.serving_servers():
+            gated = [s for s in self.healthy_servers() if not s.memory_ready]
+            if gated:
+                raise FleetError("no SGLang server serves: their memory is released or their weights await a "
+                                 "weight sync (colocated mode: resume_memory and update_weights first); servers: "
+                                 + self._describe_all())
             raise FleetError(f"no SGLang server is left; servers: {self._describe_all()}")
         workers = max(1, min(self.cfg.max_concurrency, len(payloads)))
         results: List[Any] = [None] * len(payloads)
@@ -433,7 +483,7 @@ class SGLangFleet(RolloutEngine):
         self._join_restarts()
         self._drop_unreachable("no answer to /health before a weight sync")
         for s in self.servers:
-            if s.health.state == State.SUSPECT:
+            if s.health.state == State.SUSPECT and not s.released:  # (a probe generates: not on released memory)
                 self._probe(s)
             if s.health.state != State.DEAD or s.proc is not None:
                 continue
@@ -458,6 +508,7 @@ class SGLangFleet(RolloutEngine):
 
     def _after_sync(self, pushed: List[SGLangServer]) -> None:
         for s in pushed:
+            s.set_memory(s.released, False)  # its weights are the fleet's again
             if s.health.state == State.STALE:
                 s.health.fire(Event.SYNCED, f"incarnation {s.incarnation} holds the current weights")
         if self._routed and set(self._router_members) != self._members():
@@ -530,12 +581,72 @@ class SGLangFleet(RolloutEngine):
             self.weight_sync = TensorSync(self)
         with self._probe_round:
             self._gather_for_sync()
+            self._align()  # a server that came back: to the fleet's memory state before the push
+            if "weights" in self._released:
+                raise FleetError("a weight update while the servers' weights are released (colocated mode): "
+                                 "resume_memory(('weights',)) first")
             pushed = self.alive_servers()
             self.weight_sync.push(named_tensors)
             self._after_sync(pushed)
 
     def flush_cache(self) -> None:
         self.broadcast("/flush_cache")
+
+    # ------------------------------------------------------------------ colocated mode: memory
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Every live server frees the memory of ``tags``; returns once each answered (its memory is
+        free). What a server has released already is not sent again."""
+        with self._probe_round:
+            self._released = self._released | memory_tags(tags)
+            self._align()
+
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Every live server takes back the memory of ``tags`` it released; returns once each
+        answered. A server whose weights come back serves nothing until a weight sync reached it."""
+        with self._probe_round:
+            self._released = self._released - memory_tags(tags)
+            self._align()
+
+    def _align(self, servers: Optional[List[SGLangServer]] = None) -> None:
+        """Bring every live server (or ``servers``) to the fleet's memory state, concurrently: release what the
+        fleet has released and the server holds, resume what it released and the fleet holds. A
+        server found dead meanwhile is left to the restart path (it comes back holding everything
+        and is aligned then); any other failure is an error once every server has answered."""
+        errors: Dict[str, str] = {}
+
+        def align(s: SGLangServer) -> None:
+            release = [t for t in MEMORY_TAGS if t in self._released and t not in s.released]
+            resume = [t for t in MEMORY_TAGS if t in s.released and t not in self._released]
+            before = (s.released, s.awaits_weights)
+            try:
+                if release:
+                    # not picked from now on; SGLang releases only an idle server: abort what it
+                    # may still run (a request given up on here and retried elsewhere), then let
+                    # it continue
+                    s.set_memory(s.released | set(release), s.awaits_weights)
+                    s.post("/pause_generation", {"mode": "abort"}, timeout=self.cfg.request_timeout)
+                    try:
+                        s.post("/release_memory_occupation", {"tags": release}, timeout=self.cfg.request_timeout)
+                        before = (s.released, s.awaits_weights)  # released, whatever follows
+                    finally:
+                        s.post("/continue_generation", {}, timeout=self.cfg.request_timeout)
+                if resume:
+                    s.post("/resume_memory_occupation", {"tags": resume}, timeout=self.cfg.request_timeout)
+                    s.set_memory(s.released - set(resume), s.awaits_weights or "weights" in resume)
+            except RequestFailed as e:
+                s.last_error = str(e)
+                if e.server_dead or s.exited():  # restarted or awaited; aligned once it is back
+                    s.health.fire(Event.EXITED, str(e))
+                else:  # what it answered is what it holds (no probe: a probe generates)
+                    s.set_memory(*before)
+                    errors[s.url] = str(e)
+
+        with self._memory_lock:
+            servers = [s for s in (self.alive_servers() if servers is None else servers) if s.alive]
+            with ThreadPoolExecutor(max_workers=max(1, len(servers)), thread_name_prefix="sglang-memory") as pool:
+                list(pool.map(align, servers))
+        if errors:
+            raise FleetError(f"memory release/resume failed: {errors}; servers: {self._describe_all()}")
 
     def close(self) -> None:
         self._closing.set()

@@ -30,6 +30,15 @@ in ``sglang.srt.server_args``, ``kill_process_tree(pid, include_parent=...)`` in
 ``sglang.srt.utils``, and ``--api-key``. sglang-router is a package of its own: run with 0.3.2
 (the CPU install's), no other version read.
 
+The server's log shows every request that changes its memory or weights, when it arrives and when
+it is answered, ``[mtepo] > POST /resume_memory_occupation tags=weights`` and ``[mtepo] < POST
+/resume_memory_occupation 200`` (:data:`LOGGED_ROUTES`, with the ``tags`` of a memory request): a
+colocated server's log then reads as the order of its memory phases. With
+``TEPO_SGLANG_LOG_REQUESTS=1`` every request is logged so, generations included (tests). An ASGI
+middleware on SGLang's FastAPI app (``sglang.srt.entrypoints.http_server.app``, the app its HTTP
+server runs in this process; with several tokenizer workers, ``--tokenizer-worker-num``, the
+workers' apps are not wrapped).
+
 ``router`` first: sglang-router instead (what :func:`megatron_tepo.rollout.sglang.router.launch_router`
 runs), which also takes its key (the one it checks on every request and passes on to the servers)
 only from ``--api-key``. The arguments after ``router``, plus ``--api-key`` from the environment,
@@ -53,6 +62,12 @@ if __name__ in ("__main__", "__mp_main__"):  # run by path (also re-run by spawn
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 KEY_ENV = "TEPO_SGLANG_API_KEY"
+LOG_REQUESTS_ENV = "TEPO_SGLANG_LOG_REQUESTS"  # 1: the log shows every request, not only LOGGED_ROUTES
+#: what the log always shows: the requests that change the server's memory or its weights
+LOGGED_ROUTES = frozenset({
+    "/release_memory_occupation", "/resume_memory_occupation", "/pause_generation", "/continue_generation",
+    "/begin_weight_update", "/end_weight_update", "/update_weights_from_tensor", "/update_weights_from_distributed",
+    "/update_weights_from_disk", "/init_weights_update_group", "/destroy_weights_update_group", "/flush_cache"})
 
 
 def sglang_argv(argv, environ):
@@ -110,6 +125,64 @@ def _mask_key_in_repr(cls) -> None:
     cls.__repr__ = masked_repr
 
 
+class RequestLog:
+    """ASGI middleware: ``[mtepo] > METHOD PATH [tags=...]`` when a request of ``routes`` (None:
+    every one) arrives and ``[mtepo] < METHOD PATH STATUS`` when it is answered, flushed at once
+    into the server's log. A memory request's body is read first (for its tags) and handed on."""
+
+    def __init__(self, app, routes=LOGGED_ROUTES):
+        self.app, self.routes = app, routes
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http" or (self.routes is not None and scope.get("path") not in self.routes):
+            return await self.app(scope, receive, send)
+        what = f"{scope.get('method')} {scope.get('path')}"
+        detail, inner = "", receive
+        if scope.get("path", "").endswith("_memory_occupation"):
+            messages, more = [], True
+            while more:
+                messages.append(await receive())
+                more = messages[-1].get("more_body", False)
+            detail, inner = f" tags={_tags(messages)}", _replay(messages, receive)
+        print(f"[mtepo] > {what}{detail}", flush=True)
+
+        async def answered(message):
+            if message.get("type") == "http.response.start":
+                print(f"[mtepo] < {what} {message.get('status')}", flush=True)
+            await send(message)
+
+        return await self.app(scope, inner, answered)
+
+
+def _tags(messages) -> str:
+    """The ``tags`` of a memory request's JSON body (``all`` when it names none)."""
+    import json
+
+    try:
+        tags = json.loads(b"".join(m.get("body", b"") for m in messages) or b"{}").get("tags")
+    except (ValueError, AttributeError):
+        return "?"
+    return ",".join(map(str, tags)) if tags else "all"
+
+
+def _replay(messages, receive):
+    """An ASGI ``receive`` that gives ``messages`` (read already) first, then ``receive``'s."""
+    async def replayed():
+        return messages.pop(0) if messages else await receive()
+    return replayed
+
+
+def _log_requests(environ) -> bool:
+    """SGLang's HTTP app wrapped in :class:`RequestLog` (every request with ``TEPO_SGLANG_LOG_REQUESTS=1``);
+    False where SGLang has no such app (another layout: its requests are not logged so)."""
+    try:
+        from sglang.srt.entrypoints.http_server import app
+    except ImportError:  # another SGLang layout (or a stand-in of one)
+        return False
+    app.add_middleware(RequestLog, routes=None if environ.get(LOG_REQUESTS_ENV) == "1" else LOGGED_ROUTES)
+    return True
+
+
 def router_main(argv) -> None:
     """sglang-router with ``argv`` (its own flags) and the key of the environment, parsed by
     sglang_router's parser and started in this process (no ``--api-key`` on any command line)."""
@@ -129,6 +202,7 @@ def main(argv=None) -> None:
     from sglang.srt.utils import kill_process_tree
 
     _load_plugins()
+    _log_requests(os.environ)
     server_args = prepare_server_args(args)
     _mask_key_in_startup_log(server_args)
     try:

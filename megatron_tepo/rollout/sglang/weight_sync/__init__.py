@@ -1,5 +1,5 @@
 """The weight sync to SGLang servers: the actor's weights, bucketed, pushed to every live server
-of a fleet after each update, in one of three modes, one module each over one shared base.
+of a fleet after each update, in one of four modes, one module each over one shared base.
 
 * ``base.py`` -- what every mode does alike: the sender and the draining ranks, the buckets (the
   actor's :class:`~megatron_tepo.buckets.BucketStream`, or any stream flattened here), the
@@ -9,6 +9,8 @@ of a fleet after each update, in one of three modes, one module each over one sh
   one broadcast per bucket.
 * ``tensor.py`` -- the bucket in shared memory, its handle posted to every server (same host).
 * ``disk.py`` -- the bucket as a safetensors file in a directory the servers see.
+* ``ipc.py`` -- colocated mode: each actor rank's own bucket handed to the server TP rank on its GPU
+  as a CUDA IPC handle (shared memory on CPU); no process group, no copy.
 
 :func:`make_weight_sync` builds the sync of a mode by its name (``rollout.sync_mode``). SGLang's
 HTTP API 0.5.6 to 0.5.x: run against 0.5.23 (the ``sglang`` tests); read, not run, in the 0.5.6, 0.5.10
@@ -27,12 +29,13 @@ from __future__ import annotations
 from .base import SyncStats, WeightSync
 from .disk import DiskSync
 from .distributed import DistributedSync
+from .ipc import IpcSync
 from .tensor import TensorSync
 
 __all__ = ["MODES", "SYNC_MODES", "make_weight_sync", "WeightSync", "SyncStats", "DistributedSync",
-           "TensorSync", "DiskSync"]
+           "TensorSync", "DiskSync", "IpcSync"]
 
-SYNC_MODES = {"distributed": DistributedSync, "tensor": TensorSync, "disk": DiskSync}
+SYNC_MODES = {"distributed": DistributedSync, "tensor": TensorSync, "disk": DiskSync, "ipc": IpcSync}
 MODES = tuple(SYNC_MODES)
 
 

@@ -92,6 +92,9 @@ class WeightSync(abc.ABC):
     """
 
     mode = ""  # the mode's name (``rollout.sync_mode``)
+    # the actor's buckets gathered to the sender (False: every rank gets its own copy of every
+    # bucket of its stage, all-gathered over its TP group: ``ipc``, where each rank sends its own)
+    gather_to_sender = True
     session = True  # the loads sit inside /begin_weight_update ... /end_weight_update
     align_buckets = False  # a plain stream's buckets close early to keep every tensor aligned
 
@@ -214,7 +217,7 @@ class WeightSync(abc.ABC):
         before its buffer is written again (both paths do, with a ``BucketHandoff``)."""
         if isinstance(named_tensors, BucketStream):
             stats.bucketed_export = True
-            dst = self.sender_rank if _dist_rank() is not None else None
+            dst = self.sender_rank if _dist_rank() is not None and self.gather_to_sender else None
             kw = {"buffers": self._export_buffers} if self._export_buffers is not None else {}
             return self._transformed(named_tensors.flat_buckets(self.bucket_bytes, dtype=self.wire_dtype, dst=dst,
                                                                 reuse=True, **kw))

@@ -1,0 +1,97 @@
+"""A colocated server killed mid-run comes back as in disaggregated mode (restart, re-sync), and
+in the fleet's memory state: a real SGLang CPU server, launched by the fleet, goes through a
+colocated step's phases (generate, release, the actor's turn, weights back, the ``ipc`` sync, the
+KV cache back) and is ``kill -9``-ed while its memory is released (the actor's turn). The resume of
+its weights finds it dead and goes on; the sync waits for its restart, releases on the new process
+what the fleet has released (its KV cache and graphs: its weights the fleet holds), pushes the
+weights, and only the resume of the KV cache lets it serve. Then it generates what the pushed
+weights do (an HF model of them, float32), its own log shows that order with no generation before
+it, and its states and the step counters are those of a disaggregated restart."""
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.rollout.fleet_recovery_worker import GREEDY_TOKENS, greedy
+from tests.rollout.helpers import save_tiny_qwen3, tiny_qwen3
+
+pytestmark = pytest.mark.sglang
+
+
+def _mtepo_requests(log_path):
+    text = Path(log_path).read_text(errors="replace")
+    return [(m.group(1), m.group(2), m.group(3)) for m in
+            re.finditer(r"^\[mtepo\] ([<>]) (?:GET|POST) (\S+)(?: tags=(\S+))?", text, re.M)
+            if m.group(2) not in ("/health", "/server_info", "/get_server_info")]
+
+
+def test_a_colocated_server_killed_while_released_is_restarted_aligned_and_resynced(tmp_path, sglang_python):
+    import requests
+
+    from megatron_tepo.rollout.engine import MEMORY_TAGS
+    from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
+    from megatron_tepo.rollout.sglang.server import ServerConfig
+    from megatron_tepo.rollout.sglang.weight_sync import make_weight_sync
+
+    save_tiny_qwen3(str(tmp_path / "model"), seed=0)
+    fleet = SGLangFleet(FleetConfig(num_servers=1, router="none", request_timeout=120, step_timeout=300,
+                                    probe_interval=2.0, probe_timeout=10.0, restart_backoff=0.5, server_restarts=1,
+                                    server=ServerConfig(model_path=str(tmp_path / "model"), python=sglang_python,
+                                                        dtype="float32", startup_timeout=400,
+                                                        log_dir=str(tmp_path / "logs"),
+                                                        env={"TEPO_SGLANG_LOG_REQUESTS": "1"})))
+    try:
+        fleet.weight_sync = make_weight_sync("ipc", fleet, wire_dtype=torch.float32)
+        s = fleet.servers[0]
+        first_log = s.log_path
+        prompts = [[3, 4, 5], [7, 8, 9, 10]]
+        assert len(fleet.generate(prompts, n=2, max_new_tokens=4)) == 2
+        fleet.health_metrics()  # (the counters from here on)
+
+        fleet.release_memory(MEMORY_TAGS)
+        os.kill(s.pid, signal.SIGKILL)  # the actor's turn: the server dies with its memory released
+        s.proc.wait(timeout=30)
+        fleet.resume_memory(("weights",))  # finds it dead: the restart path takes it, no error
+        assert s.state.value in ("dead", "restarting")
+        trained = tiny_qwen3(seed=3)  # what the actor's update made of the weights
+        t0 = time.monotonic()
+        fleet.update_weights([(n, p.detach()) for n, p in trained.state_dict().items()])
+        print(f"sync with the restart: {time.monotonic() - t0:.1f} s")
+        assert s.incarnation == 1 and s.log_path != first_log
+        assert s.state.value == "healthy" and s.released == {"kv_cache", "cuda_graph"}
+        assert fleet.serving_servers() == []  # its KV cache is released: nothing served yet
+        fleet.resume_memory(("kv_cache", "cuda_graph"))
+        assert fleet.serving_servers() == [s]
+
+        got = [requests.post(s.url + "/generate", headers=s.headers(), timeout=120, json={
+            "input_ids": p, "sampling_params": {"max_new_tokens": GREEDY_TOKENS, "temperature": 0.0,
+                                                "ignore_eos": True}}).json()["output_ids"] for p in prompts]
+        assert got == [greedy(trained, p) for p in prompts]
+        assert got != [greedy(tiny_qwen3(seed=0), p) for p in prompts]  # (the start-up weights differ)
+        groups = fleet.generate(prompts, n=2, max_new_tokens=4)
+        assert [len(g) for g in groups] == [2, 2]
+
+        # the new process's own log: the fleet's released memory released on it, the push, then its
+        # KV cache back; no resume of what it held, no generation before its KV cache was back
+        reqs = _mtepo_requests(s.log_path)
+        memory = [(p, t) for way, p, t in reqs if way == ">" and p.endswith("_memory_occupation")]
+        assert memory == [("/release_memory_occupation", "kv_cache,cuda_graph"),
+                          ("/resume_memory_occupation", "kv_cache,cuda_graph")], memory
+        release = reqs.index((">", "/release_memory_occupation", "kv_cache,cuda_graph"))
+        update = reqs.index(("<", "/update_weights_from_tensor", None))
+        resume = reqs.index(("<", "/resume_memory_occupation", None))
+        assert release < update < resume
+        assert not [r for r in reqs[:resume] if r[1] == "/generate"], reqs[:resume]
+        # as a disaggregated restart: dead -> restarting -> stale -> healthy (on the sync), counted once
+        path = [(t.old.value, t.new.value) for t in s.health.history if t.old != t.new]
+        assert path[-4:] == [("healthy", "dead"), ("dead", "restarting"), ("restarting", "stale"),
+                             ("stale", "healthy")], path
+        counts = fleet.health_metrics()
+        assert {k: counts[k] for k in ("fleet_died", "fleet_restarts", "fleet_returned", "fleet_resynced")} == \
+            {"fleet_died": 1.0, "fleet_restarts": 1.0, "fleet_returned": 1.0, "fleet_resynced": 1.0}
+    finally:
+        fleet.close()
