@@ -116,6 +116,14 @@ def make_batch(seed: int, batch_size: int = 8, vocab: int = 256, max_prompt: int
     return batch
 
 
+def update_batch(seed: int) -> RolloutBatch:
+    """:func:`make_batch` with old log-probs (a loss's ratio needs them): one update's batch."""
+    b = make_batch(seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    b.old_log_probs = (-2.0 - torch.rand(b.response_mask.shape, generator=g)) * b.response_mask
+    return b
+
+
 def hf_log_probs(model, batch: RolloutBatch, temperature: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference per-response-token log-probs and entropy (0 on padding), differentiable."""
     logits = model(input_ids=batch.input_ids).logits.float() / temperature

@@ -19,16 +19,9 @@ import torch.distributed as dist
 
 from megatron_tepo.algorithms import PolicyLoss
 from tests.dist_utils import write_result
-from tests.megatron.helpers import hf_state, make_batch, make_hf_model, tiny_hf_config
+from tests.megatron.helpers import hf_state, make_hf_model, tiny_hf_config, update_batch
 
 LOSS = PolicyLoss.of("grpo")
-
-
-def _batch(seed):
-    b = make_batch(seed=seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    b.old_log_probs = (-2.0 - torch.rand(b.response_mask.shape, generator=g)) * b.response_mask
-    return b
 
 
 def _snapshot(actor):
@@ -52,8 +45,8 @@ def case(spec):
     actor = MegatronActor(cfg, hf_state(hf), layout=ParallelLayout(tp=spec["tp"]),
                           optim=OptimConfig(lr=1e-3, clip_grad=1.0, use_distributed_optimizer=spec.get("dist_opt", False)),
                           precision=spec["precision"], attention="sdpa")
-    actor.train_step(_batch(10), LOSS)
-    actor.forward_backward(_batch(20), LOSS)
+    actor.train_step(update_batch(10), LOSS)
+    actor.forward_backward(update_batch(20), LOSS)
     if dist.get_rank() == 0:
         p = next(p for p in actor.model[0].parameters() if p.requires_grad)
         p.main_grad.view(-1)[3] = float("nan")
@@ -66,7 +59,7 @@ def case(spec):
            "finite": all(bool(torch.isfinite(t).all()) for t in after),
            "scheduler": [sched_before, actor.scheduler.num_steps]}
     # the next clean step updates again
-    metrics = actor.train_step(_batch(30), LOSS)
+    metrics = actor.train_step(update_batch(30), LOSS)
     later = _snapshot(actor)
     out["next"] = {"skipped_update": metrics.get("skipped_update"), "grad_norm": metrics["grad_norm"],
                    "changed": any(not torch.equal(a, b) for a, b in zip(after, later)),

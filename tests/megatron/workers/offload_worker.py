@@ -19,16 +19,9 @@ import torch
 
 from megatron_tepo.algorithms import PolicyLoss
 from tests.dist_utils import write_result
-from tests.megatron.helpers import hf_state, make_batch, make_hf_model, tiny_hf_config
+from tests.megatron.helpers import hf_state, make_hf_model, tiny_hf_config, update_batch
 
 LOSS = PolicyLoss.of("grpo")
-
-
-def _batch(seed):
-    b = make_batch(seed=seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    b.old_log_probs = (-2.0 - torch.rand(b.response_mask.shape, generator=g)) * b.response_mask
-    return b
 
 
 def _snapshot(actor):
@@ -61,8 +54,8 @@ def case(spec):
 
     moved, plain = actor(), actor()
     for a in (moved, plain):
-        a.train_step(_batch(10), LOSS)  # Adam's moments exist
-        a.forward_backward(_batch(20), LOSS)  # gradients in the buffers
+        a.train_step(update_batch(10), LOSS)  # Adam's moments exist
+        a.forward_backward(update_batch(20), LOSS)  # gradients in the buffers
     before = _snapshot(moved)
     out = {"sizes": {k: len(v) for k, v in before.items()},
            "nonzero_grads": any(bool(g.abs().sum() > 0) for g in before["grads"])}
@@ -89,7 +82,7 @@ def case(spec):
         out["unknown_part"] = str(exc)
     for a in (moved, plain):
         a.optimizer_step()
-        a.train_step(_batch(30), LOSS)
+        a.train_step(update_batch(30), LOSS)
     out["same_as_never_offloaded"] = _equal(_snapshot(moved), _snapshot(plain))
     return out
 
