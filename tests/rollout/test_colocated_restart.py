@@ -6,7 +6,10 @@ its weights finds it dead and goes on; the sync waits for its restart, releases 
 what the fleet has released (its KV cache and graphs: its weights the fleet holds), pushes the
 weights, and only the resume of the KV cache lets it serve. Then it generates what the pushed
 weights do (an HF model of them, float32), its own log shows that order with no generation before
-it, and its states and the step counters are those of a disaggregated restart."""
+it, and its states and the step counters are those of a disaggregated restart.
+
+And the same faults in a whole colocated training run (issue #34's acceptance: a kill mid-run is
+survived as in disaggregated mode; test_fleet_recovery.py is the disaggregated one)."""
 import os
 import re
 import signal
@@ -95,3 +98,63 @@ def test_a_colocated_server_killed_while_released_is_restarted_aligned_and_resyn
             {"fleet_died": 1.0, "fleet_restarts": 1.0, "fleet_returned": 1.0, "fleet_resynced": 1.0}
     finally:
         fleet.close()
+
+
+def test_a_colocated_training_run_survives_a_server_killed_generating_and_one_killed_released(
+        tiny, tmp_path, sglang_python):
+    """The same faults in a whole colocated run (fleet_recovery_worker.py with ``"colocated": true``:
+    ``train()``, the Megatron actor, two launched servers, the ``ipc`` sync): server 0 ``kill -9``-ed
+    in step 2 as it generates, server 1 in step 3 once it has released its memory. As in the
+    disaggregated run (test_fleet_recovery.py): each comes back through dead -> restarting -> stale
+    -> healthy on its sync, serves the actor's weights after it, and every step is logged once."""
+    import json
+
+    from tests.rollout.test_fleet_recovery import _generate_before_first_load, _run
+
+    out = tmp_path / "run"
+    res, log = _run(tiny, out, sglang_python, colocated=True)
+    assert set(res["faults"]) == {"kill", "kill_released"}, res["faults"]
+    for server in res["servers"]:
+        path = [(old, event, new) for _, old, event, new, _ in server["history"]]
+        dead = path.index(next(t for t in path if t[2] == "dead"))
+        assert path[dead][1] == "exited", path
+        assert [t[2] for t in path[dead:]] == ["dead", "restarting", "stale", "healthy"], path
+        assert path[-1] == ("stale", "synced", "healthy"), path
+        assert server["restarts"] == 1 and server["incarnation"] == 1
+
+        # its new process: no generation before its weights were pushed; brought to the fleet's
+        # released memory first, and serving only after its KV cache came back
+        assert _generate_before_first_load(server["log_path"]) == 0, server["log_path"]
+        reqs = _mtepo_requests(server["log_path"])
+        memory = [(p, t) for way, p, t in reqs if way == ">" and p.endswith("_memory_occupation")]
+        assert memory and memory[0][0] == "/release_memory_occupation", memory
+        update = reqs.index(("<", "/update_weights_from_tensor", None))
+        resumes = [i for i, r in enumerate(reqs) if r[:2] == ("<", "/resume_memory_occupation")]
+        assert resumes and resumes[-1] > update, reqs
+        first_generate = next((i for i, r in enumerate(reqs) if r[1] == "/generate"), len(reqs))
+        cache_back = next(i for i in resumes if i > update)
+        assert first_generate > cache_back, reqs[:first_generate + 1]
+    killed_released = res["servers"][1]
+    memory = [(p, t) for way, p, t in _mtepo_requests(killed_released["log_path"])
+              if way == ">" and p.endswith("_memory_occupation")]
+    # back during the actor's turn (everything released) or at the sync (the weights resumed)
+    assert memory[:3] == [("/release_memory_occupation", "weights,kv_cache,cuda_graph"),
+                          ("/resume_memory_occupation", "weights"),
+                          ("/resume_memory_occupation", "kv_cache,cuda_graph")] or \
+        memory[:2] == [("/release_memory_occupation", "kv_cache,cuda_graph"),
+                       ("/resume_memory_occupation", "kv_cache,cuda_graph")], memory
+
+    # after each step's sync every serving server generates what the actor's weights do; each
+    # restarted server is checked in the step that lost it
+    assert all(r["got"] == r["want"] for r in res["checks"] if "got" in r), res["checks"]
+    back = {(r["server"], r["step"]) for r in res["checks"] if "got" in r and r["incarnation"] == 1}
+    assert (0, 2) in back and (1, 3) in back, res["checks"]
+
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all("engine_release_s" in r and "actor_onload_s" in r for r in rows)  # (it ran colocated)
+    total = {k: sum(r[k] for r in rows) for k in ("fleet_died", "fleet_restarts", "fleet_returned", "fleet_resynced")}
+    assert total == {"fleet_died": 2, "fleet_restarts": 2, "fleet_returned": 2, "fleet_resynced": 2}, total
+    # (a step's counts are read after its rollout: the server lost in step 3's actor turn is step 4's)
+    assert [r["fleet_died"] for r in rows] == [0, 1, 0, 1], rows
+    assert rows[-1]["fleet_healthy"] == 2

@@ -21,10 +21,10 @@ from tests.dist_utils import REPO
 pytestmark = pytest.mark.sglang
 
 
-def _run(tiny, out, sglang_python, router="none", phase="faults", steps=4, server_model=None):
+def _run(tiny, out, sglang_python, router="none", phase="faults", steps=4, server_model=None, colocated=False):
     out.mkdir(parents=True, exist_ok=True)
     args = {"tiny": str(tiny), "out": str(out), "python": sglang_python, "router": router, "phase": phase,
-            "steps": steps, "server_model": str(server_model) if server_model else None}
+            "steps": steps, "server_model": str(server_model) if server_model else None, "colocated": colocated}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MTEPO_RESULT_DIR": str(out)}
     env.pop("RANK", None)
     proc = subprocess.run([sys.executable, str(REPO / "tests/rollout/fleet_recovery_worker.py"), json.dumps(args)],
