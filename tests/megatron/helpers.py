@@ -124,6 +124,23 @@ def update_batch(seed: int) -> RolloutBatch:
     return b
 
 
+# the layouts a test of the actor's state covers: TP=2 in fp32 and bf16, and the distributed optimizer
+STATE_CASES = [{"tp": 2, "precision": "fp32"}, {"tp": 2, "precision": "bf16"},
+               {"tp": 1, "precision": "bf16", "dist_opt": True}]
+
+
+def state_case_actor(spec: dict, hf_config, hf_model):
+    """A MegatronActor of ``hf_model``'s weights in the layout of one of :data:`STATE_CASES`
+    (Adam, lr 1e-3, gradients clipped at 1, SDPA attention); call it on every rank."""
+    from megatron_tepo.actor import MegatronActor
+    from megatron_tepo.config import OptimConfig
+    from megatron_tepo.layout import ParallelLayout
+
+    return MegatronActor(hf_config, hf_state(hf_model), layout=ParallelLayout(tp=spec["tp"]),
+                         optim=OptimConfig(lr=1e-3, clip_grad=1.0, use_distributed_optimizer=spec.get("dist_opt", False)),
+                         precision=spec["precision"], attention="sdpa")
+
+
 def hf_log_probs(model, batch: RolloutBatch, temperature: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference per-response-token log-probs and entropy (0 on padding), differentiable."""
     logits = model(input_ids=batch.input_ids).logits.float() / temperature

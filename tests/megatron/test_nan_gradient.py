@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import torchrun
+from tests.megatron.helpers import STATE_CASES
 
 WORKER = Path(__file__).parent / "workers" / "nan_grad_worker.py"
 
@@ -20,8 +21,7 @@ WORKER = Path(__file__).parent / "workers" / "nan_grad_worker.py"
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_a_nan_gradient_changes_no_weight_in_fp32_and_bf16(tmp_path):
-    cases = [{"tp": 2, "precision": "fp32"}, {"tp": 2, "precision": "bf16"},
-             {"tp": 1, "precision": "bf16", "dist_opt": True}]
+    cases = STATE_CASES
     per_rank = [r["cases"] for r in torchrun(WORKER, 2, json.dumps(cases), tmp_path=tmp_path, timeout=380)]
     for rank, results in enumerate(per_rank):
         for spec, r in zip(cases, results):

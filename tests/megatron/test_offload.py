@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import torchrun
+from tests.megatron.helpers import STATE_CASES
 
 WORKER = Path(__file__).parent / "workers" / "offload_worker.py"
 
@@ -15,8 +16,7 @@ WORKER = Path(__file__).parent / "workers" / "offload_worker.py"
 @pytest.mark.distributed
 @pytest.mark.timeout(500)
 def test_offload_then_onload_is_bit_identical_and_frees_the_memory(tmp_path):
-    cases = [{"tp": 2, "precision": "fp32"}, {"tp": 2, "precision": "bf16"},
-             {"tp": 1, "precision": "bf16", "dist_opt": True}]
+    cases = STATE_CASES
     per_rank = [r["cases"] for r in torchrun(WORKER, 2, json.dumps(cases), tmp_path=tmp_path, timeout=480)]
     for rank, results in enumerate(per_rank):
         for spec, r in zip(cases, results):

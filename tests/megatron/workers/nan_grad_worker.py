@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megatron_tepo.algorithms import PolicyLoss
 from tests.dist_utils import write_result
-from tests.megatron.helpers import hf_state, make_hf_model, tiny_hf_config, update_batch
+from tests.megatron.helpers import make_hf_model, state_case_actor, tiny_hf_config, update_batch
 
 LOSS = PolicyLoss.of("grpo")
 
@@ -36,15 +36,8 @@ def _snapshot(actor):
 
 
 def case(spec):
-    from megatron_tepo.actor import MegatronActor
-    from megatron_tepo.config import OptimConfig
-    from megatron_tepo.layout import ParallelLayout
-
     cfg = tiny_hf_config("qwen3")
-    hf = make_hf_model(cfg, seed=0)
-    actor = MegatronActor(cfg, hf_state(hf), layout=ParallelLayout(tp=spec["tp"]),
-                          optim=OptimConfig(lr=1e-3, clip_grad=1.0, use_distributed_optimizer=spec.get("dist_opt", False)),
-                          precision=spec["precision"], attention="sdpa")
+    actor = state_case_actor(spec, cfg, make_hf_model(cfg, seed=0))
     actor.train_step(update_batch(10), LOSS)
     actor.forward_backward(update_batch(20), LOSS)
     if dist.get_rank() == 0:

@@ -19,7 +19,7 @@ import torch
 
 from megatron_tepo.algorithms import PolicyLoss
 from tests.dist_utils import write_result
-from tests.megatron.helpers import hf_state, make_hf_model, tiny_hf_config, update_batch
+from tests.megatron.helpers import make_hf_model, state_case_actor, tiny_hf_config, update_batch
 
 LOSS = PolicyLoss.of("grpo")
 
@@ -39,20 +39,9 @@ def _freed(actor, parts):
 
 
 def case(spec):
-    from megatron_tepo.actor import MegatronActor
-    from megatron_tepo.config import OptimConfig
-    from megatron_tepo.layout import ParallelLayout
-
     cfg = tiny_hf_config("qwen3")
     hf = make_hf_model(cfg, seed=0)
-
-    def actor():
-        return MegatronActor(cfg, hf_state(hf), layout=ParallelLayout(tp=spec["tp"]),
-                             optim=OptimConfig(lr=1e-3, clip_grad=1.0,
-                                               use_distributed_optimizer=spec.get("dist_opt", False)),
-                             precision=spec["precision"], attention="sdpa")
-
-    moved, plain = actor(), actor()
+    moved, plain = state_case_actor(spec, cfg, hf), state_case_actor(spec, cfg, hf)
     for a in (moved, plain):
         a.train_step(update_batch(10), LOSS)  # Adam's moments exist
         a.forward_backward(update_batch(20), LOSS)  # gradients in the buffers
