@@ -21,8 +21,9 @@
 #      the signal traps (tepo_install_traps);
 #   servers: the rollout servers with srun on the rollout nodes (GPUS_PER_NODE / TP servers per
 #      node, one port each; tepo_start_sglang). A server that exits is started again on its port
-#      (tepo_keep_serving: TEPO_SERVER_RESTARTS times, with a back-off); the trainer's fleet waits
-#      for it (fault.server_return_timeout_s) and re-syncs its weights. Each server is the serve
+#      (tepo_keep_serving: TEPO_SERVER_RESTARTS times, with a back-off; colocated, only while the
+#      trainer's weight sync opens TEPO_SGLANG_RESTART_GATE); the trainer's fleet waits for it
+#      (fault.server_return_timeout_s) and re-syncs its weights. Each server is the serve
 #      command of the launch file's servers (`python -m megatron_tepo.rollout.sglang.server` and
 #      FIT_SERVE_ARGS, one server's options written by their own type,
 #      megatron_tepo/rollout/sglang/options.py's ServerConfig, which the serve command reads back
@@ -312,7 +313,10 @@ tepo_serve_cmd() {
 # when it exits, at most TEPO_SERVER_RESTARTS times, the k-th time after k x
 # TEPO_SERVER_RESTART_DELAY seconds; each exit and restart is a line in LOG and on stderr. Returns
 # the server's last status once no restart is left. TERM or INT (the step is stopped) stops the
-# server and the loop: no restart. Runs inside the SGLang srun step (which sources this file).
+# server and the loop: no restart. With TEPO_SGLANG_RESTART_GATE (colocated launches) a restart
+# also waits until that file exists: the trainer's fleet creates it while a weight sync waits for
+# dead servers, the one phase with room for a starting server beside the actor. Runs inside the
+# SGLang srun step (which sources this file).
 tepo_keep_serving() {
     local log=$1 n=0 rc pid=""
     shift
@@ -334,18 +338,29 @@ tepo_keep_serving() {
         tepo_log "server ($log) exited with status $rc: restart $n of $max in $((n * delay)) s" 2>&1 \
             | tee -a "$log" >&2
         sleep "$((n * delay))"
+        if [[ -n "${TEPO_SGLANG_RESTART_GATE:-}" && ! -e "$TEPO_SGLANG_RESTART_GATE" ]]; then
+            tepo_log "server ($log): restart $n waits for the trainer's next weight sync ($TEPO_SGLANG_RESTART_GATE;" \
+                "colocated: the GPUs are the actor's until then)" 2>&1 | tee -a "$log" >&2
+            while [[ ! -e "$TEPO_SGLANG_RESTART_GATE" ]]; do sleep 1; done
+        fi
     done
 }
 
 # Start FIT_SERVERS_PER_NODE servers on every rollout node (one srun step per node, in the
 # background); fill TEPO_SGLANG_URLS (comma-separated) and TEPO_STEP_PIDS. On cuda server i of a
 # node gets GPUs i*TP .. i*TP+TP-1; ports FIT_SGLANG_PORT + i (0: free ports of this host).
+# Colocated: TEPO_SGLANG_RESTART_GATE (exported: the servers' restart loops and the trainer read it)
+# is this attempt's $LOG_DIR/restart.gate.
 tepo_start_sglang() {
     local host i port gpus first last base=$FIT_SGLANG_PORT
     local -a urls=() srun_args
     local srun_line
     srun_line=$(tepo_srun_args) || tepo_die "no srun arguments for the SGLang steps (see above)"
     read -r -a srun_args <<<"$srun_line"
+    if [[ "${FIT_PLACEMENT:-separate}" == colocated ]]; then
+        export TEPO_SGLANG_RESTART_GATE=$LOG_DIR/restart.gate
+        rm -f "$TEPO_SGLANG_RESTART_GATE"
+    fi
     if [[ "$base" == 0 && "${TEPO_DRY_RUN:-0}" != 1 ]]; then
         if (( ${#TEPO_ROLLOUT_HOSTS[@]} != 1 )) || [[ "${TEPO_ROLLOUT_HOSTS[0]}" != "$(hostname -s)" ]]; then
             tepo_die "launch.sglang.port: 0 (free ports) needs the servers on this host, not ${TEPO_ROLLOUT_HOSTS[*]}"
@@ -419,6 +434,7 @@ tepo_start_trainer() {
     # colocated: what the release step freed on every server (the fleet's initial state), shown in
     # the trainer's line like its other settings
     [[ -n "${TEPO_SGLANG_RELEASED:-}" ]] && trainer_env+=("TEPO_SGLANG_RELEASED=$TEPO_SGLANG_RELEASED")
+    [[ -n "${TEPO_SGLANG_RESTART_GATE:-}" ]] && trainer_env+=("TEPO_SGLANG_RESTART_GATE=$TEPO_SGLANG_RESTART_GATE")
     local head=${TEPO_ACTOR_HOSTS[0]} nodelist
     nodelist=$(IFS=,; printf '%s' "${TEPO_ACTOR_HOSTS[*]}")
     if (( ${#TEPO_ACTOR_HOSTS[@]} == 1 )) && [[ -z "${TEPO_RDZV_PORT:-}" ]]; then

@@ -128,6 +128,7 @@ def test_dry_run_qwen3_14b(tmp_path):
     assert "torch.distributed.run --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=n1:29500" in trainer
     assert f"--config {tmp_path}/run/run.yaml train.steps=3" in trainer
     assert "--overlap" not in trainer
+    assert "TEPO_SGLANG_RESTART_GATE" not in trainer  # (separate nodes: restarts need no gate)
     sglang = (logs / "sglang.n3.srun.log").read_text()
     assert "--nodelist=n3 --gpus-per-node=8 --cpus-per-task=" in sglang and "--overlap" not in sglang
     assert sglang.count("megatron_tepo.rollout.sglang.server") == 4
@@ -159,6 +160,7 @@ def test_dry_run_qwen3_14b_colocated(tmp_path):
     release = (logs / "release.log").read_text()
     assert "-m megatron_tepo.launch.release --tags weights\\,kv_cache\\,cuda_graph" in release
     assert "TEPO_SGLANG_RELEASED=weights\\,kv_cache\\,cuda_graph" in trainer
+    assert f"TEPO_SGLANG_RESTART_GATE={logs}/restart.gate" in trainer  # (the servers' loops: exported)
     assert "--config" in trainer and "launch." not in trainer.split("train.py", 1)[1]
     fit = (logs / "fit.log").read_text()
     assert "offload: optimizer_grads (the least that fits)" in fit and "peak 73.1 GiB of 80 GiB per GPU: fits" in fit
@@ -361,6 +363,26 @@ def test_a_server_that_exits_is_restarted_a_bounded_number_of_times(tmp_path):
     assert f"server ({log}) exited with status 7; no restart left (TEPO_SERVER_RESTARTS=2)" in res.stderr
     bad = _lib(f"tepo_keep_serving {log} true", tmp_path, TEPO_SERVER_RESTARTS="-1")
     assert bad.returncode == 2 and "TEPO_SERVER_RESTARTS: expected a count >= 0, got '-1'" in bad.stderr
+
+
+def test_a_colocated_server_is_restarted_only_once_the_trainers_sync_opens_the_gate(tmp_path):
+    """TEPO_SGLANG_RESTART_GATE (colocated launches): after its back-off the restart waits until
+    the gate file exists (the trainer's fleet creates it while a weight sync waits for dead
+    servers), then starts the server; an open gate does not hold a restart up."""
+    log, gate = tmp_path / "server.log", tmp_path / "restart.gate"
+    opener = f'(sleep 3; echo "gate opened" >>{log}; touch {gate}) & '
+    res = _lib(opener + f'tepo_keep_serving {log} bash -c "echo serving; exit 7"', tmp_path,
+               TEPO_SERVER_RESTARTS="1", TEPO_SERVER_RESTART_DELAY="0", TEPO_SGLANG_RESTART_GATE=str(gate))
+    assert res.returncode == 7, res.stderr
+    lines = log.read_text().splitlines()
+    waits = next(i for i, line in enumerate(lines) if f"server ({log}): restart 1 waits for the trainer's next "
+                 f"weight sync ({gate};" in line)
+    assert lines.index("serving") < waits < lines.index("gate opened") < len(lines) - 1 - lines[::-1].index("serving")
+    assert lines.count("serving") == 2
+    log.unlink()  # the gate is open now: the restart goes at once
+    res = _lib(f'tepo_keep_serving {log} bash -c "echo serving; exit 7"', tmp_path, TEPO_SERVER_RESTARTS="1",
+               TEPO_SERVER_RESTART_DELAY="0", TEPO_SGLANG_RESTART_GATE=str(gate))
+    assert res.returncode == 7 and log.read_text().count("serving") == 2 and "waits for" not in log.read_text()
 
 
 def test_a_stopped_step_does_not_restart_its_server(tmp_path):

@@ -134,6 +134,59 @@ def test_a_server_that_comes_back_is_brought_to_the_fleets_state(fakes):
         fleet.close()
 
 
+def test_a_sync_opens_the_restart_gate_while_it_waits_for_a_dead_attached_server(fakes, tmp_path):
+    """Colocated, attached servers (their job restarts them: slurm/lib.sh): ``FleetConfig.restart_gate``
+    exists only while a weight sync waits for a dead server to come back, never in the actor's turn;
+    the server's job restarts it then (here: the frozen fake thaws when the gate appears) and the
+    sync reaches it. A sync with nothing dead leaves the gate shut."""
+    import threading
+    import time
+
+    a, b = fakes
+    gate = tmp_path / "logs" / "restart.gate"
+    fleet = SGLangFleet(FleetConfig(urls=[f.url for f in fakes], router="none", request_timeout=30, step_timeout=60,
+                                    probe_interval=0.2, probe_timeout=1.0, return_timeout=60.0,
+                                    restart_gate=str(gate)))
+    seen = {}
+
+    def its_job():  # restarts the server once the gate is open
+        deadline = time.monotonic() + 60
+        while not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen["text"] = gate.read_text() if gate.exists() else None
+        b.thaw()
+
+    try:
+        fleet.release_memory(MEMORY_TAGS)
+        b.freeze()  # its probe hangs: gone until its job restarts it
+        back = fleet.servers[1]
+        back.health.fire(Event.EXITED, "test: its process exited")
+        fleet.resume_memory(("weights",))
+        assert back.state == State.DEAD and not gate.exists()  # the actor's turn: no restart
+        job = threading.Thread(target=its_job)
+        job.start()
+        fleet.update_weights([("w", torch.ones(2))])
+        job.join()
+        assert seen["text"] and "a weight sync waits for dead servers" in seen["text"], seen
+        assert not gate.exists()  # shut again after the sync
+        assert back.state == State.HEALTHY and back.incarnation == 1
+        fleet.resume_memory(("kv_cache", "cuda_graph"))
+        assert fleet.serving_servers() == fleet.servers
+        fleet.release_memory(MEMORY_TAGS)
+        fleet.resume_memory(("weights",))
+        stop, opened = threading.Event(), []
+        watch = threading.Thread(target=lambda: [opened.append(gate.exists()) or time.sleep(0.005)
+                                                 for _ in iter(stop.is_set, True)])
+        watch.start()
+        fleet.update_weights([("w", torch.ones(2))])  # nothing dead: the gate stays shut
+        stop.set()
+        watch.join()
+        assert opened and not any(opened) and not gate.exists()
+    finally:
+        b.thaw()
+        fleet.close()
+
+
 def _memory_requests_after(fake, n):
     return [(r["path"], (r["body"] or {}).get("tags")) for r in fake.requests[n:] if r["path"] in MEMORY_ROUTES]
 

@@ -6,7 +6,8 @@ The servers are ``TEPO_SGLANG_URLS`` (comma-separated; the Slurm launchers set i
 ``rollout.sglang_urls``; their API key is ``TEPO_SGLANG_API_KEY``. ``TEPO_SGLANG_RELEASED``
 (comma-separated memory tags; a colocated launch sets it after releasing every server's memory
 before the trainer starts) is the fleet's initial memory state; it needs ``rollout.colocated``,
-whose phases take the memory back. The driver builds the fleet
+whose phases take the memory back; ``TEPO_SGLANG_RESTART_GATE`` is the file its weight syncs
+open for the launcher's server restarts (``FleetConfig.restart_gate``). The driver builds the fleet
 and the sending weight sync; every other rank builds only a weight sync that drains its part of
 the actor's export (``is_sender=False``), so that the export's collectives match.
 
@@ -24,7 +25,7 @@ import torch
 from megatron_tepo.config import RolloutConfig
 from megatron_tepo.rollout.registry import EngineSettings, register_engine
 from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet, memory_tags
-from megatron_tepo.rollout.sglang.options import API_KEY_ENV, RELEASED_ENV
+from megatron_tepo.rollout.sglang.options import API_KEY_ENV, RELEASED_ENV, RESTART_GATE_ENV
 from megatron_tepo.rollout.sglang.weight_sync import SYNC_MODES, WeightSync, make_weight_sync
 
 URLS_ENV = "TEPO_SGLANG_URLS"
@@ -87,7 +88,7 @@ def attach_fleet(settings: EngineSettings) -> SGLangFleet:
                                     step_timeout=max(r.request_timeout_s, 600.0), router=r.router,
                                     probe_timeout=f.probe_timeout_s, return_timeout=f.server_return_timeout_s,
                                     server_restarts=f.server_restarts, restart_backoff=f.restart_backoff_s,
-                                    released=released_tags(r)))
+                                    released=released_tags(r), restart_gate=os.environ.get(RESTART_GATE_ENV, "")))
     fleet.weight_sync = weight_sync(r, fleet, urls, True, f)
     return fleet
 

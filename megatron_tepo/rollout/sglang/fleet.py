@@ -45,8 +45,13 @@ is released, it is not picked and the router is not used. A server that comes ba
 returned: a new process, all its memory held, its start-up weights) is brought to the fleet's
 state at the next memory call or weight sync, whichever comes first (what the fleet has released
 is released on it; a restart of the fleet's own does so as soon as the new process answers, so as
-to give the GPU back to the actor), and it is stale until a sync reached it, as always. The initial state of
-attached servers a launcher released before the trainer started: ``FleetConfig.released``.
+to give the GPU back to the actor), and it is stale until a sync reached it, as always. A dead server
+is restarted only at the next weight sync, whose phase has room for a starting server (at any
+other moment its new process would take its full memory beside the actor): the fleet's own
+restarts start there, and for attached servers the fleet creates ``FleetConfig.restart_gate``
+while the sync waits for them to come back (slurm/lib.sh restarts a server only while it exists);
+a release first waits for restarts under way. The initial state of attached servers a launcher
+released before the trainer started: ``FleetConfig.released``.
 
 Left out: starting and stopping one server (``server.py``), its HTTP calls and probe (``client.py``),
 the router's process (``router.py``); how weights reach the servers (``weight_sync/``; the fleet
@@ -57,12 +62,15 @@ checkpoint (docs/FAULT_TOLERANCE.md).
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -104,6 +112,9 @@ class FleetConfig:
     # colocated mode: the memory tags the attached servers had released when the fleet attached
     # (a colocated launch releases them after their health wait: TEPO_SGLANG_RELEASED)
     released: Sequence[str] = ()
+    # colocated mode, attached servers: the file this fleet creates while a weight sync waits for
+    # dead servers to come back (slurm/lib.sh restarts one only then: TEPO_SGLANG_RESTART_GATE)
+    restart_gate: str = ""
 
 
 def use_router(cfg: FleetConfig, n_servers: int) -> bool:
@@ -158,6 +169,7 @@ class SGLangFleet(RolloutEngine):
         self._closing = threading.Event()
         self._counts: Dict[str, int] = {}
         self._restarters: List[threading.Thread] = []
+        self._deferred: List[SGLangServer] = []  # colocated: dead servers restarted at the next weight sync
         self._steps_running = 0
         self._probe_round = threading.Lock()  # held by a monitor round and by a weight sync
         self._waited_for: Dict[int, int] = {}  # attached server id -> incarnation whose return was awaited
@@ -169,6 +181,7 @@ class SGLangFleet(RolloutEngine):
         keys = list(cfg.api_keys) + [None] * (len(cfg.urls) - len(cfg.api_keys))
         self.servers += [SGLangServer(u, k) for u, k in zip(cfg.urls, keys)]
         self._released = memory_tags(cfg.released)  # what the fleet has released (colocated mode)
+        self._colocated = bool(self._released)  # (or from the first release_memory on)
         for s in self.servers:
             s.set_memory(self._released, False)
         self._routed = use_router(cfg, len(self.servers) + cfg.num_servers)
@@ -207,13 +220,22 @@ class SGLangFleet(RolloutEngine):
                     f" ({t.why})" if t.why else "")
         if t.new == State.DEAD and not self._closing.is_set():
             if s.proc is not None and self.cfg.server.model_path and s.health.restarts < self.cfg.server_restarts:
-                th = threading.Thread(target=self._restart, args=(s,), name=f"sglang-restart-{s.pid}", daemon=True)
-                with self._lock:
-                    self._restarters.append(th)
-                th.start()
+                if self._colocated:  # a new process takes its full memory: not beside the training actor
+                    log.warning("SGLang server %s: restarted at the next weight sync (colocated: the GPUs are "
+                                "the actor's until then)", s.url)
+                    with self._lock:
+                        self._deferred.append(s)
+                else:
+                    self._start_restart(s)
             elif s.proc is not None:
                 log.error("SGLang server %s stays down: %d restart(s) used of FleetConfig.server_restarts=%d",
                           s.url, s.health.restarts, self.cfg.server_restarts)
+
+    def _start_restart(self, s: SGLangServer) -> None:
+        th = threading.Thread(target=self._restart, args=(s,), name=f"sglang-restart-{s.pid}", daemon=True)
+        with self._lock:
+            self._restarters.append(th)
+        th.start()
 
     def _restart(self, s: SGLangServer) -> None:
         """Launch mode: stop what is left of the server, wait the back-off, start a new process on
@@ -479,9 +501,34 @@ class SGLangFleet(RolloutEngine):
     def _gather_for_sync(self) -> None:
         """Before a push: wait for restarting servers (their start-up time-out), wait up to
         ``return_timeout`` once for each dead attached server to answer again (its job restarts
-        it), probe the suspect ones. What comes back is stale and gets this push."""
+        it), probe the suspect ones. What comes back is stale and gets this push. Colocated: the
+        restarts deferred to this sync start now, and the restart gate is open while it waits."""
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+        for s in deferred:
+            if not self._closing.is_set():
+                self._start_restart(s)
         self._join_restarts()
         self._drop_unreachable("no answer to /health before a weight sync")
+        with self._restart_gate():
+            self._await_returns()
+
+    @contextmanager
+    def _restart_gate(self):
+        """Colocated, attached servers: ``cfg.restart_gate`` exists while this lasts, if a server the
+        fleet did not launch is dead (its job restarts it only then; slurm/lib.sh)."""
+        gate = Path(self.cfg.restart_gate) if self.cfg.restart_gate else None
+        if gate is None or not any(s.health.state == State.DEAD and s.proc is None for s in self.servers):
+            yield
+            return
+        gate.parent.mkdir(parents=True, exist_ok=True)
+        gate.write_text(f"a weight sync waits for dead servers (pid {os.getpid()})\n")
+        try:
+            yield
+        finally:
+            gate.unlink(missing_ok=True)
+
+    def _await_returns(self) -> None:
         for s in self.servers:
             if s.health.state == State.SUSPECT and not s.released:  # (a probe generates: not on released memory)
                 self._probe(s)
@@ -596,7 +643,9 @@ class SGLangFleet(RolloutEngine):
     def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Every live server frees the memory of ``tags``; returns once each answered (its memory is
         free). What a server has released already is not sent again."""
+        self._join_restarts()  # (a new process holds all its memory until it is aligned)
         with self._probe_round:
+            self._colocated = True
             self._released = self._released | memory_tags(tags)
             self._align()
 

@@ -46,6 +46,10 @@ API_KEY_ENV = "TEPO_SGLANG_API_KEY"  # the servers' key, in their environment (l
 #: the trainer started, so that the trainer's fleet knows the servers' state (slurm/lib.sh and the
 #: nemo-run launcher set it; megatron_tepo/launch/sequence.py's ``release`` step)
 RELEASED_ENV = "TEPO_SGLANG_RELEASED"
+#: colocated launches: a file (in the attempt's log folder) that the trainer's fleet creates while a
+#: weight sync waits for dead servers to come back, and removes after; slurm/lib.sh restarts a
+#: server that exited only while it exists (before, the GPUs are the actor's)
+RESTART_GATE_ENV = "TEPO_SGLANG_RESTART_GATE"
 
 #: The one rule by which the device changes a default: what a field left at ``None`` becomes.
 #: cpu: SGLang budgets ``mem_fraction_static`` of the machine's memory and counts what other
