@@ -34,7 +34,10 @@ def _run(tiny, out, sglang_python, router="none", phase="faults", steps=4, serve
 
 
 def _transitions(server):
-    return [(old, event, new) for _, old, event, new, _ in server["history"]]
+    """A server's changes of state as ``(old, event, new)``, in order. The events that leave a state
+    as it was (a probe that finds a healthy server healthy, a sync to a healthy one) are left out:
+    when they land depends on the machine's load, not on the code."""
+    return [(old, event, new) for _, old, event, new, _ in server["history"] if old != new]
 
 
 def _generate_before_first_load(log_path):

@@ -6,21 +6,25 @@ the driver and a follower elsewhere, ``train()``), plus two checks.
 * After every weight sync (the engine's ``update_weights`` wrapped on every rank, since the export
   is collective) the actor's weights are exported once more, gathered to rank 0 and loaded into an
   HF model (float32): its greedy completions of three prompts are what the server must generate.
+  The export's digest (sha256 of its tensors) and the HF model's log-probs of the three prompts'
+  tokens are kept too.
 * After every step (``on_step``, on rank 0: the engine holds its memory again by then) the server
-  is asked for those completions greedily.
+  is asked for those completions greedily, and for its log-probs of the same prompt tokens.
 
 Sampling is made reproducible (two runs must sample alike; SGLang honours ``sampling_seed`` only
 with ``--enable-deterministic-inference``, which its CPU attention backend does not support): each
 sample is a request of its own and the requests go one at a time, so that a fresh server started
 with a fixed ``--random-seed`` draws the same numbers for them in either run.
 
-Writes (rank 0) ``{"checks": [{"step", "got", "want"}], "fleet": ...}`` with tests/dist_utils.write_result;
+Writes (rank 0) ``{"checks": [{"step", "got", "want", "digest", "lp_gap"}], "fleet": ...}`` (``lp_gap``: the
+largest difference between the server's prompt log-probs and the HF model's) with tests/dist_utils.write_result;
 the metrics go to ``<out>/metrics.jsonl``.
 
     torchrun --nproc-per-node 2 tests/trainer/colocated_sglang_worker.py '{"tiny": ..., "out": ..., "colocated": true, "steps": 3}'
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -61,8 +65,13 @@ def main(args):
     driver = int(os.environ.get("RANK", "0")) == 0
     hf = AutoModelForCausalLM.from_pretrained(model_dir) if driver else None  # float32, as saved
     prompts = task.train_prompts[:3]
-    want, checks = [], []
+    want, checks, synced = [], [], {}
     sync = engine.update_weights
+
+    def prompt_log_probs(model, p):  # log p(p[i] | p[:i]) for i >= 1, float32
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p])).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(1, torch.tensor(p[1:]).view(-1, 1)).view(-1).tolist()
 
     def update_weights(named_tensors):  # every rank: the sync, then the reference (a collective export)
         sync(named_tensors)
@@ -71,6 +80,10 @@ def main(args):
             missing, unexpected = hf.load_state_dict(export, strict=False)
             assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
             want[:] = [greedy(hf, p) for p in prompts]
+            digest = hashlib.sha256()
+            for name in sorted(export):
+                digest.update(name.encode() + export[name].float().contiguous().numpy().tobytes())
+            synced.update(digest=digest.hexdigest(), log_probs=[prompt_log_probs(hf, p) for p in prompts])
 
     engine.update_weights = update_weights
     if driver:  # reproducible sampling (see the module docstring): one sample per request, one at a time
@@ -88,7 +101,15 @@ def main(args):
         got = [requests.post(s.url + "/generate", headers=s.headers(), timeout=120, json={
             "input_ids": p, "sampling_params": {"max_new_tokens": GREEDY_TOKENS, "temperature": 0.0,
                                                 "ignore_eos": True}}).json()["output_ids"] for p in prompts]
-        checks.append({"step": step, "got": got, "want": list(want)})
+        gap = 0.0
+        for p, ref in zip(prompts, synced["log_probs"]):
+            meta = requests.post(s.url + "/generate", headers=s.headers(), timeout=120, json={
+                "input_ids": p, "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}).json()["meta_info"]
+            served = [float(x[0]) for x in meta["input_token_logprobs"][1:]]
+            assert len(served) == len(ref), (len(served), len(ref))
+            gap = max([gap] + [abs(a - b) for a, b in zip(served, ref)])
+        checks.append({"step": step, "got": got, "want": list(want), "digest": synced["digest"], "lp_gap": gap})
 
     logger = MetricsLogger(out / "metrics.jsonl") if driver else None
     try:
