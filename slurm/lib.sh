@@ -300,13 +300,15 @@ tepo_run() {
     fi
 }
 
-# The serve command of one server: the python, then FIT_SERVE_ARGS as the fit check wrote it
+# The serve command of one server: FIT_SERVE_ENV, the python, then FIT_SERVE_ARGS as the fit check wrote it
 # (already shell-quoted: `-m` the engine's serve module and one server's options, made in one
 # place, megatron_tepo/launch/spec.py's serve_args, which the nemo-run launcher calls too; the serve
 # command reads them back into the same type and turns them into SGLang's flags), then the port.
 # tepo_serve_cmd PORT: one shell-quoted command line.
 tepo_serve_cmd() {
-    printf '%q %s --port %q ' "$(tepo_python)" "$FIT_SERVE_ARGS" "$1"
+    # FIT_SERVE_ENV: the variables the server runs with beyond the job's (colocated: health checks that
+    # do not generate, CUDA graphs under the memory saver), in front so that a dry run shows them
+    printf 'env %s %q %s --port %q ' "${FIT_SERVE_ENV:-}" "$(tepo_python)" "$FIT_SERVE_ARGS" "$1"
 }
 
 # tepo_keep_serving LOG CMD...: run one server (CMD, its output appended to LOG) and start it again

@@ -33,6 +33,7 @@ from megatron_tepo.launch.fit import settle_colocated
 from megatron_tepo.launch.schema import LaunchLayout, read_layout
 from megatron_tepo.launch.sequence import RELEASE_TAGS, job_steps
 from megatron_tepo.launch.shape import ModelShape, model_shape
+from megatron_tepo.rollout.sglang.options import server_env
 
 __all__ = ["LaunchSpec", "load_launch", "write_run_config", "SERVE_MODULE", "serve_args", "shell_vars",
            "render_shell"]
@@ -177,7 +178,11 @@ def shell_vars(spec: LaunchSpec) -> Dict[str, str]:
     shell-quoted). ``FIT_ENGINE`` is ``rollout.engine`` (for the log of a job without servers);
     ``FIT_SGLANG_MAX_TOTAL_TOKENS`` is the server's KV pool, which lib.sh does not read (the serve
     command has it in ``FIT_SERVE_ARGS``). ``FIT_PLACEMENT`` is ``launch.rollout.placement``;
-    ``FIT_RELEASE_TAGS`` the memory the ``release`` step frees on every server (empty: no such step)."""
+    ``FIT_RELEASE_TAGS`` the memory the ``release`` step frees on every server (empty: no such step);
+    ``FIT_SERVE_ENV`` the variables a server of this job runs with beyond the job's own
+    (``NAME=VALUE`` words, shell-quoted: :func:`~megatron_tepo.rollout.sglang.options.server_env`,
+    which the serve command applies as well; slurm/lib.sh puts them in front of the serve command,
+    so that a dry run shows them)."""
     L, r = spec.launch, spec.launch.rollout
     return {
         "FIT_DEVICE": L.device,
@@ -191,6 +196,7 @@ def shell_vars(spec: LaunchSpec) -> Dict[str, str]:
         "FIT_SGLANG_MAX_TOTAL_TOKENS": str(r.server.max_total_tokens),
         "FIT_OUTPUT_DIR": spec.cfg.train.output_dir,
         "FIT_SERVE_ARGS": shlex.join(serve_args(spec)),
+        "FIT_SERVE_ENV": " ".join(f"{k}={shlex.quote(v)}" for k, v in server_env(r.server, {}).items() if v is not None),
     }
 
 

@@ -134,6 +134,7 @@ def test_dry_run_qwen3_14b(tmp_path):
     assert sglang.count("megatron_tepo.rollout.sglang.server") == 4
     assert "CUDA_VISIBLE_DEVICES=6\\,7" in sglang and "--tp\\ 2" in sglang and "--device\\ cuda" in sglang
     assert "--context-length\\ 10240" in sglang
+    assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION" not in sglang  # (no memory saver: SGLang's defaults)
     assert "total 39.6 GiB of 80 GiB: fits" in (logs / "fit.log").read_text()
 
 
@@ -157,6 +158,9 @@ def test_dry_run_qwen3_14b_colocated(tmp_path):
     gpus = re.findall(r"CUDA_VISIBLE_DEVICES=(\d)\\,(\d)\\ tepo_keep_serving", sglang)
     assert gpus == [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")]  # server i on GPUs [2i, 2i+1]
     assert sglang.count("--enable-memory-saver") == 4 and sglang.count("--mem-fraction-static\\ 0.74") == 4
+    # (issue #40 rows 2, 5) /health answers without generating on a released server; its CUDA graphs
+    # are under the memory saver, so that releasing them frees them
+    assert sglang.count("env\\ SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false\\ SGLANG_MEMORY_SAVER_CUDA_GRAPH=1\\ ") == 4
     release = (logs / "release.log").read_text()
     assert "-m megatron_tepo.launch.release --tags weights\\,kv_cache\\,cuda_graph" in release
     assert "TEPO_SGLANG_RELEASED=weights\\,kv_cache\\,cuda_graph" in trainer

@@ -39,7 +39,8 @@ def test_one_serve_command_for_both_launchers(tmp_path, name, device_args):
     script = f'source "{ROOT}/slurm/lib.sh"; source "{env_file}"; tepo_serve_cmd 30001'
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True,
                          env={"PATH": os.environ["PATH"], "TEPO_PYTHON": "/py/bin/python"}).stdout
-    assert shlex.split(out) == ["/py/bin/python", *args, "--port", "30001"]
+    env_words = shlex.split(shell_vars(spec)["FIT_SERVE_ENV"])  # (a server with the memory saver: its variables)
+    assert shlex.split(out) == ["env", *env_words, "/py/bin/python", *args, "--port", "30001"]
     # the nemo-run launcher
     from megatron_tepo.launch.nemo_run import Plan, server_command
 

@@ -61,3 +61,25 @@ def test_a_launch_file_without_server_options_takes_the_servers_defaults(tmp_pat
     path.write_text(yaml.safe_dump({"_base_": str(ROOT / "examples" / "tiny_tepo" / "config.yaml"),
                                     "architecture": {"num_attention_heads": 4}, "launch": launch}))
     assert load_launch(path).launch.rollout.server == ServerConfig(device=device)
+
+
+def test_a_server_never_inherits_expandable_segments_and_a_releasing_one_runs_safe():
+    """Issue #40 rows 2, 4, 5: the trainer's (or the user's) ``expandable_segments:True`` is dropped from
+    the server's allocator settings (torch_memory_saver refuses to start with it), its other settings
+    kept; a server with the memory saver (colocated on GPUs) answers ``/health`` without generating and
+    keeps its CUDA graphs under the memory saver; a server without it gets neither."""
+    from megatron_tepo.rollout.sglang.options import MEMORY_SAVER_ENV, server_command
+
+    base = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128",
+            "PYTORCH_ALLOC_CONF": "expandable_segments:True", "OTHER": "x"}
+    saver = ServerConfig(model_path="/m", device="cuda", python="/no/such/venv/bin/python", enable_memory_saver=True)
+    _, env = server_command(saver, 30000, base_env=base)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128" and "PYTORCH_ALLOC_CONF" not in env
+    assert env["OTHER"] == "x" and base["PYTORCH_CUDA_ALLOC_CONF"].startswith("expandable")  # (a copy)
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false" and env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"
+    assert {k: env[k] for k in MEMORY_SAVER_ENV} == MEMORY_SAVER_ENV
+    plain = dataclasses.replace(saver, enable_memory_saver=False)
+    _, env = server_command(plain, 30000, base_env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in env and not set(MEMORY_SAVER_ENV) & set(env)
+    _, env = server_command(plain, 30000, base_env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"})
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"  # nothing to drop: as it was

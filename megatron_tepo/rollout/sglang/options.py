@@ -224,6 +224,43 @@ def find_sglang_python(explicit: Optional[str] = None) -> str:
                             "(CPU: bash tools/install_sglang_cpu.sh)")
 
 
+#: torch's allocator settings, in the variables torch reads them from (the second is torch >= 2.8's
+#: device-neutral name); a server gets them without ``expandable_segments`` (:func:`server_env`)
+ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+#: What a server whose memory is released (``enable_memory_saver``: colocated mode on GPUs) runs with,
+#: read in SGLang 0.5.23's ``srt/environ.py`` and ``srt/entrypoints/http_server.py``:
+#: * ``/health`` answers without generating (default: it submits a one-token generation, which on a
+#:   server whose KV cache is unmapped ends in an illegal address and kills its scheduler; the
+#:   fleet's liveness checks and sglang-router's polls reach it during a release);
+#: * its CUDA graphs' memory under the memory saver (default off: a release of ``cuda_graph`` freed
+#:   nothing). Versions without a variable ignore it.
+MEMORY_SAVER_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false", "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}
+
+
+def without_expandable_segments(conf: str) -> str:
+    """An allocator setting (``key:value,key:value``) without its ``expandable_segments`` entry."""
+    return ",".join(item for item in conf.split(",")
+                    if item.strip() and item.split(":", 1)[0].strip() != "expandable_segments")
+
+
+def server_env(cfg: ServerConfig, base_env: Dict[str, str]) -> Dict[str, str]:
+    """The variables :func:`server_command` sets or removes on top of the caller's environment, as
+    ``{name: value}`` (``None``: removed); pure. Every server: torch's allocator settings without
+    ``expandable_segments`` (torch_memory_saver refuses to start with them, and SGLang shares memory
+    between its processes by CUDA IPC, which they break; a user's setting is the trainer's, see
+    slurm/lib.sh); a server that releases its memory: :data:`MEMORY_SAVER_ENV`."""
+    out: Dict[str, Optional[str]] = {}
+    for name in ALLOC_CONF_ENVS:
+        if name in base_env:
+            kept = without_expandable_segments(base_env[name])
+            if kept != base_env[name]:
+                out[name] = kept or None
+    if cfg.enable_memory_saver:
+        out.update(MEMORY_SAVER_ENV)
+    return out
+
+
 def server_command(cfg: ServerConfig, port: int, api_key: Optional[str] = None,
                    base_env: Optional[Dict[str, str]] = None) -> Tuple[List[str], Dict[str, str]]:
     """The command line and environment of one SGLang server: the single place that knows SGLang's
@@ -238,6 +275,8 @@ def server_command(cfg: ServerConfig, port: int, api_key: Optional[str] = None,
     ``cfg.device == "cpu"`` adds the CPU engine's flags (torch-native attention, PyTorch sampling,
     no CUDA graphs, sleep when idle) and env (``SGLANG_USE_CPU_ENGINE=1``, no visible GPU, ``threads_per_server``
     OMP/MKL threads); ``"cuda"`` leaves the GPU choice to the caller's ``CUDA_VISIBLE_DEVICES``.
+    The variables of :func:`server_env` (no expandable segments; a memory-saver server's settings)
+    come before ``cfg.env``, which is the caller's last word.
     """
     if not cfg.model_path:
         raise ValueError("ServerConfig.model_path is needed to launch SGLang servers")
@@ -278,6 +317,11 @@ def server_command(cfg: ServerConfig, port: int, api_key: Optional[str] = None,
                     "MKL_NUM_THREADS": str(cfg.threads_per_server)})
     cmd += list(cfg.extra_args)
     env.pop("PYTHONPATH", None)  # the server runs in its own venv
+    for name, value in server_env(cfg, env).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     env.update(cfg.env)
     env.pop(API_KEY_ENV, None)
     if api_key:
