@@ -3,7 +3,9 @@ with success, reports a TP size on ``/server_info`` and ``/get_server_info``, ca
 (HTTP 404, as an SGLang version without them answers), can take its time over a bucket, and
 records every request (path, JSON body, start and end time); it answers ``/generate`` with two
 fixed tokens and can be frozen (``freeze``: generation and its probe hang while ``/health`` still
-answers, as a SIGSTOP-ed scheduler behind a live HTTP server); ``inspect(path, body, when)`` is
+answers, as a SIGSTOP-ed scheduler behind a live HTTP server; ``restart`` brings it back as a new
+process would, holding all its memory); it keeps the memory it has released and every request that
+generates while any is (``generated_while_released``); ``inspect(path, body, when)`` is
 called as a request starts (``when="start"``, before its delay) and before it is answered
 (``"end"``). It loads nothing: what a real
 server does with the bytes is tested against real servers (test_sglang_fleet.py,
@@ -16,6 +18,12 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Dict, Iterable, List, Optional
+
+
+#: the routes on which SGLang 0.5.23 runs a generation: ``/health`` too, unless the server runs with
+#: SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false (``srt/entrypoints/http_server.py``); on a server
+#: whose KV cache is released that kills its scheduler
+GENERATING = frozenset({"/generate", "/health_generate", "/health"})
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -31,6 +39,10 @@ class FakeSGLang:
         self.requests: List[dict] = []  # {"method", "path", "body", "start", "end"}
         # freeze(): /generate and /health_generate hang until thaw() (a SIGSTOP-ed scheduler)
         self.frozen, self.thawed = threading.Event(), threading.Event()
+        # the memory it holds released (``/release_memory_occupation`` tags until their resume), and every
+        # request that generates (GENERATING) that arrived while any of it was released
+        self.released: set = set()
+        self.generated_while_released: List[tuple] = []
         self.inflight: Dict[str, int] = {}
         self.max_inflight: Dict[str, int] = {}
         self._lock = threading.Lock()
@@ -50,6 +62,12 @@ class FakeSGLang:
                 rec = {"method": method, "path": path, "body": body, "start": time.monotonic(), "end": None}
                 with fake._lock:
                     fake.requests.append(rec)
+                    if path in GENERATING and fake.released and not fake.frozen.is_set():  # (frozen: never runs)
+                        fake.generated_while_released.append((path, tuple(sorted(fake.released))))
+                    if path == "/release_memory_occupation":
+                        fake.released |= set((body or {}).get("tags") or ())
+                    elif path == "/resume_memory_occupation":
+                        fake.released -= set((body or {}).get("tags") or ())
                     fake.inflight[path] = fake.inflight.get(path, 0) + 1
                     fake.max_inflight[path] = max(fake.max_inflight.get(path, 0), fake.inflight[path])
                 try:
@@ -106,6 +124,12 @@ class FakeSGLang:
     def thaw(self) -> None:
         self.frozen.clear()
         self.thawed.set()
+
+    def restart(self) -> None:
+        """Its job started it again: a new process, holding all its memory, answering."""
+        with self._lock:
+            self.released = set()
+        self.thaw()
 
     def paths(self, method: Optional[str] = None) -> List[str]:
         return [r["path"] for r in self.requests if method is None or r["method"] == method]

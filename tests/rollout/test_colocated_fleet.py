@@ -22,8 +22,9 @@ MEMORY_ROUTES = ("/pause_generation", "/release_memory_occupation", "/continue_g
 
 
 def _fleet(fakes, **kw):
+    kw = {"return_timeout": 5.0, **kw}
     return SGLangFleet(FleetConfig(urls=[f.url for f in fakes], router="none", request_timeout=30, step_timeout=60,
-                                   probe_interval=0.2, probe_timeout=1.0, return_timeout=5.0, **kw))
+                                   probe_interval=0.2, probe_timeout=1.0, **kw))
 
 
 def _memory_requests(fake):
@@ -271,3 +272,47 @@ def test_the_servers_request_log_names_a_memory_requests_tags(capsys):
                    "[mtepo] > POST /generate", "[mtepo] < POST /generate 200"]
     assert seen["/resume_memory_occupation"] == b'{"tags": ["weights"]}'
     assert "/resume_memory_occupation" in LOGGED_ROUTES and "/generate" not in LOGGED_ROUTES
+
+
+def test_no_request_that_generates_reaches_a_server_while_its_memory_is_released(fakes):
+    """Issue #40 row 2: a generation on a server whose KV cache and weights are released writes into
+    unmapped memory and kills its scheduler. SGLang 0.5.23's ``/health`` generates (unless told not
+    to), so the fleet's liveness checks use a route that does not, through a whole colocated step, a
+    weight sync that finds a server dead and waits for it, and that server's restart by its job."""
+    import threading
+    import time
+
+    a, b = fakes
+    fleet = _fleet(fakes, return_timeout=60.0)
+    try:
+        # a colocated step: generate, release everything, weights back, the sync, the cache back
+        assert len(fleet.generate([[1]] * 2, n=1, max_new_tokens=2)) == 2
+        fleet.release_memory(MEMORY_TAGS)
+        fleet.resume_memory(("weights",))
+        fleet.update_weights([("w", torch.ones(2))])
+        fleet.resume_memory(("kv_cache", "cuda_graph"))
+        assert len(fleet.generate([[1]] * 2, n=1, max_new_tokens=2)) == 2
+        # the next step: server b dies while released; the sync waits for its job to restart it
+        fleet.release_memory(MEMORY_TAGS)
+        b.freeze()
+        fleet.servers[1].health.fire(Event.EXITED, "test: its process exited")
+        fleet.resume_memory(("weights",))
+
+        def its_job():
+            time.sleep(0.5)
+            b.restart()
+
+        job = threading.Thread(target=its_job)
+        job.start()
+        fleet.update_weights([("w", torch.ones(2))])
+        job.join()
+        assert fleet.servers[1].state == State.HEALTHY and fleet.servers[1].incarnation == 1
+        fleet.resume_memory(("kv_cache", "cuda_graph"))
+        assert len(fleet.generate([[1]] * 4, n=1, max_new_tokens=2)) == 4
+        assert {"/generate"} <= set(a.paths()) and {"/generate"} <= set(b.paths())  # (the check can fail)
+        assert a.generated_while_released == [] and b.generated_while_released == [], (
+            a.generated_while_released, b.generated_while_released)
+        assert any(p in ("/model_info", "/get_model_info") for p in a.paths())  # (the liveness checks ran)
+    finally:
+        b.thaw()
+        fleet.close()

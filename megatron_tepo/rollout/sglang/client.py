@@ -166,6 +166,25 @@ class SGLangServer:
         except requests.RequestException:
             return False
 
+    def answers(self, timeout: float = 5.0) -> bool:
+        """Its HTTP server answers a request that generates nothing (``/model_info``, or
+        ``/get_model_info`` on versions without it: the tokenizer manager's own state): a liveness
+        check safe on a server whose memory is released, where SGLang's ``/health`` would run a
+        one-token generation (0.5.23, unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false)."""
+        if self.exited():
+            return False
+        try:
+            for route in self._liveness_routes:
+                r = requests.get(self.url + route, headers=self.headers(), timeout=timeout)
+                if r.status_code != 404:
+                    self._liveness_routes = (route,)  # (the version's: asked first from now on)
+                    return r.status_code == 200
+        except requests.RequestException:
+            return False
+        return False
+
+    _liveness_routes: Tuple[str, ...] = ("/model_info", "/get_model_info")
+
     def probe(self, timeout: float) -> Tuple[bool, str]:
         """A real generation within ``timeout``: SGLang's ``/health_generate`` (it runs a
         one-token generation, or sees the scheduler answer what it already runs), or, on a

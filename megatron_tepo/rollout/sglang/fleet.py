@@ -486,15 +486,16 @@ class SGLangFleet(RolloutEngine):
         if self._use_router() is not None:
             # behind the router a dead server goes unnoticed here (the router retries on the
             # others), but the weight sync talks to every live server
-            self._drop_unreachable("no answer to /health after a routed step")
+            self._drop_unreachable("no answer to /model_info after a routed step")
         return results
 
     def _drop_unreachable(self, why: str) -> None:
-        """Every healthy or suspect server whose process is gone or whose ``/health`` does not
-        answer within ``health_timeout`` is dead (a cheap check; the generation probe is for
-        servers that answer but may not generate)."""
+        """Every healthy or suspect server whose process is gone or whose HTTP server does not
+        answer within ``health_timeout`` is dead (a cheap check that generates nothing, safe on
+        released memory: :meth:`SGLangServer.answers`; the generation probe is for servers that
+        answer but may not generate)."""
         for s in self.servers:
-            if s.health.state in (State.HEALTHY, State.SUSPECT) and not s.healthy(self.cfg.health_timeout):
+            if s.health.state in (State.HEALTHY, State.SUSPECT) and not s.answers(self.cfg.health_timeout):
                 self._mark_failed(s, RequestFailed(f"{s.url}: {why}", server_dead=True))
 
     # ------------------------------------------------------------------ recovery at a weight sync
@@ -509,7 +510,7 @@ class SGLangFleet(RolloutEngine):
             if not self._closing.is_set():
                 self._start_restart(s)
         self._join_restarts()
-        self._drop_unreachable("no answer to /health before a weight sync")
+        self._drop_unreachable("no answer to /model_info before a weight sync")
         with self._restart_gate():
             self._await_returns()
 
