@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tepo.buckets import BucketHandoff, BucketStream, ExportBuffers, FlatBucket
+from megatron_tepo.cuda_alloc import no_expandable_segments
 from megatron_tepo.models import GPTFamilyConfig, layer_mapping
 from megatron_tepo.models.common import MegatronToHFLayout
 from megatron_tepo.megatron.sharding import (expert_indices, group_for, is_expert_param, layer_offsets, local_tensor,
@@ -119,15 +120,20 @@ class _Buffers:
 
     def get(self, role: str, nbytes: int) -> torch.Tensor:
         if not self.reuse:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            return self._new(nbytes)
         key = (role, str(self.device))
         buf = self.held.get(key)
         if buf is None or buf.numel() < nbytes:
             self.held.pop(key, None)
             del buf
-            buf = self.held[key] = torch.empty(max(nbytes, self.caps.get(role, 0)), dtype=torch.uint8,
-                                               device=self.device)
+            buf = self.held[key] = self._new(max(nbytes, self.caps.get(role, 0)))
         return buf[:nbytes]
+
+    def _new(self, nbytes: int) -> torch.Tensor:
+        # never in an expandable segment, whatever the trainer's allocator setting: the ipc weight
+        # sync hands these buffers to the servers by CUDA IPC (megatron_tepo/cuda_alloc.py)
+        with no_expandable_segments():
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def shared(self, role: str, nbytes: int, group, dst: int) -> torch.Tensor:
         """A buffer mapped by every rank of ``group`` (all on this host; collective when it has to
