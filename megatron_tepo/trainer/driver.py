@@ -101,6 +101,11 @@ class Driver:
             raise RuntimeError(f"the driver (global rank 0) failed: {value}")
         return value
 
+    def barrier(self) -> None:
+        """Every rank waits here for every other (over the driver's gloo group; nothing in one process)."""
+        if self.world > 1:
+            dist.barrier(group=self._group)
+
     def combine_drift(self, local: Dict[str, float], check: DriftCheck, dp_size: int,
                       warn: bool = True) -> Dict[str, float]:
         """Drift metrics over the rows of every data-parallel rank (token-weighted mean, max);

@@ -200,17 +200,22 @@ STEP: tuple = (generate, advantages, old_log_probs, update, sync, log, save)
 
 # ---------------------------------------------------------------------- colocated mode's phases
 # The engine and the actor take turns with the GPUs' memory (rollout.colocated). Each phase
-# returns once the memory it frees is free (the engine's release on every server, the actor's
-# offload on every rank: the driver's call is awaited by every rank). A skipped step keeps the
-# memory as it is: the engine still holds it for the next generation.
+# returns once the memory it frees is free (the engine's release on every server: the driver's call
+# is awaited by every rank; the actor's offload on this rank); a phase that takes memory back on
+# the servers starts only once every rank has got there (a barrier first: each rank's offload has
+# returned). A skipped step keeps the memory as it is: the engine still holds it for the next
+# generation.
 
-def _engine_memory(run, step: Step, key: str, call) -> None:
+def _engine_memory(run, step: Step, key: str, call, after_every_rank: bool = False) -> None:
     """``call()`` on the driver (the engine's memory), every rank waiting for it; timed as ``key``
-    (a skipped step: nothing)."""
+    (a skipped step: nothing). ``after_every_rank``: the driver calls it only once every rank got
+    here (a resume takes memory that each rank's offload frees: every rank's must have returned)."""
     if step.skipped:
         return
     t0 = time.time()
     with run.watchdog.phase("sync"):
+        if after_every_rank:
+            run.driver.barrier()
         run.driver.run(call)
     step.memory[key] = step.memory.get(key, 0.0) + time.time() - t0
 
@@ -246,7 +251,7 @@ def offload_actor(run, step: Step) -> None:
 def resume_engine_weights(run, step: Step) -> None:
     """The engine takes its weights' memory back (their content is garbage until the sync: the
     engine serves nothing until the sync has ended)."""
-    _engine_memory(run, step, "engine_resume_s", lambda: run.engine.resume_memory(("weights",)))
+    _engine_memory(run, step, "engine_resume_s", lambda: run.engine.resume_memory(("weights",)), after_every_rank=True)
 
 
 def offload_params(run, step: Step) -> None:
@@ -256,7 +261,8 @@ def offload_params(run, step: Step) -> None:
 
 def resume_engine_cache(run, step: Step) -> None:
     """The engine takes its KV cache and CUDA graphs back: ready to generate."""
-    _engine_memory(run, step, "engine_resume_s", lambda: run.engine.resume_memory(("kv_cache", "cuda_graph")))
+    _engine_memory(run, step, "engine_resume_s", lambda: run.engine.resume_memory(("kv_cache", "cuda_graph")),
+                   after_every_rank=True)
 
 
 def save_colocated(run, step: Step) -> None:

@@ -66,3 +66,18 @@ def test_offload_levels_name_the_actors_parts():
     assert ActorConfig().offload_parts(colocated=True) == OFFLOAD_PARTS
     assert ActorConfig().offload_parts(colocated=False) == ()
     assert ActorConfig(offload="optimizer_grads").offload_parts(colocated=True) == ("optimizer", "grads")
+
+
+@pytest.mark.distributed
+def test_the_engine_takes_its_memory_back_only_after_every_ranks_offload(tmp_path):
+    """Issue #40 row 3: rank 1's offload takes 1.5 s; the driver resumes the servers' weights (and then
+    their cache) only once it has returned, else the servers would take GPU memory that rank 1 is
+    still freeing (the trainer's own phases, tests/trainer/memory_phases_worker.py)."""
+    from tests.dist_utils import REPO, torchrun
+
+    results = torchrun(REPO / "tests/trainer/memory_phases_worker.py", 2, json.dumps({"slow_s": 1.5}),
+                       tmp_path=tmp_path, timeout=300)
+    slow_done = results[1]["offload_done"]
+    resumed = results[0]["resumed"]
+    assert [tuple(tags) for tags, _ in resumed] == [("weights",), ("kv_cache", "cuda_graph")]
+    assert all(started >= slow_done for _, started in resumed), (resumed, slow_done)
