@@ -180,3 +180,14 @@ def test_a_cuda_handle_names_its_device_by_uuid(monkeypatch):
     assert out[6] == 3
     monkeypatch.undo()
     assert ipc._uuid_pickler(io.BytesIO()).dispatch_table[torch.Tensor] is ipc._reduce_naming_device_uuid
+
+
+@pytest.mark.distributed
+def test_the_per_bucket_messages_go_over_a_gloo_group_of_their_own(tmp_path):
+    """Issue #40 row 7: on a GPU job the default group is NCCL; the sync's per-bucket gather and
+    broadcast must not run there (host syncs, NCCL kernels on the GPUs where the servers load the
+    weights): every rank's sync holds a gloo group of every rank."""
+    from tests.dist_utils import REPO, torchrun
+
+    results = torchrun(REPO / "tests/rollout/ipc_group_worker.py", 2, tmp_path=tmp_path, timeout=300)
+    assert results == [{"backend": "gloo", "default": False, "size": 2}] * 2, results

@@ -134,21 +134,41 @@ def _uuid_pickler(buf):
     return pickler
 
 
+def control_group(timeout_s: Optional[float] = None):
+    """A gloo group of every rank for the sync's per-bucket messages (the handles' gather, the
+    answers' broadcast: a few kB each): on the host, so that they are neither host syncs of the GPUs
+    nor NCCL kernels spinning where the servers load the weights (the default group of a GPU job is
+    NCCL). Collective: made on every rank, at the same point (each builds its sync there). None in
+    one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    from datetime import timedelta
+
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s) if timeout_s else None)
+
+
 class IpcSync(WeightSync):
-    """``group``: the process group of the handles' gather and the answers' broadcast (default: the
-    default group; every rank of the actor takes part)."""
+    """``group``: the process group of the handles' gather and the answers' broadcast, every rank of
+    the actor in it (default: a gloo group of its own, :func:`control_group`, waiting up to
+    ``group_timeout_s`` in one collective)."""
 
     mode = "ipc"
     gather_to_sender = False
 
-    def __init__(self, target, group=None, **common):
+    def __init__(self, target, group=None, group_timeout_s: Optional[float] = None, **common):
         super().__init__(target, **common)
-        self.group = group
+        self.group = group if group is not None else control_group(group_timeout_s)
         self._places: Optional[List[RankPlace]] = None
         self._plan: List[List[int]] = []
         self._mine = 0  # handles this rank makes per bucket
         self._pending = None  # the sender: the last bucket's requests
         self._awaiting = False  # every rank: the last bucket's answers are still to be shared
+
+    @classmethod
+    def options_from(cls, rollout, urls: List[str], fault=None) -> dict:
+        return {"group_timeout_s": fault.process_group_timeout_s()} if fault is not None else {}
 
     # ------------------------------------------------------------------ collectives (none in one process)
     def _world(self) -> int:
