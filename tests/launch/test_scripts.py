@@ -160,7 +160,8 @@ def test_dry_run_qwen3_14b_colocated(tmp_path):
     assert sglang.count("--enable-memory-saver") == 4 and sglang.count("--mem-fraction-static\\ 0.74") == 4
     # (issue #40 rows 2, 5) /health answers without generating on a released server; its CUDA graphs
     # are under the memory saver, so that releasing them frees them
-    assert sglang.count("env\\ SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false\\ SGLANG_MEMORY_SAVER_CUDA_GRAPH=1\\ ") == 4
+    assert sglang.count("env\\ SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false\\ SGLANG_MEMORY_SAVER_CUDA_GRAPH=1\\ "
+                        "TEPO_SGLANG_EMPTY_CACHE_ON_RELEASE=1\\ ") == 4  # (and torch's cache emptied after a release)
     release = (logs / "release.log").read_text()
     assert "-m megatron_tepo.launch.release --tags weights\\,kv_cache\\,cuda_graph" in release
     assert "TEPO_SGLANG_RELEASED=weights\\,kv_cache\\,cuda_graph" in trainer

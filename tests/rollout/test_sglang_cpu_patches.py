@@ -87,3 +87,51 @@ def test_direct_receive_off_switch(sglang_python):
     assert not out["patched"]
     assert all(s["loaded"] and s["draft_loaded"] and not s["direct"] for s in out["steps"])
     assert {s["plans"] for s in out["steps"]} == {0}
+
+
+def test_a_released_scheduler_empties_torchs_cuda_cache(monkeypatch):
+    """Issue #40 row 5: SGLang's release unmaps what the memory saver holds but leaves the activations
+    in torch's caching allocator; launch.py wraps the scheduler's release (every site of the version
+    range, found in order) to empty the cache after it, once, keeping what it returns."""
+    import sys
+    import types
+
+    from megatron_tepo.rollout.sglang import launch
+
+    calls = []
+
+    class Manager:  # stand-in of 0.5.23's class
+        def release_memory_occupation(self, req):
+            calls.append(("release", req))
+            return "out"
+
+    mod = types.ModuleType("stand_in_weight_updater")
+    mod.Manager = Manager
+    monkeypatch.setitem(sys.modules, "stand_in_weight_updater", mod)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
+    sites = (("no_such_module_here", "X"), ("stand_in_weight_updater", "Manager"))
+    assert launch.empty_cache_after_release(sites) == "stand_in_weight_updater.Manager"
+    assert launch.empty_cache_after_release(sites) == "stand_in_weight_updater.Manager"  # (wrapped once)
+    assert Manager().release_memory_occupation("req") == "out"
+    assert calls == [("release", "req"), ("empty_cache",)]
+    assert launch.empty_cache_after_release((("no_such_module_here", "X"),)) == ""
+
+
+@pytest.mark.sglang
+def test_the_release_sites_are_sglangs_own():
+    """The first site is where the installed SGLang (0.5.23, the tests' server) releases memory (read
+    in its source, not imported: importing the scheduler takes a while)."""
+    import re
+
+    from megatron_tepo.rollout.sglang import launch
+    from tests.rollout.conftest import require_sglang
+
+    python = Path(require_sglang())
+    module, cls = launch.RELEASE_SITES[0]
+    src = next(python.parent.parent.glob("lib/python3*/site-packages/" + module.replace(".", "/") + ".py")).read_text()
+    body = src.split(f"class {cls}", 1)[1]
+    assert re.search(r"\n    def release_memory_occupation\(self", body), cls

@@ -42,7 +42,10 @@ def start_server(tiny, tmp_path):
     def start():
         s = launch_server(ServerConfig(model_path=str(tiny / "model"), python=sglang_python, dtype="float32",
                                        startup_timeout=400, log_dir=str(tmp_path / "sglang_logs"),
-                                       extra_args=("--random-seed", "1234"), env={"TEPO_SGLANG_LOG_REQUESTS": "1"}))
+                                       extra_args=("--random-seed", "1234"),
+                                       # (and launch.py's cache emptying wrapped around its scheduler's release, as
+                                       # on a colocated GPU server: a no-op on CPU, the wrapper on the real path)
+                                       env={"TEPO_SGLANG_LOG_REQUESTS": "1", "TEPO_SGLANG_EMPTY_CACHE_ON_RELEASE": "1"}))
         started.append(s)
         wait_ready([s], 400)
         return s

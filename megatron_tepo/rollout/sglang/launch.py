@@ -52,7 +52,10 @@ folder from ``sys.path`` first so that the modules next to it cannot shadow othe
 it is a file of its own rather than part of ``server.py`` or ``serve.py``, which run in the trainer's venv (and
 which SGLang's spawned children would re-import as their main module). The CPU patches of
 ``tools/install_sglang_cpu.sh`` load at interpreter start-up (a ``.pth`` file), as for
-``python -m sglang.launch_server``. Left out: SGLang's other entry points (``sglang serve``, gRPC).
+``python -m sglang.launch_server``. With ``TEPO_SGLANG_EMPTY_CACHE_ON_RELEASE=1`` (a colocated server's environment), the processes
+SGLang spawns, which run this file as ``__mp_main__``, empty torch's CUDA cache after each memory
+release (:func:`empty_cache_after_release`). Left out: SGLang's other entry points (``sglang
+serve``, gRPC).
 """
 import os
 import sys
@@ -183,6 +186,48 @@ def _log_requests(environ) -> bool:
     return True
 
 
+#: where SGLang's scheduler frees memory on ``/release_memory_occupation``: (module, class), by
+#: version (read in the wheels: 0.5.23's ``scheduler_components/weight_updater.py``, 0.5.6's
+#: ``scheduler_update_weights_mixin.py``). Neither empties torch's CUDA cache after a release.
+RELEASE_SITES = (("sglang.srt.managers.scheduler_components.weight_updater", "SchedulerWeightUpdaterManager"),
+                 ("sglang.srt.managers.scheduler_update_weights_mixin", "SchedulerUpdateWeightsMixin"))
+#: 1: SGLang's scheduler processes empty torch's CUDA cache after each release (colocated servers:
+#: ``options.MEMORY_SAVER_ENV``)
+EMPTY_CACHE_ENV = "TEPO_SGLANG_EMPTY_CACHE_ON_RELEASE"
+
+
+def empty_cache_after_release(sites=RELEASE_SITES) -> str:
+    """Wrap the scheduler's ``release_memory_occupation`` so that torch's CUDA cache is emptied after
+    it: the memory saver unmaps the weights, the KV cache and (with SGLANG_MEMORY_SAVER_CUDA_GRAPH=1)
+    the graphs, but the activations the forward passes left in torch's caching allocator stay
+    cached, out of the actor's reach, unless emptied. Runs in SGLang's spawned scheduler processes
+    (they run this file as ``__mp_main__`` before their work). Returns the ``module.class`` wrapped,
+    or "" where no site is there (another layout: said in the server's log)."""
+    import importlib
+
+    for module, name in sites:
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        release = cls.release_memory_occupation
+        if not getattr(release, "_mtepo_empties_cache", False):
+            def released(self, *args, _release=release, **kwargs):
+                out = _release(self, *args, **kwargs)
+                import torch
+
+                if torch.cuda.is_available() and torch.cuda.is_initialized():
+                    torch.cuda.empty_cache()  # back to the driver: the actor can allocate it
+                return out
+
+            released._mtepo_empties_cache = True
+            cls.release_memory_occupation = released
+        return f"{module}.{name}"
+    print(f"[mtepo] {EMPTY_CACHE_ENV}=1: no release_memory_occupation found in {[m for m, _ in sites]}; torch's "
+          f"CUDA cache is not emptied after a release", flush=True)
+    return ""
+
+
 def router_main(argv) -> None:
     """sglang-router with ``argv`` (its own flags) and the key of the environment, parsed by
     sglang_router's parser and started in this process (no ``--api-key`` on any command line)."""
@@ -213,3 +258,5 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__" and os.environ.get(EMPTY_CACHE_ENV) == "1":  # a scheduler process SGLang spawned
+    empty_cache_after_release()

@@ -234,8 +234,12 @@ ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 #:   server whose KV cache is unmapped ends in an illegal address and kills its scheduler; the
 #:   fleet's liveness checks and sglang-router's polls reach it during a release);
 #: * its CUDA graphs' memory under the memory saver (default off: a release of ``cuda_graph`` freed
-#:   nothing). Versions without a variable ignore it.
-MEMORY_SAVER_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false", "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}
+#:   nothing); both variables are in 0.5.6's ``environ.py`` too (the declared range's first);
+#: * torch's CUDA cache emptied after each release, which SGLang does not do (the activations its
+#:   forward passes left cached): ``launch.py``'s ``empty_cache_after_release``, in its scheduler
+#:   processes.
+MEMORY_SAVER_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false", "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1",
+                    "TEPO_SGLANG_EMPTY_CACHE_ON_RELEASE": "1"}
 
 
 def without_expandable_segments(conf: str) -> str:
