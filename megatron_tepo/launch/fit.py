@@ -9,14 +9,18 @@ Pure arithmetic, run before anything starts; on CPU (``launch.device: cpu``) onl
 The formulas and what they leave out: docs/LAUNCH.md ("The fit-check arithmetic")."""
 from __future__ import annotations
 
+import os
+import socket
+from typing import Mapping, Optional
+
 from megatron_tepo.config import RunConfig
-from megatron_tepo.launch.memory import actor_memory, colocated_memory, server_memory
+from megatron_tepo.launch.memory import GiB, HostMemory, actor_memory, colocated_memory, server_memory
 from megatron_tepo.launch.report import FitReport
 from megatron_tepo.launch.schema import LaunchLayout
 from megatron_tepo.launch.shape import ModelShape
 from megatron_tepo.layout import validate_layout
 
-__all__ = ["FitError", "check_layout", "check_fit", "settle_colocated"]
+__all__ = ["FitError", "check_layout", "check_fit", "settle_colocated", "node_host_memory"]
 
 
 class FitError(ValueError):
@@ -40,6 +44,30 @@ def check_layout(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> None:
         raise FitError("invalid layout: " + "; ".join(errors))
 
 
+def node_host_memory(launch: LaunchLayout, environ: Optional[Mapping[str, str]] = None,
+                     meminfo: str = "/proc/meminfo") -> HostMemory:
+    """The host memory per node that the pinned copies must fit in: ``launch.host_mem_gib`` when set
+    (0: not checked); else, where the fit check runs inside the job (``SLURM_JOB_ID``, not a dry
+    run), the job's memory per node (``SLURM_MEM_PER_NODE``, MiB) or this node's ``MemTotal``;
+    elsewhere (a dry run, a login node) not checked. The source is said in the report."""
+    env = os.environ if environ is None else environ
+    if launch.host_mem_gib is not None:
+        if not launch.host_mem_gib:
+            return HostMemory(0.0, "launch.host_mem_gib: 0, not checked")
+        return HostMemory(launch.host_mem_gib * GiB, "launch.host_mem_gib")
+    if not env.get("SLURM_JOB_ID") or env.get("TEPO_DRY_RUN") == "1":
+        return HostMemory(0.0, "not checked: not inside the job (a dry run reads no node); set launch.host_mem_gib")
+    mem = env.get("SLURM_MEM_PER_NODE", "")
+    if mem.isdigit() and int(mem) > 0:
+        return HostMemory(int(mem) * 2 ** 20, "SLURM_MEM_PER_NODE, the job's memory per node")
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return HostMemory(0.0, f"not checked: {meminfo} has no MemTotal; set launch.host_mem_gib")
+    return HostMemory(kib * 1024.0, f"MemTotal of {socket.gethostname()}, where the fit check runs")
+
+
 def check_fit(m: ModelShape, cfg: RunConfig, launch: LaunchLayout, raise_error: bool = True) -> FitReport:
     """Compute the report; raise :class:`FitError` naming the settings to change if it does not fit."""
     check_layout(m, cfg, launch)
@@ -48,7 +76,7 @@ def check_fit(m: ModelShape, cfg: RunConfig, launch: LaunchLayout, raise_error: 
     if launch.rollout.server.max_running_requests < 1:  # (0: SGLang's own number, which is not priced)
         raise FitError(f"{launch.rollout.key}.max_running_requests: must be >= 1 on cuda (the fit check prices "
                        f"the KV cache of that many sequences per server)")
-    colocated = colocated_memory(m, cfg, launch) if launch.colocated else None
+    colocated = colocated_memory(m, cfg, launch, node_host_memory(launch)) if launch.colocated else None
     report = FitReport(m, actor_memory(m, cfg, launch), server_memory(m, cfg, launch), launch, cfg, colocated)
     if raise_error:
         if colocated is not None:
@@ -72,7 +100,7 @@ def settle_colocated(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> Non
         return
     if launch.rollout.server.max_running_requests < 1:
         return  # check_fit says so
-    c = colocated_memory(m, cfg, launch)
+    c = colocated_memory(m, cfg, launch, node_host_memory(launch))
     cfg.actor.offload = c.level
     launch.rollout.server.mem_fraction_static = c.fraction
     launch.rollout.server.enable_memory_saver = True

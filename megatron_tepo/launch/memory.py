@@ -20,7 +20,7 @@ from megatron_tepo.launch.shape import ModelShape
 
 __all__ = ["GiB", "param_counts", "total_params", "layer_activation_bytes", "logits_bytes", "ActorMemory",
            "ServerMemory", "actor_memory", "server_memory", "OFFLOAD_ORDER", "PhasePeaks", "ColocatedMemory",
-           "colocated_memory"]
+           "colocated_memory", "HostMemory", "STAGING_ROUNDING"]
 
 GiB = 2 ** 30
 
@@ -198,6 +198,19 @@ def server_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> Server
 OFFLOAD_ORDER = ("none", "optimizer", "optimizer_grads", "all")
 assert set(OFFLOAD_ORDER) == set(OFFLOAD_LEVELS)
 FRACTION_STEP = 0.01  # the derived mem_fraction_static is rounded up to this
+#: megatron's asynchronous checkpoint save (``train.async_save``) stages each tensor of a rank's
+#: checkpoint (its weights and optimizer shard) in pinned host memory (``preload_tensors``:
+#: ``tensor.to("cpu", non_blocking=True)``), through torch's caching host allocator, which rounds each
+#: block up to a power of two and keeps it for the run: priced at this bound
+STAGING_ROUNDING = 2.0
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """The host memory per node the pinned copies are checked against (bytes; 0: not checked), and
+    where the figure comes from (said in the report)."""
+    bytes: float = 0.0
+    source: str = "launch.host_mem_gib: 0, not checked"
 
 
 @dataclass
@@ -210,7 +223,8 @@ class PhasePeaks:
     training: float  # the whole actor + what the server keeps after its release
     sync: float  # the actor's weights (and what it has not offloaded yet) + server weights + buckets
     moved: float  # bytes per GPU to host memory and back, each way, per step
-    host_per_node: float  # pinned host memory per node (made once, held for the run)
+    staging: float  # pinned bytes per GPU of the asynchronous checkpoint save's staging (a bound)
+    host_per_node: float  # pinned host memory per node: (moved + staging) x GPUs (made once, held for the run)
     fits_gpu: bool
     fits_host: bool
 
@@ -239,7 +253,7 @@ class ColocatedMemory:
     level: str  # in use: actor.offload, or the least that fits (auto; "all" when none does)
     least: Optional[str]  # the least level that fits (None: none does)
     gpu: float
-    host: float  # launch.host_mem_gib in bytes (0: not checked)
+    host: HostMemory  # what the pinned copies are checked against
 
     @property
     def phases(self) -> PhasePeaks:
@@ -252,7 +266,8 @@ class ColocatedMemory:
         return max(0, int(room // self.seq_bytes)) if self.seq_bytes else 0
 
 
-def colocated_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> ColocatedMemory:
+def colocated_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout,
+                     host: Optional[HostMemory] = None) -> ColocatedMemory:
     """The phases of a colocated step per GPU (docs/LAUNCH.md, "Colocated layouts"), at every
     offload level: each GPU holds an actor rank and one TP rank of a server.
 
@@ -264,7 +279,9 @@ def colocated_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> Col
     * sync: the actor's weights and what it has not offloaded (gradients at ``optimizer``; at
       ``none`` all it keeps in the rollout phase) + its reserve + the server's weights + what it
       keeps + the buckets (two on the actor's side, one being received);
-    * host: what is offloaded, pinned, per GPU x GPUs per node.
+    * host: what is offloaded (one block per part, pinned to the byte: ``megatron/offload.py``) and
+      the asynchronous save's staging (:data:`STAGING_ROUNDING` x the rank's weights and optimizer
+      shard, with ``train.async_save``), per GPU x GPUs per node, against ``host`` (None: not checked).
     """
     a = actor_memory(m, cfg, launch)
     s = server_memory(m, cfg, launch)
@@ -276,7 +293,8 @@ def colocated_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> Col
     buckets = 3 * cfg.rollout.sync_bucket_mb * 2 ** 20
     state = {"params": a.weights, "grads": a.grads, "optimizer": a.optimizer}
     whole = a.weights + a.grads + a.optimizer + a.reference
-    host = launch.host_mem_gib * GiB
+    host = host if host is not None else HostMemory()
+    staging = STAGING_ROUNDING * (a.weights + a.optimizer) if cfg.train.async_save else 0.0
     levels = {}
     for level in OFFLOAD_ORDER:
         parts = OFFLOAD_LEVELS[level]
@@ -287,10 +305,10 @@ def colocated_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> Col
         rollout = kept + a.reserve + pool + reserve
         training = a.total + released
         sync = before_sync + a.reserve + buckets + s.weights + released
-        host_node = moved * launch.gpus_per_node
-        levels[level] = PhasePeaks(level, kept, before_sync, rollout, training, sync, moved, host_node,
+        host_node = (moved + staging) * launch.gpus_per_node
+        levels[level] = PhasePeaks(level, kept, before_sync, rollout, training, sync, moved, staging, host_node,
                                    fits_gpu=max(rollout, training, sync) <= gpu,
-                                   fits_host=not host or host_node <= host)
+                                   fits_host=not host.bytes or host_node <= host.bytes)
     least = next((lv for lv in OFFLOAD_ORDER if levels[lv].fits), None)
     asked = cfg.actor.offload
     level = asked if asked != "auto" else (least or "all")

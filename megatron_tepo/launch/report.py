@@ -76,8 +76,8 @@ class FitReport:
                 if getattr(p, name) > c.gpu]
         over = [", ".join(over) + f" > {L.gpu_mem_gib:g} GiB per GPU"] if over else []
         if not p.fits_host:
-            over.append(f"pinned host memory {p.host_per_node / GiB:.0f} GiB > launch.host_mem_gib "
-                        f"{L.host_mem_gib:g} per node")
+            over.append(f"pinned host memory {p.host_per_node / GiB:.0f} GiB > {c.host.bytes / GiB:.0f} GiB per node "
+                        f"({c.host.source})")
         what = (f"actor.offload: {c.level} does not fit (the least that fits: {c.least})" if c.least
                 else f"no actor.offload level fits, not even all (at {c.level})")
         hints = []
@@ -152,7 +152,8 @@ class FitReport:
                                      f" (actor.offload; the least that fits: {c.least})" if c.least else
                                      " (no level fits)")
             + f": {_gib(p.moved)} per GPU to host and back each step; pinned host memory {_gib(p.host_per_node)} "
-            f"per node" + (f" of {L.host_mem_gib:g} GiB" if L.host_mem_gib else " (launch.host_mem_gib: not checked)"),
+            f"per node" + (f" (with the async save's staging, {_gib(p.staging)} per GPU)" if p.staging else "")
+            + (f" of {_gib(c.host.bytes)} ({c.host.source})" if c.host.bytes else f" ({c.host.source})"),
             f"  rollout phase peak {_gib(p.rollout)}: the actor keeps {_gib(p.kept)} + its reserve {_gib(a.reserve)} "
             f"+ the server's pool {_gib(c.pool)} + its graphs and activations {_gib(c.server_reserve)} (room for "
             f"{c.capacity(c.level)} sequences per server)",

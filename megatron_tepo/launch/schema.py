@@ -73,7 +73,10 @@ class LaunchLayout:
     server_reserve_gib: float = 3.0
     # ... and what it keeps after releasing its memory (CUDA context, NCCL communicators)
     server_released_gib: float = 1.5
-    host_mem_gib: float = 0.0  # host memory per node for the actor's pinned copies (0: not checked)
+    # host memory per node for the actor's pinned copies (colocated on cuda): None -- the node's, where
+    # the fit check runs inside the job (the job's memory, else the node's MemTotal; not checked elsewhere,
+    # e.g. a dry run); 0 -- not checked
+    host_mem_gib: Optional[float] = None
     rollout: RolloutServers = field(default_factory=RolloutServers)
 
     def __post_init__(self):
@@ -169,7 +172,7 @@ def read_layout(data: Any, where: Optional[Dict[str, str]] = None) -> LaunchLayo
                           f"{k}.placement: colocated (they take turns with the actor for the memory), or give "
                           f"them their own nodes (>= 1)")
     if out.gpu_mem_gib <= 0 or min(out.reserve_gib, out.server_reserve_gib, out.server_released_gib,
-                                   out.host_mem_gib) < 0:
+                                   0 if out.host_mem_gib is None else out.host_mem_gib) < 0:
         raise ConfigError("launch.gpu_mem_gib must be > 0, and launch.reserve_gib, server_reserve_gib, "
                           "server_released_gib and host_mem_gib >= 0")
     tp = r.server.tp

@@ -56,8 +56,11 @@ def test_one_node_14b_fits_with_each_phase_peak(capsys, tmp_path):
     sync = w + 4 * GiB + 3 * 256 * 2 ** 20 + s.weights + 1.5 * GiB
     assert abs(rollout / GiB - 73.08) < 0.01 and abs(training / GiB - 51.38) < 0.01 and abs(sync / GiB - 26.88) < 0.01
     for line in ["mem_fraction_static 0.74 (derived: 59.2 GiB)",
+                 # pinned: what moves, one block a part, and the async save's staging (2x a rank's weights
+                 # and optimizer shard: torch's pinned allocator rounds each staged tensor to a power of two)
                  "offload: optimizer_grads (the least that fits): 34.4 GiB per GPU to host and back each step; "
-                 f"pinned host memory {8 * (g + o) / GiB:.1f} GiB per node",
+                 f"pinned host memory {8 * (g + o + 2 * (w + o)) / GiB:.1f} GiB per node (with the async save's "
+                 f"staging, {2 * (w + o) / GiB:.1f} GiB per GPU) (not checked: not inside the job",
                  f"rollout phase peak {rollout / GiB:.1f} GiB: the actor keeps {w / GiB:.1f} GiB",
                  f"training phase peak {training / GiB:.1f} GiB: the whole actor {a.total / GiB:.1f} GiB",
                  f"sync phase peak {sync / GiB:.1f} GiB", "peak 73.1 GiB of 80 GiB per GPU: fits",
@@ -87,7 +90,12 @@ def test_the_issues_tp8_arithmetic():
     assert abs(report.actor.total / GiB - 37.26) < 0.01 and abs(report.server.weights / GiB - 3.44) < 0.01
     assert c.least == "none" and c.capacity("none") == 178  # sequences of 10,240 tokens (the issue: ~170)
     og = c.levels["optimizer_grads"]
-    assert abs(og.moved / GiB - 27.51) < 0.01 and abs(og.host_per_node / GiB - 220.1) < 0.1
+    assert abs(og.moved / GiB - 27.51) < 0.01 and abs(8 * og.moved / GiB - 220.1) < 0.1
+    a = report.actor  # pinned beside it: the async save's staging, at most 2x the rank's weights and optimizer
+    assert og.staging == 2 * (a.weights + a.optimizer) and og.host_per_node == 8 * (og.moved + og.staging)
+    spec, report = _fit(Q14, "parallel.tp=8", "launch.sglang.tp=8", "train.async_save=false")
+    og = report.colocated.levels["optimizer_grads"]
+    assert og.staging == 0 and abs(og.host_per_node / GiB - 220.1) < 0.1
 
 
 @pytest.mark.parametrize("path,overrides,least", [
@@ -111,9 +119,9 @@ def test_the_least_offload_that_fits_is_picked(path, overrides, least):
     (["actor.offload=optimizer"],
      "actor.offload: optimizer does not fit (the least that fits: optimizer_grads): rollout phase 86.8 GiB > 80 GiB "
      "per GPU; set actor.offload: optimizer_grads (or auto)"),
-    (["launch.host_mem_gib=300", "actor.offload=all"],
-     "actor.offload: all does not fit (the least that fits: optimizer_grads): pinned host memory 330 GiB > "
-     "launch.host_mem_gib 300 per node"),
+    (["launch.host_mem_gib=750", "actor.offload=all"],
+     "actor.offload: all does not fit (the least that fits: optimizer_grads): pinned host memory 770 GiB > "
+     "750 GiB per node (launch.host_mem_gib)"),
     (["launch.gpu_mem_gib=48"], "training phase 51.4 GiB"),
 ])
 def test_a_misfit_is_one_line_naming_the_setting(overrides, needle):
@@ -321,3 +329,24 @@ def test_write_run_config_of_the_7b(tmp_path):
     cfg = load_config(write_run_config(spec, tmp_path / "run.yaml"))
     assert cfg.rollout.colocated and cfg.actor.offload == "none"
     assert shlex.join(serve_args(spec)).count("--enable-memory-saver") == 1
+
+
+def test_the_host_memory_check_reads_the_node_inside_the_job_and_says_which_figure(tmp_path):
+    """Issue #40 row 6: the pinned host memory is checked by default: against launch.host_mem_gib when
+    set (0: not checked), else, inside the job, the job's memory per node or the node's MemTotal; a dry
+    run (or a login node) checks nothing and says so."""
+    from megatron_tepo.launch.fit import node_host_memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       2113487872 kB\nMemFree:        1 kB\n")
+    L = load_launch(Q14).launch
+    job = {"SLURM_JOB_ID": "7"}
+    assert node_host_memory(L, job, str(meminfo)).bytes == 2113487872 * 1024
+    assert "MemTotal of" in node_host_memory(L, job, str(meminfo)).source
+    assert node_host_memory(L, {**job, "SLURM_MEM_PER_NODE": "1048576"}, str(meminfo)).bytes == 2 ** 40
+    assert node_host_memory(L, {**job, "TEPO_DRY_RUN": "1"}, str(meminfo)).bytes == 0
+    assert node_host_memory(L, {}, str(meminfo)).source.startswith("not checked: not inside the job")
+    L = load_launch(Q14, ["launch.host_mem_gib=512"]).launch
+    assert node_host_memory(L, job, str(meminfo)).bytes == 512 * GiB  # the setting wins
+    L = load_launch(Q14, ["launch.host_mem_gib=0"]).launch
+    assert node_host_memory(L, job, str(meminfo)).bytes == 0  # turned off
