@@ -207,8 +207,11 @@ tepo_fit_check() {
     [[ -n "${OUTPUT_DIR:-}" ]] && ov+=("train.output_dir=$OUTPUT_DIR")
     mkdir -p "$RUN_DIR"
     local env_file="$RUN_DIR/fit.env"
+    local -a dry=()
+    # a dry run previews: what a real run would refuse of the pythons is one line, and it goes on
+    [[ "${TEPO_DRY_RUN:-0}" == 1 ]] && dry=(--dry-run)
     if ! "$(tepo_python)" "$TEPO_ROOT/tools/fit_check.py" --config "$launch_file" \
-            --write-run-config "$RUN_DIR/run.yaml" --print-shell --trainer-python "$(tepo_python)" "${ov[@]}" \
+            --write-run-config "$RUN_DIR/run.yaml" --print-shell --trainer-python "$(tepo_python)" "${dry[@]}" "${ov[@]}" \
             >"$env_file" 2>"$RUN_DIR/fit.log"; then
         cat "$RUN_DIR/fit.log" >&2
         tepo_die "fit check failed (see above); nothing was started"

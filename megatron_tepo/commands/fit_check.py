@@ -3,7 +3,7 @@
 
     python tools/fit_check.py --config examples/models/qwen3_14b.yaml [--gpu-mem-gib 80] \\
         [--hf-config /models/Qwen3-14B/config.json] [launch.actor_nodes=4 parallel.tp=8 ...] \\
-        [--write-run-config RUN.yaml] [--print-shell] [--trainer-python PYTHON]
+        [--write-run-config RUN.yaml] [--print-shell] [--trainer-python PYTHON [--dry-run]]
 
 Prints the per-GPU arithmetic (actor: weights, grads, optimizer, activations, logits, reserve;
 SGLang servers: weights + KV cache; a colocated layout, ``launch.rollout.placement: colocated``: each
@@ -19,7 +19,9 @@ layout rules, and still writes the run config and the FIT_* lines.
 ``--trainer-python PYTHON`` (slurm/lib.sh gives its ``TEPO_PYTHON``): on ``launch.device: cuda``
 also check the job's pythons, PYTHON for the trainer and the SGLang python the servers will find
 (megatron_tepo/launch/pythons.py: a CPU build of torch, no Transformer Engine where the layout needs
-it, SGLang's CPU build are refused, naming the variable to set).
+it, SGLang's CPU build are refused, naming the variable to set); with ``--dry-run`` (a preview: a
+login node's python may well be a CPU one) that refusal is one line of the report and the check
+goes on.
 The formulas: docs/LAUNCH.md ("The fit-check arithmetic"); the code: megatron_tepo/launch/.
 """
 import argparse
@@ -38,6 +40,9 @@ def main(argv=None) -> int:
     ap.add_argument("--print-shell", action="store_true", help="print FIT_* shell variables on stdout")
     ap.add_argument("--trainer-python", default=None,
                     help="launch.device cuda: check this python (the trainer's) and the SGLang python")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="a preview (slurm/lib.sh's TEPO_DRY_RUN=1): what a real run would refuse of the pythons "
+                         "is one line, and the check goes on")
     ap.add_argument("overrides", nargs="*", help="dotted overrides: launch.actor_nodes=4 parallel.tp=8 ...")
     add_traceback_flag(ap)
     args = ap.parse_args(argv)
@@ -63,8 +68,13 @@ def _run(args) -> int:
         if args.trainer_python:
             from megatron_tepo.launch.pythons import check_pythons
 
-            for line in check_pythons(spec, args.trainer_python):
-                print(line, file=report_out)
+            try:
+                for line in check_pythons(spec, args.trainer_python):
+                    print(line, file=report_out)
+            except FitError as exc:
+                if not args.dry_run:
+                    raise
+                print(f"DRY RUN: a real run would stop here: {exc}", file=report_out)
     except (ConfigError, FitError, NotImplementedError, ValueError) as exc:
         if args.traceback:
             raise

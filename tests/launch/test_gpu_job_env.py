@@ -60,21 +60,34 @@ def _dry_run_14b(tmp_path, root=ROOT, **env):
 
 
 @pytest.mark.parametrize("cuda", ["13.0", None], ids=["pypi-cuda-torch", "cpu-torch"])
-def test_a_cuda_job_with_the_default_pythons_is_refused_before_any_srun(tmp_path, cuda):
+def test_a_cuda_job_with_the_default_pythons_is_refused_and_a_dry_run_says_so_and_goes_on(tmp_path, cuda, capsys):
     """TEPO_PYTHON and MTEPO_SGLANG_PYTHON unset: the checkout's .venv and the SGLang default
     (.venv-sglang, SGLang's CPU build, or failing that the trainer's python, which has no sglang) are
-    refused by the fit check, one line naming both variables; no srun, no log folder."""
+    refused by the fit check, one line naming both variables. A real run stops there (no srun, no
+    log folder: the fit check's own refusal, below); a dry run -- a preview, from a login node whose
+    python may well be a CPU one -- says in one line what a real run would refuse and goes on to
+    print every step (issue #40)."""
     ck = _checkout_with_test_venv(tmp_path, cuda)
     res = _dry_run_14b(tmp_path, root=ck)
-    assert res.returncode == 1, res.stderr
-    failed = [line for line in res.stderr.splitlines() if "fit check FAILED" in line]
-    assert len(failed) == 1, res.stderr
-    line = failed[0]
+    assert res.returncode == 0, res.stderr
+    refused = [line for line in res.stderr.splitlines() if "a real run would stop here" in line]
+    assert len(refused) == 1, res.stderr
+    line = refused[0]
+    assert line.startswith("DRY RUN: a real run would stop here: ")
     assert f"the trainer's python {ck}/.venv/bin/python" in line and "set TEPO_PYTHON to" in line
     want = "needs Transformer Engine" if cuda else "has torch 2.6.0+cpu (CPU build)"
     assert want in line and "set MTEPO_SGLANG_PYTHON to" in line
-    assert "nothing was started" in res.stderr and "DRY-RUN: srun" not in res.stderr
-    assert not (tmp_path / "out" / "logs").exists()
+    logs = next((tmp_path / "out" / "logs").iterdir())
+    assert "DRY-RUN: srun" in (logs / "trainer.log").read_text()
+    assert (logs / "sglang.n3.srun.log").read_text().count("DRY-RUN: srun") == 1
+    # the real run's fit check (the same command without --dry-run): refused, one line, exit 2
+    from tools.fit_check import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli(["--config", str(ROOT / "examples/models/qwen3_14b.yaml"), "--trainer-python", f"{ck}/.venv/bin/python"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "fit check FAILED" in err and "set TEPO_PYTHON to" in err and "DRY RUN" not in err
 
 
 def test_a_cuda_job_with_gpu_pythons_runs_and_says_which(tmp_path):
