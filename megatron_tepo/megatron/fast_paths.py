@@ -201,14 +201,15 @@ def _compiled(fn):
 
 def swiglu(y):
     """megatron's fused SwiGLU: compiled once for any length (see the module docstring); eager
-    where a graph is being recorded through it."""
-    if torch.is_grad_enabled() and y.requires_grad:
+    where a graph is being recorded through it; the plain expression where a compiled function of
+    megatron's calls it (MoE's ``weighted_swiglu``: it joins that graph, no nested compile)."""
+    if (torch.is_grad_enabled() and y.requires_grad) or torch.compiler.is_compiling():
         return _swiglu(y)
     return _compiled(_swiglu)(y.detach())
 
 
 def swiglu_back(g, y):
-    if torch.is_grad_enabled() and (g.requires_grad or y.requires_grad):
+    if (torch.is_grad_enabled() and (g.requires_grad or y.requires_grad)) or torch.compiler.is_compiling():
         return _swiglu_back(g, y)
     return _compiled(_swiglu_back)(g.detach(), y.detach())
 

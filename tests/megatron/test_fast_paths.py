@@ -110,3 +110,37 @@ def test_swiglu_is_megatrons_and_compiles_once_for_any_length():
             back = fast_paths.swiglu_back(g, y)
         assert torch.allclose(back, auto, rtol=1e-5, atol=1e-6)
     assert compiles() - start == 2  # one graph each for the function and its backward
+
+
+def test_moes_weighted_swiglu_keeps_one_graph_with_the_patched_swiglu():
+    """Issue #40: megatron's MoE ``weighted_swiglu`` (and its backward) is a ``torch.compile``-d function
+    that calls the module's ``swiglu`` (``swiglu_back``), which the fast path replaces: traced from
+    there, the replacement is the plain expression, so megatron's graph stays one graph with no break
+    and no nested compile (dynamo warned of tracing through the replacement's compile cache)."""
+    import warnings
+
+    from megatron.core.fusions import fused_bias_swiglu as m
+
+    ours = "swiglu" not in fast_paths.applied_fast_paths()
+    if ours:
+        fast_paths.patch_swiglu()
+    try:
+        assert m.swiglu is fast_paths.swiglu
+        y, w, g = torch.randn(6, 8), torch.rand(6, 1), torch.randn(6, 4)
+        for fn, args in ((m.weighted_swiglu, (y, w)), (m.weighted_swiglu_back, (g, y, w))):
+            torch._dynamo.reset()
+            plain = getattr(fn, "_torchdynamo_orig_callable", fn)
+            with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+                warnings.simplefilter("always")
+                explained = torch._dynamo.explain(plain)(*args)
+            assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+            assert not [c for c in caught if "lru_cache" in str(c.message)], [str(c.message) for c in caught]
+        y1, y2 = y.chunk(2, -1)
+        with torch.no_grad():
+            assert torch.allclose(m.weighted_swiglu(y, w), torch.nn.functional.silu(y1) * y2 * w, rtol=1e-6,
+                                  atol=1e-7)
+    finally:
+        if ours:  # megatron's own again, as before this test
+            for owner, attr, original in reversed(fast_paths._UNDO.pop("swiglu")):
+                setattr(owner, attr, original)
+        torch._dynamo.reset()
