@@ -326,6 +326,9 @@ def offload_round_trip(actor, cfg: dict, rounds: int, cuda: bool, label: str = "
            "moved_every_round": all(a == b == total for a, b in moved),
            "device_freed_gb": round(min(device_freed) / 1e9, 3) if device_freed else None,
            "pinned_host_gb": None if pinned0 is None or pinned1 is None else round((pinned1 - pinned0) / 1e9, 3),
+           # the offload's own host blocks, registered with the driver to the byte (issue #40 row 6):
+           # what the fit check prices is what moves
+           "pinned_registered_gb": round(sum(h.pinned_bytes for h in actor.train_model._host.values()) / 1e9, 6),
            "grads_nonzero": grads_nonzero, "all_freed": all(freed), "bit_exact": all(equal) and all(freed)}
     del snapshot
     return row

@@ -63,7 +63,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-STEPS = ["tests", "actor_step", "vocab_op", "disk_sync", "hf_load", "main_job"]
+STEPS = ["tests", "actor_step", "vocab_op", "disk_sync", "ipc_handles", "hf_load", "main_job"]
 OLD_TOKENS_PER_S = 6200  # train_step at 8 x 2048 on the H100 before bf16/SDPA/packing (../shared/notes/gpu.md)
 OFFLOAD_GBPS = 20  # the actor's offload and onload, each way, from / to pinned host memory on an H100 (#34)
 
@@ -195,6 +195,12 @@ def step_actor_step(smoke: bool) -> dict:
     ok = all(any(r["batch"] == b and "error" not in r and r["label"] != "hf" for r in rows)
              for b in (s["throughput"], s["mid"])) \
         and (bool(longest) or not smoke)  # on the GPU an OOM at the long batch is the target's MISS
+    # the offload's host copies: one block per part, registered to the byte, so what is pinned is what
+    # moves (torch's pinned allocator rounded each copy up to a power of two: up to 2x; issue #40 row 6)
+    pinned = offload.get("pinned_registered_gb")
+    over = round(pinned / offload["gb"], 4) if pinned is not None and offload.get("gb") else None  # (CPU: 0)
+    targets.append(_target("gpu-fast actor offload: pinned host bytes / bytes moved <= 1.01", over, 1.01,
+                           over is not None and over <= 1.01, smoke))
     ok = ok and offload.get("bit_exact") is True and offload.get("moved_every_round") is True  # functional
     return dict(ok=ok, figures=figures, targets=targets)
 
@@ -275,6 +281,72 @@ def step_disk_sync(smoke: bool) -> dict:
                    bytes_equal=bytes_equal, tensors_equal=tensors_equal)
     print(json.dumps(figures), flush=True)
     return dict(ok=bytes_equal and tensors_equal, figures=figures, targets=[])
+
+
+def _open_in_child(q_in, q_out) -> None:
+    """A second process (spawned): opens what arrives by IPC (a CUDA IPC handle; shared memory on
+    CPU) and answers with the sum of its bytes, or the error."""
+    import torch
+
+    try:
+        t = q_in.get(timeout=300)
+        q_out.put(("ok", int(t.view(torch.uint8).sum(dtype=torch.int64).item()), str(t.device)))
+    except Exception as exc:  # noqa: BLE001 -- the answer is the error
+        q_out.put(("error", f"{type(exc).__name__}: {exc}"[:400], ""))
+
+
+def step_ipc_handles(smoke: bool) -> dict:
+    """Issue #40 row 1: with the trainer's allocator setting (expandable segments on), the weight
+    export's buffer (``actor/export.py``'s, what the ``ipc`` sync hands to the servers) opens by CUDA
+    IPC in a second process with its bytes intact; beside it, a buffer made in an expandable segment
+    (what the export's were before the fix): whether it opens depends on the machine allowing
+    ``pidfd_getfd`` (containers without ptrace do not), a figure, not a failure."""
+    import queue
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from megatron_tepo import cuda_alloc
+    from megatron_tepo.actor.export import _Buffers
+
+    dev = _device(smoke)
+    if dev.type == "cuda":
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # the trainer's (slurm/lib.sh)
+        cuda_alloc._set_settings("expandable_segments:True")
+    figures = {"device": str(dev), "trainer_expandable_segments": cuda_alloc.expandable_segments_on()}
+    nbytes = (1 << 16) if smoke else (256 << 20)
+    ctx = mp.get_context("spawn")
+
+    def share(t, label) -> bool:
+        want = int(t.view(torch.uint8).sum(dtype=torch.int64).item())
+        q_in, q_out = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=_open_in_child, args=(q_in, q_out), daemon=True)
+        child.start()
+        t0 = time.perf_counter()
+        q_in.put(t)
+        try:
+            status, value, where = q_out.get(timeout=300)
+        except queue.Empty:
+            status, value, where = "error", "no answer within 300 s", ""
+        child.join(30)
+        ok = status == "ok" and value == want
+        figures[label] = {"opened": status == "ok", "bytes_equal": ok, "in": where,
+                          "seconds": round(time.perf_counter() - t0, 3)}
+        if status != "ok":
+            figures[label]["error"] = value
+        return ok
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    export_buf = _Buffers(True, device=dev).get("flat", nbytes)
+    export_buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev, generator=g))
+    ok = share(export_buf, "export_buffer")
+    in_segment = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev, generator=g)
+    share(in_segment, "expandable_segment_buffer")
+    figures["trainer_expandable_segments_after"] = cuda_alloc.expandable_segments_on()
+    print(json.dumps(figures), flush=True)
+    if dev.type == "cuda":  # the export's setting off around its buffers, and back on for the rest
+        ok = ok and figures["trainer_expandable_segments"] and figures["trainer_expandable_segments_after"]
+    return dict(ok=ok, figures=figures, targets=[])
 
 
 def _vm(field: str) -> int:
@@ -368,7 +440,8 @@ def step_main_job(smoke: bool) -> dict:
 
 
 STEP_FNS = {"tests": step_tests, "actor_step": step_actor_step, "vocab_op": step_vocab_op,
-            "disk_sync": step_disk_sync, "hf_load": step_hf_load, "main_job": step_main_job}
+            "disk_sync": step_disk_sync, "ipc_handles": step_ipc_handles, "hf_load": step_hf_load,
+            "main_job": step_main_job}
 
 
 # ---------------------------------------------------------------------------------- records

@@ -20,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CHECK = REPO / "benchmarks" / "gpu_check.py"
-CHEAP = ["tests", "actor_step", "vocab_op", "disk_sync", "hf_load"]
+CHEAP = ["tests", "actor_step", "vocab_op", "disk_sync", "ipc_handles", "hf_load"]
 
 
 def _env(**extra):
@@ -76,16 +76,20 @@ def test_smoke_run_records_every_cheap_step_with_figures(tmp_path):
     assert off["offload_gbps"] > 0 and off["onload_gbps"] > 0, off
     assert len(off["offload_s"]) == len(off["onload_s"]) == off["rounds"] >= 2, off
     assert by["disk_sync"]["figures"]["bytes_equal"] and by["disk_sync"]["figures"]["tensors_equal"]
+    # the export buffer opened from a second process (shared memory here, CUDA IPC on a GPU), bytes intact
+    ipc = by["ipc_handles"]["figures"]
+    assert ipc["export_buffer"]["opened"] and ipc["export_buffer"]["bytes_equal"], ipc
+    assert off["pinned_registered_gb"] == 0  # (CPU: nothing pinned; on a GPU, the bytes moved)
     assert by["hf_load"]["figures"]["max_abs_diff_log_probs"] < 1e-4
     assert by["vocab_op"]["figures"]["auto_agrees_with_chunked"]
     # the targets are there, with values, and not judged in a smoke run
     targets = [t for name in CHEAP for t in by[name]["targets"]]
-    assert len(targets) == 12 and all(t["pass"] is None for t in targets)
+    assert len(targets) == 13 and all(t["pass"] is None for t in targets)
     assert sum("pinned host memory (GB/s)" in t["name"] for t in by["actor_step"]["targets"]) == 2
     # every figure is there, but the vocab op's extra memory: CUDA's allocator statistics measure it
     assert all(t["value"] is not None for t in targets if "extra memory" not in t["name"]), targets
     report = (out / "report.md").read_text()
-    assert "SMOKE" in report and report.count("n/a (smoke)") == 12 and "steps failed: none" in report
+    assert "SMOKE" in report and report.count("n/a (smoke)") == 13 and "steps failed: none" in report
     assert "steps failed: none" in proc.stdout
 
 
@@ -99,6 +103,7 @@ def _summary(tmp_path, **overrides):
             {"name": "fits", "value": 31.0, "target": 80, "pass": True}]),
         "vocab_op": dict(figures={}, targets=[{"name": "time", "value": 0.9, "target": 1.0, "pass": True}]),
         "disk_sync": dict(figures={"bytes": 1}, targets=[]),
+        "ipc_handles": dict(figures={"export_buffer": {"opened": True, "bytes_equal": True}}, targets=[]),
         "hf_load": dict(figures={"build_s": 1.0}, targets=[]),
         "main_job": dict(figures={}, targets=[{"name": "learns", "value": "0.6 -> 0.9", "target": "x",
                                                "pass": True}]),
