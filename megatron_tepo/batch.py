@@ -17,11 +17,18 @@ Layout of :class:`RolloutBatch` (``B`` sequences, ``L`` padded tokens, ``R`` res
                                      drift check, rollout correction, ``old_log_prob: rollout``)
     temperature        float         the sampling temperature: the actor scores under
                                      ``softmax(logits / temperature)``, as the engine sampled
+    routed_experts     [B, L, M, k]  (optional, MoE routing replay) for each position of
+                       int           ``input_ids`` (prompt included) and each of the model's ``M``
+                                     MoE layers, the ``k`` experts the rollout engine routed it to;
+                                     -1 where no routing is known (padding, a sequence's last
+                                     token, which the engine never ran). The smallest signed
+                                     integer dtype that holds the expert ids (:func:`routing_dtype`)
 
 Response slot ``j`` of row ``b`` is the token ``input_ids[b, p_b + j]``; its log-prob is read from
 the model's logits at position ``p_b + j - 1``. Slots past the end of ``input_ids`` or with
 ``response_mask == 0`` are padding: the actor returns 0 there. Every per-token field is aligned
-with ``response_mask``. A batch given to the actor is DP-local: each data-parallel rank passes
+with ``response_mask``; every per-position field (:data:`PER_POSITION_FIELDS`) with ``input_ids``.
+A batch given to the actor is DP-local: each data-parallel rank passes
 its own rows, and all TP/PP ranks of one model replica pass the same rows
 (:meth:`split_for_data_parallel`, :meth:`select`).
 
@@ -39,6 +46,19 @@ from megatron_tepo.algorithms.advantages import broadcast_to_tokens
 
 PER_TOKEN_FIELDS = ("response_mask", "advantages", "old_log_probs", "old_entropy", "ref_log_probs",
                     "rollout_log_probs")
+#: fields with one entry per position of ``input_ids`` (``[B, L, ...]``); -1 is their "unknown"
+PER_POSITION_FIELDS = ("routed_experts",)
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """The smallest signed integer dtype holding expert ids ``0 .. num_experts - 1`` and -1:
+    int8 up to 128 experts (Qwen3-30B-A3B: 48 layers x top-8 x 1 byte = 384 bytes a token)."""
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    for dtype in (torch.int8, torch.int16, torch.int32):
+        if num_experts - 1 <= torch.iinfo(dtype).max:
+            return dtype
+    return torch.int64
 
 
 @dataclass
@@ -52,6 +72,7 @@ class RolloutBatch:
     ref_log_probs: Optional[torch.Tensor] = None
     rollout_log_probs: Optional[torch.Tensor] = None
     temperature: float = 1.0
+    routed_experts: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         self.validate()
@@ -64,7 +85,8 @@ class RolloutBatch:
         ``groups[g]`` holds the samples of ``prompts[g]``, each with ``token_ids`` and the engine's
         ``log_probs`` (:class:`~megatron_tepo.rollout.engine.Sample`), which become
         ``rollout_log_probs``; ``advantages`` (``[rows]``, one per sample) are broadcast to the
-        response tokens."""
+        response tokens. Samples that carry ``routed_experts`` (``[positions, M, k]`` from
+        position 0 of the prompt on) give ``routed_experts``: all of them or none."""
         rows = [(p, s) for p, g in zip(prompts, groups) for s in g]
         if not rows:
             raise ValueError("a batch needs at least one sample")
@@ -81,7 +103,8 @@ class RolloutBatch:
         if advantages is not None:
             advantages = broadcast_to_tokens(advantages, mask)
         return cls(input_ids=ids, prompt_lens=torch.tensor([len(p) for p, _ in rows]), response_mask=mask,
-                   advantages=advantages, rollout_log_probs=rollout, temperature=float(temperature))
+                   advantages=advantages, rollout_log_probs=rollout, temperature=float(temperature),
+                   routed_experts=_routing_of(rows, width))
 
     @property
     def batch_size(self) -> int:
@@ -111,6 +134,13 @@ class RolloutBatch:
             if value is not None and value.shape != self.response_mask.shape:
                 raise ValueError(f"{name} must match response_mask's shape "
                                  f"{tuple(self.response_mask.shape)}, got {tuple(value.shape)}")
+        re = self.routed_experts
+        if re is not None:
+            if re.dim() != 4 or tuple(re.shape[:2]) != tuple(self.input_ids.shape):
+                raise ValueError(f"routed_experts must be [B, L, moe_layers, topk] with [B, L] = "
+                                 f"{tuple(self.input_ids.shape)}, got {tuple(re.shape)}")
+            if re.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64):
+                raise ValueError(f"routed_experts must be a signed integer tensor, got {re.dtype}")
 
     def response_lengths(self) -> torch.Tensor:
         """[B] index of the last real response slot + 1 (0 for an empty response), capped by L."""
@@ -134,6 +164,9 @@ class RolloutBatch:
                 fields[f.name] = None if value is None else value.index_select(0, idx)
         if max_len is not None:
             fields["input_ids"] = fields["input_ids"][:, :max_len]
+            for name in PER_POSITION_FIELDS:
+                if fields[name] is not None:
+                    fields[name] = fields[name][:, :max_len]
         return RolloutBatch(**fields)
 
     def padded(self, rows: int, length: int) -> "RolloutBatch":
@@ -147,6 +180,13 @@ class RolloutBatch:
         for name in PER_TOKEN_FIELDS:
             value = getattr(self, name)
             fields[name] = None if value is None else torch.nn.functional.pad(value, (0, 0, 0, extra_rows))
+        for name in PER_POSITION_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                grown = value.new_full((rows, length) + tuple(value.shape[2:]), -1)
+                grown[:self.batch_size, :value.shape[1]] = value
+                value = grown
+            fields[name] = value
         return RolloutBatch(**fields)
 
     def split_for_data_parallel(self, dp_rank: int, dp_size: int) -> "RolloutBatch":
@@ -158,3 +198,28 @@ class RolloutBatch:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, {dp_size})")
         return self.select(range(dp_rank, self.batch_size, dp_size))
+
+
+def _routing_of(rows, width: int) -> Optional[torch.Tensor]:
+    """``routed_experts`` ``[rows, width, M, k]`` from the samples' own (-1 where none), or None
+    when no sample carries routing."""
+    given = [getattr(s, "routed_experts", None) for _, s in rows]
+    if all(g is None for g in given):
+        return None
+    missing = [i for i, g in enumerate(given) if g is None]
+    if missing:
+        raise ValueError(f"routed_experts: sample {missing[0]} of {len(rows)} carries none while others do "
+                         f"(an engine returns routing for every sample or for none)")
+    shapes = {tuple(g.shape[1:]) for g in given}
+    if len(shapes) != 1 or any(g.dim() != 3 for g in given):
+        raise ValueError(f"routed_experts: every sample's must be [positions, moe_layers, topk] with one "
+                         f"(moe_layers, topk), got {sorted(shapes)}")
+    dtype = given[0].dtype
+    out = torch.full((len(rows), width) + shapes.pop(), -1, dtype=dtype)
+    for i, ((p, s), g) in enumerate(zip(rows, given)):
+        n = len(p) + len(s.token_ids)
+        if g.shape[0] > n:
+            raise ValueError(f"routed_experts: sample {i} has routing for {g.shape[0]} positions but only "
+                             f"{n} tokens (prompt + response)")
+        out[i, :g.shape[0]] = g.to(dtype)
+    return out

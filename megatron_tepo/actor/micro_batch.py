@@ -17,6 +17,12 @@ Either way the model's logits are read as ``[N, V]`` rows, ``N = input_ids.numel
 (the token before it), ``valid[i, j]`` whether that slot is real. So per-token log-probs and
 entropy are computed once per position and gathered into ``[b, R]``; packing changes where a
 token sits, never what it is scored against.
+
+Per-position fields of the rows (``routed_experts``: :data:`~megatron_tepo.batch.PER_POSITION_FIELDS`)
+become the micro-batch's :class:`~megatron_tepo.megatron.side_inputs.SideInputs` (``side``), laid
+out in megatron's token order for this micro-batch's final shape (pad segments and dummy rows
+included) by :func:`~megatron_tepo.megatron.side_inputs.lay_out_positions`; without them ``side``
+is None and nothing else is built.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from megatron_tepo.batch import PER_TOKEN_FIELDS, RolloutBatch
+from megatron_tepo.megatron.side_inputs import SideInputs, lay_out_positions, scored_positions
 
 __all__ = ["MicroBatch", "build_micro_batch", "empty_rows"]
 
@@ -44,6 +51,7 @@ class MicroBatch:
     max_seqlen: int = 0  # longest sequence (packed only)
     per_token: Optional[Dict[str, Optional[torch.Tensor]]] = None  # data's per-token fields, once staged
     row_index: Optional[torch.Tensor] = None  # rows as a long tensor, once staged
+    side: Optional[SideInputs] = None  # per-token side inputs in megatron's token order (or None)
 
     def field(self, name: str) -> Optional[torch.Tensor]:
         """Per-token field ``name`` of these rows (``[b, R]``), on the device once :meth:`staged`."""
@@ -66,7 +74,8 @@ class MicroBatch:
             self, input_ids=move(self.input_ids), position_ids=move(self.position_ids), labels=move(self.labels),
             score_index=move(self.score_index), valid=move(self.valid),
             per_token={f: move(getattr(self.data, f)) for f in PER_TOKEN_FIELDS},
-            row_index=move(torch.as_tensor(self.rows, dtype=torch.long)))
+            row_index=move(torch.as_tensor(self.rows, dtype=torch.long)),
+            side=None if self.side is None else self.side.to(device, non_blocking=pin))
 
     @property
     def packed(self) -> bool:
@@ -87,10 +96,15 @@ class MicroBatch:
         if self.packed:
             if rows != 1:
                 raise ValueError("a packed micro-batch has one row")
-            return _with_pad_segment(self, length - s)
+            return _with_side(_with_pad_segment(self, length - s))
         data = self.data.select(range(self.data.batch_size), max_len=s)  # (rows keep the batch's width)
         data = data.padded(data.batch_size + rows - b, length)
-        return _padded_rows(self.rows, data, length)
+        return _with_side(_padded_rows(self.rows, data, length))
+
+    def side_layout(self) -> dict:
+        """How this micro-batch lays out per-position fields: the keyword arguments of
+        :func:`~megatron_tepo.megatron.side_inputs.lay_out_positions` (and of its inverse)."""
+        return dict(packed=self.packed, seq_lens=self.data.seq_lens(), rows=self.shape[0], length=self.shape[1])
 
 
 def empty_rows(like: RolloutBatch) -> RolloutBatch:
@@ -98,6 +112,8 @@ def empty_rows(like: RolloutBatch) -> RolloutBatch:
     ``like``): it runs through the model and contributes exactly 0 to the loss and gradients."""
     zeros = torch.zeros(1, like.response_len)
     optional = {f: zeros for f in PER_TOKEN_FIELDS[1:] if getattr(like, f) is not None}
+    if like.routed_experts is not None:
+        optional["routed_experts"] = like.routed_experts.new_full((1, 1) + tuple(like.routed_experts.shape[2:]), -1)
     return RolloutBatch(input_ids=torch.zeros(1, 1, dtype=torch.long), prompt_lens=torch.ones(1, dtype=torch.long),
                         response_mask=zeros, temperature=like.temperature, **optional)
 
@@ -117,10 +133,22 @@ def build_micro_batch(batch: RolloutBatch, rows: Sequence[int], packed: bool,
     rows = list(rows)
     data = batch.select(rows) if rows else empty_rows(batch)
     if packed:
-        return _packed(rows, data, pad_multiple)
+        return _with_side(_packed(rows, data, pad_multiple))
     length = max(2, int(data.seq_lens().max()))
     length += -length % pad_multiple
-    return _padded_rows(rows, data, length)
+    return _with_side(_padded_rows(rows, data, length))
+
+
+def _with_side(mb: MicroBatch) -> MicroBatch:
+    """``mb`` with its side inputs laid out for its shape (None without per-position fields)."""
+    routed = mb.data.routed_experts
+    if routed is None:
+        return mb
+    layout = mb.side_layout()
+    scored = scored_positions(layout["seq_lens"], routed.shape[1])
+    return dataclasses.replace(mb, side=SideInputs(
+        routed_experts=lay_out_positions(routed, fill=-1, **layout),
+        scored=lay_out_positions(scored, fill=False, **layout)))
 
 
 def _packed(rows: List[int], data: RolloutBatch, pad_multiple: int) -> MicroBatch:
