@@ -35,6 +35,12 @@ def _attentions():
     return set(ATTENTIONS) | {"auto"}
 
 
+def _replay_modes():
+    from megatron_tepo.megatron.routing_replay import REPLAY_MODES
+
+    return set(REPLAY_MODES)
+
+
 def _packed_modes():
     from megatron_tepo.megatron.attention import PACKED_MODES
 
@@ -53,6 +59,7 @@ def _packed_modes():
     (C.RolloutConfig, "sync_mode", _sync_modes),
     (C.ActorConfig, "attention", _attentions),
     (C.ActorConfig, "packed_attention", _packed_modes),
+    (C.ActorConfig, "routing_replay", _replay_modes),
 ])
 def test_a_config_choice_list_is_its_registry(cls, name, registry):
     assert _choices(cls, name) == registry()

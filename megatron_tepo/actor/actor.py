@@ -44,6 +44,13 @@ Vocabulary: the HF vocab size must be divisible by TP (checked before any proces
 the embedding/output rows are not padded, so the vocab-parallel shard of rank r is exactly token
 ids ``[r*V/tp, (r+1)*V/tp)``.
 
+MoE routing replay (``actor.routing_replay``, :mod:`megatron_tepo.megatron.routing_replay`): with
+``r3`` both verbs route every token to ``batch.routed_experts`` (the engine's); with ``r2``
+:meth:`MegatronActor.compute_log_probs` records the actor's own routing into
+``batch.routed_experts`` and :meth:`MegatronActor.forward_backward` replays it. The routing travels
+as each micro-batch's side inputs; the gates of the last pass are :attr:`MegatronActor.routing_metrics`
+(and part of the training metrics). With ``off`` a batch's ``routed_experts`` is ignored.
+
 Left out: virtual pipeline stages, context parallelism, fp16 (loss scaling), MoE with PP > 1 on
 CPU. Checkpoints: :meth:`MegatronActor.save_checkpoint` / :meth:`MegatronActor.load_checkpoint`
 (see :mod:`megatron_tepo.actor.checkpointing`).
@@ -58,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tepo.algorithms import PolicyLoss
-from megatron_tepo.batch import RolloutBatch
+from megatron_tepo.batch import RolloutBatch, routing_dtype
 from megatron_tepo.actor.batching import equalize_micro_batch_count, plan_micro_batches, plan_packed_micro_batches
 from megatron_tepo.actor.micro_batch import MicroBatch, build_micro_batch
 from megatron_tepo.layout import ParallelLayout
@@ -67,6 +74,7 @@ from megatron_tepo.actor.export import export_hf_state
 from megatron_tepo.checkpoint.hf_io import LazyHFCheckpoint
 from megatron_tepo.megatron.model import (TrainModel, actor_transformer_config, build_lr_scheduler, build_train_model,
                                           plan_actor)
+from megatron_tepo.megatron.side_inputs import positions_to_rows, scored_positions
 
 __all__ = ["OptimConfig", "ActorConfig", "MegatronActor", "plan_actor", "actor_transformer_config", "build_lr_scheduler",
            "token_log_probs"]
@@ -194,6 +202,69 @@ class MegatronActor:
         self.train_model.sync_params()
 
     # ------------------------------------------------------------------ micro-batches
+    @property
+    def routing_metrics(self) -> Dict[str, float]:
+        """The gates of the last replayed pass (``routing_mismatch_mean`` / ``_max``,
+        ``routing_coverage``); empty with ``routing_replay: off`` or after a recording pass."""
+        return dict(self.train_model.routing_metrics)
+
+    def _routing_action(self, old_log_probs: bool) -> Optional[str]:
+        mode = self.settings.routing_replay
+        if mode == "off":
+            return None
+        return "record" if (mode == "r2" and old_log_probs) else "replay"
+
+    def _routing_input(self, batch: RolloutBatch, action: Optional[str]) -> RolloutBatch:
+        """``batch`` as the pass needs it: without ``routed_experts`` unless it replays them
+        (nothing of the routing is laid out or staged otherwise); checked when it does: every
+        position that scores a token has routing in this stage's layers, every id an expert."""
+        if action != "replay":
+            return batch if batch.routed_experts is None else dataclasses.replace(batch, routed_experts=None)
+        routed = batch.routed_experts
+        mode = self.settings.routing_replay
+        if routed is None:
+            what = ("the engine's routing (Sample.routed_experts)" if mode == "r3"
+                    else "the routing that compute_log_probs recorded")
+            raise ValueError(f"routed_experts: the batch has none, and actor.routing_replay {mode} replays {what}")
+        replay = self.train_model.replay
+        layers = [layer for layer, _ in replay.slots]
+        if routed.shape[2:] != (replay.num_layers, replay.topk):
+            raise ValueError(f"routed_experts: must be [B, L, {replay.num_layers}, {replay.topk}] (moe_layers, topk "
+                             f"of this model), got {tuple(routed.shape)}")
+        mine = routed[:, :, layers]
+        if int(mine.max()) >= replay.num_experts:
+            raise ValueError(f"routed_experts: expert id {int(mine.max())} >= the model's {replay.num_experts} experts")
+        scored = scored_positions(batch.seq_lens(), routed.shape[1])
+        missing = scored & (mine < 0).flatten(2).any(-1)
+        if bool(missing.any()):
+            row, pos = (int(i) for i in missing.nonzero()[0])
+            raise ValueError(f"routed_experts: row {row} has no routing at position {pos} (of {int(missing.sum())} "
+                             f"positions without it); routing replay needs every prompt and response position "
+                             f"but each sequence's last")
+        return batch
+
+    def _recorded_routing(self, batch: RolloutBatch, mbs: List[MicroBatch]) -> torch.Tensor:
+        """``[B, L, moe_layers, topk]``: what a recording pass's routers chose at each position of
+        ``batch`` (this pipeline stage's layers; -1 elsewhere)."""
+        replay = self.train_model.replay
+        layers = torch.tensor([layer for layer, _ in replay.slots])
+        width = batch.input_ids.shape[1]
+        out = torch.full((batch.batch_size, width, replay.num_layers, replay.topk), -1,
+                         dtype=routing_dtype(replay.num_experts))
+        for mb, recorded in zip(mbs, replay.recorded):
+            if replay.sp_size > 1:  # each TP rank routed its share of the tokens
+                parts = [torch.empty_like(recorded) for _ in range(replay.sp_size)]
+                dist.all_gather(parts, recorded.contiguous(), group=self.tp_group)
+                recorded = torch.cat(parts)
+            if not mb.rows:
+                continue
+            rows = positions_to_rows(recorded.cpu(), width=width, **mb.side_layout())[: len(mb.rows)]
+            index = torch.as_tensor(mb.rows, dtype=torch.long)
+            grid = out[index]
+            grid[:, :, layers] = rows.to(out.dtype)
+            out[index] = grid
+        return out
+
     def _micro_batches(self, batch: RolloutBatch) -> List[MicroBatch]:
         packed = self.settings.pack_sequences
         planner = plan_packed_micro_batches if packed else plan_micro_batches
@@ -228,14 +299,21 @@ class MegatronActor:
     @torch.no_grad()
     def compute_log_probs(self, batch: RolloutBatch) -> Tuple[torch.Tensor, torch.Tensor]:
         """Old-policy pass: ``(log_probs, entropy)`` fp32 ``[B, R]`` (0 on padding) on every rank,
-        under ``softmax(logits / batch.temperature)``."""
-        mbs = self._micro_batches(batch)
+        under ``softmax(logits / batch.temperature)``. With ``actor.routing_replay: r2`` it also
+        sets ``batch.routed_experts`` to the routing it used (the training passes replay it); with
+        ``r3`` it routes to ``batch.routed_experts``."""
+        action = self._routing_action(old_log_probs=True)
+        routed_input = self._routing_input(batch, action)
+        mbs = self._micro_batches(routed_input)
 
         def loss_func(mb, output):
             lp, ent = self._log_probs_of(mb, output, batch.temperature)
             return output.new_zeros((), dtype=torch.float32), torch.tensor(0, dtype=torch.int), {"lp": lp, "ent": ent}
 
-        store = self.train_model.run(mbs, loss_func, forward_only=True)
+        store = self.train_model.run(mbs, loss_func, forward_only=True, routing=action)
+        if action == "record":
+            batch.routed_experts = self._recorded_routing(batch, mbs)
+            batch.validate()
         out = torch.zeros(2, batch.batch_size, batch.response_len, dtype=torch.float32, device=self.device)
         if self.is_last_stage:
             for mb, result in zip(mbs, store):
@@ -261,7 +339,8 @@ class MegatronActor:
         if batch.advantages is None or batch.old_log_probs is None:
             raise ValueError("train batches need advantages and old_log_probs")
         normalizer = self._global_normalizer(batch, loss)
-        mbs = self._micro_batches(batch)
+        action = self._routing_action(old_log_probs=False)
+        mbs = self._micro_batches(self._routing_input(batch, action))
 
         def loss_func(mb, output):
             lp, ent = self._log_probs_of(mb, output, batch.temperature)
@@ -276,9 +355,11 @@ class MegatronActor:
                                                              "metrics": metrics}
 
         self.train_model.zero_grads()
-        store = self.train_model.run(mbs, loss_func, forward_only=False)
+        store = self.train_model.run(mbs, loss_func, forward_only=False, routing=action)
         metrics = self._reduce_metrics(store, loss)
         metrics["num_micro_batches"] = float(len(mbs))
+        if action is not None:
+            metrics.update(self.train_model.routing_metrics)
         return metrics
 
     def _reduce_metrics(self, store: List[Dict[str, Any]], loss: PolicyLoss) -> Dict[str, float]:

@@ -61,6 +61,8 @@ def _coerce(value: Any, tp: Any, path: str, where: Dict[str, str]) -> Any:
                 pass
         raise ConfigError(f"{path}{loc}: expected {_type_name(tp)}, found {type(value).__name__} {value!r}")
     if origin is Literal:
+        if isinstance(value, bool) and ("on" if value else "off") in typing.get_args(tp):
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on / off as a boolean
         if value not in typing.get_args(tp):
             raise ConfigError(f"{path}{loc}: expected {_type_name(tp)}, found {value!r}")
         return value

@@ -264,6 +264,14 @@ class ActorConfig:
       fp32 main parameters), ``optimizer_grads`` (and the gradient buffers), ``all`` (and the
       parameters, after the weight sync); ``auto`` -- ``all`` in colocated mode (the launcher
       passes the least that fits, from the fit check), ``none`` otherwise.
+    * ``routing_replay``: MoE routing replay (a dense model refuses anything but ``off``).
+      ``r3`` -- the old-log-prob pass and every training pass route each token to the experts
+      the rollout engine routed it to (``RolloutBatch.routed_experts``, returned by the engine);
+      ``r2`` -- the old-log-prob pass records the actor's own routing and the training passes
+      replay it; ``off`` -- the routers route freely and nothing of replay is built. The
+      router's probabilities over the replayed experts still come from its current logits (it
+      keeps its gradient). Each pass logs ``routing_mismatch_mean`` / ``routing_mismatch_max``
+      (tokens whose unforced routing differs, per layer) and ``routing_coverage`` (must be 1).
     """
 
     precision: Literal["bf16", "fp32"] = "bf16"
@@ -280,6 +288,7 @@ class ActorConfig:
     moe_grouped_gemm: Literal["auto", "on", "off"] = "auto"
     packed_attention: Literal["auto", "varlen", "flex", "loop"] = "auto"
     offload: Literal["auto", "none", "optimizer", "optimizer_grads", "all"] = "auto"
+    routing_replay: Literal["off", "r2", "r3"] = "off"
 
     def offload_parts(self, colocated: bool) -> tuple:
         """The parts of the actor that ``offload`` moves (``auto`` decided by ``colocated``)."""

@@ -15,7 +15,11 @@ from typing import Any, List
 from megatron_tepo.config.schema import ActorConfig, ConfigError, RunConfig
 from megatron_tepo.layout import LayoutError, validate_layout
 
-__all__ = ["validate", "packing_problem"]
+__all__ = ["validate", "packing_problem", "ROUTING_ENGINES"]
+
+#: the rollout engines that return each token's routed experts (``Sample.routed_experts``), which
+#: ``actor.routing_replay: r3`` replays (the SGLang fleet does not ask its servers for them yet)
+ROUTING_ENGINES = ("embedded",)
 
 
 def packing_problem(actor: ActorConfig) -> str:
@@ -104,6 +108,12 @@ def validate(cfg: RunConfig) -> None:
     problem = packing_problem(a)
     if problem:
         raise ConfigError(problem)
+    if a.routing_replay == "r3" and r.engine not in ROUTING_ENGINES:
+        raise ConfigError(f"actor.routing_replay: r3 replays the engine's routing, which rollout.engine "
+                          f"{r.engine!r} does not return (engines that do: {', '.join(ROUTING_ENGINES)}); use r2 or off")
+    if a.routing_replay == "r2" and cfg.algorithm.old_log_prob == "rollout":
+        raise ConfigError("actor.routing_replay: r2 records the routing in the actor's old-log-prob pass, which "
+                          "algorithm.old_log_prob: rollout skips; use r3 or old_log_prob: recompute")
     _positive(cfg.reward, "reward", ["workers", "timeout_s"])
     _positive(cfg.fault, "fault", ["probe_timeout_s"])
     _positive(cfg.fault, "fault", ["server_restarts", "restart_backoff_s", "server_return_timeout_s",

@@ -13,7 +13,9 @@ actor and the checkpoint converter both use it.
   ``recompute_num_layers`` layers; ``selective``: the core attention), sequence parallelism and
   the fusions, all as megatron's own ``TransformerConfig`` fields; for an MoE family (its
   :class:`~megatron_tepo.models.MoEConfig`) also the runtime MoE settings: the token dispatcher
-  of this machine (:func:`moe_token_dispatcher`), grouped GEMM, no permute fusion.
+  of this machine (:func:`moe_token_dispatcher`), grouped GEMM, no permute fusion, and
+  ``moe_enable_routing_replay`` when ``actor.routing_replay`` is on (a dense family refuses it:
+  :func:`routing_replay_problem`).
 * :func:`build_gpt_chunk`: a stage of ``GPTModel`` on the layer spec of :mod:`.spec` for the
   resolved attention (te: Transformer Engine's spec; sdpa: the local spec whose backend answers
   :class:`~megatron_tepo.megatron.attention.SDPACoreAttention` for the core attention; unfused:
@@ -147,6 +149,14 @@ def moe_token_dispatcher(cuda: Optional[bool] = None) -> str:
     return "alltoall" if cuda else "allgather"
 
 
+def routing_replay_problem(family_cfg: GPTFamilyConfig, actor: ActorConfig) -> str:
+    """Why ``actor.routing_replay`` cannot run on ``family_cfg``, or ""."""
+    if actor.routing_replay != "off" and family_cfg.moe is None:
+        return (f"actor.routing_replay: {actor.routing_replay} replays MoE routing, and {family_cfg.family} is a "
+                f"dense model (no routed experts); set routing_replay: off")
+    return ""
+
+
 def require_resolved(actor: ActorConfig) -> ActorConfig:
     """``actor`` itself when no setting is left ``auto``; a ValueError naming them otherwise."""
     left = [f"actor.{name}" for name in AUTO_FIELDS if getattr(actor, name) == "auto"]
@@ -178,6 +188,10 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
 
     require_resolved(actor)
     kw = family_cfg.transformer_config_kwargs()  # with the MoE sizes and router settings
+    if actor.routing_replay != "off":
+        if family_cfg.moe is None:
+            raise ValueError(routing_replay_problem(family_cfg, actor))
+        kw["moe_enable_routing_replay"] = True  # megatron's RouterReplay in every router (routing_replay.py)
     if family_cfg.moe is not None:
         kw.update(moe_token_dispatcher_type=moe_token_dispatcher(), moe_permute_fusion=False,
                   moe_grouped_gemm=actor.moe_grouped_gemm == "on")

@@ -17,7 +17,9 @@ and the run's ``actor`` / ``optim`` settings into a :class:`TrainModel`, in this
 :class:`TrainModel` is the small interface the actor's RL verbs use: the groups it computes over
 (``tp_group``, ``dp_group``, ``is_last_stage``, :meth:`TrainModel.broadcast_from_last_stage`),
 :meth:`TrainModel.run` (megatron's pipeline schedule over micro-batches, their megatron inputs
-built here), :meth:`TrainModel.zero_grads`, :meth:`TrainModel.step` (a non-finite gradient on any
+built here; each micro-batch's side inputs, :mod:`.side_inputs`, handed to the model for its
+forward and recompute: the MoE routing replay of :mod:`.routing_replay` when
+``actor.routing_replay`` is on), :meth:`TrainModel.zero_grads`, :meth:`TrainModel.step` (a non-finite gradient on any
 rank skips it; else clip, Adam, LR schedule), :meth:`TrainModel.discard_gradients` and
 :meth:`TrainModel.sync_params`, and for colocated mode :meth:`TrainModel.offload` /
 :meth:`TrainModel.onload` (its optimizer states, gradients and parameters to host memory and back,
@@ -43,10 +45,12 @@ from megatron_tepo.config import OFFLOAD_LEVELS, ActorConfig, OptimConfig
 from megatron_tepo.config.validation import packing_problem
 from megatron_tepo.layout import ParallelLayout
 from megatron_tepo.megatron.fast_paths import use_fused_adam
-from megatron_tepo.megatron.gpt import build_gpt_chunk, family_spec, resolve_actor_config, transformer_config
+from megatron_tepo.megatron.gpt import (build_gpt_chunk, family_spec, resolve_actor_config, routing_replay_problem,
+                                        transformer_config)
 from megatron_tepo.megatron.hf_load import load_hf_checkpoint_into, load_hf_weights_into
 from megatron_tepo.megatron.offload import HostOffload
 from megatron_tepo.megatron.parallel import initialize_parallel, validate_layout_here
+from megatron_tepo.megatron.routing_replay import RoutingReplay
 from megatron_tepo.models import GPTFamilyConfig, family_config_from_hf
 
 #: what :meth:`TrainModel.offload` can move to host memory, in the order it moves them (the parts
@@ -98,6 +102,11 @@ def plan_actor(hf_config, layout: ParallelLayout, actor_config: Optional[ActorCo
     if problem:
         raise ValueError(problem)
     family_cfg = family_config_from_hf(hf_config, spec=family_spec(resolved))
+    problem = routing_replay_problem(family_cfg, resolved)
+    if problem:
+        from megatron_tepo.config import ConfigError
+
+        raise ConfigError(problem)
     validate_layout_here(layout, family_cfg, world_size=world_size, sequence_parallel=resolved.sequence_parallel)
     return resolved, family_cfg
 
@@ -129,6 +138,8 @@ class TrainModel:
         self._host: Dict[str, HostOffload] = {}  # part -> its host copies (colocated mode)
         self._offloaded: List[str] = []
         self._gather_owed = False  # an optimizer step's deferred parameter gather not done yet
+        self.replay: Optional[RoutingReplay] = None  # MoE routing replay (actor.routing_replay), else None
+        self.routing_metrics: Dict[str, float] = {}  # the last replay run's gates
         config.grad_scale_func = optimizer.scale_loss
         config.finalize_model_grads_func = self._finalize_grads
 
@@ -188,19 +199,45 @@ class TrainModel:
             inputs["fp32_output"] = False  # keep the logits bf16: the vocab op computes in fp32
         return inputs
 
-    def run(self, micro_batches: list, loss_func_for: Callable, forward_only: bool) -> List[Any]:
+    def run(self, micro_batches: list, loss_func_for: Callable, forward_only: bool,
+            routing: Optional[str] = None) -> List[Any]:
         """megatron's pipeline schedule over ``micro_batches`` (each with ``shape`` ``(rows,
         length)``): ``loss_func_for(mb, output)`` -> ``(loss, num_tokens, stored)``; returns the
-        stored values of the last stage (forward and, unless ``forward_only``, backward)."""
+        stored values of the last stage (forward and, unless ``forward_only``, backward).
+
+        ``routing`` (only with routing replay built: :attr:`replay`): ``replay`` routes every
+        forward, and its recompute, to the experts of each micro-batch's side inputs (``mb.side``,
+        :mod:`.side_inputs`); ``record`` keeps the routers' own choice
+        (``replay.recorded``). The run's gates land in :attr:`routing_metrics`."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        replay = self.replay if routing is not None else None
+        if routing is not None and self.replay is None:
+            raise ValueError(f"TrainModel.run(routing={routing!r}) needs actor.routing_replay on")
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if replay is not None:
+                replay.before_forward(mb.side)
             output = model(**self.inputs(mb), labels=None)
+            if replay is not None:
+                replay.after_forward()
             return output, partial(loss_func_for, mb)
 
         self._gather_owed = False  # the forward's pre-hooks finish any deferred parameter gather
-        return get_forward_backward_func()(
+        if replay is None:
+            return self._schedule(get_forward_backward_func(), forward_step, micro_batches, forward_only)
+        replay.start(routing, recomputes=not forward_only and self.config.recompute_granularity == "full")
+        try:
+            out = self._schedule(get_forward_backward_func(), forward_step, micro_batches, forward_only)
+        except BaseException:
+            replay.abort()  # targets dropped, no collective
+            raise
+        self.routing_metrics = replay.finish()
+        return out
+
+    def _schedule(self, schedule, forward_step, micro_batches, forward_only):
+        return schedule(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=self.model,
             num_microbatches=len(micro_batches), seq_length=max(mb.shape[1] for mb in micro_batches),
             micro_batch_size=max(mb.shape[0] for mb in micro_batches), forward_only=forward_only)
@@ -405,6 +442,11 @@ def build_train_model(hf_config, weights=None, layout: Optional[ParallelLayout] 
         from megatron.core.transformer.module import Float16Module
 
         chunk = Float16Module(config, chunk)
+    replay = None
+    if resolved.routing_replay != "off":  # megatron built a RouterReplay per router; the actor drives them
+        sp = resolved.sequence_parallel
+        replay = RoutingReplay.attach([chunk], config, device, sp_rank=ps.get_tensor_model_parallel_rank() if sp else 0,
+                                      sp_size=layout.tp if sp else 1)
     ddp = DistributedDataParallel(config, ddp_config(optim, resolved), chunk)
     if ddp.ddp_config.overlap_grad_reduce:
         # the schedule runs every micro-batch but the last under no_sync: the bucket reductions
@@ -413,4 +455,6 @@ def build_train_model(hf_config, weights=None, layout: Optional[ParallelLayout] 
     model = [ddp]
     optimizer = build_optimizer(optim, model, bf16)
     scheduler = build_lr_scheduler(optimizer, optim, total_steps)
-    return TrainModel(model, optimizer, scheduler, config, resolved, family_cfg, layout, device, dp_size)
+    train_model = TrainModel(model, optimizer, scheduler, config, resolved, family_cfg, layout, device, dp_size)
+    train_model.replay = replay
+    return train_model
