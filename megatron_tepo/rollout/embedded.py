@@ -15,6 +15,16 @@ Colocated mode (``rollout.colocated``): :meth:`EmbeddedEngine.release_memory` fr
 memory (their content is gone until the next weight update; generating before it is an error) and
 the KV cache, which lives only inside one :meth:`EmbeddedEngine.generate` call, is only marked.
 
+MoE routing (``return_routing=True``, for ``actor.routing_replay: r3``): forward hooks on the
+model's routers (the ``*TopKRouter`` modules of transformers' MoE families, whose output ends with
+the top-k expert ids) record, in every forward of the generation (the prefill and each decode
+step), the experts each position went to in each MoE layer; each :class:`Sample` then carries
+``routed_experts`` ``[prompt + response - 1, moe_layers, topk]`` (the last token is never run).
+Off by default: no hook is registered. A model without such routers refuses it. An MoE model's
+weight update arrives with one tensor per expert (the checkpoint names); transformers >= 5 keeps
+the experts fused in memory (``mlp.experts.gate_up_proj`` / ``down_proj``), and
+:meth:`EmbeddedEngine.update_weights` writes each expert's slice there.
+
 Left out: serving several processes (it lives in the driver's), and sampling beyond temperature
 and top-p.
 """
@@ -24,6 +34,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from megatron_tepo.batch import routing_dtype
 from megatron_tepo.rollout.engine import (FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Group, RolloutEngine, Sample,
                                           gathered_tensors, make_params, validate_prompts)
 from megatron_tepo.rollout.registry import EngineSettings, register_engine
@@ -49,7 +60,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def __init__(self, model: Union[torch.nn.Module, str], *, seed: int = 0,
                  dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu",
-                 max_batch_size: int = 64, pad_token_id: int = 0):
+                 max_batch_size: int = 64, pad_token_id: int = 0, return_routing: bool = False):
         if isinstance(model, str):
             from transformers import AutoModelForCausalLM
 
@@ -65,6 +76,9 @@ class EmbeddedEngine(RolloutEngine):
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self._released: set = set()  # colocated mode: the memory tags released
         self._weights_stale = False  # weights taken back, not yet updated: nothing to generate with
+        self._routing: Optional[List[List[torch.Tensor]]] = None  # per forward, per MoE layer: [b * t, k]
+        self._hooks: list = []  # the routers' hooks (return_routing), removed by close()
+        self._num_experts = _record_routing(self.model, self, self._hooks) if return_routing else None
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: List[List[int]], n: int = 1, temperature: float = 1.0,
@@ -98,6 +112,7 @@ class EmbeddedEngine(RolloutEngine):
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         stopped = torch.zeros(b, dtype=torch.bool, device=self.device)
         cache, step_ids = None, ids
+        self._routing = [] if self._num_experts is not None else None
         for _ in range(sp.max_new_tokens):
             pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
             out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
@@ -118,6 +133,7 @@ class EmbeddedEngine(RolloutEngine):
             mask = torch.cat([mask, active.long()[:, None]], 1)
             if bool(done.all()):
                 break
+        routing = self._take_routing(b)  # [b, width + forwards - 1, M, k] or None
         samples = []
         for i in range(b):
             toks, lps = out_tok[i].tolist(), out_lp[i].tolist()
@@ -126,7 +142,29 @@ class EmbeddedEngine(RolloutEngine):
                 samples.append(Sample(toks[:k], lps[:k], FINISH_STOP))
             else:
                 samples.append(Sample(toks, lps, FINISH_LENGTH))
+            if routing is not None:  # the prompt's positions, then each response token but the last
+                first = width - len(rows[i])
+                samples[-1].routed_experts = routing[i, first:width + len(samples[-1].token_ids) - 1].clone()
         return samples
+
+    def _take_routing(self, b: int) -> Optional[torch.Tensor]:
+        """The routing recorded by this generation's forwards as ``[b, columns, M, k]`` (column
+        ``c`` is the token at column ``c`` of the left-padded prompt grid, then the decode steps')."""
+        if self._routing is None:
+            return None
+        per_forward = [torch.stack([ids.reshape(b, -1, ids.shape[-1]) for ids in layers], dim=2)
+                       for layers in self._routing]
+        self._routing = None
+        dtype = routing_dtype(self._num_experts)
+        return torch.cat(per_forward, dim=1).to(device="cpu", dtype=dtype)
+
+    def _record(self, layer: int, indices: torch.Tensor) -> None:
+        """A router hook's report: layer ``layer``'s top-k ids of the forward running now."""
+        if self._routing is None:
+            return
+        if layer == 0:
+            self._routing.append([])
+        self._routing[-1].append(indices.detach())
 
     @torch.no_grad()
     def score(self, sequences: List[List[int]], prompt_lens: List[int],
@@ -146,7 +184,18 @@ class EmbeddedEngine(RolloutEngine):
         update -- e.g. one pipeline stage only -- is an error naming what is missing). The
         actor's export is read gathered to global rank 0, where this engine lives."""
         seen = set()
+        slices: dict = {}  # fused expert tensor -> expert slices written
         for name, tensor in gathered_tensors(named_tensors):
+            fused = _fused_expert_slice(name, self._params)
+            if fused is not None:  # transformers >= 5 keeps an MoE's experts as one tensor in memory
+                target, index, part = fused
+                param = self._params[target]
+                dest = param[index] if part is None else param[index].chunk(2, dim=0)[part]
+                if tuple(dest.shape) != tuple(tensor.shape):
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(dest.shape)}")
+                dest.copy_(tensor.to(device=param.device, dtype=param.dtype))
+                slices.setdefault(target, set()).add((index, part))
+                continue
             seen.add(name)
             param = self._params.get(name)
             if param is None:
@@ -155,6 +204,10 @@ class EmbeddedEngine(RolloutEngine):
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(param.shape)}")
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+        for target, written in slices.items():  # a fused tensor counts once every expert's slice is in
+            p = self._params[target]
+            if len(written) == p.shape[0] * (2 if target.endswith("gate_up_proj") else 1):
+                seen.add(target)
         covered = {self._params[n].data_ptr() for n in seen if n in self._params}  # tied weights share storage
         missing = sorted(n for n, p in self._params.items() if n not in seen and p.data_ptr() not in covered)
         if missing:
@@ -190,8 +243,53 @@ class EmbeddedEngine(RolloutEngine):
         self._released -= set(tags)
 
     def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
         self.model = None
         self._params = {}
+
+
+def _fused_expert_slice(name: str, params: dict):
+    """``(fused parameter, expert, part)`` where per-expert checkpoint name ``name``
+    (``...mlp.experts.{e}.{gate,up,down}_proj.weight``) lives in a fused ``...mlp.experts.gate_up_proj``
+    ``[E, 2I, H]`` (part 0: gate, 1: up) or ``...down_proj`` ``[E, H, I]`` (part None); None when the
+    model holds ``name`` itself or it is no expert weight."""
+    if name in params or not name.endswith("_proj.weight") or ".experts." not in name:
+        return None
+    head, _, rest = name.rpartition(".experts.")
+    index, _, proj = rest.partition(".")
+    if not index.isdigit():
+        return None
+    if proj == "down_proj.weight" and f"{head}.experts.down_proj" in params:
+        return f"{head}.experts.down_proj", int(index), None
+    if proj in ("gate_proj.weight", "up_proj.weight") and f"{head}.experts.gate_up_proj" in params:
+        return f"{head}.experts.gate_up_proj", int(index), 0 if proj == "gate_proj.weight" else 1
+    return None
+
+
+def _record_routing(model: torch.nn.Module, engine: "EmbeddedEngine", handles: list) -> int:
+    """Hook every MoE router of ``model`` (modules named ``*TopKRouter``, in layer order) to report
+    its top-k ids to ``engine`` (the hooks' handles appended to ``handles``); returns the expert count."""
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    if not routers:
+        raise ValueError(f"return_routing: {type(model).__name__} has no MoE router (a *TopKRouter module) "
+                         f"to record; routing replay needs an MoE model")
+
+    def hook_for(layer: int):
+        def hook(module, args, output):
+            if not (isinstance(output, tuple) and len(output) == 3):
+                raise TypeError(f"return_routing: {type(module).__name__} returned {type(output).__name__}, "
+                                f"not (logits, weights, expert ids)")
+            engine._record(layer, output[2])
+        return hook
+
+    for layer, router in enumerate(routers):
+        handles.append(router.register_forward_hook(hook_for(layer)))
+    experts = getattr(routers[0], "num_experts", None)
+    if experts is None:
+        raise ValueError(f"return_routing: {type(routers[0]).__name__} has no num_experts")
+    return int(experts)
 
 
 def _check_tags(tags: Sequence[str]) -> None:
@@ -202,7 +300,7 @@ def _check_tags(tags: Sequence[str]) -> None:
 
 def _from_settings(settings: EngineSettings) -> EmbeddedEngine:
     return EmbeddedEngine(settings.model_dir, dtype=torch.float32, seed=settings.seed,
-                          pad_token_id=settings.pad_token_id)
+                          pad_token_id=settings.pad_token_id, return_routing=settings.return_routing)
 
 
 register_engine("embedded", _from_settings)

@@ -46,15 +46,23 @@ class SamplingParams:
 
 @dataclass
 class Sample:
-    """One response: ``len(token_ids) == len(log_probs)``."""
+    """One response: ``len(token_ids) == len(log_probs)``. ``routed_experts`` (an engine asked
+    to return routing, for MoE routing replay): ``[positions, moe_layers, topk]`` integer expert
+    ids the engine routed each position of prompt + response to, from the prompt's first token
+    on; the last response token is never run through the model, so ``positions`` is
+    ``len(prompt) + len(token_ids) - 1``."""
     token_ids: List[int]
     log_probs: List[float]
     finish_reason: str
     meta: dict = field(default_factory=dict)
+    routed_experts: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.log_probs):
             raise ValueError(f"{len(self.token_ids)} tokens but {len(self.log_probs)} log-probs")
+        if self.routed_experts is not None and self.routed_experts.dim() != 3:
+            raise ValueError(f"routed_experts must be [positions, moe_layers, topk], got "
+                             f"{tuple(self.routed_experts.shape)}")
 
 
 Group = List[Sample]  # the n samples of one prompt

@@ -30,12 +30,15 @@ ENGINE_MODULES = {"embedded": "megatron_tepo.rollout.embedded", "sglang": "megat
 class EngineSettings:
     """What a factory builds an engine from: the run's ``rollout`` section, the HF checkpoint the
     actor starts from, the tokenizer's pad id, the run's seed, and its ``fault`` section (how
-    long to wait for servers, how often to restart them)."""
+    long to wait for servers, how often to restart them), and whether the samples carry their
+    MoE routing (``return_routing``)."""
     rollout: RolloutConfig
     model_dir: str
     pad_token_id: int
     seed: int
     fault: FaultConfig = field(default_factory=FaultConfig)
+    # return each sample's routed experts (Sample.routed_experts): actor.routing_replay r3
+    return_routing: bool = False
 
 
 def _no_sync(settings: EngineSettings) -> None:

@@ -65,7 +65,8 @@ def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool
     from megatron_tepo.trainer.driver import FollowerEngine
 
     factory = engine_factory(cfg.rollout.engine)
-    settings = EngineSettings(cfg.rollout, model_dir, pad_token_id, cfg.train.seed, cfg.fault)
+    settings = EngineSettings(cfg.rollout, model_dir, pad_token_id, cfg.train.seed, cfg.fault,
+                              return_routing=cfg.actor.routing_replay == "r3")
     return factory.build(settings) if driver else FollowerEngine(factory.follower_sync(settings))
 
 
