@@ -44,7 +44,7 @@ def _moe_model(tiny: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.distributed
+@pytest.mark.journey  # (a whole tools/train.py run: tools/test.sh runs these beside the rest)
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["r3", "r2"])
 def test_the_loop_replays_the_routing_and_logs_the_gates(tiny, tmp_path, mode):
