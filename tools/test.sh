@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it, on both ends of the supported stack range:
 #   1. newest: the whole suite in .venv, made by tools/setup_env.sh with `python3.12` where one
-#      runs (megatron-core 0.19.x), else `python3`, in two pytest runs at once (run_newest below);
-#   2. the loop tests that compare floating point, again under ATEN_CPU_CAPABILITY=default (CAPABILITY_TESTS);
+#      runs (megatron-core 0.19.x), else `python3`, in two lanes at once (run_lanes below): the
+#      server and Slurm tests beside the rest;
+#   2. after the rest, in the same lane: the loop tests that compare floating point again under
+#      ATEN_CPU_CAPABILITY=default (CAPABILITY_TESTS), then
 #   3. oldest: the actor / conversion / distributed subset (OLDEST_TESTS below) in .venv-oldest,
-#      Python 3.11 with megatron-core 0.16.1 (MTEPO_OLDEST_PYTHON, default python3.11).
+#      Python 3.11 with megatron-core 0.16.1 (MTEPO_OLDEST_PYTHON, default python3.11), its venv
+#      made in the background meanwhile.
 # It installs what it needs (tools/setup_env.sh for both, the SGLang CPU venv, a one-node Slurm
 # cluster), then runs pytest on each stack. It exits non-zero when either run fails; pytest's
 # exit code 5 ("no tests collected") is a failure here, never a silent pass.
@@ -15,9 +18,10 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 stacks="${MTEPO_STACKS:-newest,oldest}"
 # The oldest stack's share: the actor, the megatron glue (CPU patches at their versions), the
-# checkpoint conversion, the vocab-parallel op and the TP/PP/DP trainer runs -- everything that
-# calls megatron-core. The rest (algorithms, rewards, launchers, SGLang) does not depend on it.
-OLDEST_TESTS=(tests/megatron tests/checkpoint tests/ops tests/trainer/test_multiprocess.py tests/launch/test_fit_check_quiet.py)
+# checkpoint conversion, megatron's RoPE and the vocab op's kernels, and the TP/PP/DP trainer runs --
+# everything that calls megatron-core (the vocab-parallel op itself is pure torch: newest only). The rest (algorithms, rewards, launchers, SGLang) does not depend on it.
+OLDEST_TESTS=(tests/megatron tests/checkpoint tests/ops/test_rope.py tests/ops/test_vocab_triton.py
+              tests/trainer/test_multiprocess.py tests/launch/test_fit_check_quiet.py)
 OLDEST_MARKS="not sglang and not slurm"
 # The loop tests that compare two runs made on this machine (about 1 min), run again under a second
 # CPU capability (below).
@@ -50,28 +54,61 @@ run_pytest() {  # run_pytest <label> <python> <pytest args...>: returns 0 / 1
 # is printed after the first run's. Extra arguments (a selection of tests): one pytest run, as they
 # say.
 SECOND_LANE="slurm or sglang or journey"
-run_newest() {  # run_newest <python> [pytest args...]: returns 0 / 1
-  local py="$1" log="$repo/.test-logs/newest-servers.log" label="newest: $SECOND_LANE" pid rc=0 start=$SECONDS
+
+# The oldest stack's venv (tools/setup_env.sh with MTEPO_PYTHON, default python3.11), made in the
+# background from the start: its installs overlap the newest stack's (log: .test-logs/oldest-setup.log).
+oldest_setup() {
+  MTEPO_PYTHON="${MTEPO_OLDEST_PYTHON:-python3.11}" MTEPO_MCORE="megatron-core==0.16.1" \
+    MTEPO_VENV="$repo/.venv-oldest" MTEPO_EXTRAS=dev bash tools/setup_env.sh
+}
+run_oldest() {  # run_oldest: waits for the oldest venv, then its pytest run; returns 0 / 1
+  local old_py
+  if [ -n "${oldest_setup_pid:-}" ]; then
+    wait "$oldest_setup_pid" || { cat "$repo/.test-logs/oldest-setup.log" >&2; echo "tools/test.sh: [oldest] the venv was not made (above)" >&2; return 1; }
+    old_py="$(tail -n 1 "$repo/.test-logs/oldest-setup.log")"
+  else
+    old_py="$(oldest_setup | tail -n 1)"
+  fi
+  run_pytest oldest "$old_py" -m "$OLDEST_MARKS" "${OLDEST_TESTS[@]}"
+}
+
+# The whole suite in two lanes at once: the second lane (SECOND_LANE, its output in
+# .test-logs/newest-servers.log, printed after the first's) beside the first, which runs the rest of
+# the newest stack, then the loop tests under a second CPU capability, then (when asked for) the
+# oldest stack. Extra arguments (a selection of tests): one pytest run of the newest stack, as they say.
+run_lanes() {  # run_lanes <python> [pytest args...]: appends to failed
+  local py="$1" log="$repo/.test-logs/newest-servers.log" label="newest: $SECOND_LANE" pid start=$SECONDS
   shift
   if [ "$#" -gt 0 ]; then
-    run_pytest newest "$py" "$@"
+    run_pytest newest "$py" "$@" || failed+=(newest)
     return
   fi
-  mkdir -p "$(dirname "$log")"
   run_pytest "$label" "$py" -m "$SECOND_LANE" >"$log" 2>&1 &
   pid=$!
   echo "tools/test.sh: [$label] running beside the rest (pid $pid): $log" >&2
-  run_pytest "newest: the rest" "$py" -m "not ($SECOND_LANE)" || rc=1
-  wait "$pid" || rc=1
+  run_pytest "newest: the rest" "$py" -m "not ($SECOND_LANE)" || failed+=(newest)
+  # The loop tests that compare two runs' floating point, once more under torch's portable CPU
+  # kernels (ATEN_CPU_CAPABILITY=default: other rounding than this machine's vectorised ones), so a
+  # test that holds only on one CPU's rounding fails here rather than on the next machine.
+  ATEN_CPU_CAPABILITY=default run_pytest "newest, ATEN_CPU_CAPABILITY=default" "$py" "${CAPABILITY_TESTS[@]}" \
+    || failed+=("newest (ATEN_CPU_CAPABILITY=default)")
+  if [[ ",$stacks," == *",oldest,"* ]]; then
+    run_oldest || failed+=(oldest)
+  fi
+  wait "$pid" || failed+=("newest: second lane")
   echo "tools/test.sh: ---- [$label], its output ($log) ----" >&2
   cat "$log" >&2
-  echo "tools/test.sh: [newest] both runs done after $((SECONDS - start)) s" >&2
-  return "$rc"
+  echo "tools/test.sh: [lanes] done after $((SECONDS - start)) s" >&2
 }
 
 failed=()
+mkdir -p "$repo/.test-logs"
 if [[ ",$stacks," == *",newest,"* ]]; then
   py="$(bash tools/setup_env.sh | tail -n 1)"
+  if [[ ",$stacks," == *",oldest,"* && "$#" -eq 0 ]]; then  # (after the newest's editable install of this checkout)
+    oldest_setup >"$repo/.test-logs/oldest-setup.log" 2>&1 &
+    oldest_setup_pid=$!
+  fi
   # A real SGLang server on CPU for the rollout tests (marker `sglang`): its own venv, see the script.
   MTEPO_SGLANG_PYTHON="$(bash tools/install_sglang_cpu.sh | tail -n 1)"
   export MTEPO_SGLANG_PYTHON
@@ -92,19 +129,9 @@ if [[ ",$stacks," == *",newest,"* ]]; then
       echo "tools/test.sh: the local Slurm cluster did not start (see above): the slurm tests will fail" >&2
     fi
   fi
-  run_newest "$py" "$@" || failed+=(newest)
-  # The loop tests that compare two runs' floating point, once more under torch's portable CPU
-  # kernels (ATEN_CPU_CAPABILITY=default: other rounding than this machine's vectorised ones), so a
-  # test that holds only on one CPU's rounding fails here rather than on the next machine.
-  if [ "$#" -eq 0 ]; then
-    ATEN_CPU_CAPABILITY=default run_pytest "newest, ATEN_CPU_CAPABILITY=default" "$py" "${CAPABILITY_TESTS[@]}" \
-      || failed+=("newest (ATEN_CPU_CAPABILITY=default)")
-  fi
-fi
-if [[ ",$stacks," == *",oldest,"* ]]; then
-  old_py="$(MTEPO_PYTHON="${MTEPO_OLDEST_PYTHON:-python3.11}" MTEPO_MCORE="megatron-core==0.16.1" \
-            MTEPO_VENV="$repo/.venv-oldest" MTEPO_EXTRAS=dev bash tools/setup_env.sh | tail -n 1)"
-  run_pytest oldest "$old_py" -m "$OLDEST_MARKS" "${OLDEST_TESTS[@]}" || failed+=(oldest)
+  run_lanes "$py" "$@"
+elif [[ ",$stacks," == *",oldest,"* ]]; then
+  run_oldest || failed+=(oldest)
 fi
 if [ "${#failed[@]}" -gt 0 ]; then
   echo "tools/test.sh: FAILED on: ${failed[*]}" >&2

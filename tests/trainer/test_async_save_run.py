@@ -30,6 +30,7 @@ def _run(out, async_save, port):
 
 
 @pytest.mark.slow
+@pytest.mark.journey  # (whole main-job runs: the second lane, tools/test.sh)
 def test_async_saves_give_the_metrics_of_synchronous_saves(tmp_path):
     port = 24000 + os.getpid() % 5000
     sync = _run(tmp_path / "sync", False, port)

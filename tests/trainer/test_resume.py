@@ -30,7 +30,8 @@ def _metrics(out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("staleness,steps", [(0, 24), (1, 12)])
+@pytest.mark.journey  # (whole runs.py runs, killed and resumed: the second lane, tools/test.sh)
+@pytest.mark.parametrize("staleness,steps", [(0, 12), (1, 12)])  # (killed after step 8's checkpoint)
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, staleness, steps):
     ref, run = tmp_path / "ref", tmp_path / "run"
     port = 23000 + os.getpid() % 5000 + 10 * staleness
