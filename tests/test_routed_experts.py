@@ -74,9 +74,16 @@ def test_config_routing_replay_rules():
     assert load_config(None, ["actor.routing_replay=r3"]).actor.routing_replay == "r3"
     with pytest.raises(ConfigError, match="actor.routing_replay"):
         load_config(None, ["actor.routing_replay=r4"])
-    with pytest.raises(ConfigError, match=r"^actor.routing_replay: r3 replays the engine's routing, which "
-                                          r"rollout.engine 'sglang' does not return"):
-        load_config(None, ["actor.routing_replay=r3", "rollout.engine=sglang"])
+    # both engines return routing (the SGLang fleet asks its servers: rollout/sglang/routing.py); an
+    # engine that did not would be refused in one line
+    assert load_config(None, ["actor.routing_replay=r3", "rollout.engine=sglang"]).actor.routing_replay == "r3"
+    from megatron_tepo.config import validation
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(validation, "ROUTING_ENGINES", ("embedded",))
+        with pytest.raises(ConfigError, match=r"^actor.routing_replay: r3 replays the engine's routing, which "
+                                              r"rollout.engine 'sglang' does not return"):
+            load_config(None, ["actor.routing_replay=r3", "rollout.engine=sglang"])
     with pytest.raises(ConfigError, match=r"^actor.routing_replay: r2 records the routing in the actor's "
                                           r"old-log-prob pass, which algorithm.old_log_prob: rollout skips"):
         load_config(None, ["actor.routing_replay=r2", "algorithm.old_log_prob=rollout"])

@@ -18,8 +18,9 @@ from megatron_tepo.layout import LayoutError, validate_layout
 __all__ = ["validate", "packing_problem", "ROUTING_ENGINES"]
 
 #: the rollout engines that return each token's routed experts (``Sample.routed_experts``), which
-#: ``actor.routing_replay: r3`` replays (the SGLang fleet does not ask its servers for them yet)
-ROUTING_ENGINES = ("embedded",)
+#: ``actor.routing_replay: r3`` replays (the SGLang fleet asks its servers for them:
+#: rollout/sglang/routing.py; the servers need --enable-return-routed-experts, SGLang 0.5.23)
+ROUTING_ENGINES = ("embedded", "sglang")
 
 
 def packing_problem(actor: ActorConfig) -> str:

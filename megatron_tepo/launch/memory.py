@@ -111,11 +111,16 @@ class ActorMemory:
     dp: int
     edp: int
     tokens: int
+    # MoE routing replay (actor.routing_replay): the replayed expert ids (int64) of the micro-batches in
+    # flight, held until each one's backward (its recompute replays them)
+    routing: float = 0.0
+    # and on the host, per rank, once per step: the step's routing (int8 up to 128 experts), every row
+    routing_host: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.weights + self.grads + self.optimizer + self.reference + self.activations
-                + self.logits + self.reserve)
+                + self.logits + self.reserve + self.routing)
 
 
 @dataclass
@@ -162,6 +167,10 @@ def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> ActorMe
     else:
         kept, working = per_layer, 0.0
     counts = param_counts(m, t, p, e)
+    replay = m.is_moe and act.routing_replay != "off"
+    step_rows = cfg.rollout.prompts_per_step * cfg.rollout.n_samples
+    routing_host = (step_rows * longest * m.num_hidden_layers * m.num_experts_per_tok
+                    * (1 if m.num_experts <= 128 else 2)) if replay else 0.0
     best = None
     for stage, in_flight, has_logits in (("first", p, p == 1), ("last", 1, True)):
         dense, expert = counts[stage]
@@ -172,7 +181,8 @@ def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> ActorMe
             reference=(w_b * (dense + expert) if ref else 0.0),
             activations=in_flight * n * kept * s + working,
             logits=logits_bytes(m, t, elem) * s if has_logits else 0.0,
-            reserve=launch.reserve_gib * GiB, dp=dp, edp=edp, tokens=s)
+            reserve=launch.reserve_gib * GiB, dp=dp, edp=edp, tokens=s,
+            routing=(8.0 * in_flight * s * n * m.num_experts_per_tok) if replay else 0.0, routing_host=routing_host)
         if best is None or mem.total > best.total:
             best = mem
     return best

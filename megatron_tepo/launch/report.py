@@ -99,6 +99,9 @@ class FitReport:
         if a.reference:
             parts.append(f"reference {_gib(a.reference)}")
         parts += [f"activations {_gib(a.activations)}", f"logits {_gib(a.logits)}", f"reserve {_gib(a.reserve)}"]
+        if a.routing:
+            parts.append(f"routing replay {a.routing / 2 ** 20:.0f} MiB (and {_gib(a.routing_host)} of host memory a "
+                         f"rank per step: the step's routed experts)")
         return ", ".join(parts)
 
     def render(self) -> str:

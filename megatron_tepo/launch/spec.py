@@ -168,7 +168,10 @@ def serve_args(spec: LaunchSpec) -> List[str]:
     L, cfg = spec.launch, spec.cfg
     ctx = cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens if L.device == "cuda" else None
     # (a colocated layout's mem_fraction_static and memory saver: the fit check's, in L.rollout.server)
-    server = dataclasses.replace(L.rollout.server, model_path=cfg.model.path, host="0.0.0.0", context_length=ctx)
+    server = dataclasses.replace(L.rollout.server, model_path=cfg.model.path, host="0.0.0.0", context_length=ctx,
+                                 # MoE routing replay from the rollout's experts: the servers return them
+                                 enable_return_routed_experts=(L.rollout.server.enable_return_routed_experts
+                                                               or cfg.actor.routing_replay == "r3"))
     return ["-m", served_engine(L.rollout.engine).serve_module, *server.to_argv()]
 
 

@@ -259,3 +259,25 @@ def test_gpu_servers_per_node_explicit(tmp_path):
     spec = tiny(tmp_path, launch=dict(rollout_nodes=2, sglang=dict(tp=2, servers_per_node=1)))
     s = server_memory(spec.shape(), spec.cfg, spec.launch)
     assert s.servers == 2  # 2 nodes x 1 server (instead of 4 GPUs / tp 2 = 2 per node)
+
+
+def test_the_fit_check_prices_routing_replay():
+    """Issue #41 point 6: with ``actor.routing_replay`` on an MoE model, the replayed expert ids (int64) of
+    each micro-batch in flight on the GPU, and a step's routing (int8 for 128 experts) on each rank's
+    host; nothing for a dense model or with replay off."""
+    from megatron_tepo.launch import load_launch
+    from megatron_tepo.launch.memory import actor_memory
+
+    spec = load_launch(MODELS / "qwen3_30b_a3b.yaml")
+    m, cfg, L = spec.shape(), spec.cfg, spec.launch
+    a = actor_memory(m, cfg, L)
+    assert cfg.actor.routing_replay == "r3" and (m.num_hidden_layers, m.num_experts_per_tok, m.num_experts) == (48, 8, 128)
+    assert a.routing == 8 * a.tokens * 48 * 8
+    longest = cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens
+    assert a.routing_host == cfg.rollout.prompts_per_step * cfg.rollout.n_samples * longest * 48 * 8
+    assert a.total == pytest.approx(a.weights + a.grads + a.optimizer + a.activations + a.logits + a.reserve
+                                    + a.routing + a.reference)
+    off = load_launch(MODELS / "qwen3_30b_a3b.yaml", ["actor.routing_replay=off"])
+    assert actor_memory(off.shape(), off.cfg, off.launch).routing == 0.0
+    dense = load_launch(MODELS / "qwen3_14b.yaml")
+    assert actor_memory(dense.shape(), dense.cfg, dense.launch).routing_host == 0.0

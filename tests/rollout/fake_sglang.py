@@ -26,6 +26,23 @@ from typing import Callable, Dict, Iterable, List, Optional
 GENERATING = frozenset({"/generate", "/health_generate", "/health"})
 
 
+def routed_experts_ids(positions: int, num_layers: int, topk: int, num_experts: int):
+    """The expert ids a fake server routes to: ``[positions, num_layers, topk]`` int32, a function of
+    the position, the layer and the slot."""
+    import numpy as np
+
+    p, layer, k = np.meshgrid(np.arange(positions), np.arange(num_layers), np.arange(topk), indexing="ij")
+    return ((3 * p + 5 * layer + k) % num_experts).astype(np.int32)
+
+
+def routed_experts_b64(positions: int, num_layers: int, topk: int, num_experts: int) -> str:
+    """As SGLang 0.5.23's tokenizer manager writes ``meta_info["routed_experts"]``:
+    ``pybase64.b64encode(tensor.numpy().tobytes())`` of the int32 ids."""
+    import base64
+
+    return base64.b64encode(routed_experts_ids(positions, num_layers, topk, num_experts).tobytes()).decode("utf-8")
+
+
 class _QuietServer(ThreadingHTTPServer):
     def handle_error(self, request, client_address):  # a client that gave up on a frozen server
         if not isinstance(sys.exc_info()[1], (ConnectionError, BrokenPipeError)):
@@ -34,8 +51,12 @@ class _QuietServer(ThreadingHTTPServer):
 
 class FakeSGLang:
     def __init__(self, tp_size: int = 1, missing: Iterable[str] = (), delays: Optional[Dict[str, float]] = None,
-                 port: int = 0, inspect: Optional[Callable[[str, Optional[dict], str], None]] = None):
+                 port: int = 0, inspect: Optional[Callable[[str, Optional[dict], str], None]] = None,
+                 routing: Optional[tuple] = None):
         self.tp_size, self.missing, self.delays, self.inspect = tp_size, set(missing), dict(delays or {}), inspect
+        # (num_layers, topk, num_experts): a server started with --enable-return-routed-experts, which answers a
+        # request asking for them with SGLang 0.5.23's meta_info["routed_experts"] (ROUTED_EXPERTS below)
+        self.routing = routing
         self.requests: List[dict] = []  # {"method", "path", "body", "start", "end"}
         # freeze(): /generate and /health_generate hang until thaw() (a SIGSTOP-ed scheduler)
         self.frozen, self.thawed = threading.Event(), threading.Event()
@@ -88,7 +109,11 @@ class FakeSGLang:
                         time.sleep(fake.delays.get(path, 0.0))
                         status, out = 200, {"output_ids": [7, 8], "meta_info": {
                             "output_token_logprobs": [[-0.5, 7, None], [-0.25, 8, None]],
-                            "finish_reason": {"type": "length", "length": 2}}}
+                            "finish_reason": {"type": "length", "length": 2},
+                            "prompt_tokens": len((body or {}).get("input_ids") or ())}}
+                        if fake.routing is not None and (body or {}).get("return_routed_experts"):
+                            out["meta_info"]["routed_experts"] = routed_experts_b64(
+                                out["meta_info"]["prompt_tokens"] + 2 - 1, *fake.routing)
                     else:
                         time.sleep(fake.delays.get(path, 0.0))
                         status, out = 200, {"success": True, "message": "ok"}

@@ -61,6 +61,7 @@ checkpoint (docs/FAULT_TOLERANCE.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -81,6 +82,7 @@ from megatron_tepo.rollout.sglang.health import COUNTERS, Event, State, counter
 from megatron_tepo.rollout.sglang.client import FleetError, RequestFailed, SGLangServer
 from megatron_tepo.rollout.sglang.options import ServerConfig
 from megatron_tepo.rollout.sglang.router import ROUTER_POLICIES, launch_router, router_installed
+from megatron_tepo.rollout.sglang.routing import ROUTING_REQUEST, RoutingShape, decode_routed_experts
 from megatron_tepo.rollout.sglang.server import launch_server, stop_server, wait_ready
 from megatron_tepo.rollout.sglang.weight_sync import TensorSync
 
@@ -115,6 +117,9 @@ class FleetConfig:
     # colocated mode, attached servers: the file this fleet creates while a weight sync waits for
     # dead servers to come back (slurm/lib.sh restarts one only then: TEPO_SGLANG_RESTART_GATE)
     restart_gate: str = ""
+    # MoE routing replay (actor.routing_replay: r3): every sample's routed experts are asked for and
+    # decoded (the servers need --enable-return-routed-experts); None: not asked
+    routing: Optional[RoutingShape] = None
 
 
 def use_router(cfg: FleetConfig, n_servers: int) -> bool:
@@ -142,7 +147,9 @@ def memory_tags(tags: Iterable[str]) -> frozenset:
     return tags
 
 
-def parse_generate_output(out: dict) -> Sample:
+def parse_generate_output(out: dict, routing: Optional[RoutingShape] = None, where: str = "the server") -> Sample:
+    """One ``/generate`` answer as a :class:`Sample`; with ``routing`` (the request asked for it) its
+    routed experts too, their absence a non-retryable failure naming ``where``."""
     meta = out.get("meta_info", {})
     fr = meta.get("finish_reason") or {}
     kind = fr.get("type") if isinstance(fr, dict) else str(fr)
@@ -153,8 +160,14 @@ def parse_generate_output(out: dict) -> Sample:
     if kind == "abort":
         raise RequestFailed(f"request aborted by the server: {fr}")
     reason = FINISH_STOP if kind == "stop" else FINISH_LENGTH
+    routed = None
+    if routing is not None:
+        try:
+            routed = decode_routed_experts(meta, int(meta.get("prompt_tokens", 0)) + len(ids) - 1, routing, where)
+        except ValueError as exc:
+            raise RequestFailed(str(exc), retryable=False) from None
     return Sample([int(t) for t in ids], [float(t[0]) for t in lps], reason,
-                  meta={"matched_stop": fr.get("matched") if isinstance(fr, dict) else None})
+                  meta={"matched_stop": fr.get("matched") if isinstance(fr, dict) else None}, routed_experts=routed)
 
 
 class SGLangFleet(RolloutEngine):
@@ -178,6 +191,10 @@ class SGLangFleet(RolloutEngine):
         self._router_members: Tuple[Tuple[str, int], ...] = ()
         self.weight_sync = weight_sync
         self.routed = 0  # requests answered through the router
+        if cfg.routing is not None and not cfg.server.enable_return_routed_experts:
+            # the servers launched here return the routing they are asked for (attached ones: their launcher's flag)
+            self.cfg = cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server,
+                                                                                 enable_return_routed_experts=True))
         keys = list(cfg.api_keys) + [None] * (len(cfg.urls) - len(cfg.api_keys))
         self.servers += [SGLangServer(u, k) for u, k in zip(cfg.urls, keys)]
         self._released = memory_tags(cfg.released)  # what the fleet has released (colocated mode)
@@ -579,13 +596,14 @@ class SGLangFleet(RolloutEngine):
             if seed is not None:
                 s["sampling_seed"] = int(seed) + i
             payloads.append({"input_ids": [int(t) for t in p], "sampling_params": s,
-                             "return_logprob": True, "logprob_start_len": -1})
+                             "return_logprob": True, "logprob_start_len": -1,
+                             **(ROUTING_REQUEST if self.cfg.routing is not None else {})})
 
         def parse(out):
             outs = out if isinstance(out, list) else [out]
             if len(outs) != sp.n:
                 raise RequestFailed(f"expected {sp.n} samples, got {len(outs)}")
-            return [parse_generate_output(o) for o in outs]
+            return [parse_generate_output(o, self.cfg.routing, "an SGLang server") for o in outs]
 
         return self._run_all("/generate", payloads, parse)
 

@@ -107,6 +107,10 @@ class ServerConfig:
     # cuda; torch_memory_saver is a CUDA library, so a CPU server releases without it, freeing nothing)
     enable_memory_saver: bool = _option(False, "enable-memory-saver", flag=True,
                                         help="SGLang's memory saver (colocated mode on GPUs)")
+    # MoE routing replay (actor.routing_replay: r3): each answer carries the experts every token was
+    # routed to (SGLang's --enable-return-routed-experts; the launchers set it when replay asks for it)
+    enable_return_routed_experts: bool = _option(False, "enable-return-routed-experts", flag=True,
+                                                 help="return each token's routed experts (MoE routing replay)")
     extra_args: Sequence[str] = ()  # SGLang flags of its own, after ``--`` on the command line
     env: Dict[str, str] = field(default_factory=dict)
     startup_timeout: float = 180.0
@@ -309,6 +313,8 @@ def server_command(cfg: ServerConfig, port: int, api_key: Optional[str] = None,
         cmd += ["--context-length", str(cfg.context_length)]
     if cfg.enable_memory_saver:
         cmd += ["--enable-memory-saver"]
+    if cfg.enable_return_routed_experts:
+        cmd += ["--enable-return-routed-experts"]
     env = dict(os.environ if base_env is None else base_env)
     if cfg.device == "cpu":
         cmd += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch",

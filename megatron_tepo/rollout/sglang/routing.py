@@ -1,0 +1,80 @@
+"""MoE routing from SGLang servers (``actor.routing_replay: r3``): which layers route and how many
+experts each token takes (:class:`RoutingShape`, read from the model's HF ``config.json``), the
+request field that asks for them, and their decoding from a ``/generate`` answer into
+``Sample.routed_experts`` (:func:`decode_routed_experts`).
+
+What SGLang returns (read in 0.5.23: ``srt/state_capturer/routed_experts.py``,
+``srt/managers/tokenizer_manager.py``): a server started with ``--enable-return-routed-experts``
+answers a request with ``return_routed_experts: true`` (``routed_experts_start_len`` 0: from the
+prompt's first token) with ``meta_info["routed_experts"]``, the base64 of an int32 array of
+``[prompt + output - 1, num_hidden_layers, num_experts_per_tok]`` (every layer of the model, the
+dense ones of a mixed stack included; the last output token is never run). This module keeps the
+MoE layers, in the actor's order.
+
+Left out: a server without the flag answers without the field, which is an error naming the server
+(never a silent fall-back: the fleet raises it); shared experts fused into the routed ones
+(``num_fused_shared_experts``; not in the Qwen3-MoE family).
+"""
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+
+__all__ = ["RoutingShape", "routing_shape_of", "decode_routed_experts", "ROUTING_REQUEST"]
+
+#: what a ``/generate`` payload adds to ask for its routing
+ROUTING_REQUEST = {"return_routed_experts": True, "routed_experts_start_len": 0}
+
+
+@dataclass(frozen=True)
+class RoutingShape:
+    """``num_layers``: the model's layers (SGLang captures every one); ``moe_layers``: those that
+    route, in order (the layer axis of ``Sample.routed_experts``); ``topk``: experts per token;
+    ``num_experts``: for the ids' range check."""
+    num_layers: int
+    moe_layers: Tuple[int, ...]
+    topk: int
+    num_experts: int
+
+
+def routing_shape_of(model_dir: str) -> RoutingShape:
+    """The routing of the HF checkpoint in ``model_dir`` (its ``config.json``: ``num_hidden_layers``,
+    ``num_experts_per_tok``, ``num_experts``, and which layers are MoE: ``mlp_only_layers`` and
+    ``decoder_sparse_step``, as transformers' Qwen3-MoE decides). A dense model is an error."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read the model's config ({type(exc).__name__}: {exc})") from None
+    experts, topk = cfg.get("num_experts") or cfg.get("num_local_experts"), cfg.get("num_experts_per_tok")
+    if not experts or not topk:
+        raise ValueError(f"{path}: no num_experts / num_experts_per_tok: a dense model has no routing to return")
+    layers = int(cfg["num_hidden_layers"])
+    dense, step = set(cfg.get("mlp_only_layers") or ()), int(cfg.get("decoder_sparse_step") or 1)
+    moe = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    return RoutingShape(layers, moe, int(topk), int(experts))
+
+
+def decode_routed_experts(meta: dict, positions: int, shape: RoutingShape, where: str) -> torch.Tensor:
+    """``meta_info["routed_experts"]`` as ``[positions, len(moe_layers), topk]`` expert ids, in the
+    smallest integer type that holds the expert count (int8 up to 128 experts, else int16).
+    Missing, or of another size, or ids out of range: ValueError naming ``where`` (the server)."""
+    raw: Optional[str] = meta.get("routed_experts")
+    if raw is None:
+        raise ValueError(f"{where} returned no routed experts although asked (return_routed_experts): start it "
+                         f"with --enable-return-routed-experts (launch.rollout.enable_return_routed_experts)")
+    ids = np.frombuffer(base64.b64decode(raw), dtype=np.int32)
+    want = positions * shape.num_layers * shape.topk
+    if ids.size != want:
+        raise ValueError(f"{where} returned {ids.size} routed-expert ids, expected {positions} positions x "
+                         f"{shape.num_layers} layers x top-{shape.topk} = {want}")
+    out = torch.from_numpy(ids.reshape(positions, shape.num_layers, shape.topk)[:, list(shape.moe_layers)].copy())
+    if out.numel() and (int(out.min()) < 0 or int(out.max()) >= shape.num_experts):
+        raise ValueError(f"{where} returned expert ids outside [0, {shape.num_experts})")
+    return out.to(torch.int8 if shape.num_experts <= 128 else torch.int16)
