@@ -113,7 +113,7 @@ def test_a_colocated_training_run_survives_a_server_killed_generating_and_one_ki
     process takes its full memory, which only that phase has room for beside the actor."""
     import json
 
-    from tests.rollout.test_fleet_recovery import _generate_before_first_load, _run, _transitions
+    from tests.rollout.test_fleet_recovery import _generate_before_first_load, _run, _transitions, deaths_counted_in_time
 
     out = tmp_path / "run"
     res, log = _run(tiny, out, sglang_python, colocated=True)
@@ -152,6 +152,7 @@ def test_a_colocated_training_run_survives_a_server_killed_generating_and_one_ki
     assert all("engine_release_s" in r and "actor_onload_s" in r for r in rows)  # (it ran colocated)
     total = {k: sum(r[k] for r in rows) for k in ("fleet_died", "fleet_restarts", "fleet_returned", "fleet_resynced")}
     assert total == {"fleet_died": 2, "fleet_restarts": 2, "fleet_returned": 2, "fleet_resynced": 2}, total
-    # (a step's counts are read after its rollout: the server lost in step 3's actor turn is step 4's)
-    assert [r["fleet_died"] for r in rows] == [0, 1, 0, 1], rows
+    # (a step's counts are read after its rollout: the server lost in step 3's actor turn is step 4's;
+    # the one killed as it generates in step 2 is step 2's or, when it answered first, step 3's)
+    assert deaths_counted_in_time([r["fleet_died"] for r in rows], [2, 3]), rows
     assert rows[-1]["fleet_healthy"] == 2

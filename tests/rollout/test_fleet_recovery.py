@@ -40,6 +40,20 @@ def _transitions(server):
     return [(old, event, new) for _, old, event, new, _ in server["history"] if old != new]
 
 
+def deaths_counted_in_time(died_per_step, fault_steps):
+    """Each death is counted once, in the step that lost its server or the next, never before: the
+    deaths counted by the end of step k are at most the faults injected up to step k and at least
+    those injected up to step k - 1. (Which of the two steps counts it depends on the machine's
+    load: a server killed as its request runs may answer the request first, and then it is found
+    by the next probe or sync.)"""
+    counted = 0
+    for k, died in enumerate(died_per_step, start=1):
+        counted += died
+        if not sum(f < k for f in fault_steps) <= counted <= sum(f <= k for f in fault_steps):
+            return False
+    return counted == len(fault_steps)
+
+
 def _generate_before_first_load(log_path):
     """POST /generate lines in a server's access log before its first weight load."""
     n = 0
@@ -103,7 +117,8 @@ def test_killed_and_frozen_servers_come_back_with_the_current_weights(faults_run
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     total = {k: sum(r[k] for r in rows) for k in ("fleet_died", "fleet_restarts", "fleet_returned", "fleet_resynced")}
     assert total == {"fleet_died": 2, "fleet_restarts": 2, "fleet_returned": 2, "fleet_resynced": 2}, total
-    assert rows[1]["fleet_died"] == 1 and rows[2]["fleet_died"] == 1  # in the steps that lost them
+    # in the steps that lost them (step 2's kill, step 3's stop), or the next
+    assert deaths_counted_in_time([r["fleet_died"] for r in rows], [2, 3]), rows
     assert rows[-1]["fleet_healthy"] == 2
     assert "-> dead" in log and "stale -> healthy on synced" in log  # every transition is logged
 

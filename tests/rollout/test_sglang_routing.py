@@ -107,3 +107,51 @@ def test_the_launchers_start_the_servers_returning_routing_when_replay_asks():
     assert "--enable-return-routed-experts" not in serve_args(dense)
     cmd, _ = server_command(ServerConfig(model_path="/m", enable_return_routed_experts=True), 30000)
     assert "--enable-return-routed-experts" in cmd
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(900)
+def test_a_real_sglang_cpu_server_returns_the_routing_of_a_tiny_moe(tmp_path, sglang_python):
+    """The fleet launches a real SGLang 0.5.23 CPU server on a tiny random Qwen3-MoE (2 layers, 8
+    experts, top-2) with ``routing``: it starts it with --enable-return-routed-experts, asks every
+    request for the routing and decodes it. The experts are those of SGLang's own forward: each id
+    in range, one per slot, the two slots of a position distinct, the same for the same prompt."""
+    import transformers
+
+    from megatron_tepo.rollout.sglang.options import ServerConfig
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=512, num_experts=8, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+                                      mlp_only_layers=[], tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                                      pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).float()
+    model.save_pretrained(tmp_path / "moe")
+    shape = routing_shape_of(str(tmp_path / "moe"))
+    assert shape == RoutingShape(2, (0, 1), 2, 8)
+    fleet = SGLangFleet(FleetConfig(num_servers=1, router="none", request_timeout=300, step_timeout=600,
+                                    routing=shape,
+                                    server=ServerConfig(model_path=str(tmp_path / "moe"), python=sglang_python,
+                                                        dtype="float32", startup_timeout=600,
+                                                        log_dir=str(tmp_path / "logs"))))
+    try:
+        prompts = [[5, 6, 7, 8], [9, 10, 11]]
+        groups = fleet.generate(prompts, n=2, max_new_tokens=3, temperature=0.0)
+        for prompt, group in zip(prompts, groups):
+            for s in group:
+                r = s.routed_experts
+                assert r.shape == (len(prompt) + len(s.token_ids) - 1, 2, 2), r.shape
+                assert int(r.min()) >= 0 and int(r.max()) < 8 and bool((r[..., 0] != r[..., 1]).all()), r
+            assert torch.equal(group[0].routed_experts, group[1].routed_experts)  # greedy: the same routing
+            # HF's router on the same tokens (fp32 both): the same experts, but for near ties
+            s = group[0]
+            ids = torch.tensor([prompt + s.token_ids[:-1]])
+            with torch.no_grad():
+                logits = model(input_ids=ids, output_router_logits=True).router_logits
+            hf = torch.stack([lg.view(ids.shape[1], -1).topk(2, -1).indices for lg in logits], 1)  # [pos, layer, k]
+            same = (hf.sort(-1).values == s.routed_experts.long().sort(-1).values).all(-1).float().mean()
+            assert same >= 0.9, (same, hf, s.routed_experts)
+    finally:
+        fleet.close()
