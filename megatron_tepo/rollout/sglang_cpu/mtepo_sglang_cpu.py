@@ -52,6 +52,11 @@ receive buffer is let go (a refused layout keeps it, so that it is not allocated
 Difference from the normal path: a broadcast that fails half-way has already overwritten part of
 the parameters (the normal path would only fail in the load; SGLang then says "the weights are
 partially updated" either way). ``MTEPO_SGLANG_DIRECT_RECEIVE=0`` turns it off.
+
+Work-around 4 -- host pools without CUDA. ``--enable-return-routed-experts`` (MoE routing replay)
+allocates a host cache of the captured experts that SGLang page-locks through
+``torch.cuda.cudart()``, which a CPU torch refuses ("Torch not compiled with CUDA enabled"): the
+server did not start. Without CUDA the registration is skipped (there is no device to pin for).
 """
 from __future__ import annotations
 
@@ -355,9 +360,27 @@ def _exec_weight_updater(inner, module):
     cls._mtepo_direct_receive = direct
 
 
+# ---------------------------------------------------------------- work-around 4: host pools without CUDA
+def _exec_pool_host_common(inner, module):
+    """``--enable-return-routed-experts`` (MoE routing replay) gives the scheduler a host cache of the
+    captured experts, allocated by ``alloc_with_host_register``, which page-locks it with
+    ``torch.cuda.cudart().cudaHostRegister``: on a CPU torch that raises "Torch not compiled with CUDA
+    enabled" and the server does not start. Without CUDA there is nothing to page-lock for: the
+    registration and its undoing are skipped (plain host memory). With CUDA nothing changes."""
+    inner.exec_module(module)
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    for name in ("_cuda_host_register", "_cuda_host_unregister"):
+        if hasattr(module, name):
+            setattr(module, name, lambda *args, **kwargs: None)
+
+
 _PATCHES = {
     "torchvision._meta_registrations": _exec_torchvision_meta,
     "sglang.srt.model_executor.model_runner_components.weight_updater": _exec_weight_updater,
+    "sglang.srt.mem_cache.pool_host.common": _exec_pool_host_common,
 }
 
 
