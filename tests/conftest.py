@@ -21,8 +21,6 @@ def pytest_configure(config):
         ("slow", "takes more than ~30 s"),
         ("journey", "a user's whole command line (tools/train.py and the CLI, in subprocesses); tools/test.sh runs "
                     "these beside the rest, with the sglang and slurm tests"),
-        ("second_lane", "heavy subprocess tests that tools/test.sh runs in its second lane, with the sglang, slurm "
-                        "and journey tests, to even its two lanes out"),
     ]:
         config.addinivalue_line("markers", f"{name}: {text}")
 

@@ -53,7 +53,7 @@ run_pytest() {  # run_pytest <label> <python> <pytest args...>: returns 0 / 1
 # idle about a third of the time. The second run's output goes to .test-logs/newest-servers.log and
 # is printed after the first run's. Extra arguments (a selection of tests): one pytest run, as they
 # say.
-SECOND_LANE="slurm or sglang or journey or second_lane"
+SECOND_LANE="slurm or sglang or journey"
 
 # The oldest stack's venv (tools/setup_env.sh with MTEPO_PYTHON, default python3.11), made in the
 # background from the start: its installs overlap the newest stack's (log: .test-logs/oldest-setup.log).

@@ -11,8 +11,7 @@ from tests.checkpoint.fixtures import VARIANTS, load_hf_tensors, make_hf_dir, va
 from tests.dist_utils import torchrun
 
 WORKER = Path(__file__).with_name("convert_worker.py")
-# (second_lane: tools/test.sh runs these beside the server tests, to even its two lanes out)
-pytestmark = [pytest.mark.distributed, pytest.mark.second_lane]
+pytestmark = pytest.mark.distributed
 
 
 def _build(root: Path, variants):

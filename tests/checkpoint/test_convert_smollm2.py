@@ -40,9 +40,6 @@ import torch
 from tests.checkpoint.fixtures import smollm2_dir
 from tests.dist_utils import torchrun
 
-# (second_lane: tools/test.sh runs it beside the server tests, to even its two lanes out)
-pytestmark = pytest.mark.second_lane
-
 WORKER = Path(__file__).with_name("convert_worker.py")
 
 
