@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The whole test suite, as CI runs it, on both ends of the supported stack range:
+# The whole test suite, as CI runs it, on both ends of the supported stack range, in three lanes at
+# once (run_lanes below):
 #   1. newest: the whole suite in .venv, made by tools/setup_env.sh with `python3.12` where one
-#      runs (megatron-core 0.19.x), else `python3`, in two lanes at once (run_lanes below): the
-#      server and Slurm tests beside the rest;
-#   2. after the rest, in the same lane: the loop tests that compare floating point again under
-#      ATEN_CPU_CAPABILITY=default (CAPABILITY_TESTS), then
-#   3. oldest: the actor / conversion / distributed subset (OLDEST_TESTS below) in .venv-oldest,
-#      Python 3.11 with megatron-core 0.16.1 (MTEPO_OLDEST_PYTHON, default python3.11), its venv
-#      made in the background meanwhile.
+#      runs (megatron-core 0.19.x), else `python3`: the rest, then the loop tests that compare
+#      floating point again under ATEN_CPU_CAPABILITY=default (CAPABILITY_TESTS); beside them the
+#      SGLang and Slurm tests, and
+#   2. oldest: the actor / conversion / distributed subset (OLDEST_TESTS below) in .venv-oldest,
+#      Python 3.11 with megatron-core 0.16.1 (MTEPO_OLDEST_PYTHON, default python3.11), then the
+#      newest stack's journeys.
 # It installs what it needs (tools/setup_env.sh for both, the SGLang CPU venv, a one-node Slurm
 # cluster), then runs pytest on each stack. It exits non-zero when either run fails; pytest's
 # exit code 5 ("no tests collected") is a failure here, never a silent pass.
@@ -23,6 +23,27 @@ stacks="${MTEPO_STACKS:-newest,oldest}"
 OLDEST_TESTS=(tests/megatron tests/checkpoint tests/ops/test_rope.py tests/ops/test_vocab_triton.py
               tests/trainer/test_multiprocess.py tests/launch/test_fit_check_quiet.py)
 OLDEST_MARKS="not sglang and not slurm"
+# Left out there: the layouts whose megatron-core calls another oldest-stack test already makes (the
+# newest stack runs them all). TP2 and PP2 alone: TP2xPP2 makes both calls; the trainer's TP2 and DP2
+# two-process runs: its PP2 run (megatron's pipeline schedule) and the actor's TP2xPP2/DP2 tests;
+# conversion's TP2 reshard and bf16 round trip: its TP2xPP2 round trip with logits and the bf16
+# actor; SmolLM2 (a Llama: the same GPTModel and mapping calls); the streaming import's EP2 case and
+# the TP2 and PP2 export buckets: their TP2xPP2 and EP2 cases; one of each pair of the fast-path
+# step and compile-count cases.
+OLDEST_DESELECT=(
+  tests/megatron/test_actor_distributed.py::test_tp2_matches_hf
+  tests/megatron/test_actor_distributed.py::test_pp2_matches_hf
+  "tests/trainer/test_multiprocess.py::test_two_processes_match_one[tp2]"
+  "tests/trainer/test_multiprocess.py::test_two_processes_match_one[dp2]"
+  tests/checkpoint/test_convert_roundtrip.py::test_tp2_logits_and_reshard_to_tp1_and_pp2
+  tests/checkpoint/test_convert_roundtrip.py::test_bf16_checkpoint_roundtrip_tp2
+  tests/checkpoint/test_convert_smollm2.py::test_smollm2_pp2_logits_and_tp3_reshard
+  "tests/checkpoint/test_convert_streaming.py::test_streaming_import_equals_megatron_save[ep2]"
+  tests/megatron/test_export_buckets.py::test_export_buckets_tp2_bit_exact
+  tests/megatron/test_export_buckets.py::test_export_buckets_pp2_reach_rank0_bit_exact
+  "tests/megatron/test_launch_costs.py::test_the_fast_paths_step_equals_megatrons_own_within_rounding[bf16]"
+  "tests/megatron/test_launch_costs.py::test_fusions_compile_once_for_every_packed_length[none]"
+)
 # The loop tests that compare two runs made on this machine (about 1 min), run again under a second
 # CPU capability (below).
 CAPABILITY_TESTS=(tests/trainer/test_loop.py::test_main_job_short_run
@@ -35,7 +56,8 @@ run_pytest() {  # run_pytest <label> <python> <pytest args...>: returns 0 / 1
   shift 2
   echo "tools/test.sh: [$label] $("$py" -c 'import sys, importlib.metadata as m; print("Python %d.%d.%d" % sys.version_info[:3], "torch", m.version("torch"), "megatron-core", m.version("megatron-core"))')" >&2
   set +e
-  "$py" -m pytest -ra --timeout=900 --durations=25 "$@"
+  # every test's duration, for finding what to cut: .test-logs/<label>.xml (JUnit XML)
+  "$py" -m pytest -ra --timeout=900 --durations=25 --junitxml="$repo/.test-logs/$(tr -c 'a-zA-Z0-9=\n' _ <<<"$label").xml" "$@"
   rc=$?
   set -e
   echo "tools/test.sh: [$label] pytest exit $rc after $((SECONDS - start)) s" >&2
@@ -46,88 +68,99 @@ run_pytest() {  # run_pytest <label> <python> <pytest args...>: returns 0 / 1
   [ "$rc" -eq 0 ]
 }
 
-# The newest stack's suite as two pytest runs at the same time: the `slurm` and `sglang` tests (their
-# time goes to Slurm jobs and SGLang servers, and much of it to waiting on them: a job's start, a
-# server's start-up, a requeue, a probe's time-out), with the `journey` tests to even the two out,
-# beside all the others, which keep the CPUs busy. On 2 cores one run after the other leaves a core
-# idle about a third of the time. The second run's output goes to .test-logs/newest-servers.log and
-# is printed after the first run's. Extra arguments (a selection of tests): one pytest run, as they
-# say.
-SECOND_LANE="slurm or sglang or journey"
+# The whole suite as three pytest lanes at once. On 2 cores one lane alone leaves a core idle much
+# of the time: the `slurm` and `sglang` tests spend theirs waiting on Slurm jobs and SGLang
+# servers (a job's start, a server's start-up, a requeue, a probe's time-out), and most tests run
+# one process.
+#   first:  the rest of the newest stack, as soon as .venv is made; then the loop tests under a
+#           second CPU capability;
+#   second: the SGLang venv and the Slurm cluster (servers_setup, below), then the `slurm` and
+#           `sglang` tests (SECOND_LANE);
+#   third:  the oldest stack's venv, then its tests (when asked for), then the `journey` tests
+#           (whole runs of a user's command: THIRD_LANE).
+# The second and third lanes' output (their installs' included) goes to .test-logs/newest-servers.log
+# and .test-logs/oldest-and-journeys.log, printed after the first lane's; a lane that fails names
+# itself in .test-logs/failed-lanes. Extra arguments (a selection of tests): the installs, then one
+# pytest run of the newest stack, as they say.
+SECOND_LANE="slurm or sglang"
+THIRD_LANE="journey and not ($SECOND_LANE)"
 
-# The oldest stack's venv (tools/setup_env.sh with MTEPO_PYTHON, default python3.11), made in the
-# background from the start: its installs overlap the newest stack's (log: .test-logs/oldest-setup.log).
+# The oldest stack's venv (tools/setup_env.sh with MTEPO_PYTHON, default python3.11): its last line
+# is the venv's python.
 oldest_setup() {
   MTEPO_PYTHON="${MTEPO_OLDEST_PYTHON:-python3.11}" MTEPO_MCORE="megatron-core==0.16.1" \
     MTEPO_VENV="$repo/.venv-oldest" MTEPO_EXTRAS=dev bash tools/setup_env.sh
 }
-run_oldest() {  # run_oldest: waits for the oldest venv, then its pytest run; returns 0 / 1
+run_oldest() {  # run_oldest: makes the oldest venv, then its pytest run; returns 0 / 1
   local old_py
-  if [ -n "${oldest_setup_pid:-}" ]; then
-    wait "$oldest_setup_pid" || { cat "$repo/.test-logs/oldest-setup.log" >&2; echo "tools/test.sh: [oldest] the venv was not made (above)" >&2; return 1; }
-    old_py="$(tail -n 1 "$repo/.test-logs/oldest-setup.log")"
-  else
-    old_py="$(oldest_setup | tail -n 1)"
-  fi
-  run_pytest oldest "$old_py" -m "$OLDEST_MARKS" "${OLDEST_TESTS[@]}"
+  old_py="$(oldest_setup | tail -n 1)" || { echo "tools/test.sh: [oldest] the venv was not made (above)" >&2; return 1; }
+  run_pytest oldest "$old_py" -m "$OLDEST_MARKS" "${OLDEST_DESELECT[@]/#/--deselect=}" "${OLDEST_TESTS[@]}"
 }
 
-# The whole suite in two lanes at once: the second lane (SECOND_LANE, its output in
-# .test-logs/newest-servers.log, printed after the first's) beside the first, which runs the rest of
-# the newest stack, then the loop tests under a second CPU capability, then (when asked for) the
-# oldest stack. Extra arguments (a selection of tests): one pytest run of the newest stack, as they say.
 run_lanes() {  # run_lanes <python> [pytest args...]: appends to failed
-  local py="$1" log="$repo/.test-logs/newest-servers.log" label="newest: $SECOND_LANE" pid start=$SECONDS
+  local py="$1" logs="$repo/.test-logs" second third start=$SECONDS lane
   shift
   if [ "$#" -gt 0 ]; then
+    servers_setup
     run_pytest newest "$py" "$@" || failed+=(newest)
     return
   fi
-  run_pytest "$label" "$py" -m "$SECOND_LANE" >"$log" 2>&1 &
-  pid=$!
-  echo "tools/test.sh: [$label] running beside the rest (pid $pid): $log" >&2
-  run_pytest "newest: the rest" "$py" -m "not ($SECOND_LANE)" || failed+=(newest)
+  : >"$logs/failed-lanes"
+  { servers_setup && run_pytest "newest: $SECOND_LANE" "$py" -m "$SECOND_LANE" \
+      || echo "newest: $SECOND_LANE" >>"$logs/failed-lanes"; } >"$logs/newest-servers.log" 2>&1 &
+  second=$!
+  {
+    if [[ ",$stacks," == *",oldest,"* ]]; then
+      run_oldest || echo oldest >>"$logs/failed-lanes"
+    fi
+    run_pytest "newest: journey" "$py" -m "$THIRD_LANE" || echo "newest: journey" >>"$logs/failed-lanes"
+  } >"$logs/oldest-and-journeys.log" 2>&1 &
+  third=$!
+  echo "tools/test.sh: beside the rest: [SGLang, Slurm, then $SECOND_LANE] (pid $second) in $logs/newest-servers.log;" \
+       "[the oldest stack, then the journeys] (pid $third) in $logs/oldest-and-journeys.log" >&2
+  run_pytest "newest: the rest" "$py" -m "not ($SECOND_LANE or journey)" || failed+=(newest)
   # The loop tests that compare two runs' floating point, once more under torch's portable CPU
   # kernels (ATEN_CPU_CAPABILITY=default: other rounding than this machine's vectorised ones), so a
   # test that holds only on one CPU's rounding fails here rather than on the next machine.
   ATEN_CPU_CAPABILITY=default run_pytest "newest, ATEN_CPU_CAPABILITY=default" "$py" "${CAPABILITY_TESTS[@]}" \
     || failed+=("newest (ATEN_CPU_CAPABILITY=default)")
-  if [[ ",$stacks," == *",oldest,"* ]]; then
-    run_oldest || failed+=(oldest)
-  fi
-  wait "$pid" || failed+=("newest: second lane")
-  echo "tools/test.sh: ---- [$label], its output ($log) ----" >&2
-  cat "$log" >&2
+  wait "$second" || true
+  wait "$third" || true
+  for lane in newest-servers oldest-and-journeys; do
+    echo "tools/test.sh: ---- $logs/$lane.log ----" >&2
+    cat "$logs/$lane.log" >&2
+  done
+  while IFS= read -r lane; do failed+=("$lane"); done <"$logs/failed-lanes"
   echo "tools/test.sh: [lanes] done after $((SECONDS - start)) s" >&2
 }
 
-failed=()
-mkdir -p "$repo/.test-logs"
-if [[ ",$stacks," == *",newest,"* ]]; then
-  py="$(bash tools/setup_env.sh | tail -n 1)"
-  if [[ ",$stacks," == *",oldest,"* && "$#" -eq 0 ]]; then  # (after the newest's editable install of this checkout)
-    oldest_setup >"$repo/.test-logs/oldest-setup.log" 2>&1 &
-    oldest_setup_pid=$!
-  fi
-  # A real SGLang server on CPU for the rollout tests (marker `sglang`): its own venv, see the script.
+# What the second lane's tests need besides .venv: a real SGLang server on CPU for the rollout
+# tests (marker `sglang`: its own venv, see the script) and a real one-node Slurm cluster for the
+# `slurm` tests (tools/slurm_cluster.sh: Debian's slurm + munge + slurmdbd/MariaDB, state in
+# /tmp/mtepo-slurm). They are never skipped here: if the cluster cannot start they FAIL saying so.
+# MTEPO_SKIP_SLURM=1 (a developer's explicit choice) skips them. A cluster this script starts is
+# stopped at the end (the trap, set by the main shell); one that was already running is reused and
+# left running.
+servers_setup() {  # exports MTEPO_SGLANG_PYTHON and SLURM_CONF
   MTEPO_SGLANG_PYTHON="$(bash tools/install_sglang_cpu.sh | tail -n 1)"
   export MTEPO_SGLANG_PYTHON
-  # A real one-node Slurm cluster for the `slurm` tests (tools/slurm_cluster.sh: Debian's slurm +
-  # munge + slurmdbd/MariaDB, state in /tmp/mtepo-slurm). They are never skipped here: if the cluster
-  # cannot start they FAIL saying so. MTEPO_SKIP_SLURM=1 (a developer's explicit choice) skips them.
-  # A cluster this script starts is stopped at the end; one that was already running is reused and
-  # left running.
   if [ "${MTEPO_SKIP_SLURM:-0}" != 1 ]; then
     unset SLURM_CONF
-    if ! bash tools/slurm_cluster.sh status >/dev/null 2>&1; then
-      trap 'bash tools/slurm_cluster.sh stop || true' EXIT
-    fi
     if line="$(bash tools/slurm_cluster.sh start | tail -n 1)" && [[ "$line" == "export SLURM_CONF="* ]]; then
       SLURM_CONF="${line#export SLURM_CONF=}"
       export SLURM_CONF
     else
       echo "tools/test.sh: the local Slurm cluster did not start (see above): the slurm tests will fail" >&2
     fi
+  fi
+}
+
+failed=()
+mkdir -p "$repo/.test-logs"
+if [[ ",$stacks," == *",newest,"* ]]; then
+  py="$(bash tools/setup_env.sh | tail -n 1)"
+  if [ "${MTEPO_SKIP_SLURM:-0}" != 1 ] && ! bash tools/slurm_cluster.sh status >/dev/null 2>&1; then
+    trap 'bash tools/slurm_cluster.sh stop || true' EXIT
   fi
   run_lanes "$py" "$@"
 elif [[ ",$stacks," == *",oldest,"* ]]; then

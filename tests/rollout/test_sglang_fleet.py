@@ -1,6 +1,7 @@
 """A fleet of REAL SGLang CPU servers (tiny local Qwen3): groups, weight sync in three modes,
-a server killed mid-step, and every server gone. Two servers are started once for the module; the
-fault tests come last because they destroy them."""
+a server killed mid-step, and every server gone; each server's API key required and on no command
+line. Two servers are started once for the module; the fault tests come last because they destroy
+them."""
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from megatron_tepo.rollout.sglang.client import FleetError, RequestFailed
 from megatron_tepo.rollout.sglang.server import ServerConfig
 from megatron_tepo.algorithms.drift import DriftCheck
 from megatron_tepo.rollout.sglang.weight_sync import TensorSync, make_weight_sync
-from tests.rollout.helpers import (VOCAB, error_with_all_servers_hung, hf_response_log_probs,
+from tests.rollout.helpers import (VOCAB, cmdlines, error_with_all_servers_hung, hf_response_log_probs,
                                    kill_during_step, save_tiny_qwen3, tiny_qwen3)
 
 pytestmark = pytest.mark.sglang
@@ -42,14 +43,30 @@ def fleet(sglang_python, model_dir, tmp_path_factory):
 
 
 def test_servers_are_keyed_and_local(fleet):
+    """Every server requires its own random API key, and the key is on no command line: not in
+    ``/proc/<pid>/cmdline`` of the server or of any process it starts (scheduler, detokenizer), nor
+    in its start-up log. It reaches SGLang through the environment (``TEPO_SGLANG_API_KEY``, read
+    inside the server by megatron_tepo/rollout/sglang/launch.py)."""
     import requests
 
     assert len(fleet.servers) == 2
+    assert len({s.api_key for s in fleet.servers}) == 2  # one key each (no router to share one)
+    body = {"input_ids": [5, 17, 33], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
     for s in fleet.servers:
-        assert s.url.startswith("http://127.0.0.1:") and s.api_key and s.pid
-        r = requests.post(s.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}},
-                          timeout=30)
-        assert r.status_code in (401, 403), r.status_code  # no key -> refused
+        key = s.api_key
+        assert s.url.startswith("http://127.0.0.1:") and key and len(key) >= 32 and s.pid
+        seen = cmdlines(s.pid)
+        assert len(seen) >= 2, seen  # the launcher and SGLang's scheduler process at least
+        for pid, cmd in seen.items():
+            assert key not in cmd and "--api-key" not in cmd, (pid, cmd)
+        assert any("rollout/sglang/launch.py" in c for c in seen.values()), seen
+        assert requests.get(s.url + "/health", timeout=30).status_code == 200  # probes need no key
+        for headers in ({}, {"Authorization": "Bearer wrong"}):  # no key, a wrong one: refused
+            assert requests.post(s.url + "/generate", json=body, headers=headers, timeout=60).status_code == 401
+        ok = requests.post(s.url + "/generate", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2, ok.text[:300]
+        log = Path(s.log_path).read_text(errors="replace")
+        assert "server_args=" in log and key not in log, log[-2000:]
 
 
 def test_generate_groups(fleet):

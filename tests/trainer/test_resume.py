@@ -16,7 +16,7 @@ VOLATILE = {"time", "step_s", "sync_s", "rollout_s", "train_s"}
 
 
 def _cmd(out, *extra):
-    return [sys.executable, str(REPO / "examples/tiny_tepo/run.py"), "train.save_every=4", "train.eval_every=6",
+    return [sys.executable, str(REPO / "examples/tiny_tepo/run.py"), "train.save_every=2", "train.eval_every=3",
             f"train.output_dir={out}", *extra, "--eval-size", "20"]
 
 
@@ -31,7 +31,7 @@ def _metrics(out):
 
 @pytest.mark.slow
 @pytest.mark.journey  # (whole runs.py runs, killed and resumed: the second lane, tools/test.sh)
-@pytest.mark.parametrize("staleness,steps", [(0, 12), (1, 12)])  # (killed after step 8's checkpoint)
+@pytest.mark.parametrize("staleness,steps", [(0, 6), (1, 6)])  # (killed after step 4's checkpoint)
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, staleness, steps):
     ref, run = tmp_path / "ref", tmp_path / "run"
     port = 23000 + os.getpid() % 5000 + 10 * staleness
@@ -41,7 +41,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, staleness, steps):
 
     proc = subprocess.Popen(_cmd(run, *extra), env=_env(port + 1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, cwd=REPO)
-    marker = run / "checkpoints" / "step_8" / "complete"
+    marker = run / "checkpoints" / "step_4" / "complete"
     deadline = time.time() + 300
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
@@ -60,6 +60,6 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, staleness, steps):
     assert got == want  # every metric of every step, bit for bit
     assert [m["rollout_staleness"] for m in got] == [0.0] + [float(staleness)] * (steps - 1)
     if staleness:  # the killed run's checkpoint held the next step's rollout, which the resumed one trained
-        assert (run / "checkpoints" / "step_8" / "pending_rollout.pt").exists()
+        assert (run / "checkpoints" / "step_4" / "pending_rollout.pt").exists()
     assert json.loads((run / "summary.json").read_text())["accuracy_after"] == \
         json.loads((ref / "summary.json").read_text())["accuracy_after"]
