@@ -208,7 +208,10 @@ class AsyncSaves:
     def __init__(self):
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
+        from megatron_tepo.children import checkpoint_results_queue
+
         self.queue = AsyncCallsQueue()  # (a forked writer per save: it writes from its own copy)
+        checkpoint_results_queue()  # the writers' results queue, its server dying with this process
 
     def schedule(self, request) -> None:
         self.queue.schedule_async_request(request)

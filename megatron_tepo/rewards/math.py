@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from megatron_tepo.children import die_with_parent
+
 __all__ = ["extract_boxed", "math_verify_reward", "MathRewardPool", "RewardBatchResult", "COUNT_NAMES"]
 
 _BOXED = ("\\boxed", "\\fbox")
@@ -87,20 +89,6 @@ class RewardBatchResult:
         return dict(zip(COUNT_NAMES, (self.num_timeouts, self.num_errors, self.num_no_answer)))
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel kills this process when its parent dies (``PR_SET_PDEATHSIG``), so a
-    ``kill -9`` of the trainer leaves no worker (and then no resource tracker, whose last user goes)."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:  # the parent died before the line above took effect
-        os._exit(0)
-
-
 def _warm_up_math_verify() -> None:
     from math_verify import parse
 
@@ -114,7 +102,7 @@ def _worker(conn, reward_fn, parent_pid: int) -> None:
     """One scoring process: it warms up first (``reward_fn.warm_up``: imports, parser set-up),
     then for each ``(i, response, answer)`` says when it starts (its own clock: the time-out
     counts from here) and sends the result."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     warm_up = getattr(reward_fn, "warm_up", None)
     if warm_up is not None:
         try:

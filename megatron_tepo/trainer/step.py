@@ -57,6 +57,9 @@ class Step:
     response_length_mean: float = 0.0
     t_train: float = 0.0
     drift: Dict = field(default_factory=dict)
+    # the old-log-prob pass's routing gates with actor.routing_replay r3 (``old_routing_*``; the
+    # training passes' are in ``updates``); none with r2 (that pass records) or off
+    old_pass: Dict = field(default_factory=dict)
     updates: List[Dict] = field(default_factory=list)
     metrics: Dict = field(default_factory=dict)
     memory: Dict = field(default_factory=dict)  # colocated mode: the memory phases' times and bytes
@@ -111,6 +114,7 @@ def old_log_probs(run, step: Step) -> None:
         return
     with run.watchdog.phase("collective"):
         batch.old_log_probs, batch.old_entropy = run.actor.compute_log_probs(batch)
+        step.old_pass = {f"old_{k}": v for k, v in run.actor.routing_metrics.items()}  # (summed over every rank)
         fresh = step.number == step.version  # a batch of older weights differs by an update: reported, no warning
         local = run.drift_check(batch.rollout_log_probs, batch.old_log_probs, batch.response_mask,
                                 warn=run.dp_size == 1 and fresh and run.driver.is_driver)
@@ -160,7 +164,7 @@ def sync(run, step: Step) -> None:
     metrics["updates"] = float(len(updates)) - metrics["skipped_update"]
     metrics.update(step.gen, reward_mean=float(step.rewards.mean()), rollout_s=step.rollout_s, train_s=train_s,
                    sync_s=sync_s, step_s=time.time() - step.t0, response_length_mean=step.response_length_mean,
-                   **step.drift)
+                   **step.drift, **step.old_pass)
     step.metrics = metrics
 
 

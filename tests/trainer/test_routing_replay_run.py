@@ -1,7 +1,7 @@
 """The main job's loop on a tiny Qwen3-MoE with the embedded engine and ``actor.routing_replay: r3``
 (issue 41): the engine returns each sample's routing, the trainer carries it in the batch, the
-actor replays it in the old-log-prob pass and in every update, and the step metrics hold the gates:
-coverage 1.0, and the actor's unforced routing agrees with the engine's (both fp32: the same
+actor replays it in the old-log-prob pass and in every update, and the step metrics hold the gates of
+both passes (``old_routing_*``: the old-log-prob pass): coverage 1.0, and the actor's unforced routing agrees with the engine's (both fp32: the same
 experts but for an fp32 near tie). ``r2`` runs through the same loop."""
 import json
 import os
@@ -63,3 +63,7 @@ def test_the_loop_replays_the_routing_and_logs_the_gates(tiny, tmp_path, mode):
         # both sides, so any disagreement is a near tie in the router's logits
         assert m["routing_mismatch_max"] <= 1e-2 and m["routing_mismatch_mean"] <= 1e-2, m
         assert m["drift_max"] < 1e-4, m  # the engine's log-probs equal the actor's (replayed) ones
+        if mode == "r3":  # the old-log-prob pass replays the engine's routing too, and logs its gates
+            assert m["old_routing_coverage"] == 1.0 and m["old_routing_mismatch_max"] <= 1e-2, m
+        else:  # r2: that pass records the actor's own routing: nothing replayed, no gate
+            assert not any(k.startswith("old_routing") for k in m), m
