@@ -85,15 +85,14 @@ class LayoutError(ValueError):
 
 
 def validate_layout(layout: ParallelLayout, model: Optional[ModelShape], world_size: Optional[int], *,
-                    sequence_parallel: bool = False, te_available: Optional[bool] = None,
+                    sequence_parallel: bool = False,
                     cpu: bool = False, field: str = "parallel.", world: str = "the world size") -> Optional[int]:
     """Check ``layout`` against ``model`` in a world of ``world_size`` ranks; return the
     data-parallel size. Raises ValueError (one line) naming every rule broken.
 
     ``model`` None: the rules that need the model's sizes are skipped, and ``world_size`` None
     those that need the world (then None is returned): what the run config checks when it is read,
-    before anything knows the model or the world. ``te_available``: whether Transformer Engine
-    imports where the actor runs (None: unknown, its rule is skipped); ``cpu``: the actor runs on
+    before anything knows the model or the world. ``cpu``: the actor runs on
     CPU (MoE with PP is refused there); ``field``: how the sizes are named to the user
     (``parallel.`` for the config, ``--`` for a command line); ``world``: what sets the world size,
     for the message.
@@ -133,9 +132,6 @@ def validate_layout(layout: ParallelLayout, model: Optional[ModelShape], world_s
     if moe and tp > 1 and not sequence_parallel:
         errors.append(f"MoE with {f}tp={tp} needs actor.sequence_parallel=true (megatron's MoELayer refuses "
                       f"tensor parallelism without it in training)")
-    if sequence_parallel and te_available is False:
-        errors.append("actor.sequence_parallel=true needs Transformer Engine (not importable here: "
-                      "megatron's torch norms refuse sequence parallelism)")
     if sequence_parallel and tp == 1:
         errors.append(f"actor.sequence_parallel=true needs {f}tp > 1")
         problems.append(("actor.sequence_parallel", f"needs {f}tp > 1"))

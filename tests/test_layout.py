@@ -29,8 +29,6 @@ def test_valid_layouts_give_dp():
      r"parallel.tp=2 does not divide num_attention_heads=5", {}),
     (ParallelLayout(pp=3), {}, 3, r"parallel.pp=3 does not divide num_hidden_layers=4", {}),
     (ParallelLayout(tp=2), {}, 3, r"parallel.tp x parallel.pp = 2 does not divide the world size \(3\)", {}),
-    (ParallelLayout(tp=2), {}, 2, r"actor.sequence_parallel=true needs Transformer Engine",
-     dict(sequence_parallel=True, te_available=False)),
     (ParallelLayout(tp=1), {}, 1, r"actor.sequence_parallel=true needs parallel.tp > 1", dict(sequence_parallel=True)),
     (ParallelLayout(ep=2), {}, 2, r"parallel.ep=2 > 1 needs an MoE model", {}),
     (ParallelLayout(cp=2), {}, 2, r"parallel.cp=2: context parallelism is not implemented", {}),

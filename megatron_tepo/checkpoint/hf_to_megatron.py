@@ -85,7 +85,7 @@ def check_hf_input(hf_dir, tp: int = 1, pp: int = 1, ep: int = 1, world_size: Op
     raw = read_config_json(hf_dir)
     family_cfg = family_config_from_hf(raw, spec=spec)  # unknown architecture -> ValueError naming it
     validate_layout(ParallelLayout(tp=tp, pp=pp, ep=ep), family_cfg.dims(),
-                    tp * pp * ep if world_size is None else world_size, te_available=False,
+                    tp * pp * ep if world_size is None else world_size,
                     cpu=not torch.cuda.is_available(), field="--", world="the converter's ranks")
     hf_config = load_hf_config(hf_dir)
     ckpt = LazyHFCheckpoint(hf_dir)

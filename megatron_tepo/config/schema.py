@@ -229,7 +229,8 @@ class ActorConfig:
     * ``pack_sequences``: micro-batches are sequences laid end to end (THD, no padding), up to
       ``max_tokens_per_micro_batch`` tokens; positions restart and attention never crosses two
       sequences. ``false``: rows padded to the micro-batch's longest (``rows x longest <= budget``).
-    * ``sequence_parallel``: megatron's sequence parallelism (needs TP > 1 and Transformer Engine).
+    * ``sequence_parallel``: megatron's sequence parallelism (needs TP > 1; an MoE layer at TP > 1 needs
+      it; without Transformer Engine the local spec's torch norms run it: megatron/spec.py).
     * ``fusions``: megatron's ``torch.compile``-d fusions that work without Transformer Engine:
       SwiGLU (compiled once for every packed length and both passes), and bias + dropout + add
       for a family that has a bias or dropout there (the supported families have neither);

@@ -59,7 +59,7 @@ import torch
 from megatron_tepo.config import ActorConfig
 from megatron_tepo.megatron.compat import whole_layer_cuda_graph_kwargs
 from megatron_tepo.models import GPTFamilyConfig
-from megatron_tepo.megatron.spec import family_spec_name, layer_spec, te_available
+from megatron_tepo.megatron.spec import block_spec, family_spec_name, layer_spec, te_available
 
 __all__ = ["resolve_actor_config", "family_spec", "transformer_config", "build_gpt_chunk", "FP32_ACTOR",
            "moe_token_dispatcher"]
@@ -240,8 +240,9 @@ def build_gpt_chunk(config, family_cfg: GPTFamilyConfig, pre_process: bool, post
 
     require_resolved(actor)
     spec = layer_spec(family_cfg, actor.attention, packed_attention=actor.packed_attention,
-                      moe_grouped_gemm=bool(getattr(config, "moe_grouped_gemm", False)))
-    model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process,
+                      moe_grouped_gemm=bool(getattr(config, "moe_grouped_gemm", False)),
+                      sequence_parallel=bool(config.sequence_parallel))
+    model = GPTModel(config=config, transformer_layer_spec=block_spec(spec, config), pre_process=pre_process,
                      post_process=post_process, **family_cfg.gpt_model_kwargs())
     if not config.perform_initialization:
         # megatron sets its layers' TP attributes only inside the init it skipped

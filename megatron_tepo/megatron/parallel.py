@@ -33,17 +33,11 @@ def world_size_here(world_size: Optional[int] = None) -> int:
 
 
 def validate_layout_here(layout: ParallelLayout, family_cfg, world_size: Optional[int] = None,
-                         te_available: Optional[bool] = None, sequence_parallel: bool = False) -> int:
+                         sequence_parallel: bool = False) -> int:
     """:func:`megatron_tepo.layout.validate_layout` with the facts of this machine: its world size
-    (see :func:`world_size_here`), whether Transformer Engine imports, whether CUDA is there.
-    Returns the data-parallel size."""
-    if te_available is None:
-        from megatron_tepo.megatron.spec import te_available as _te
-
-        te_available = _te()
+    (see :func:`world_size_here`) and whether CUDA is there. Returns the data-parallel size."""
     return validate_layout(layout, family_cfg.dims(), world_size_here(world_size),
-                           sequence_parallel=sequence_parallel, te_available=te_available,
-                           cpu=not torch.cuda.is_available())
+                           sequence_parallel=sequence_parallel, cpu=not torch.cuda.is_available())
 
 
 def initialize_parallel(layout: ParallelLayout, family_cfg, seed: int = 1234,

@@ -10,6 +10,14 @@ for it where that is the choice (megatron-core's ``ModuleSpec`` swap: the layer 
   module's own constructor argument, through the ``ModuleSpec``'s params).
 * ``unfused`` -- megatron's local spec as it ships (``DotProductAttention``).
 
+Under sequence parallelism (``actor.sequence_parallel``) the local spec's norms -- each layer's
+two, Qwen3's QK-norms and the block's final one -- are :class:`SequenceParallelTorchNorm`, torch's
+norm as megatron's ``WrappedTorchNorm`` makes it but with its parameters marked
+``sequence_parallel`` as Transformer Engine marks its own (megatron's ``WrappedTorchNorm`` refuses
+sequence parallelism): ``finalize_model_grads`` then sums their gradients over the TP ranks, each of
+which normalised its own share of the tokens. That is what runs TP > 1 MoE layers (megatron's
+``MoELayer`` needs sequence parallelism with TP) on CPU; on a GPU the ``te`` spec's norms do it.
+
 :func:`layer_spec` builds a fresh spec per call: nothing is changed after the model is built.
 Left out: inference / kitchen / MLA specs.
 """
@@ -18,7 +26,8 @@ from __future__ import annotations
 import importlib.util
 from megatron_tepo.models.common import GPTFamilyConfig
 
-__all__ = ["ATTENTIONS", "te_available", "family_spec_name", "layer_spec", "sdpa_core_attention"]
+__all__ = ["ATTENTIONS", "te_available", "family_spec_name", "layer_spec", "block_spec", "sdpa_core_attention",
+           "SequenceParallelTorchNorm"]
 
 #: the actor's attention implementations (``actor.attention`` once ``auto`` is resolved)
 ATTENTIONS = ("te", "sdpa", "unfused")
@@ -54,8 +63,42 @@ def sdpa_core_attention(packed_attention: str = "loop"):
     return ModuleSpec(module=SDPACoreAttention, params={"packed_attention": packed_attention})
 
 
+class SequenceParallelTorchNorm:
+    """torch's ``RMSNorm`` / ``LayerNorm`` (``config.normalization``), as megatron's
+    ``WrappedTorchNorm`` builds it, also under sequence parallelism: then its parameters carry
+    ``sequence_parallel = True`` (the module docstring says why)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        import torch
+
+        if config.layernorm_zero_centered_gamma or config.persist_layer_norm or config.memory_efficient_layer_norm:
+            raise ValueError("SequenceParallelTorchNorm: zero-centred gamma, persistent and memory-efficient "
+                             "norms are Transformer Engine's / apex's")
+        kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in kinds:
+            raise ValueError(f"SequenceParallelTorchNorm: normalization {config.normalization!r} is not one of {list(kinds)}")
+        norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
+        if config.sequence_parallel:
+            for p in norm.parameters():
+                p.sequence_parallel = True
+        return norm
+
+
+def block_spec(layer, config):
+    """The ``spec`` for megatron's ``GPTModel``: ``layer`` itself (megatron adds the block's final
+    norm of its own choice), or under sequence parallelism on the local spec this stage's layers
+    with a :class:`SequenceParallelTorchNorm` as the final norm."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if not config.sequence_parallel or getattr(layer.submodules, "input_layernorm", None) is not SequenceParallelTorchNorm:
+        return layer
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelTorchNorm)
+
+
 def layer_spec(cfg: GPTFamilyConfig, attention: str, *, packed_attention: str = "loop",
-               moe_grouped_gemm: bool = False):
+               moe_grouped_gemm: bool = False, sequence_parallel: bool = False):
     """The ``ModuleSpec`` of one decoder layer for the resolved ``attention`` (te / sdpa / unfused);
     the family's part (experts, QK-norm) from :meth:`GPTFamilyConfig.layer_spec_kwargs`;
     ``packed_attention`` (varlen / flex / loop): how the sdpa attention runs packed (THD) input."""
@@ -72,4 +115,12 @@ def layer_spec(cfg: GPTFamilyConfig, attention: str, *, packed_attention: str = 
                                           **cfg.layer_spec_kwargs())
     if attention == "sdpa":  # the slot megatron's local spec fills with DotProductAttention
         spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention(packed_attention)
+    if sequence_parallel:  # every slot that holds megatron's torch norm (QK-norms where the family has them)
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        for owner, name in ((spec.submodules, "input_layernorm"), (spec.submodules, "pre_mlp_layernorm"),
+                            (spec.submodules.self_attention.submodules, "q_layernorm"),
+                            (spec.submodules.self_attention.submodules, "k_layernorm")):
+            if getattr(owner, name, None) is WrappedTorchNorm:
+                setattr(owner, name, SequenceParallelTorchNorm)
     return spec

@@ -82,6 +82,10 @@ def test_tp2_matches_hf(tmp_path):
         {"family": "qwen3", "tie": False, "tp": 2, "pp": 1, "loss": {"name": "grpo"}, "pack_check": True,
          "recompute_check": True},
         {"family": "qwen2", "tie": True, "tp": 2, "pp": 1, "loss": {"name": "gspo"}, "actor": UNFUSED},
+        # sequence parallelism on the local spec (its torch norms, Qwen3's QK-norms included, marked
+        # for it: megatron/spec.py), packed and padded
+        {"family": "qwen3", "tie": True, "tp": 2, "pp": 1, "loss": {"name": "grpo"}, "pack_check": True,
+         "actor": {"precision": "fp32", "attention": "sdpa", "pack_sequences": True, "sequence_parallel": True}},
     ], 2, tmp_path)
     _check(per_rank)
 

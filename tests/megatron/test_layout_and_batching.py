@@ -33,16 +33,19 @@ def test_initialize_parallel_validates_first(monkeypatch):
 
 def test_the_actor_check_fills_in_this_machine(monkeypatch):
     """On a machine without TE and CUDA (made so here, so that the test means the same on a GPU
-    machine): sequence parallelism and MoE with PP are refused by the actor's check."""
+    machine): MoE with PP is refused by the actor's check; sequence parallelism is not (the local
+    spec's norms support it: megatron/spec.py), MoE with TP needs it."""
     from megatron_tepo.megatron import spec
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(spec, "te_available", lambda: False)
-    with pytest.raises(ValueError, match=r"actor.sequence_parallel=true needs Transformer Engine"):
-        validate_layout_here(ParallelLayout(tp=2), cfg(), world_size=2, sequence_parallel=True)
+    assert validate_layout_here(ParallelLayout(tp=2), cfg(), world_size=2, sequence_parallel=True) == 1
     moe = family_config_from_hf(tiny_hf_config("qwen3_moe"), spec="local")
     with pytest.raises(ValueError, match=r"MoE with parallel.pp=2 does not run on CPU"):
         validate_layout_here(ParallelLayout(pp=2), moe, world_size=2)
+    with pytest.raises(ValueError, match=r"MoE with parallel.tp=2 needs actor.sequence_parallel=true"):
+        validate_layout_here(ParallelLayout(tp=2), moe, world_size=2)
+    assert validate_layout_here(ParallelLayout(tp=2), moe, world_size=2, sequence_parallel=True) == 1
     assert validate_layout_here(ParallelLayout(ep=2), moe, world_size=4) == 4
 
 

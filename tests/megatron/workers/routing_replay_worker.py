@@ -1,6 +1,7 @@
 """torchrun worker: MoE routing replay (``actor.routing_replay``) on a tiny Qwen3-MoE.
 
-argv[1]: JSON list of cases ``{"mode": "r3"|"r2", "tp", "ep", "pack", "recompute"}``. Every rank
+argv[1]: JSON list of cases ``{"mode": "r3"|"r2", "tp", "ep", "pack", "recompute"}`` (TP > 1: with
+sequence parallelism, as megatron's MoE layer needs). Every rank
 builds the same HF model (8 experts, top-2, 3 layers) and the same batch; the actor gets its DP
 share. Forward hooks on the actor's megatron routers record the ``routing_map`` of every router
 call (forward and recompute); the worker compares it, position by position, with the experts that
@@ -99,18 +100,23 @@ def expected_in_token_order(mb, routed, layer):
     return out
 
 
-def compare_calls(calls, mbs, routed, per_mb):
+def compare_calls(calls, mbs, routed, per_mb, sp=(0, 1)):
     """Max number of positions whose experts differ from ``routed`` over every router call (each
-    micro-batch has ``per_mb`` calls per layer: forward, and recompute); and the call count."""
+    micro-batch has ``per_mb`` calls per layer: forward, and recompute); and the call count.
+    ``sp``: (this rank, ranks) of sequence parallelism: each rank's routers see its contiguous
+    share of the micro-batch's tokens."""
     bad, count = 0, 0
+    rank, size = sp
     for layer, seen in calls.items():
         assert len(seen) == per_mb * len(mbs), (layer, len(seen), per_mb, len(mbs))
         for k, (_, routing_map) in enumerate(seen):
             mb = mbs[k // per_mb]
+            share = mb.input_ids.numel() // size
+            assert routing_map.shape[0] == share, (routing_map.shape, share)
             for n, experts in expected_in_token_order(mb, routed, layer).items():
-                if -1 in experts:
+                if -1 in experts or not rank * share <= n < (rank + 1) * share:
                     continue
-                got = set(routing_map[n].nonzero().flatten().tolist())
+                got = set(routing_map[n - rank * share].nonzero().flatten().tolist())
                 bad += got != experts
                 count += 1
     return bad, count
@@ -154,8 +160,9 @@ def run_case(case):
     actor = MegatronActor(hf_cfg, hf_state(model), layout=ParallelLayout(tp=case["tp"], ep=case.get("ep", 1)),
                           optim=OptimConfig(**OPT), precision="fp32", attention="sdpa",
                           pack_sequences=case["pack"], recompute=case["recompute"], routing_replay=case["mode"],
-                          max_tokens_per_micro_batch=48)
+                          max_tokens_per_micro_batch=48, sequence_parallel=case["tp"] > 1)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    sp = (ps.get_tensor_model_parallel_rank(), case["tp"])
     rows = slice(dp_rank, None, dp)
     out = {"case": case, "dp": dp}
 
@@ -180,7 +187,7 @@ def run_case(case):
     out["logprob_metrics"] = actor.routing_metrics
     out["mbs_logprob"] = len(seen_mbs)
     if case["mode"] == "r3":
-        out["logprob_bad"], out["logprob_checked"] = compare_calls(calls, seen_mbs, local.routed_experts, 1)
+        out["logprob_bad"], out["logprob_checked"] = compare_calls(calls, seen_mbs, local.routed_experts, 1, sp)
         with torch.no_grad():
             free_lp, _ = hf_log_probs(model, batch)
             handles = forced_hf_routers(model, batch.routed_experts)
@@ -192,7 +199,7 @@ def run_case(case):
     else:  # r2: the routers' own choice, recorded into the batch
         recorded = local.routed_experts
         out["recorded_dtype"] = str(recorded.dtype)
-        out["record_bad"], out["record_checked"] = compare_calls(calls, seen_mbs, recorded, 1)
+        out["record_bad"], out["record_checked"] = compare_calls(calls, seen_mbs, recorded, 1, sp)
         with torch.no_grad():
             ref_lp, _ = hf_log_probs(model, batch)
         out["logprob_abs_err"] = float((lp - ref_lp[rows]).abs().max())
@@ -213,7 +220,7 @@ def run_case(case):
     out["train_calls_per_layer"] = sorted(len(c) for c in calls.values())
     out["train_mbs"] = len(seen_mbs)
     if case["mode"] == "r3":
-        out["train_bad"], out["train_checked"] = compare_calls(calls, seen_mbs, local.routed_experts, per_mb)
+        out["train_bad"], out["train_checked"] = compare_calls(calls, seen_mbs, local.routed_experts, per_mb, sp)
         grads = dict(actor.export_hf_state("grad"))
         handles = forced_hf_routers(model, batch.routed_experts)
         ref_loss, _, ref_grads, _, _ = hf_reference_step(
@@ -227,7 +234,7 @@ def run_case(case):
         if case.get("gates"):
             out["gates"] = check_gates(actor, local)
     else:
-        out["train_bad"], out["train_checked"] = compare_calls(calls, seen_mbs, recorded, per_mb)
+        out["train_bad"], out["train_checked"] = compare_calls(calls, seen_mbs, recorded, per_mb, sp)
         mgrads = dict(gather_full_tensors(actor.model, "grad"))
         out["router_grad_norm"] = {n: float(t.norm()) for n, t in mgrads.items() if n.endswith("router.weight")}
     return out
