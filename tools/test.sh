@@ -4,10 +4,10 @@
 #   1. newest: the whole suite in .venv, made by tools/setup_env.sh with `python3.12` where one
 #      runs (megatron-core 0.19.x), else `python3`: the rest, then the loop tests that compare
 #      floating point again under ATEN_CPU_CAPABILITY=default (CAPABILITY_TESTS); beside them the
-#      SGLang and Slurm tests, and
+#      SGLang tests, and
 #   2. oldest: the actor / conversion / distributed subset (OLDEST_TESTS below) in .venv-oldest,
 #      Python 3.11 with megatron-core 0.16.1 (MTEPO_OLDEST_PYTHON, default python3.11), then the
-#      newest stack's journeys.
+#      newest stack's journeys and Slurm tests.
 # It installs what it needs (tools/setup_env.sh for both, the SGLang CPU venv, a one-node Slurm
 # cluster), then runs pytest on each stack. It exits non-zero when either run fails; pytest's
 # exit code 5 ("no tests collected") is a failure here, never a silent pass.
@@ -71,19 +71,18 @@ run_pytest() {  # run_pytest <label> <python> <pytest args...>: returns 0 / 1
 # The whole suite as three pytest lanes at once. On 2 cores one lane alone leaves a core idle much
 # of the time: the `slurm` and `sglang` tests spend theirs waiting on Slurm jobs and SGLang
 # servers (a job's start, a server's start-up, a requeue, a probe's time-out), and most tests run
-# one process.
+# one process. What the server tests need is made from the start, beside .venv (servers_setup).
 #   first:  the rest of the newest stack, as soon as .venv is made; then the loop tests under a
 #           second CPU capability;
-#   second: the SGLang venv and the Slurm cluster (servers_setup, below), then the `slurm` and
-#           `sglang` tests (SECOND_LANE);
+#   second: the `sglang` tests (SECOND_LANE), once the SGLang venv is made;
 #   third:  the oldest stack's venv, then its tests (when asked for), then the `journey` tests
-#           (whole runs of a user's command: THIRD_LANE).
-# The second and third lanes' output (their installs' included) goes to .test-logs/newest-servers.log
-# and .test-logs/oldest-and-journeys.log, printed after the first lane's; a lane that fails names
-# itself in .test-logs/failed-lanes. Extra arguments (a selection of tests): the installs, then one
-# pytest run of the newest stack, as they say.
-SECOND_LANE="slurm or sglang"
-THIRD_LANE="journey and not ($SECOND_LANE)"
+#           (whole runs of a user's command) and the `slurm` tests (THIRD_LANE).
+# The second and third lanes' output goes to .test-logs/sglang.log and .test-logs/oldest-journeys-slurm.log,
+# printed after the first lane's with the installs' (.test-logs/servers-setup.log); a lane that
+# fails names itself in .test-logs/failed-lanes. Extra arguments (a selection of tests): one pytest
+# run of the newest stack, as they say, once the installs are done.
+SECOND_LANE="sglang and not slurm"
+THIRD_LANE="journey and not (slurm or sglang)"
 
 # The oldest stack's venv (tools/setup_env.sh with MTEPO_PYTHON, default python3.11): its last line
 # is the venv's python.
@@ -97,28 +96,60 @@ run_oldest() {  # run_oldest: makes the oldest venv, then its pytest run; return
   run_pytest oldest "$old_py" -m "$OLDEST_MARKS" "${OLDEST_DESELECT[@]/#/--deselect=}" "${OLDEST_TESTS[@]}"
 }
 
+# What the `sglang` and `slurm` tests need besides .venv: a real SGLang server on CPU (its own venv,
+# see tools/install_sglang_cpu.sh) and a real one-node Slurm cluster (tools/slurm_cluster.sh:
+# Debian's slurm + munge + slurmdbd/MariaDB, state in /tmp/mtepo-slurm). They are never skipped
+# here: if the cluster cannot start they FAIL saying so. MTEPO_SKIP_SLURM=1 (a developer's explicit
+# choice) skips them. A cluster this script starts is stopped at the end (the trap, set by the main
+# shell); one that was already running is reused and left running. It runs in the background from
+# the start and writes what the tests need to know, as shell exports, to .test-logs/servers.env last.
+servers_setup() {
+  local sglang_py conf=""
+  sglang_py="$(bash tools/install_sglang_cpu.sh | tail -n 1)"
+  if [ "${MTEPO_SKIP_SLURM:-0}" != 1 ]; then
+    if line="$(env -u SLURM_CONF bash tools/slurm_cluster.sh start | tail -n 1)" && [[ "$line" == "export SLURM_CONF="* ]]; then
+      conf="${line#export SLURM_CONF=}"
+    else
+      echo "tools/test.sh: the local Slurm cluster did not start (see above): the slurm tests will fail" >&2
+    fi
+  fi
+  { printf 'export MTEPO_SGLANG_PYTHON=%q\n' "$sglang_py"
+    if [ -n "$conf" ]; then printf 'export SLURM_CONF=%q\n' "$conf"; fi
+  } >"$repo/.test-logs/servers.env.tmp"
+  mv "$repo/.test-logs/servers.env.tmp" "$repo/.test-logs/servers.env"
+}
+servers_ready() {  # in any lane: waits for servers_setup (pid $servers_pid), then takes its exports; returns 0 / 1
+  while [ ! -f "$repo/.test-logs/servers.env" ] && kill -0 "$servers_pid" 2>/dev/null; do sleep 2; done
+  if [ ! -f "$repo/.test-logs/servers.env" ]; then
+    echo "tools/test.sh: the SGLang venv or the Slurm cluster was not made: $repo/.test-logs/servers-setup.log" >&2
+    return 1
+  fi
+  # shellcheck disable=SC1091
+  source "$repo/.test-logs/servers.env"
+}
+
 run_lanes() {  # run_lanes <python> [pytest args...]: appends to failed
   local py="$1" logs="$repo/.test-logs" second third start=$SECONDS lane
   shift
   if [ "$#" -gt 0 ]; then
-    servers_setup
-    run_pytest newest "$py" "$@" || failed+=(newest)
+    servers_ready && run_pytest newest "$py" "$@" || failed+=(newest)
     return
   fi
   : >"$logs/failed-lanes"
-  { servers_setup && run_pytest "newest: $SECOND_LANE" "$py" -m "$SECOND_LANE" \
-      || echo "newest: $SECOND_LANE" >>"$logs/failed-lanes"; } >"$logs/newest-servers.log" 2>&1 &
+  { servers_ready && run_pytest "newest: $SECOND_LANE" "$py" -m "$SECOND_LANE" \
+      || echo "newest: $SECOND_LANE" >>"$logs/failed-lanes"; } >"$logs/sglang.log" 2>&1 &
   second=$!
   {
     if [[ ",$stacks," == *",oldest,"* ]]; then
       run_oldest || echo oldest >>"$logs/failed-lanes"
     fi
     run_pytest "newest: journey" "$py" -m "$THIRD_LANE" || echo "newest: journey" >>"$logs/failed-lanes"
-  } >"$logs/oldest-and-journeys.log" 2>&1 &
+    servers_ready && run_pytest "newest: slurm" "$py" -m slurm || echo "newest: slurm" >>"$logs/failed-lanes"
+  } >"$logs/oldest-journeys-slurm.log" 2>&1 &
   third=$!
-  echo "tools/test.sh: beside the rest: [SGLang, Slurm, then $SECOND_LANE] (pid $second) in $logs/newest-servers.log;" \
-       "[the oldest stack, then the journeys] (pid $third) in $logs/oldest-and-journeys.log" >&2
-  run_pytest "newest: the rest" "$py" -m "not ($SECOND_LANE or journey)" || failed+=(newest)
+  echo "tools/test.sh: beside the rest: [$SECOND_LANE] (pid $second) in $logs/sglang.log;" \
+       "[the oldest stack, the journeys, slurm] (pid $third) in $logs/oldest-journeys-slurm.log" >&2
+  run_pytest "newest: the rest" "$py" -m "not (slurm or sglang or journey)" || failed+=(newest)
   # The loop tests that compare two runs' floating point, once more under torch's portable CPU
   # kernels (ATEN_CPU_CAPABILITY=default: other rounding than this machine's vectorised ones), so a
   # test that holds only on one CPU's rounding fails here rather than on the next machine.
@@ -126,7 +157,7 @@ run_lanes() {  # run_lanes <python> [pytest args...]: appends to failed
     || failed+=("newest (ATEN_CPU_CAPABILITY=default)")
   wait "$second" || true
   wait "$third" || true
-  for lane in newest-servers oldest-and-journeys; do
+  for lane in servers-setup sglang oldest-journeys-slurm; do
     echo "tools/test.sh: ---- $logs/$lane.log ----" >&2
     cat "$logs/$lane.log" >&2
   done
@@ -134,35 +165,18 @@ run_lanes() {  # run_lanes <python> [pytest args...]: appends to failed
   echo "tools/test.sh: [lanes] done after $((SECONDS - start)) s" >&2
 }
 
-# What the second lane's tests need besides .venv: a real SGLang server on CPU for the rollout
-# tests (marker `sglang`: its own venv, see the script) and a real one-node Slurm cluster for the
-# `slurm` tests (tools/slurm_cluster.sh: Debian's slurm + munge + slurmdbd/MariaDB, state in
-# /tmp/mtepo-slurm). They are never skipped here: if the cluster cannot start they FAIL saying so.
-# MTEPO_SKIP_SLURM=1 (a developer's explicit choice) skips them. A cluster this script starts is
-# stopped at the end (the trap, set by the main shell); one that was already running is reused and
-# left running.
-servers_setup() {  # exports MTEPO_SGLANG_PYTHON and SLURM_CONF
-  MTEPO_SGLANG_PYTHON="$(bash tools/install_sglang_cpu.sh | tail -n 1)"
-  export MTEPO_SGLANG_PYTHON
-  if [ "${MTEPO_SKIP_SLURM:-0}" != 1 ]; then
-    unset SLURM_CONF
-    if line="$(bash tools/slurm_cluster.sh start | tail -n 1)" && [[ "$line" == "export SLURM_CONF="* ]]; then
-      SLURM_CONF="${line#export SLURM_CONF=}"
-      export SLURM_CONF
-    else
-      echo "tools/test.sh: the local Slurm cluster did not start (see above): the slurm tests will fail" >&2
-    fi
-  fi
-}
-
 failed=()
 mkdir -p "$repo/.test-logs"
 if [[ ",$stacks," == *",newest,"* ]]; then
-  py="$(bash tools/setup_env.sh | tail -n 1)"
   if [ "${MTEPO_SKIP_SLURM:-0}" != 1 ] && ! bash tools/slurm_cluster.sh status >/dev/null 2>&1; then
     trap 'bash tools/slurm_cluster.sh stop || true' EXIT
   fi
+  rm -f "$repo/.test-logs/servers.env"
+  servers_setup >"$repo/.test-logs/servers-setup.log" 2>&1 &
+  servers_pid=$!
+  py="$(bash tools/setup_env.sh | tail -n 1)"
   run_lanes "$py" "$@"
+  wait "$servers_pid" || true
 elif [[ ",$stacks," == *",oldest,"* ]]; then
   run_oldest || failed+=(oldest)
 fi

@@ -113,12 +113,27 @@ def test_groups_go_through_the_router_to_both_servers(fleet):
     assert all(s.served == 0 for s in fleet.servers)  # nothing went around the router
 
 
+def _prefills(path, start):
+    """``(count, end)``: the "Prefill batch" lines SGLang logged in ``path`` after byte ``start``."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        text = f.read()
+    return text.count(b"Prefill batch"), start + len(text)
+
+
 def test_routed_server_killed_mid_step(fleet):
     victim = fleet.servers[0]
+    start = Path(victim.log_path).stat().st_size  # (before the step: its prefills come after)
 
-    def wait_for_victim(step):
-        time.sleep(1.5)  # round robin: the victim holds half of the step's requests by now
-        assert step.is_alive(), "the step ended before the victim could be killed"
+    def wait_for_victim(step):  # kill the victim once the router has given it requests of this step (its
+        deadline = time.monotonic() + 120  # log shows their prefill; each then decodes 160 tokens)
+        seen, end = 0, start
+        while not seen and step.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+            got, end = _prefills(victim.log_path, end)
+            seen += got
+        seen += _prefills(victim.log_path, end)[0]
+        assert seen, "no request of the step reached the victim"
 
     kill_during_step(fleet, victim, wait_for_victim, join_timeout=240)
     # dropped after the step (the weight sync must not push to it)
