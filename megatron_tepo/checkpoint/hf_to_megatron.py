@@ -84,8 +84,10 @@ def check_hf_input(hf_dir, tp: int = 1, pp: int = 1, ep: int = 1, world_size: Op
     Returns ``(family_cfg, hf_config, LazyHFCheckpoint)``; raises naming the culprit."""
     raw = read_config_json(hf_dir)
     family_cfg = family_config_from_hf(raw, spec=spec)  # unknown architecture -> ValueError naming it
+    # (sequence parallelism changes nothing of how the weights are stored, and the actor turns it on
+    # wherever an MoE layer at TP > 1 needs it: the converter's layouts are checked as with it)
     validate_layout(ParallelLayout(tp=tp, pp=pp, ep=ep), family_cfg.dims(),
-                    tp * pp * ep if world_size is None else world_size,
+                    tp * pp * ep if world_size is None else world_size, sequence_parallel=tp > 1,
                     cpu=not torch.cuda.is_available(), field="--", world="the converter's ranks")
     hf_config = load_hf_config(hf_dir)
     ckpt = LazyHFCheckpoint(hf_dir)
@@ -240,7 +242,8 @@ def convert_hf_to_megatron(hf_dir, out_dir, tp: int = 1, pp: int = 1, ep: int = 
     try:
         if world > 1:
             dist.barrier()
-        agree(initialize_parallel, ParallelLayout(tp=tp, pp=pp, ep=ep), family_cfg, backend="gloo")
+        agree(initialize_parallel, ParallelLayout(tp=tp, pp=pp, ep=ep), family_cfg, backend="gloo",
+              sequence_parallel=tp > 1)  # (as check_hf_input: the stored weights do not depend on it)
         params_dtype = _params_dtype(ckpt)
         log_progress(f"{family_cfg.family}: {family_cfg.num_layers} layers, {len(ckpt.names())} HF tensors, "
                      f"tp={tp} pp={pp} ep={ep}, dtype {dtype_name(params_dtype)}"

@@ -142,6 +142,16 @@ def test_moe_fused_expert_names_refused(hf_moe, tmp_path, capsys):
     _no_output(tmp_path / "out")
 
 
+def test_an_moe_at_tp2_passes_the_input_check(hf_moe):
+    """The 30B-A3B example's kind of layout (TP 2 with EP): an MoE layer at TP > 1 runs with
+    sequence parallelism, which the stored weights do not depend on; the converter used to refuse
+    it ("needs actor.sequence_parallel=true")."""
+    from megatron_tepo.checkpoint import check_hf_input
+
+    family_cfg, _, _ = check_hf_input(hf_moe, tp=2, ep=2, world_size=4)
+    assert family_cfg.moe is not None
+
+
 def test_ep_not_dividing_experts(hf_moe, tmp_path, capsys):
     assert _main("--hf", str(hf_moe), "--out", str(tmp_path / "out"), "--ep", "3") == 2
     assert "--ep=3 does not divide num_experts=4" in capsys.readouterr().err

@@ -83,13 +83,20 @@ MOE_VARIANTS = [("qwen3_moe", False)]  # untied as every released Qwen3-MoE (tyi
 
 def test_qwen3_moe_ep2_and_ep1(tmp_path):
     """Qwen3-MoE (4 experts, top-2, QK-norm; one HF tensor per expert as safetensors store them),
-    untied. EP=2 (2 ranks, each holding and reading only its 2 experts): convert, load
+    untied. TP=2: convert, load, logits vs HF (1e-5). EP=2 (2 ranks, each holding and reading only its 2 experts): convert, load
     at EP=2, logits vs HF (1e-5); the one-process exporter (EP=1) gives back every expert, bit for
     bit. EP=1: round trip bit for bit, logits vs HF, and the EP=2 checkpoint loaded at EP=1."""
     names = _build(tmp_path, MOE_VARIANTS)
     results = torchrun(WORKER, 2, "import", str(tmp_path), "1", "1", names, "--logits", "--ep", "2",
                        tmp_path=tmp_path / "ep2")
     for r in results:  # EP=2 is data-parallel over tokens: both ranks compute full logits
+        for v, d in r.items():
+            assert d["has_logits"] and d["max_abs_diff"] < 1e-5, (v, d)
+    # TP=2 (the 30B-A3B example's kind of layout: an MoE layer at TP > 1, which trains with sequence
+    # parallelism; the converter refused it): convert and load at TP=2, logits vs HF
+    results = torchrun(WORKER, 2, "import", str(tmp_path), "2", "1", names, "--logits",
+                       tmp_path=tmp_path / "tp2")
+    for r in results:
         for v, d in r.items():
             assert d["has_logits"] and d["max_abs_diff"] < 1e-5, (v, d)
     (res,) = torchrun(WORKER, 1, "ep1", str(tmp_path), "tp1pp1ep2", names, tmp_path=tmp_path / "ep1")
