@@ -127,8 +127,10 @@ def test_settings_are_checked_before_any_process_group():
         plan_actor(hf, ParallelLayout(), attention="te", world_size=1)
     with pytest.raises(TypeError, match=r"unknown setting\(s\) \['precison'\]"):
         plan_actor(hf, ParallelLayout(), precison="bf16", world_size=1)
-    with pytest.raises(ValueError, match="sequence_parallel=true needs Transformer Engine"):
-        plan_actor(hf, ParallelLayout(tp=2), sequence_parallel=True, world_size=2)
+    with pytest.raises(ValueError, match=r"sequence_parallel=true needs parallel.tp > 1"):
+        plan_actor(hf, ParallelLayout(), sequence_parallel=True, world_size=1)
+    # (sequence parallelism needs no Transformer Engine: the local spec's norms run it, megatron/spec.py)
+    assert plan_actor(hf, ParallelLayout(tp=2), sequence_parallel=True, world_size=2)[0].sequence_parallel
     settings, fam = plan_actor(hf, ParallelLayout(), ActorConfig(recompute="full"), world_size=1,
                                pack_sequences=False)
     assert (settings.attention, settings.recompute, settings.pack_sequences, fam.spec) == ("sdpa", "full", False, "local")

@@ -91,7 +91,7 @@ def main():
 def _moe_tp2(cfg):
     """The model of a Qwen3-MoE actor at TP=2 (experts split over both ranks), built as the actor
     builds it but without its layout check: megatron's MoE layer trains at TP > 1 only with
-    sequence parallelism, which needs TE; loading and exporting need no forward."""
+    sequence parallelism; loading and exporting need no forward, so none is set up here."""
     from types import SimpleNamespace
 
     from megatron.core import parallel_state as ps
