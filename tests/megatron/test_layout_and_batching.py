@@ -32,13 +32,10 @@ def test_initialize_parallel_validates_first(monkeypatch):
 
 
 def test_the_actor_check_fills_in_this_machine(monkeypatch):
-    """On a machine without TE and CUDA (made so here, so that the test means the same on a GPU
-    machine): MoE with PP is refused by the actor's check; sequence parallelism is not (the local
-    spec's norms support it: megatron/spec.py), MoE with TP needs it."""
-    from megatron_tepo.megatron import spec
-
+    """On a machine without CUDA (made so here, so that the test means the same on a GPU machine):
+    MoE with PP is refused by the actor's check; sequence parallelism is not, Transformer Engine or
+    not (the local spec's norms support it: megatron/spec.py); MoE with TP needs it."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(spec, "te_available", lambda: False)
     assert validate_layout_here(ParallelLayout(tp=2), cfg(), world_size=2, sequence_parallel=True) == 1
     moe = family_config_from_hf(tiny_hf_config("qwen3_moe"), spec="local")
     with pytest.raises(ValueError, match=r"MoE with parallel.pp=2 does not run on CPU"):
