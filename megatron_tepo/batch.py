@@ -15,6 +15,9 @@ Layout of :class:`RolloutBatch` (``B`` sequences, ``L`` padded tokens, ``R`` res
     ref_log_probs      [B, R] float  log-probs of the reference policy        (optional, KL losses)
     rollout_log_probs  [B, R] float  the engine's log-probs of its sampled tokens (optional:
                                      drift check, rollout correction, ``old_log_prob: rollout``)
+    policy_versions    [B, R] long   (optional, partial rollout) the version of the weights that
+                                     generated each response token (step ``v`` starts from version
+                                     ``v``); 0 in padding
     temperature        float         the sampling temperature: the actor scores under
                                      ``softmax(logits / temperature)``, as the engine sampled
     routed_experts     [B, L, M, k]  (optional, MoE routing replay) for each position of
@@ -45,7 +48,7 @@ import torch
 from megatron_tepo.algorithms.advantages import broadcast_to_tokens
 
 PER_TOKEN_FIELDS = ("response_mask", "advantages", "old_log_probs", "old_entropy", "ref_log_probs",
-                    "rollout_log_probs")
+                    "rollout_log_probs", "policy_versions")
 #: fields with one entry per position of ``input_ids`` (``[B, L, ...]``); -1 is their "unknown"
 PER_POSITION_FIELDS = ("routed_experts",)
 
@@ -71,6 +74,7 @@ class RolloutBatch:
     old_entropy: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
     rollout_log_probs: Optional[torch.Tensor] = None
+    policy_versions: Optional[torch.Tensor] = None
     temperature: float = 1.0
     routed_experts: Optional[torch.Tensor] = None
 
@@ -85,7 +89,8 @@ class RolloutBatch:
         ``groups[g]`` holds the samples of ``prompts[g]``, each with ``token_ids`` and the engine's
         ``log_probs`` (:class:`~megatron_tepo.rollout.engine.Sample`), which become
         ``rollout_log_probs``; ``advantages`` (``[rows]``, one per sample) are broadcast to the
-        response tokens. Samples that carry ``routed_experts`` (``[positions, M, k]`` from
+        response tokens. Samples that carry ``versions`` (partial rollout) give
+        ``policy_versions``: all of them or none. Samples that carry ``routed_experts`` (``[positions, M, k]`` from
         position 0 of the prompt on) give ``routed_experts``: all of them or none."""
         rows = [(p, s) for p, g in zip(prompts, groups) for s in g]
         if not rows:
@@ -95,15 +100,23 @@ class RolloutBatch:
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), resp_len))
         rollout = torch.zeros((len(rows), resp_len))
+        with_versions = [getattr(s, "versions", None) is not None for _, s in rows]
+        if any(with_versions) and not all(with_versions):
+            raise ValueError(f"policy_versions: sample {with_versions.index(False)} of {len(rows)} carries no "
+                             f"versions while others do")
+        versions = torch.zeros((len(rows), resp_len), dtype=torch.long) if all(with_versions) else None
         for i, (p, s) in enumerate(rows):
             seq = list(p) + list(s.token_ids)
             ids[i, :len(seq)] = torch.tensor(seq)
             mask[i, :len(s.token_ids)] = 1
             rollout[i, :len(s.log_probs)] = torch.tensor(s.log_probs, dtype=torch.float32)
+            if versions is not None:
+                versions[i, :len(s.versions)] = torch.tensor(s.versions, dtype=torch.long)
         if advantages is not None:
             advantages = broadcast_to_tokens(advantages, mask)
         return cls(input_ids=ids, prompt_lens=torch.tensor([len(p) for p, _ in rows]), response_mask=mask,
-                   advantages=advantages, rollout_log_probs=rollout, temperature=float(temperature),
+                   advantages=advantages, rollout_log_probs=rollout, policy_versions=versions,
+                   temperature=float(temperature),
                    routed_experts=_routing_of(rows, width))
 
     @property

@@ -99,9 +99,17 @@ class RolloutConfig:
     # distributed mode: the address the servers reach the trainer at (IP or host name; env
     # TEPO_SYNC_ADDRESS wins). None: this host's interface on the route to the first server.
     sync_address: Optional[str] = None
-    # One-step-off generation (1): the next step's groups are generated, with the weights this step
-    # started from, while the actor trains this step; 0: generation and training alternate.
-    max_staleness: Literal[0, 1] = 0
+    # The age bound, in weight versions (one per step), of the tokens a step trains on. Without
+    # partial rollout: 0, generation and training alternate; 1, one-step-off generation (the next
+    # step's groups are generated, with the weights this step started from, while the actor trains
+    # this step). With partial rollout any N >= 0: a sample older than N is regenerated.
+    max_staleness: int = 0
+    # Partial rollout (trainer/partial.py): the engine generates all the time, across steps; a
+    # weight update interrupts the requests in flight, and they continue as prompt + partial
+    # response under the new weights; each token keeps its log-prob and its weights' version.
+    partial_rollout: bool = False
+    # partial rollout: groups drawn and not yet trained on (generating or waiting); None: 2 x prompts_per_step
+    max_inflight_groups: Optional[int] = None
     # Colocated mode: the engine and the actor share the GPUs and take turns with the memory; each
     # step the engine releases its memory after generating, the actor comes back from host memory,
     # trains and offloads (actor.offload), and the engine takes its memory back around the weight

@@ -121,6 +121,20 @@ def validate(cfg: RunConfig) -> None:
                                    "watchdog_generate_s", "watchdog_collective_s", "watchdog_sync_s",
                                    "max_steps_without_update", "inject_hang_at_step"], allow_zero=True)
     _positive(r, "rollout", ["request_timeout_s", "sync_bucket_mb", "drift_warn_mean", "drift_warn_max"])
+    if isinstance(r.max_staleness, bool) or not isinstance(r.max_staleness, int) or r.max_staleness < 0:
+        raise ConfigError(f"rollout.max_staleness: expected an integer >= 0, found {r.max_staleness!r}")
+    if r.max_staleness > 1 and not r.partial_rollout:
+        raise ConfigError(f"rollout.max_staleness: {r.max_staleness} needs rollout.partial_rollout: true (without it "
+                          f"0 alternates generation and training, 1 generates one step off)")
+    if r.partial_rollout and r.colocated:
+        raise ConfigError("rollout.partial_rollout: the engine generates while the actor trains, and rollout.colocated "
+                          "takes turns with the GPUs; set partial_rollout: false")
+    if r.partial_rollout and a.routing_replay == "r3":
+        raise ConfigError("rollout.partial_rollout: an interrupted request's routing is not returned, which "
+                          "actor.routing_replay: r3 replays; use r2 or partial_rollout: false")
+    if r.max_inflight_groups is not None and r.max_inflight_groups < r.prompts_per_step:
+        raise ConfigError(f"rollout.max_inflight_groups: {r.max_inflight_groups} is fewer than rollout.prompts_per_step "
+                          f"({r.prompts_per_step}): a step could never find its groups")
     if r.colocated and r.max_staleness:
         raise ConfigError("rollout.max_staleness: one-step-off generation needs the engine and the actor on the "
                           "GPUs at once, which rollout.colocated takes turns with; set max_staleness: 0")

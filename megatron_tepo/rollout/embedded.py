@@ -30,13 +30,15 @@ and top-p.
 """
 from __future__ import annotations
 
+import threading
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from megatron_tepo.batch import routing_dtype
-from megatron_tepo.rollout.engine import (FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Group, RolloutEngine, Sample,
-                                          gathered_tensors, make_params, validate_prompts)
+from megatron_tepo.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Group, Request,
+                                          RolloutEngine, Sample, SamplingParams, gathered_tensors, make_params,
+                                          validate_prompts)
 from megatron_tepo.rollout.registry import EngineSettings, register_engine
 
 
@@ -79,6 +81,15 @@ class EmbeddedEngine(RolloutEngine):
         self._routing: Optional[List[List[torch.Tensor]]] = None  # per forward, per MoE layer: [b * t, k]
         self._hooks: list = []  # the routers' hooks (return_routing), removed by close()
         self._num_experts = _record_routing(self.model, self, self._hooks) if return_routing else None
+        # interruptible generation (submit / collect / interrupt): one worker thread, started at
+        # the first submit, generates the queued requests batch after batch
+        self._cv = threading.Condition()
+        self._queue: List[Tuple[Request, SamplingParams]] = []
+        self._running: List[Request] = []
+        self._finished: List[Tuple[Request, Sample]] = []
+        self._stop = threading.Event()
+        self._worker: Optional[threading.Thread] = None
+        self._closing = False
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: List[List[int]], n: int = 1, temperature: float = 1.0,
@@ -86,11 +97,7 @@ class EmbeddedEngine(RolloutEngine):
                  stop_token_ids: Sequence[int] = ()) -> List[Group]:
         sp = make_params(n, temperature, top_p, max_new_tokens, stop_token_ids)
         validate_prompts(prompts, self.vocab_size)
-        if self._released or self._weights_stale:
-            what = f"its {', '.join(sorted(self._released))} released" if self._released else \
-                "its weights taken back but not updated yet"
-            raise RuntimeError(f"EmbeddedEngine.generate: {what} (colocated mode: resume the memory, then "
-                               f"update the weights, before generating)")
+        self._check_serving()
         rows = [list(p) for p in prompts for _ in range(sp.n)]
         samples: List[Sample] = []
         for start in range(0, len(rows), self.max_batch_size):
@@ -98,8 +105,12 @@ class EmbeddedEngine(RolloutEngine):
         return [samples[i * sp.n:(i + 1) * sp.n] for i in range(len(prompts))]
 
     @torch.no_grad()
-    def _generate_rows(self, rows: List[List[int]], sp) -> List[Sample]:
+    def _generate_rows(self, rows: List[List[int]], sp, budgets: Optional[List[int]] = None,
+                       stop_event: Optional[threading.Event] = None) -> List[Sample]:
+        """``budgets``: each row's token budget (default ``sp.max_new_tokens``); ``stop_event``: once
+        set, the rows still generating end where they stand (``FINISH_ABORT``)."""
         b, width = len(rows), max(len(r) for r in rows)
+        budget = torch.tensor(budgets if budgets is not None else [sp.max_new_tokens] * b, dtype=torch.long)
         ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((b, width), dtype=torch.long)
         for i, r in enumerate(rows):  # left padding: every row's next token sits at the end
@@ -111,9 +122,13 @@ class EmbeddedEngine(RolloutEngine):
         out_lp = torch.empty((b, 0), dtype=torch.float32, device=self.device)
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         stopped = torch.zeros(b, dtype=torch.bool, device=self.device)
+        budget = budget.to(self.device)
+        lengths = torch.zeros(b, dtype=torch.long, device=self.device)  # tokens each row generated
         cache, step_ids = None, ids
         self._routing = [] if self._num_experts is not None else None
-        for _ in range(sp.max_new_tokens):
+        for _ in range(int(budget.max())):
+            if stop_event is not None and stop_event.is_set():
+                break
             pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
             out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
                              past_key_values=cache, use_cache=True)
@@ -125,10 +140,12 @@ class EmbeddedEngine(RolloutEngine):
             out_tok = torch.cat([out_tok, tok[:, None]], 1)
             out_lp = torch.cat([out_lp, tok_lp[:, None]], 1)
             active = ~done
+            lengths += active.long()
             if stop.numel():
                 hit = torch.isin(tok, stop) & active
                 stopped |= hit
                 done |= hit
+            done |= lengths >= budget
             step_ids = tok[:, None]
             mask = torch.cat([mask, active.long()[:, None]], 1)
             if bool(done.all()):
@@ -136,16 +153,78 @@ class EmbeddedEngine(RolloutEngine):
         routing = self._take_routing(b)  # [b, width + forwards - 1, M, k] or None
         samples = []
         for i in range(b):
-            toks, lps = out_tok[i].tolist(), out_lp[i].tolist()
-            if bool(stopped[i]):
-                k = next(j for j, t in enumerate(toks) if t in sp.stop_token_ids) + 1
-                samples.append(Sample(toks[:k], lps[:k], FINISH_STOP))
-            else:
-                samples.append(Sample(toks, lps, FINISH_LENGTH))
+            k = int(lengths[i])
+            toks, lps = out_tok[i, :k].tolist(), out_lp[i, :k].tolist()
+            reason = FINISH_STOP if bool(stopped[i]) else FINISH_LENGTH if bool(done[i]) else FINISH_ABORT
+            samples.append(Sample(toks, lps, reason))
             if routing is not None:  # the prompt's positions, then each response token but the last
                 first = width - len(rows[i])
                 samples[-1].routed_experts = routing[i, first:width + len(samples[-1].token_ids) - 1].clone()
         return samples
+
+    # ------------------------------------------------------------------ interruptible generation
+    interruptible = True
+
+    def submit(self, requests: Sequence[Request], params: SamplingParams) -> None:
+        self._check_serving()
+        if self._num_experts is not None:
+            raise ValueError("EmbeddedEngine.submit: routing is not returned for interrupted requests "
+                             "(rollout.partial_rollout with actor.routing_replay: r3)")
+        validate_prompts([r.prompt for r in requests], self.vocab_size)
+        for r in requests:
+            if r.remaining < 1:
+                raise ValueError(f"request {r.key!r}: no tokens left to generate ({len(r.token_ids)} of "
+                                 f"max_new_tokens {r.max_new_tokens})")
+        with self._cv:
+            self._queue += [(r, params) for r in requests]
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="mtepo-embedded-generate", daemon=True)
+                self._worker.start()
+            self._cv.notify_all()
+
+    def collect(self, timeout: float = 0.0) -> List[Tuple[Request, Sample]]:
+        with self._cv:
+            if not self._finished and timeout > 0:
+                self._cv.wait_for(lambda: bool(self._finished), timeout=timeout)
+            out, self._finished = self._finished, []
+        return out
+
+    def interrupt(self) -> List[Tuple[Request, Sample]]:
+        self._stop.set()  # the running batch ends after its current token; no new batch starts
+        with self._cv:
+            self._cv.wait_for(lambda: not self._running)
+            queued = [(r, Sample([], [], FINISH_ABORT)) for r, _ in self._queue]
+            out, self._finished, self._queue = self._finished + queued, [], []
+            self._stop.clear()
+        return out
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._closing or (self._queue and not self._stop.is_set()))
+                if self._closing:
+                    return
+                sp = self._queue[0][1]
+                batch = [r for r, p in self._queue if p == sp][:self.max_batch_size]
+                self._queue = [(r, p) for r, p in self._queue if not any(r is b for b in batch)]
+                self._running = batch
+            try:
+                samples = self._generate_rows([r.prompt + r.token_ids for r in batch], sp,
+                                              [r.remaining for r in batch], self._stop)
+            except BaseException as exc:  # noqa: BLE001 -- every request of the batch comes back aborted
+                samples = [Sample([], [], FINISH_ABORT, meta={"error": f"{type(exc).__name__}: {exc}"})
+                           for _ in batch]
+            with self._cv:
+                self._finished += list(zip(batch, samples))
+                self._running = []
+                self._cv.notify_all()
+
+    def _check_serving(self) -> None:
+        if self._released or self._weights_stale:
+            what = f"its {', '.join(sorted(self._released))} released" if self._released else \
+                "its weights taken back but not updated yet"
+            raise RuntimeError(f"EmbeddedEngine.generate: {what} (colocated mode: resume the memory, then "
+                               f"update the weights, before generating)")
 
     def _take_routing(self, b: int) -> Optional[torch.Tensor]:
         """The routing recorded by this generation's forwards as ``[b, columns, M, k]`` (column
@@ -183,6 +262,11 @@ class EmbeddedEngine(RolloutEngine):
         """Copy every tensor into the model; the stream must cover every parameter (a partial
         update -- e.g. one pipeline stage only -- is an error naming what is missing). The
         actor's export is read gathered to global rank 0, where this engine lives."""
+        with self._cv:
+            if self._running or self._queue:
+                raise RuntimeError(f"EmbeddedEngine.update_weights: {len(self._running) + len(self._queue)} submitted "
+                                   f"requests are generating; interrupt() them first (no token is generated under "
+                                   f"weights being written)")
         seen = set()
         slices: dict = {}  # fused expert tensor -> expert slices written
         for name, tensor in gathered_tensors(named_tensors):
@@ -243,6 +327,10 @@ class EmbeddedEngine(RolloutEngine):
         self._released -= set(tags)
 
     def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._stop.set()
+            self._cv.notify_all()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

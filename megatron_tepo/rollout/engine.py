@@ -56,10 +56,14 @@ class Sample:
     finish_reason: str
     meta: dict = field(default_factory=dict)
     routed_experts: Optional[torch.Tensor] = None
+    # partial rollout: the weights version of each token (None: all the step's rollout version)
+    versions: Optional[List[int]] = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.log_probs):
             raise ValueError(f"{len(self.token_ids)} tokens but {len(self.log_probs)} log-probs")
+        if self.versions is not None and len(self.versions) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.versions)} versions")
         if self.routed_experts is not None and self.routed_experts.dim() != 3:
             raise ValueError(f"routed_experts must be [positions, moe_layers, topk], got "
                              f"{tuple(self.routed_experts.shape)}")
@@ -70,6 +74,36 @@ Group = List[Sample]  # the n samples of one prompt
 #: what an engine can release and take back (colocated mode), under SGLang's tags: its weights
 #: (their content is lost until the next weight update), its KV cache, its CUDA graphs
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+@dataclass
+class Request:
+    """One sample being generated, resumable (partial rollout, :meth:`RolloutEngine.submit`): its
+    prompt, its budget of response tokens, and the response so far -- each token with the
+    engine's log-prob and the version of the weights that produced it. An interrupted request
+    is submitted again as it is: the engine continues from ``prompt + token_ids`` for the
+    tokens left. ``key`` is the caller's (which group and sample it is)."""
+    prompt: List[int]
+    max_new_tokens: int
+    key: object = None
+    token_ids: List[int] = field(default_factory=list)
+    log_probs: List[float] = field(default_factory=list)
+    versions: List[int] = field(default_factory=list)
+    interrupted: int = 0  # times a weight update cut it
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.token_ids)
+
+    def extend(self, segment: "Sample", version: int) -> None:
+        """Append what the engine generated under weights ``version`` since the last submit."""
+        self.token_ids += segment.token_ids
+        self.log_probs += segment.log_probs
+        self.versions += [version] * len(segment.token_ids)
+
+    def restart(self) -> None:
+        """Drop the response so far (it is older than the staleness bound allows)."""
+        self.token_ids, self.log_probs, self.versions = [], [], []
 
 
 class RolloutEngine(abc.ABC):
@@ -87,6 +121,29 @@ class RolloutEngine(abc.ABC):
         weights are in effect when it returns (cached prefixes of the old ones are dropped: the
         update flushes, the caller does not). ``named_tensors`` may be the actor's export, which
         is collective: read it with :func:`gathered_tensors`, or hand it to a weight sync."""
+
+    # ---------------------------------------------------------------- interruptible generation
+    #: whether :meth:`submit`, :meth:`collect` and :meth:`interrupt` work (partial rollout)
+    interruptible: bool = False
+
+    def submit(self, requests: Sequence[Request], params: SamplingParams) -> None:
+        """Start generating each request's continuation (from ``prompt + token_ids``, for its
+        ``remaining`` tokens) in the background, one sample each (``params.n`` is ignored);
+        returns at once. Each comes back once, from :meth:`collect` or :meth:`interrupt`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be interrupted (rollout.partial_rollout)")
+
+    def collect(self, timeout: float = 0.0) -> List[Tuple[Request, "Sample"]]:
+        """The submitted requests that finished since the last call, each with the segment
+        generated since its submit (``finish_reason`` stop or length); waits up to ``timeout``
+        seconds for at least one. The request itself is not changed."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be interrupted (rollout.partial_rollout)")
+
+    def interrupt(self) -> List[Tuple[Request, "Sample"]]:
+        """Stop every submitted request and return each one not yet collected with its segment:
+        finished ones as :meth:`collect` would, the others cut where they stand
+        (``finish_reason`` abort, every generated token with its log-prob). When it returns
+        nothing runs: the weights may be written."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be interrupted (rollout.partial_rollout)")
 
     def score(self, sequences: List[List[int]], prompt_lens: List[int],
               temperature: float = 1.0) -> List[List[float]]:

@@ -52,6 +52,7 @@ from megatron_tepo.algorithms import PolicyLoss, stale_sequence_ratio_warning
 from megatron_tepo.algorithms.drift import DriftCheck
 from megatron_tepo.config import RunConfig
 from megatron_tepo.trainer.driver import Driver, FollowerEngine
+from megatron_tepo.trainer.partial import RolloutBuffer, staleness_metrics
 from megatron_tepo.trainer.rollouts import Generated, Task, evaluate, generate_groups, sync_weights
 from megatron_tepo.trainer.run_state import Checkpoints, RunState
 from megatron_tepo.trainer.stalls import NoUpdateError, no_update_cause, stalled_message
@@ -93,16 +94,19 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
               checkpoints=(checkpoint_root, checkpoint_files), extra_state=extra_state)
     with run.watchdog:
         run.resume()  # the newest checkpoint that loads
-        for phase in mode.start:  # the engine ready to generate (a resumed run's weights pushed to it)
-            phase(run, Step(run.state.start - 1))
-        for number in range(run.state.start, cfg.train.steps + 1):
-            step = Step(number)
-            for phase in mode.step:  # generate -> advantages -> old log-probs -> update -> sync -> log -> save
-                phase(run, step)
-        with run.watchdog.phase("collective"):
-            run.checkpoints.finish()  # every checkpoint complete before the run returns
-        for phase in mode.end:  # colocated: the actor back on its devices for the caller (its HF export)
-            phase(run, Step(cfg.train.steps))
+        try:
+            for phase in mode.start:  # the engine ready to generate (a resumed run's weights pushed to it)
+                phase(run, Step(run.state.start - 1))
+            for number in range(run.state.start, cfg.train.steps + 1):
+                step = Step(number)
+                for phase in mode.step:  # generate -> advantages -> old log-probs -> update -> sync -> log -> save
+                    phase(run, step)
+            with run.watchdog.phase("collective"):
+                run.checkpoints.finish()  # every checkpoint complete before the run returns
+            for phase in mode.end:  # colocated: the actor back on its devices; partial: the engine idle
+                phase(run, Step(cfg.train.steps))
+        finally:
+            run.close_partial()  # (a failed run's requests stopped too)
     return run.history
 
 
@@ -140,6 +144,10 @@ class Run:
         self.resumed_from: Optional[Path] = None
         # colocated mode: what the actor moves to host memory while the engine generates
         self.offload_parts = cfg.actor.offload_parts(cfg.rollout.colocated)
+        # partial rollout: every rank knows the mode; the driver holds the buffer (trainer/partial.py)
+        self.partial = bool(cfg.rollout.partial_rollout)
+        self.buffer: Optional[RolloutBuffer] = None
+        self._partial_start: Dict[str, float] = {}  # the first step's counts (resumed_from_checkpoint)
 
     def actor_offloaded(self) -> bool:
         return bool(getattr(self.actor, "offloaded", ()))
@@ -167,6 +175,34 @@ class Run:
                                                           state.order[:cfg.rollout.prompts_per_step], cfg, state.rng)
         health = getattr(self.engine, "health_metrics", dict)()  # servers lost, restarted, re-synced since
         return Generated(prompts, groups, rewards, {**stats, **health}, version)
+
+
+    def start_partial(self, version: int) -> None:
+        """Partial rollout, on the driver: the buffer (from the checkpoint's, resumed) starts
+        generating with weights ``version``."""
+        def start():
+            root = self.checkpoints.root
+            self.buffer = RolloutBuffer(self.engine, self.task, self.cfg, version, snapshot=self.state.buffer,
+                                        ledger=Path(root) / "rollout_ledger.jsonl" if root else None)
+            self.buffer.start()
+            self._partial_start = {"resumed_from_checkpoint": float(self.buffer.resumed_from_checkpoint)}
+        self.driver.local(start)
+
+    def take_partial(self, step: int) -> Generated:
+        """Partial rollout, on the driver: the buffer's next complete groups, their staleness, and
+        (the first step) the partial responses resumed from the checkpoint."""
+        prompts, groups, rewards, stats = self.buffer.take(step)
+        health = getattr(self.engine, "health_metrics", dict)()
+        stats = {**stats, **staleness_metrics(groups, step), **self._partial_start, **health}
+        self._partial_start = {}
+        versions = [v for g in groups for s in g for v in (s.versions or ())]
+        return Generated(prompts, groups, rewards, stats, min(versions) if versions else step)
+
+    def close_partial(self) -> None:
+        """Partial rollout: the buffer stopped (on the driver; nothing elsewhere)."""
+        buffer, self.buffer = self.buffer, None
+        if buffer is not None:
+            buffer.close()
 
 
 def data_parallel_coords(actor) -> tuple:

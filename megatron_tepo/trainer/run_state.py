@@ -28,16 +28,17 @@ from megatron_tepo.checkpoint.store import prune_checkpoints, remove_partial_che
 from megatron_tepo.config import RunConfig
 from megatron_tepo.rollout.engine import Sample
 from megatron_tepo.trainer.driver import Driver
+from megatron_tepo.trainer.partial import BUFFER_FILE, read_buffer, write_buffer
 from megatron_tepo.trainer.rollouts import Generated
 
 __all__ = ["RunState", "Checkpoints", "PENDING_FILE", "LOOP_KEYS"]
 
 PENDING_FILE = "pending_rollout.pt"
-LOOP_KEYS = ("step", "rng", "order", "engine_rng", "pending_rollout", "steps_without_update")
+LOOP_KEYS = ("step", "rng", "order", "engine_rng", "pending_rollout", "steps_without_update", "rollout_buffer")
 
 
 def _loop_state(step: int, rng: random.Random, order: List[int], engine, extra: Dict,
-                pending: Optional[Generated] = None, stalled: int = 0) -> Dict:
+                pending: Optional[Generated] = None, stalled: int = 0, buffer: Optional[Dict] = None) -> Dict:
     """Everything besides the actor that a resumed run needs to continue exactly (JSON; the next
     step's rollout, generated one step off, goes into ``PENDING_FILE`` beside it)."""
     version, internal, gauss = rng.getstate()
@@ -45,7 +46,7 @@ def _loop_state(step: int, rng: random.Random, order: List[int], engine, extra: 
     return {"step": step, "rng": [version, list(internal), gauss], "order": order,
             "engine_rng": gen.get_state().tolist() if gen is not None else None,
             "pending_rollout": PENDING_FILE if pending is not None else None,
-            "steps_without_update": stalled, **extra}
+            "steps_without_update": stalled, "rollout_buffer": BUFFER_FILE if buffer is not None else None, **extra}
 
 
 def _write_pending(g: Generated, path: Path) -> None:
@@ -84,13 +85,14 @@ class RunState:
     start: int = 1  # the first step this process runs
     stalled: int = 0  # steps in a row without an update (fault.max_steps_without_update)
     pending: Optional[Generated] = None  # the next step's rollout (one-step-off), on the driver
+    buffer: Optional[Dict] = None  # partial rollout: the rollout buffer at the last update, on the driver
 
     @classmethod
     def new(cls, cfg: RunConfig, n_prompts: int, extra: Optional[Dict] = None) -> "RunState":
         return cls(random.Random(cfg.train.seed), list(range(n_prompts)), extra if extra is not None else {})
 
     def to_checkpoint(self, step: int, engine) -> Dict:
-        return _loop_state(step, self.rng, self.order, engine, self.extra, self.pending, self.stalled)
+        return _loop_state(step, self.rng, self.order, engine, self.extra, self.pending, self.stalled, self.buffer)
 
     def restore(self, state: Dict, engine) -> None:
         """The state saved at a step (the run continues at the next one); the pending rollout is
@@ -123,6 +125,8 @@ class Checkpoints:
         state.restore(saved, engine)
         if saved.get("pending_rollout"):
             state.pending = self.driver.local(partial(_read_pending, Path(latest) / saved["pending_rollout"]))
+        if saved.get("rollout_buffer"):
+            state.buffer = self.driver.local(partial(read_buffer, Path(latest) / saved["rollout_buffer"]))
         state.extra["resumed_from"] = str(latest)
         return latest
 
@@ -135,7 +139,7 @@ class Checkpoints:
         checkpoint when one is due."""
         _finalize_saves(self.actor)
         _save(self.cfg, self.actor, self.root, step, state.to_checkpoint(step, engine), self.files, self.driver,
-              state.pending)
+              state.pending, state.buffer)
 
     def finish(self) -> None:
         """Collective: every checkpoint complete (the asynchronous one in flight waited for)."""
@@ -156,7 +160,7 @@ def _due(cfg: RunConfig, root: Optional[Path], step: int) -> bool:
 
 
 def _save(cfg: RunConfig, actor, root: Optional[Path], step: int, state: Dict, files, driver: Driver,
-          pending: Optional[Generated] = None) -> None:
+          pending: Optional[Generated] = None, buffer: Optional[Dict] = None) -> None:
     """Checkpoint every ``train.save_every`` steps and always at the last one; prune old ones.
     With one-step-off generation the next step's rollout is saved with it (``PENDING_FILE``)."""
     if not _due(cfg, root, step):
@@ -167,6 +171,8 @@ def _save(cfg: RunConfig, actor, root: Optional[Path], step: int, state: Dict, f
             files(tmp)
         if pending is not None:
             _write_pending(pending, tmp / PENDING_FILE)
+        if buffer is not None:
+            write_buffer(buffer, tmp / BUFFER_FILE)
 
     def prune(_published: Path) -> None:  # once the new one is complete: the kept ones stay complete
         if cfg.train.keep_checkpoints:

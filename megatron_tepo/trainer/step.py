@@ -35,7 +35,7 @@ from megatron_tepo.rollout.engine import MEMORY_TAGS
 from megatron_tepo.trainer.rollouts import sync_weights
 from megatron_tepo.trainer.stalls import NoUpdateError, skipped_update_message, stalled_message
 
-__all__ = ["Step", "STEP", "COLOCATED_STEP", "Mode", "SEPARATE", "COLOCATED", "mode_of", "generate", "advantages",
+__all__ = ["Step", "STEP", "COLOCATED_STEP", "Mode", "SEPARATE", "COLOCATED", "PARTIAL", "mode_of", "generate", "advantages",
            "old_log_probs", "update", "sync", "log", "save", "policy_update"]
 
 
@@ -55,6 +55,7 @@ class Step:
     rollout_s: float = 0.0
     batch: Optional[RolloutBatch] = None  # this rank's share
     response_length_mean: float = 0.0
+    response_tokens: float = 0.0  # the response tokens trained on (tokens_per_s: over the step's time)
     t_train: float = 0.0
     drift: Dict = field(default_factory=dict)
     # the old-log-prob pass's routing gates with actor.routing_replay r3 (``old_routing_*``; the
@@ -69,6 +70,17 @@ def generate(run, step: Step) -> None:
     """1. generate -> reward -> dynamic sampling, on the driver; one-step-off: this step's rollout was
     generated while the previous step trained, and the next one's starts now, with this step's weights."""
     cfg, driver, state = run.cfg, run.driver, run.state
+    if run.partial:  # partial rollout: the buffer's complete groups (trainer/partial.py)
+        with run.watchdog.phase("generate"):
+            prompts, groups, rewards, gen, version = driver.run(lambda: run.take_partial(step.number))
+        step.rollout_s = time.time() - step.t0
+        step.prompts, step.groups, step.rewards, step.version = prompts, groups, rewards, version
+        step.gen = {**gen, "rollout_staleness": float(step.number - version)}
+        if not prompts:
+            step.skipped = True
+            step.metrics = {"skipped_step": 1.0, "updates": 0.0, **step.gen, "rollout_s": step.rollout_s,
+                            "step_s": time.time() - step.t0}
+        return
     with run.watchdog.phase("generate"):
         prompts, groups, rewards, gen, version = driver.run(lambda: state.pending or run.generate_rollout(step.number))
     step.rollout_s = time.time() - step.t0  # waiting for the rollout (generating it, when not done ahead)
@@ -98,6 +110,7 @@ def advantages(run, step: Step) -> None:
     batch = RolloutBatch.from_groups(step.prompts, step.groups, run.task.pad_token_id, advantages=adv,
                                      temperature=cfg.rollout.temperature)
     step.response_length_mean = float(batch.response_mask.sum(1).mean())
+    step.response_tokens = float(batch.response_mask.sum())
     if run.dp_size > 1:  # this rank's share of every mini-batch (rows_per_mb is a multiple of dp_size)
         batch = batch.split_for_data_parallel(run.dp_rank, run.dp_size)
     step.batch = batch
@@ -115,8 +128,13 @@ def old_log_probs(run, step: Step) -> None:
     with run.watchdog.phase("collective"):
         batch.old_log_probs, batch.old_entropy = run.actor.compute_log_probs(batch)
         step.old_pass = {f"old_{k}": v for k, v in run.actor.routing_metrics.items()}  # (summed over every rank)
-        fresh = step.number == step.version  # a batch of older weights differs by an update: reported, no warning
-        local = run.drift_check(batch.rollout_log_probs, batch.old_log_probs, batch.response_mask,
+        # tokens of older weights differ by an update: the drift is measured on the tokens of the
+        # weights this step starts from (every token, without per-token versions, when the whole
+        # batch is; reported, with no warning, when it is older)
+        mask, fresh = batch.response_mask, step.number == step.version
+        if batch.policy_versions is not None:
+            mask, fresh = mask * (batch.policy_versions == step.number), True
+        local = run.drift_check(batch.rollout_log_probs, batch.old_log_probs, mask,
                                 warn=run.dp_size == 1 and fresh and run.driver.is_driver)
         step.drift = local if run.dp_size == 1 else run.driver.combine_drift(local, run.drift_check, run.dp_size,
                                                                             warn=fresh)
@@ -153,8 +171,15 @@ def sync(run, step: Step) -> None:
     with run.watchdog.phase("generate"):
         run.state.pending = run.driver.local(lambda: step.ahead.result()) if step.overlap else None
     step.rollout_s += time.time() - t
-    with run.watchdog.phase("sync"):
-        sync_s = sync_weights(run.actor, run.engine)
+    if run.partial:  # the requests in flight interrupted for the update, then resumed under the new weights
+        with run.watchdog.phase("sync"):
+            run.driver.local(lambda: run.buffer.pause())
+            sync_s = sync_weights(run.actor, run.engine)
+            step.gen.update(run.driver.run(lambda: run.buffer.resume(step.number + 1)))
+            run.state.buffer = run.driver.local(lambda: run.buffer.snapshot())
+    else:
+        with run.watchdog.phase("sync"):
+            sync_s = sync_weights(run.actor, run.engine)
     updates = step.updates
     if run.report is not None and any(u["skipped_update"] for u in updates):
         run.report(skipped_update_message(step.number, updates, run.cfg.fault.max_steps_without_update))
@@ -162,9 +187,10 @@ def sync(run, step: Step) -> None:
     metrics = {k: sum(u[k] for u in done) / len(done) for k in done[0] if isinstance(done[0][k], float)}
     metrics["skipped_update"] = float(sum(u["skipped_update"] for u in updates))
     metrics["updates"] = float(len(updates)) - metrics["skipped_update"]
+    step_s = time.time() - step.t0
     metrics.update(step.gen, reward_mean=float(step.rewards.mean()), rollout_s=step.rollout_s, train_s=train_s,
-                   sync_s=sync_s, step_s=time.time() - step.t0, response_length_mean=step.response_length_mean,
-                   **step.drift, **step.old_pass)
+                   sync_s=sync_s, step_s=step_s, response_length_mean=step.response_length_mean,
+                   tokens_per_s=step.response_tokens / max(step_s, 1e-9), **step.drift, **step.old_pass)
     step.metrics = metrics
 
 
@@ -176,7 +202,8 @@ def log(run, step: Step) -> None:
         metrics["step_s"] = time.time() - step.t0
     if cfg.train.eval_every and step.number % cfg.train.eval_every == 0:
         with run.watchdog.phase("generate"):
-            metrics.update(run.driver.run(run.eval_fn or dict))
+            metrics.update(run.driver.run(run.eval_fn or dict) if not run.partial else
+                           run.driver.run(lambda: run.buffer.paused(run.eval_fn or dict)))
     metrics.update(step.memory)
     if run.on_step is not None:
         run.on_step(step.number, metrics)
@@ -324,7 +351,26 @@ COLOCATED = Mode("colocated", start=(release_engine, onload_actor, offload_actor
                  end=(release_engine, onload_actor))
 
 
+def start_buffer(run, step: Step) -> None:
+    """Partial rollout: the driver's rollout buffer (a resumed run's, from its checkpoint) starts
+    generating with the weights the engine holds."""
+    with run.watchdog.phase("generate"):
+        run.start_partial(step.number + 1)
+
+
+def stop_buffer(run, step: Step) -> None:
+    """Partial rollout: every request stopped; the engine idle for the caller."""
+    run.close_partial()
+
+
+#: the engine generates all the time, across steps (``rollout.partial_rollout``): the buffer starts
+#: after the resumed weights reached the engine, and every update interrupts and resumes it
+PARTIAL = Mode("partial", start=(sync_resumed, start_buffer), step=STEP, end=(stop_buffer,))
+
+
 def mode_of(cfg) -> Mode:
+    if cfg.rollout.partial_rollout:
+        return PARTIAL
     return COLOCATED if cfg.rollout.colocated else SEPARATE
 
 

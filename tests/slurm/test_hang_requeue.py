@@ -26,7 +26,7 @@ RUN = [f"train.steps={STEPS}", "rollout.engine=embedded", "rollout.prompts_per_s
        "train.mini_batch_prompts=4", "train.epochs_per_step=1", "train.save_every=1", "train.export_hf=false"]
 # a short collective time-out for the hung run only (a tiny step's collectives take seconds)
 HANG = [f"fault.inject_hang_at_step={HANG_AT}", "fault.watchdog_collective_s=60"]
-VOLATILE = {"time", "step_s", "sync_s", "rollout_s", "train_s"}
+VOLATILE = {"time", "step_s", "sync_s", "rollout_s", "train_s", "tokens_per_s"}
 
 
 def _metrics(out: Path):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-VOLATILE = {"time", "step_s", "sync_s", "rollout_s", "train_s"}
+VOLATILE = {"time", "step_s", "sync_s", "rollout_s", "train_s", "tokens_per_s"}
 
 
 def _run(out, async_save, port):

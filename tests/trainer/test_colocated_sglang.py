@@ -25,7 +25,7 @@ from tests.rollout.conftest import require_sglang
 
 pytestmark = [pytest.mark.sglang, pytest.mark.distributed]
 
-TIMINGS = {"time", "step_s", "sync_s", "rollout_s", "train_s"}
+TIMINGS = {"time", "step_s", "sync_s", "rollout_s", "train_s", "tokens_per_s"}
 MEMORY = {"engine_release_s", "engine_resume_s", "actor_onload_s", "actor_offload_s", "actor_onload_gb",
           "actor_offload_gb"}
 STEPS = 3

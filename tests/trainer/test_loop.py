@@ -24,7 +24,7 @@ def _run(args, timeout, **env_overrides):
 # own grad norm, clipping and AdamW loop; the fast paths are checked against these paths in
 # tests/megatron/test_launch_costs.py.
 MAIN_JOB_SHORT_RUN = ("train.steps=6", "algorithm.clip_low=0.2", "algorithm.clip_high=0.28")
-TIMINGS = {"time", "step_s", "sync_s", "rollout_s", "train_s"}
+TIMINGS = {"time", "step_s", "sync_s", "rollout_s", "train_s", "tokens_per_s"}
 
 
 def same_run(lines, reference, extra=frozenset()):
