@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_tepo.rollout.engine import FINISH_LENGTH, FINISH_STOP
+from megatron_tepo.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, SamplingParams
 from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
 from megatron_tepo.rollout.sglang.client import FleetError, RequestFailed
 from megatron_tepo.rollout.sglang.server import ServerConfig
@@ -66,7 +66,7 @@ def test_servers_are_keyed_and_local(fleet):
         ok = requests.post(s.url + "/generate", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
         assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2, ok.text[:300]
         log = Path(s.log_path).read_text(errors="replace")
-        assert "server_args=" in log and key not in log, log[-2000:]
+        assert "server_args=" in log and key not in log, log[-LONG:]
 
 
 def test_generate_groups(fleet):
@@ -203,6 +203,75 @@ def test_sync_while_a_request_still_runs(fleet, tmp_path):
     groups = fleet.generate([[5, 17]], n=2, max_new_tokens=4)  # generation continues
     assert len(groups[0]) == 2 and all(len(x.token_ids) == 4 for x in groups[0])
 
+LONG = 480  # response tokens (the tiny model's context is 512)
+
+
+def _close(server, reference) -> bool:
+    """A bf16 server's log-probs against the float32 model's: within 1e-2 on average, 5e-2 at most."""
+    d = (torch.tensor(server) - reference).abs()
+    return float(d.mean()) < 1e-2 and float(d.max()) < 5e-2
+
+
+def _cut_mid_response(fleet, req, params, timeout=240.0):
+    """Submit ``req`` and interrupt it while it generates: it comes back cut (``FINISH_ABORT``) with
+    its tokens and their log-probs. One cut before it ran comes back empty and goes on; one that
+    finished first is started afresh with a shorter wait (the server's speed is not assumed)."""
+    end, wait = time.monotonic() + timeout, 0.5
+    while True:
+        assert time.monotonic() < end, "no interrupt landed mid-response"
+        fleet.submit([req], params)
+        time.sleep(wait)
+        (r, seg), = fleet.interrupt()
+        assert r is req and len(seg.token_ids) == len(seg.log_probs) and not seg.meta.get("error"), seg.meta
+        if seg.finish_reason != FINISH_ABORT:  # it finished: again, from nothing
+            req.restart()
+            wait /= 2
+            continue
+        req.extend(seg, version=1)
+        if req.token_ids:
+            return req
+        wait *= 2
+
+
+def test_a_response_interrupted_by_a_weight_update_resumes_token_for_token(fleet, tmp_path):
+    """Partial rollout on real servers: requests cut by an interrupt come back with their tokens and
+    log-probs (weights A's), the update is refused while any generates, and after the update (B)
+    each resumes from prompt + partial: its continuation is B's (log-probs and, greedy, tokens)."""
+    a, b = tiny_qwen3(seed=0, scale=SCALE), tiny_qwen3(seed=21, scale=SCALE)
+    fleet.update_weights(a.state_dict().items())
+    prompt = [5, 17, 33]
+    sampled = _cut_mid_response(fleet, Request(prompt, LONG, key="sampled"), SamplingParams(max_new_tokens=LONG))
+    greedy = _cut_mid_response(fleet, Request(prompt, LONG, key="greedy"),
+                               SamplingParams(temperature=1e-7, max_new_tokens=LONG))
+    cut = len(sampled.token_ids)
+    ref_a = hf_response_log_probs(a, prompt + sampled.token_ids, len(prompt))
+    assert _close(sampled.log_probs, ref_a)  # A's, token by token
+
+    fleet.submit([Request(prompt, LONG, key="probe")], SamplingParams(max_new_tokens=LONG))
+    with pytest.raises(RuntimeError, match="interrupt"):  # nothing generates under weights being written
+        fleet.update_weights(b.state_dict().items())
+    assert [r.key for r, _ in fleet.interrupt()] == ["probe"]
+    fleet.update_weights(b.state_dict().items())
+
+    fleet.submit([sampled], SamplingParams(temperature=1.0, max_new_tokens=LONG))
+    fleet.submit([greedy], SamplingParams(temperature=1e-7, max_new_tokens=LONG))
+    done, end = {}, time.monotonic() + 300
+    while len(done) < 2:
+        assert time.monotonic() < end, "the resumed requests did not finish"
+        for r, seg in fleet.collect(timeout=1.0):
+            assert seg.finish_reason == FINISH_LENGTH
+            done[r.key] = (len(r.token_ids), seg)
+            r.extend(seg, version=2)
+    assert len(sampled.token_ids) == LONG and sampled.versions == [1] * cut + [2] * (LONG - cut)
+    ref_b = hf_response_log_probs(b, prompt + sampled.token_ids, len(prompt))
+    ref_a_all = hf_response_log_probs(a, prompt + sampled.token_ids, len(prompt))
+    assert _close(sampled.log_probs[cut:], ref_b[cut:]) and _close(sampled.log_probs[:cut], ref_a_all[:cut])
+    assert float((torch.tensor(sampled.log_probs[cut:]) - ref_a_all[cut:]).abs().mean()) > 0.1  # ... not A's
+    # token for token: the greedy continuation is what B generates from prompt + partial
+    g_cut, g_seg = done["greedy"]
+    fresh = fleet.generate([prompt + greedy.token_ids[:g_cut]], n=1, temperature=1e-7, max_new_tokens=LONG - g_cut)
+    assert g_seg.token_ids == fresh[0][0].token_ids and len(greedy.token_ids) == LONG
+
 
 # ---------------------------------------------------------------- faults (destroy the fleet: last)
 def test_server_killed_mid_step(fleet):
@@ -225,3 +294,4 @@ def test_all_servers_gone_clear_error_within_timeout(fleet):
     with pytest.raises(FleetError, match="no SGLang server is left"):
         fleet.generate([[1, 2, 3]], n=1, max_new_tokens=4)
     assert time.monotonic() - t0 < 15.0
+

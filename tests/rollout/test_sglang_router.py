@@ -121,6 +121,29 @@ def _prefills(path, start):
     return text.count(b"Prefill batch"), start + len(text)
 
 
+def test_requests_through_the_router_are_interrupted_with_their_partial_responses(fleet):
+    """Partial rollout behind sglang-router: the router passes a server's aborted answer through
+    (HTTP 200, no retry); the aborts go to each server directly (the router has no such route)."""
+    from megatron_tepo.rollout.engine import FINISH_ABORT, Request, SamplingParams
+
+    routed = fleet.routed
+    reqs = [Request([i + 3, i + 4, i + 5], 480, key=i) for i in range(4)]
+    starts = [Path(s.log_path).stat().st_size for s in fleet.servers]
+    fleet.submit(reqs, SamplingParams(max_new_tokens=480))
+    deadline = time.monotonic() + 120
+    while sum(_prefills(s.log_path, b)[0] for s, b in zip(fleet.servers, starts)) == 0:  # (one reached a server)
+        assert time.monotonic() < deadline, "no request reached a server"
+        time.sleep(0.05)
+    time.sleep(0.3)
+    back = fleet.interrupt()
+    assert sorted(r.key for r, _ in back) == [0, 1, 2, 3]
+    assert all(len(s.token_ids) == len(s.log_probs) and not s.meta.get("error") for _, s in back)
+    cut = [s for _, s in back if s.finish_reason == FINISH_ABORT]
+    assert cut and any(s.token_ids for s in cut)  # cut mid-response, tokens and log-probs kept
+    assert fleet.routed - routed == 4  # every answer came through the router
+    assert fleet.collect() == []  # nothing left running
+
+
 def test_routed_server_killed_mid_step(fleet):
     victim = fleet.servers[0]
     start = Path(victim.log_path).stat().st_size  # (before the step: its prefills come after)
@@ -143,3 +166,4 @@ def test_routed_server_killed_mid_step(fleet):
 
 def test_routed_all_servers_gone_clear_error_within_timeout(fleet):
     assert "sglang-router" in error_with_all_servers_hung(fleet, health_timeout=2.0)
+

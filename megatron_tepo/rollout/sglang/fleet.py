@@ -76,8 +76,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_tepo.rollout.engine import (FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Group, RolloutEngine, Sample,
-                                          make_params, validate_prompts)
+from megatron_tepo.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Group, Request,
+                                          RolloutEngine, Sample, SamplingParams, make_params, validate_prompts)
 from megatron_tepo.rollout.sglang.health import COUNTERS, Event, State, counter
 from megatron_tepo.rollout.sglang.client import FleetError, RequestFailed, SGLangServer
 from megatron_tepo.rollout.sglang.options import ServerConfig
@@ -147,9 +147,12 @@ def memory_tags(tags: Iterable[str]) -> frozenset:
     return tags
 
 
-def parse_generate_output(out: dict, routing: Optional[RoutingShape] = None, where: str = "the server") -> Sample:
+def parse_generate_output(out: dict, routing: Optional[RoutingShape] = None, where: str = "the server",
+                          partial: bool = False) -> Sample:
     """One ``/generate`` answer as a :class:`Sample`; with ``routing`` (the request asked for it) its
-    routed experts too, their absence a non-retryable failure naming ``where``."""
+    routed experts too, their absence a non-retryable failure naming ``where``. An aborted answer
+    is a failure, or with ``partial`` (the fleet aborted it: partial rollout) the response so far,
+    ``FINISH_ABORT``: SGLang answers an abort with every token generated and its log-prob."""
     meta = out.get("meta_info", {})
     fr = meta.get("finish_reason") or {}
     kind = fr.get("type") if isinstance(fr, dict) else str(fr)
@@ -157,9 +160,11 @@ def parse_generate_output(out: dict, routing: Optional[RoutingShape] = None, whe
     ids = out.get("output_ids")
     if ids is None:
         ids = [int(t[1]) for t in lps]
-    if kind == "abort":
+    if kind == "abort" and not partial:
         raise RequestFailed(f"request aborted by the server: {fr}")
-    reason = FINISH_STOP if kind == "stop" else FINISH_LENGTH
+    reason = FINISH_ABORT if kind == "abort" else FINISH_STOP if kind == "stop" else FINISH_LENGTH
+    if len(lps) != len(ids):
+        raise RequestFailed(f"{where} returned {len(ids)} tokens but {len(lps)} log-probs")
     routed = None
     if routing is not None:
         try:
@@ -223,6 +228,12 @@ class SGLangFleet(RolloutEngine):
         except BaseException:
             self.close()
             raise
+        # interruptible generation (partial rollout): the requests submitted and not yet handed back
+        self._partial_cv = threading.Condition()
+        self._partial_pool: Optional[ThreadPoolExecutor] = None
+        self._partial_running: Dict[int, Tuple[Request, Any]] = {}
+        self._partial_done: List[Tuple[Request, Sample]] = []
+        self._interrupting = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="sglang-health", daemon=True)
         self._monitor.start()
 
@@ -607,6 +618,82 @@ class SGLangFleet(RolloutEngine):
 
         return self._run_all("/generate", payloads, parse)
 
+    # ------------------------------------------------------------------ interruptible generation
+    interruptible = True
+
+    def submit(self, requests: Sequence[Request], params: SamplingParams) -> None:
+        """Each request as one ``/generate`` of one sample (``prompt + token_ids``, its remaining
+        tokens), through the router where there is one, retried as :meth:`generate`'s are."""
+        if self.cfg.routing is not None:
+            raise ValueError("SGLangFleet.submit: routing is not returned for interrupted requests "
+                             "(rollout.partial_rollout with actor.routing_replay: r3)")
+        validate_prompts([r.prompt for r in requests])
+        sampling = {"n": 1, "temperature": params.temperature, "top_p": params.top_p, "top_k": -1,
+                    "stop_token_ids": list(params.stop_token_ids), "ignore_eos": not params.stop_token_ids,
+                    "skip_special_tokens": False}
+        with self._partial_cv:
+            if self._partial_pool is None:
+                self._partial_pool = ThreadPoolExecutor(max_workers=self.cfg.max_concurrency,
+                                                        thread_name_prefix="sglang-partial")
+            for r in requests:
+                if r.remaining < 1:
+                    raise ValueError(f"request {r.key!r}: no tokens left to generate")
+                payload = {"input_ids": [int(t) for t in r.prompt + r.token_ids],
+                           "sampling_params": {**sampling, "max_new_tokens": r.remaining},
+                           "return_logprob": True, "logprob_start_len": -1}
+                if not self._partial_running:
+                    with self._lock:
+                        self._steps_running += 1  # (the monitor probes the servers that hold requests)
+                self._partial_running[id(r)] = (r, self._partial_pool.submit(self._run_partial, r, payload))
+
+    def _run_partial(self, r: Request, payload: dict) -> None:
+        deadline = time.monotonic() + self.cfg.step_timeout
+        try:
+            seg = self._run_one("/generate", payload, deadline,
+                                lambda out: parse_generate_output(out[0] if isinstance(out, list) else out,
+                                                                  partial=self._interrupting.is_set()))
+        except Exception as exc:  # noqa: BLE001 -- cut by an interrupt, or failed: handed back either way
+            seg = Sample([], [], FINISH_ABORT, meta={} if self._interrupting.is_set() else
+                         {"error": f"{type(exc).__name__}: {exc}"})
+        with self._partial_cv:
+            if self._partial_running.pop(id(r), None) is not None:
+                self._partial_done.append((r, seg))
+                if not self._partial_running:
+                    with self._lock:
+                        self._steps_running -= 1
+            self._partial_cv.notify_all()
+
+    def collect(self, timeout: float = 0.0) -> List[Tuple[Request, Sample]]:
+        with self._partial_cv:
+            if not self._partial_done and timeout > 0:
+                self._partial_cv.wait_for(lambda: bool(self._partial_done), timeout=timeout)
+            out, self._partial_done = self._partial_done, []
+        return out
+
+    def interrupt(self) -> List[Tuple[Request, Sample]]:
+        """``/abort_request`` (all) on every server directly (sglang-router has no such route),
+        again every 0.2 s until every request has answered: a request that reached a server after
+        an abort, or was retried on another, is cut by the next one. Each answers with its tokens so
+        far and their log-probs (HTTP 200, finish ``abort``); one cut before it ran, with none."""
+        self._interrupting.set()
+        try:
+            while True:
+                with self._partial_cv:
+                    if not self._partial_running:
+                        break
+                for s in self.alive_servers():
+                    try:
+                        s.post("/abort_request", {"abort_all": True}, timeout=self.cfg.health_timeout)
+                    except RequestFailed as e:  # a dead server's requests fail and come back anyway
+                        log.warning("SGLang server %s: /abort_request failed: %s", s.url, e)
+                with self._partial_cv:
+                    self._partial_cv.wait_for(lambda: not self._partial_running, timeout=0.2)
+            with self._partial_cv:
+                out, self._partial_done = self._partial_done, []
+            return out
+        finally:
+            self._interrupting.clear()
+
     def score(self, sequences: List[List[int]], prompt_lens: List[int],
               temperature: float = 1.0) -> List[List[float]]:
         """The server's log-probs of ``seq[prompt_len:]`` (prefill only, no sampling).
@@ -643,6 +730,11 @@ class SGLangFleet(RolloutEngine):
         """Push the stream to every reachable server (the fleet's weight sync; ``tensor`` mode
         unless the trainer set another up), servers paused, then one cache flush. Restarted and
         returned servers are gathered first and take requests only once this push reached them."""
+        with self._partial_cv:
+            if self._partial_running:
+                raise RuntimeError(f"SGLangFleet.update_weights: {len(self._partial_running)} submitted requests are "
+                                   f"generating; interrupt() them first (no token is generated under weights being "
+                                   f"written)")
         if self.weight_sync is None:
             self.weight_sync = TensorSync(self)
         with self._probe_round:
@@ -718,6 +810,9 @@ class SGLangFleet(RolloutEngine):
 
     def close(self) -> None:
         self._closing.set()
+        pool = getattr(self, "_partial_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         for s in self.servers:  # a restart still starting sees its process exit and gives up
             stop_server(s)
         self._join_restarts()
