@@ -63,3 +63,51 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, staleness, steps):
         assert (run / "checkpoints" / "step_4" / "pending_rollout.pt").exists()
     assert json.loads((run / "summary.json").read_text())["accuracy_after"] == \
         json.loads((ref / "summary.json").read_text())["accuracy_after"]
+
+
+@pytest.mark.slow
+@pytest.mark.journey
+def test_sigkill_with_partial_responses_in_flight_resumes_every_prompt_once(tmp_path):
+    """Partial rollout (staleness 1): killed after step 4's checkpoint, whose rollout buffer holds
+    responses cut by the update, and resumed. The resumed run continues those responses (its
+    first step says how many), and by the ledger every drawn prompt's group was trained once,
+    dropped by dynamic sampling, or is still in the last checkpoint's buffer."""
+    run, port = tmp_path / "run", 24000 + os.getpid() % 5000
+    # (1000 groups in flight: more than the engine finishes in a step, so every update cuts responses)
+    extra = ["train.steps=6", "rollout.partial_rollout=true", "rollout.max_staleness=1",
+             "rollout.max_inflight_groups=1000"]
+    proc = subprocess.Popen(_cmd(run, *extra), env=_env(port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, cwd=REPO)
+    marker = run / "checkpoints" / "step_4" / "complete"
+    deadline = time.time() + 400
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    import torch
+
+    saved = torch.load(run / "checkpoints" / "step_4" / "rollout_buffer.pt", weights_only=True)
+    partial = sum(1 for g in saved["groups"] for k, r in enumerate(g["requests"])
+                  if g["finish"][k] is None and r["token_ids"])
+    resumed = subprocess.run(_cmd(run, *extra), env=_env(port + 1), capture_output=True, text=True, timeout=600,
+                             cwd=REPO)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    got = _metrics(run)
+    assert [m["step"] for m in got] == list(range(1, 7))
+    assert got[4]["resumed_from_checkpoint"] == partial > 0  # step 5, the resumed run's first
+    assert sum(m["partial_resumed"] for m in got) > 0
+    assert all(m["staleness_max"] <= 1 for m in got)  # the bound holds for every token trained
+    # every prompt accounted for: the last attempt of each step says what it trained and dropped
+    last = {}
+    for line in (run / "checkpoints" / "rollout_ledger.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        last[entry["step"]] = entry
+    assert sorted(last) == list(range(1, 7))
+    trained = [g for s in range(1, 7) for g, _ in last[s]["trained"]]
+    dropped = [g for s in range(1, 7) for g, _ in last[s]["dropped"]]
+    final = torch.load(run / "checkpoints" / "step_6" / "rollout_buffer.pt", weights_only=True)
+    held = [g["gid"] for g in final["groups"]] + [g for g, _ in final["dropped"]]  # (dropped after step 6's take)
+    assert len(trained) == len(set(trained)) == 6 * 16  # no group trained twice
+    assert sorted(trained + dropped + held) == list(range(final["next_gid"]))  # none lost, none counted twice
