@@ -28,6 +28,11 @@ PANELS = [
     ("KL-mask fraction", ["kl_mask_frac"], "fraction"),
     ("advantage x entropy change", ["quad_pos_adv_inc_ent", "quad_pos_adv_dec_ent",
                                     "quad_neg_adv_inc_ent", "quad_neg_adv_dec_ent"], "fraction of tokens"),
+    # the rollout's schedule (partial rollout: trainer/partial.py)
+    ("staleness of trained tokens", ["staleness_mean", "staleness_max"], "weight versions"),
+    ("partial rollout", ["partial_resumed", "stale_regenerated", "resumed_from_checkpoint"], "samples"),
+    ("engine idle", ["engine_idle_fraction"], "fraction of the step"),
+    ("throughput", ["tokens_per_s"], "trained response tokens / s"),
 ]
 
 
@@ -49,7 +54,7 @@ def plot(logs, labels, out, smooth=1):
     import matplotlib.pyplot as plt
 
     runs = [read_metrics(p) for p in logs]
-    fig, axes = plt.subplots(2, 4, figsize=(18, 8))
+    fig, axes = plt.subplots(3, 4, figsize=(18, 12))
     axes = axes.ravel()
     for ax, (title, keys, unit) in zip(axes, PANELS):
         drawn = 0
@@ -59,7 +64,7 @@ def plot(logs, labels, out, smooth=1):
                 if not pts:
                     continue
                 steps, vals = zip(*pts)
-                name = label if len(keys) == 1 else f"{label} {key.replace('quad_', '')}"
+                name = label if len(keys) == 1 else f"{label} {key.replace('quad_', '').replace('staleness_', '')}"
                 ax.plot(steps, _smooth(list(vals), smooth), label=name)
                 drawn += 1
         ax.set_title(title)
@@ -69,7 +74,8 @@ def plot(logs, labels, out, smooth=1):
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-    axes[-1].axis("off")
+    for ax in axes[len(PANELS):]:
+        ax.axis("off")
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

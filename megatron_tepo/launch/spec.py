@@ -86,6 +86,10 @@ def load_launch(path: Union[str, Path], overrides: Sequence[str] = (),
             raise ConfigError(_contradiction("rollout.max_staleness", "1 (one-step-off generation: the servers "
                                              "generate while the actor trains)", launch, where)
                               + ": set rollout.max_staleness: 0") from None
+        if launch.colocated and str(exc).startswith("rollout.partial_rollout: the engine generates"):
+            raise ConfigError(_contradiction("rollout.partial_rollout", "true (partial rollout: the servers "
+                                             "generate while the actor trains)", launch, where)
+                              + ": set rollout.partial_rollout: false") from None
         raise
     served = cfg.rollout.engine
     if served in SERVED_ENGINES and served != launch.rollout.engine:

@@ -156,6 +156,9 @@ def _file(tmp_path, launch, **run):
     ({"sglang": {"placement": "colocated"}}, {"rollout": {"max_staleness": 1}}, [],
      r"rollout.max_staleness \(.*launch.yaml:\d+\): 1 \(one-step-off generation.*\) contradicts "
      r"launch.sglang.placement: colocated .*: set rollout.max_staleness: 0"),
+    ({"sglang": {"placement": "colocated"}}, {"rollout": {"partial_rollout": True, "max_staleness": 2}}, [],
+     r"rollout.partial_rollout \(.*launch.yaml:\d+\): true \(partial rollout.*\) contradicts "
+     r"launch.sglang.placement: colocated .*: set rollout.partial_rollout: false"),
     ({"actor_nodes": 2, "rollout_nodes": 2}, {"rollout": {"colocated": True}}, [],
      r"rollout.colocated \(.*launch.yaml:\d+\): true, but launch.rollout.placement is separate .*: set "
      r"launch.rollout.placement: colocated, or rollout.colocated: false"),
@@ -172,12 +175,18 @@ def _file(tmp_path, launch, **run):
      r"colocated .*: set rollout.sync_mode: ipc \(or tensor\)"),
     ({"sglang": {"placement": "together"}}, {}, [],
      r"launch.sglang.placement .*: expected one of 'separate', 'colocated', found 'together'"),
-], ids=["colocated-false", "one-step-off", "colocated-without-placement", "mem-fraction", "rollout-nodes",
+], ids=["colocated-false", "one-step-off", "partial-rollout", "colocated-without-placement", "mem-fraction", "rollout-nodes",
         "rollout-nodes-0-on-cuda", "nccl-sync-on-shared-gpus", "bad-placement"])
 def test_a_run_config_that_contradicts_the_launch_is_one_line_naming_both(tmp_path, launch, run, overrides, needle):
     with pytest.raises(ConfigError) as err:
         load_launch(_file(tmp_path, launch, **run), overrides)
     assert re.search(needle, str(err.value)) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_disaggregated_launch_takes_partial_rollout():
+    spec = load_launch(MODELS / "qwen3_14b.yaml", ["rollout.partial_rollout=true", "rollout.max_staleness=2"])
+    assert not spec.launch.colocated and spec.cfg.rollout.partial_rollout and spec.cfg.rollout.max_staleness == 2
+    check_fit(spec.shape(), spec.cfg, spec.launch)  # (the mode changes nothing the fit check prices)
 
 
 def test_cpu_colocated_keeps_the_run_configs_offload_and_no_memory_saver():
