@@ -5,7 +5,12 @@ fleet :class:`~megatron_tepo.rollout.sglang.fleet.SGLangFleet`) takes prompts as
 returns, per prompt, a *group* of ``n`` samples, each with its response token ids, the engine's
 log-probability of every sampled token under the distribution it sampled from (``softmax(logits /
 temperature)``, after top-p) and why it stopped. Weights arrive as a stream of ``(HF name,
-tensor)`` -- the same stream :func:`megatron_tepo.actor.export.export_hf_state` yields. In colocated
+tensor)`` -- the same stream :func:`megatron_tepo.actor.export.export_hf_state` yields. An engine
+that can be interrupted (partial rollout) also takes :class:`Request` s one sample each in the
+background (:meth:`RolloutEngine.submit`), hands back the finished ones
+(:meth:`RolloutEngine.collect`), and cuts every one still running where it stands
+(:meth:`RolloutEngine.interrupt`), so that the weights can change and the cut requests continue as
+prompt + partial response. In colocated
 mode an engine also releases and takes back its device memory (:meth:`RolloutEngine.release_memory`,
 :meth:`RolloutEngine.resume_memory`) while the actor uses the same GPUs.
 """

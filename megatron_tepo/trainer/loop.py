@@ -37,8 +37,12 @@ sync (``sync``); a run without a policy update for ``fault.max_steps_without_upd
 row stops with :class:`NoUpdateError` on every rank (the count is saved with each checkpoint: a
 resumed run goes on counting).
 
-Left out: a reference policy for ``kl_target: ref``; staleness beyond one step (fully
-asynchronous generation); a resumed run whose ``train.steps`` was raised past a finished run
+Partial rollout (``rollout.partial_rollout``, any ``max_staleness``): the driver's
+:class:`~megatron_tepo.trainer.partial.RolloutBuffer` keeps the engine generating across steps; a step
+takes its complete groups, and its weight sync interrupts the requests in flight and resumes them
+under the new weights (the mode :data:`~megatron_tepo.trainer.step.PARTIAL`).
+
+Left out: a reference policy for ``kl_target: ref``; a resumed run whose ``train.steps`` was raised past a finished run
 generates its next step on-policy (the finished run saved no pending rollout).
 """
 

@@ -15,7 +15,9 @@ rounds) is *skipped*: the phases between ``generate`` and ``log`` do nothing for
 Waits are watched (:class:`~megatron_tepo.trainer.watchdog.Watchdog` phases ``generate``,
 ``collective``, ``sync``). With one-step-off generation (``rollout.max_staleness: 1``) ``generate``
 starts the next step's rollout in the driver's background thread, and ``sync`` waits for it before
-the weights change, so no request runs across an update.
+the weights change, so no request runs across an update. With partial rollout (the mode
+:data:`PARTIAL`) ``generate`` takes the buffer's complete groups, and ``sync`` interrupts the
+requests in flight, pushes the weights and resumes them (``trainer/partial.py``).
 
 Left out: what each phase computes beyond calling the parts (losses, advantages, the actor and the
 engines are their own modules).
