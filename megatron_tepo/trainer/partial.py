@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import random
 import threading
 import time
@@ -53,6 +54,8 @@ import torch
 from megatron_tepo.algorithms import filter_groups
 from megatron_tepo.rewards import scores_and_counts
 from megatron_tepo.rollout.engine import FINISH_ABORT, Request, Sample, SamplingParams
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RolloutBuffer", "GroupState", "BUFFER_FILE", "staleness_metrics"]
 
@@ -215,6 +218,8 @@ class RolloutBuffer:
             return
         try:
             self.pause()
+        except Exception as exc:  # noqa: BLE001 -- a failed run's close must not hide why it failed
+            log.warning("partial rollout: stopping the buffer: %s", exc)
         finally:
             with self._cv:
                 self._closing = True
