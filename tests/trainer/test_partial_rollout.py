@@ -26,6 +26,27 @@ def _collect_all(engine, count, timeout=120.0):
     return got
 
 
+def _cut_mid_response(engine, req, params, timeout=120.0):
+    """Submit ``req`` and interrupt it while it generates (version 1): one cut before it ran comes
+    back empty and goes on; one that finished first starts afresh with a shorter wait (the
+    machine's speed is not assumed)."""
+    end, wait = time.monotonic() + timeout, 0.2
+    while True:
+        assert time.monotonic() < end, "no interrupt landed mid-response"
+        engine.submit([req], params)
+        time.sleep(wait)
+        (got, seg), = engine.interrupt()
+        assert got is req
+        if seg.finish_reason != FINISH_ABORT:
+            req.restart()
+            wait /= 2
+            continue
+        req.extend(seg, version=1)
+        if req.token_ids:
+            return req
+        wait *= 2
+
+
 def _wait_for(condition, timeout=120.0):
     end = time.monotonic() + timeout
     while not condition():
@@ -51,14 +72,13 @@ def test_an_interrupted_response_resumes_as_prompt_plus_partial_plus_continuatio
     params = SamplingParams(temperature=1.0, max_new_tokens=400)
     prompt = [3, 4, 5, 6]
     req = Request(prompt, 400, key="r")
-    engine.submit([req], params)
+    engine.submit([Request(prompt, 400, key="probe")], params)
     with pytest.raises(RuntimeError, match="interrupt"):  # nothing is generated under weights being written
         engine.update_weights(b.state_dict().items())
-    time.sleep(0.3)
-    (got, seg), = engine.interrupt()
-    assert got is req and seg.finish_reason == FINISH_ABORT and 0 < len(seg.token_ids) < 400
-    req.extend(seg, version=1)
+    assert [r.key for r, _ in engine.interrupt()] == ["probe"]
+    _cut_mid_response(engine, req, params)
     cut = len(req.token_ids)
+    assert 0 < cut < 400
     # the partial tokens' log-probs are A's (sampled at T=1: log softmax of A's logits)
     assert torch.allclose(torch.tensor(req.log_probs), _score(a, prompt, req.token_ids), atol=1e-4)
 
@@ -82,14 +102,16 @@ def test_an_interrupted_response_resumes_as_prompt_plus_partial_plus_continuatio
 
 
 def test_interrupt_returns_queued_requests_untouched_and_nothing_runs_after():
-    engine = EmbeddedEngine(tiny_qwen3(seed=0), seed=0, max_batch_size=2)
-    reqs = [Request([3, 4], 300, key=i) for i in range(5)]
-    engine.submit(reqs, SamplingParams(temperature=1.0, max_new_tokens=300))
+    engine = EmbeddedEngine(tiny_qwen3(seed=0), seed=0, max_batch_size=1)
+    reqs = [Request([3, 4], 400, key=i) for i in range(5)]
+    engine.submit(reqs, SamplingParams(temperature=1.0, max_new_tokens=400))
     time.sleep(0.2)
     back = engine.interrupt()
     assert sorted(r.key for r, _ in back) == [0, 1, 2, 3, 4]  # each once
     assert all(s.finish_reason in (FINISH_ABORT, FINISH_LENGTH) for _, s in back)
-    assert sum(1 for _, s in back if not s.token_ids) >= 3  # two at most had started (one batch of 2)
+    # one at a time, 2,000 tokens in all: the last ones were still queued (nothing generated)
+    assert any(s.finish_reason == FINISH_ABORT and not s.token_ids for _, s in back)
+    assert all(len(s.token_ids) == 400 for _, s in back if s.finish_reason == FINISH_LENGTH)
     assert engine.collect(timeout=0.5) == []  # nothing runs after the interrupt
     engine.update_weights(tiny_qwen3(seed=2).state_dict().items())  # allowed: nothing generates
     engine.close()
