@@ -28,7 +28,9 @@ project's plot tool to ``DIR/dynamics.png``.
 
 The one-step-off rows (``rollout.max_staleness: 1``) train each batch on weights one update newer
 than those that generated it, with and without truncated token-level IS weights
-(``rollout_is: token``, cap 2).
+(``rollout_is: token``, cap 2). The partial-rollout rows (``rollout.partial_rollout``) train on
+tokens at most 1 or 2 updates old, a response possibly made by two weights; they are not
+deterministic (when an update cuts a response depends on the machine's timing).
 
 What it leaves out: the paper's scale (7B/14B, 64 x 8, 8k tokens); on tasks this small, seed noise
 is large, so read the intervals, not the means. All runs of a task share one supervised warm-up
@@ -59,6 +61,7 @@ from megatron_tepo.net import free_port  # noqa: E402
 SIZES = {"addition": "examples/tiny_tepo/sizes.yaml", "chain": "examples/chain_task/sizes.yaml"}
 OFF = ["rollout.max_staleness=1"]  # one-step-off generation
 TIS = ["algorithm.rollout_correction.rollout_is=token"]  # truncated token IS weights (cap 2)
+PARTIAL = ["rollout.partial_rollout=true"]  # partial rollout (trainer/partial.py), with a staleness bound
 METHODS = {  # name: (row config, overrides)
     "TEPO": ("table1_tepo_qwen2.5_7b.yaml", []),
     "TEPO w/o KL": ("table3_tepo_wo_kl.yaml", []),
@@ -73,6 +76,8 @@ METHODS = {  # name: (row config, overrides)
     "TEPO, 1 step off + TIS": ("table1_tepo_qwen2.5_7b.yaml", OFF + TIS),
     "GRPO/DAPO, 1 step off": ("table1_grpo_dapo.yaml", OFF),
     "GRPO/DAPO, 1 step off + TIS": ("table1_grpo_dapo.yaml", OFF + TIS),
+    "TEPO, partial rollout, staleness 1": ("table1_tepo_qwen2.5_7b.yaml", PARTIAL + ["rollout.max_staleness=1"]),
+    "TEPO, partial rollout, staleness 2": ("table1_tepo_qwen2.5_7b.yaml", PARTIAL + ["rollout.max_staleness=2"]),
 }
 DEFAULT_METHODS = {"addition": ["TEPO", "TEPO w/o KL", "GRPO/DAPO", "GSPO"],
                    "chain": ["TEPO", "TEPO w/o KL", "GRPO/DAPO", "GSPO", "TEPO, KL where A<0 and dH>0",
