@@ -232,3 +232,46 @@ def test_the_batch_carries_each_tokens_version():
 def test_settings_that_cannot_work_are_refused_in_one_line(rollout, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         validate(from_dict({"rollout": rollout, "train": {"mini_batch_prompts": 4}}))
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_tools_train_with_partial_rollout_on_a_real_server(tiny, tmp_path):
+    """The composition: ``tools/train.py`` (the launchers' command) with ``rollout.engine: sglang``
+    and partial rollout on a real SGLang CPU server. Every step trains on its 16 groups (the
+    ledger), no token is older than the bound, and the checkpoint holds the buffer."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from megatron_tepo.rollout.sglang.server import ServerConfig, launch_server, stop_server, wait_ready
+    from tests.rollout.conftest import require_sglang
+
+    server = launch_server(ServerConfig(model_path=str(tiny / "model"), python=require_sglang(), startup_timeout=400,
+                                        log_dir=str(tmp_path / "sglang_logs")), 0, None)
+    out = tmp_path / "run"
+    try:
+        wait_ready([server], 400)
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TEPO_SGLANG_URLS": server.url,
+               "TEPO_SGLANG_API_KEY": server.api_key or ""}
+        cmd = [sys.executable, os.path.join(repo, "tools/train.py"), "--config",
+               os.path.join(repo, "examples/tiny_tepo/config.yaml"), f"model.path={tiny / 'model'}",
+               f"data.train_files=[{tiny / 'train.jsonl'}]", "reward.kind=exact_match", "rollout.engine=sglang",
+               "rollout.partial_rollout=true", "rollout.max_staleness=1", "train.steps=3",
+               "rollout.prompts_per_step=16", "rollout.n_samples=4", "train.mini_batch_prompts=16",
+               "train.save_every=3", "train.export_hf=false", f"train.output_dir={out}"]
+        proc = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=900)
+    finally:
+        stop_server(server)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["updates"] == 1.0 for r in rows)
+    assert rows[0]["staleness_max"] == 0.0 and all(r["staleness_max"] <= 1.0 for r in rows)
+    assert all(0.0 <= r["engine_idle_fraction"] <= 1.0 and r["tokens_per_s"] > 0 for r in rows)
+    ledger = [json.loads(x) for x in (out / "checkpoints" / "rollout_ledger.jsonl").read_text().splitlines()]
+    assert [len(e["trained"]) for e in ledger] == [16, 16, 16]
+    trained = [g for e in ledger for g, _ in e["trained"]]
+    assert len(set(trained)) == 48
+    assert (out / "checkpoints" / "step_3" / "rollout_buffer.pt").exists()
