@@ -10,9 +10,12 @@
   thread tops them up as groups leave and collects what the engine finished.
 * **A group is complete when all its samples are**: it is then scored (the task's reward) and,
   with DAPO's dynamic sampling, dropped when its rewards are all equal (a fresh prompt takes its
-  place). :meth:`take` hands a step the complete groups drawn first, in the order their prompts
-  were drawn; it waits for ``want`` of them, or until ``max_sampling_rounds x want`` groups were
-  scored for this step (then the step takes what is complete, as the synchronous loop does).
+  place). :meth:`take` hands a step the ``want`` groups drawn first, in the order their prompts
+  were drawn, once all of them are complete, or when ``max_sampling_rounds x want`` groups were
+  scored for this step (then the complete ones among them, as the synchronous loop does). A group
+  drawn later never overtakes an earlier one: taking whatever completes first would favour short
+  responses (and, under the bound, starve the long ones). While a step waits for its groups no
+  update happens, so they do not age; the engine meanwhile works on the groups drawn after them.
 * **A weight update interrupts.** :meth:`pause` parks the feeder and interrupts the engine
   (:meth:`~megatron_tepo.rollout.engine.RolloutEngine.interrupt`): every request comes back with
   the tokens it generated, each with its log-prob and the version of the weights that produced it.
@@ -120,16 +123,16 @@ class RolloutBuffer:
         return self.resume(self.version)
 
     def take(self, step: int) -> Tuple[List[List[int]], list, torch.Tensor, Dict[str, float]]:
-        """Step ``step``'s groups: ``want`` complete ones (fewer when dynamic sampling ran out of
-        rounds), the earliest drawn first. Returns (prompts, samples per group, rewards as one
+        """Step ``step``'s groups: the ``want`` groups drawn first, once all are complete (fewer,
+        the complete ones among them, when dynamic sampling ran out of rounds). Returns (prompts, samples per group, rewards as one
         tensor in group order, stats). With a ledger, one line says which groups (drawing order,
         prompt index) the step trains on and which dynamic sampling dropped since the last step."""
         limit = self.cfg.rollout.max_sampling_rounds * self.want
         with self._cv:
-            self._cv.wait_for(lambda: self._error is not None or len(self._ready()) >= self.want
+            self._cv.wait_for(lambda: self._error is not None or len(self._head()) == self.want
                               or self._stats["groups_generated"] >= limit)
             self._raise()
-            chosen = self._ready()[:self.want]
+            chosen = self._head()
             for g in chosen:
                 del self.groups[g.gid]
             stats, self._stats = self._stats, self._fresh_stats()
@@ -330,8 +333,11 @@ class RolloutBuffer:
             self.dropped.append([g.gid, g.prompt_index])
             del self.groups[g.gid]
 
-    def _ready(self) -> List[GroupState]:
-        return sorted((g for g in self.groups.values() if g.complete and g.rewards is not None), key=lambda g: g.gid)
+    def _head(self) -> List[GroupState]:
+        """The complete groups among the ``want`` drawn first (those a step trains on: a group drawn
+        later never overtakes an earlier one, so short responses are not favoured)."""
+        first = sorted(self.groups.values(), key=lambda g: g.gid)[:self.want]
+        return [g for g in first if g.complete and g.rewards is not None]
 
     @staticmethod
     def _fresh_stats() -> Dict[str, float]:

@@ -161,6 +161,22 @@ def test_a_step_takes_complete_groups_in_drawing_order_and_every_prompt_is_accou
     assert not (set(trained) & set(dropped)) and not (set(trained) & held)
 
 
+def test_a_group_drawn_later_never_overtakes_an_earlier_one():
+    """A step takes the groups drawn first, once complete: short responses that finish first do
+    not jump the queue (that would bias training towards short answers)."""
+    from megatron_tepo.trainer.partial import GroupState
+
+    engine = EmbeddedEngine(tiny_qwen3(seed=0), seed=0)
+    buf = RolloutBuffer(engine, _task(), _cfg(prompts_per_step=3, max_inflight_groups=5), version=1)  # (not started)
+    done = lambda gid: GroupState(gid, gid, [Request([3], 24)] * 4, ["length"] * 4, torch.zeros(4))  # noqa: E731
+    buf.groups = {0: GroupState(0, 0, [Request([3], 24)] * 4, ["length", None, "length", "length"]),
+                  **{g: done(g) for g in (1, 2, 3, 4)}}
+    assert [g.gid for g in buf._head()] == [1, 2]  # group 0 is still generating: the step waits
+    buf.groups[0] = done(0)
+    assert [g.gid for g in buf._head()] == [0, 1, 2]
+    buf.close()
+
+
 def test_the_staleness_bound_regenerates_samples_older_than_it():
     """A sample whose oldest token is older than ``version - max_staleness`` at an update starts
     again from its prompt (counted), its group kept; younger ones keep their tokens."""
