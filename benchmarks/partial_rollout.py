@@ -15,7 +15,7 @@ The layout. One SGLang CPU server (bf16) on the last core, the actor (``tools/tr
 process, the launchers' command) on the first: the disaggregated layout on one machine, where each
 side idles while the other works unless they overlap. Every schedule runs ``--steps`` steps from
 the same weights against the same server. From each run's ``metrics.jsonl``, over the steps
-after the first two (start-up):
+after the first two (start-up) and before the last (one step off generates nothing ahead then):
 
 * ``tokens_per_s``: response tokens trained on per second of step time (the throughput);
 * ``steps_per_hour``: from the mean step time;
@@ -108,7 +108,7 @@ def run(args) -> dict:
             if proc.returncode != 0:
                 raise SystemExit(f"benchmarks/partial_rollout.py: the {name!r} run failed:\n"
                                  f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-            rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][2:]
+            rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][2:-1]
             wall = sum(r["step_s"] for r in rows)
             tokens = sum(r["tokens_per_s"] * r["step_s"] for r in rows)
             results[name] = {
@@ -144,8 +144,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="/tmp/mtepo_partial_rollout")
     ap.add_argument("--json", default=None, help="write the results as JSON to PATH")
     args = ap.parse_args(argv)
-    if args.steps < 4:
-        ap.error("--steps must be >= 4 (the first two are not measured)")
+    if args.steps < 5:
+        ap.error("--steps must be >= 5 (the first two and the last are not measured)")
     results = run(args)
     print("| schedule | trained tokens/s | steps/hour | step (s) | vs one step off | max staleness | engine idle | "
           "regenerated / step |")

@@ -11,8 +11,9 @@
 * **A group is complete when all its samples are**: it is then scored (the task's reward) and,
   with DAPO's dynamic sampling, dropped when its rewards are all equal (a fresh prompt takes its
   place). :meth:`take` hands a step the ``want`` groups drawn first, in the order their prompts
-  were drawn, once all of them are complete, or when ``max_sampling_rounds x want`` groups were
-  scored for this step (then the complete ones among them, as the synchronous loop does). A group
+  were drawn, once all of them are complete, or once ``(max_sampling_rounds - 1) x want`` groups
+  (at least ``want``) were dropped since the last step (then the complete ones among them, as the
+  synchronous loop trains on what its rounds kept). A group
   drawn later never overtakes an earlier one: taking whatever completes first would favour short
   responses (and, under the bound, starve the long ones). While a step waits for its groups no
   update happens, so they do not age; the engine meanwhile works on the groups drawn after them.
@@ -127,10 +128,12 @@ class RolloutBuffer:
         the complete ones among them, when dynamic sampling ran out of rounds). Returns (prompts, samples per group, rewards as one
         tensor in group order, stats). With a ledger, one line says which groups (drawing order,
         prompt index) the step trains on and which dynamic sampling dropped since the last step."""
-        limit = self.cfg.rollout.max_sampling_rounds * self.want
+        # dynamic sampling's bound: a dropped group's place goes to the next one drawn, and after
+        # (max_sampling_rounds - 1) x want drops (at least want) the step takes what is complete
+        limit = max(self.cfg.rollout.max_sampling_rounds - 1, 1) * self.want
         with self._cv:
             self._cv.wait_for(lambda: self._error is not None or len(self._head()) == self.want
-                              or self._stats["groups_generated"] >= limit)
+                              or self._stats["groups_dropped"] >= limit)
             self._raise()
             chosen = self._head()
             for g in chosen:

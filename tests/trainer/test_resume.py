@@ -97,6 +97,7 @@ def test_sigkill_with_partial_responses_in_flight_resumes_every_prompt_once(tmp_
     got = _metrics(run)
     assert [m["step"] for m in got] == list(range(1, 7))
     assert got[4]["resumed_from_checkpoint"] == partial > 0  # step 5, the resumed run's first
+    assert all(m["updates"] > 0 for m in got)  # (no step skipped: each took its 16 groups)
     assert sum(m["partial_resumed"] for m in got) > 0
     assert all(m["staleness_max"] <= 1 for m in got)  # the bound holds for every token trained
     # every prompt accounted for: the last attempt of each step says what it trained and dropped
