@@ -102,7 +102,9 @@ def run(args) -> dict:
                    f"rollout.n_samples={args.n_samples}", f"rollout.max_new_tokens={args.max_new_tokens}",
                    f"rollout.max_prompt_len=16", f"train.mini_batch_prompts={args.prompts}",
                    f"train.epochs_per_step={args.epochs}", "rollout.dynamic_sampling=false", "train.save_every=0",
-                   "train.export_hf=false", "train.resume=false", f"train.output_dir={out}", *SCHEDULES[name]]
+                   "train.export_hf=false", "train.resume=false", f"train.output_dir={out}", *SCHEDULES[name],
+                   *([f"rollout.max_inflight_groups={args.max_inflight_groups}"]
+                     if args.max_inflight_groups and name.startswith("partial") else [])]
             proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
                                   preexec_fn=lambda: os.sched_setaffinity(0, actor_cores))
             if proc.returncode != 0:
@@ -141,6 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--eos-shift", type=float, default=6.0, help="nats taken off the EOS logit (the tail's weight)")
     ap.add_argument("--schedules", nargs="*", default=list(SCHEDULES), choices=list(SCHEDULES))
+    ap.add_argument("--max-inflight-groups", type=int, default=None,
+                    help="partial rollout's rollout.max_inflight_groups (default: the config's, 2 x prompts)")
     ap.add_argument("--workdir", default="/tmp/mtepo_partial_rollout")
     ap.add_argument("--json", default=None, help="write the results as JSON to PATH")
     args = ap.parse_args(argv)

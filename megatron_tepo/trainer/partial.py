@@ -57,7 +57,7 @@ import torch
 
 from megatron_tepo.algorithms import filter_groups
 from megatron_tepo.rewards import scores_and_counts
-from megatron_tepo.rollout.engine import FINISH_ABORT, Request, Sample, SamplingParams
+from megatron_tepo.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -317,11 +317,19 @@ class RolloutBuffer:
             return  # a request of a group that left the buffer
         req.extend(seg, self.version)
         self._tokens += len(seg.token_ids)
-        if seg.finish_reason == FINISH_ABORT:
+        reason = seg.finish_reason
+        if reason == FINISH_ABORT and req.token_ids:
+            # cut as it ended: its stop token or its last allowed token is in (an abort can answer
+            # after the request's last decode step)
+            if req.token_ids[-1] in self.params.stop_token_ids:
+                reason = FINISH_STOP
+            elif req.remaining <= 0:
+                reason = FINISH_LENGTH
+        if reason == FINISH_ABORT:
             if seg.token_ids or req.token_ids:
                 req.interrupted += 1
             return
-        g.finish[k] = seg.finish_reason
+        g.finish[k] = reason
         if g.complete:
             self._score(g)
 

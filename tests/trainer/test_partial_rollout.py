@@ -177,6 +177,24 @@ def test_a_group_drawn_later_never_overtakes_an_earlier_one():
     buf.close()
 
 
+def test_a_request_cut_as_it_ended_counts_as_finished():
+    """An interrupt can answer after a request's last decode step (SGLang's abort does): a cut
+    request with its stop token, or with no tokens left, is finished, never submitted again."""
+    from megatron_tepo.trainer.partial import GroupState
+
+    engine = EmbeddedEngine(tiny_qwen3(seed=0), seed=0)
+    task = _task()
+    task.stop_token_ids = [2]
+    buf = RolloutBuffer(engine, task, _cfg(prompts_per_step=3, max_new_tokens=4), version=1)  # (not started)
+    reqs = [Request([3], 4, key=(0, k)) for k in range(4)]
+    buf.groups = {0: GroupState(0, 0, reqs, [None] * 4)}
+    buf._finished(reqs[0], Sample([5, 6, 7, 8], [-1.0] * 4, FINISH_ABORT))  # budget used up
+    buf._finished(reqs[1], Sample([5, 2], [-1.0] * 2, FINISH_ABORT))  # its stop token
+    buf._finished(reqs[2], Sample([5, 6], [-1.0] * 2, FINISH_ABORT))  # really cut
+    assert buf.groups[0].finish[:3] == [FINISH_LENGTH, "stop", None] and reqs[2].interrupted == 1
+    buf.close()
+
+
 def test_the_staleness_bound_regenerates_samples_older_than_it():
     """A sample whose oldest token is older than ``version - max_staleness`` at an update starts
     again from its prompt (counted), its group kept; younger ones keep their tokens."""
