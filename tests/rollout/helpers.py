@@ -63,6 +63,30 @@ def hf_response_log_probs(model, seq, prompt_len, temperature=1.0):
         return torch.log_softmax(logits / temperature, -1).gather(-1, ids[0, prompt_len:, None]).squeeze(-1)
 
 
+def cut_mid_response(engine, req, params, first_wait: float = 0.5, timeout: float = 240.0):
+    """Partial rollout: submit ``req`` to ``engine`` and interrupt it while it generates (its
+    tokens marked version 1). One cut before it ran comes back empty and goes on; one that
+    finished first starts afresh with a shorter wait (the machine's speed is not assumed). Every
+    answer is ``req`` itself, with as many log-probs as tokens and no error."""
+    from megatron_tepo.rollout.engine import FINISH_ABORT
+
+    end, wait = time.monotonic() + timeout, first_wait
+    while True:
+        assert time.monotonic() < end, "no interrupt landed mid-response"
+        engine.submit([req], params)
+        time.sleep(wait)
+        (got, seg), = engine.interrupt()
+        assert got is req and len(seg.token_ids) == len(seg.log_probs) and not seg.meta.get("error"), seg.meta
+        if seg.finish_reason != FINISH_ABORT:  # it finished: again, from nothing
+            req.restart()
+            wait /= 2
+            continue
+        req.extend(seg, version=1)
+        if req.token_ids:
+            return req
+        wait *= 2
+
+
 # ---------------------------------------------------------------- fault steps of the fleet tests
 def kill_during_step(fleet, victim, wait_for_victim, join_timeout: float = 180.0) -> None:
     """Run one step (12 prompt groups of 2 samples x 160 tokens) in a thread, wait with

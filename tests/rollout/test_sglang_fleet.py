@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_tepo.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, SamplingParams
+from megatron_tepo.rollout.engine import FINISH_LENGTH, FINISH_STOP, Request, SamplingParams
 from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
 from megatron_tepo.rollout.sglang.client import FleetError, RequestFailed
 from megatron_tepo.rollout.sglang.server import ServerConfig
 from megatron_tepo.algorithms.drift import DriftCheck
 from megatron_tepo.rollout.sglang.weight_sync import TensorSync, make_weight_sync
-from tests.rollout.helpers import (VOCAB, cmdlines, error_with_all_servers_hung, hf_response_log_probs,
-                                   kill_during_step, save_tiny_qwen3, tiny_qwen3)
+from tests.rollout.helpers import (VOCAB, cmdlines, cut_mid_response, error_with_all_servers_hung,
+                                   hf_response_log_probs, kill_during_step, save_tiny_qwen3, tiny_qwen3)
 
 pytestmark = pytest.mark.sglang
 SCALE = 0.07  # weights small enough that a bf16 server is within 2e-2 of float32 (bf16 error grows with the logits)
@@ -212,27 +212,6 @@ def _close(server, reference) -> bool:
     return float(d.mean()) < 1e-2 and float(d.max()) < 5e-2
 
 
-def _cut_mid_response(fleet, req, params, timeout=240.0):
-    """Submit ``req`` and interrupt it while it generates: it comes back cut (``FINISH_ABORT``) with
-    its tokens and their log-probs. One cut before it ran comes back empty and goes on; one that
-    finished first is started afresh with a shorter wait (the server's speed is not assumed)."""
-    end, wait = time.monotonic() + timeout, 0.5
-    while True:
-        assert time.monotonic() < end, "no interrupt landed mid-response"
-        fleet.submit([req], params)
-        time.sleep(wait)
-        (r, seg), = fleet.interrupt()
-        assert r is req and len(seg.token_ids) == len(seg.log_probs) and not seg.meta.get("error"), seg.meta
-        if seg.finish_reason != FINISH_ABORT:  # it finished: again, from nothing
-            req.restart()
-            wait /= 2
-            continue
-        req.extend(seg, version=1)
-        if req.token_ids:
-            return req
-        wait *= 2
-
-
 def test_a_response_interrupted_by_a_weight_update_resumes_token_for_token(fleet, tmp_path):
     """Partial rollout on real servers: requests cut by an interrupt come back with their tokens and
     log-probs (weights A's), the update is refused while any generates, and after the update (B)
@@ -240,8 +219,8 @@ def test_a_response_interrupted_by_a_weight_update_resumes_token_for_token(fleet
     a, b = tiny_qwen3(seed=0, scale=SCALE), tiny_qwen3(seed=21, scale=SCALE)
     fleet.update_weights(a.state_dict().items())
     prompt = [5, 17, 33]
-    sampled = _cut_mid_response(fleet, Request(prompt, LONG, key="sampled"), SamplingParams(max_new_tokens=LONG))
-    greedy = _cut_mid_response(fleet, Request(prompt, LONG, key="greedy"),
+    sampled = cut_mid_response(fleet, Request(prompt, LONG, key="sampled"), SamplingParams(max_new_tokens=LONG))
+    greedy = cut_mid_response(fleet, Request(prompt, LONG, key="greedy"),
                                SamplingParams(temperature=1e-7, max_new_tokens=LONG))
     cut = len(sampled.token_ids)
     ref_a = hf_response_log_probs(a, prompt + sampled.token_ids, len(prompt))

@@ -13,7 +13,7 @@ from megatron_tepo.rollout.embedded import EmbeddedEngine
 from megatron_tepo.rollout.engine import FINISH_ABORT, FINISH_LENGTH, Request, Sample, SamplingParams
 from megatron_tepo.trainer.partial import RolloutBuffer, staleness_metrics
 from megatron_tepo.trainer.rollouts import Task
-from tests.rollout.helpers import tiny_qwen3
+from tests.rollout.helpers import cut_mid_response, tiny_qwen3
 
 GREEDY = SamplingParams(temperature=1e-5, max_new_tokens=200)
 
@@ -24,27 +24,6 @@ def _collect_all(engine, count, timeout=120.0):
         got += engine.collect(timeout=0.5)
     assert len(got) == count, f"{len(got)} of {count} requests came back"
     return got
-
-
-def _cut_mid_response(engine, req, params, timeout=120.0):
-    """Submit ``req`` and interrupt it while it generates (version 1): one cut before it ran comes
-    back empty and goes on; one that finished first starts afresh with a shorter wait (the
-    machine's speed is not assumed)."""
-    end, wait = time.monotonic() + timeout, 0.2
-    while True:
-        assert time.monotonic() < end, "no interrupt landed mid-response"
-        engine.submit([req], params)
-        time.sleep(wait)
-        (got, seg), = engine.interrupt()
-        assert got is req
-        if seg.finish_reason != FINISH_ABORT:
-            req.restart()
-            wait /= 2
-            continue
-        req.extend(seg, version=1)
-        if req.token_ids:
-            return req
-        wait *= 2
 
 
 def _wait_for(condition, timeout=120.0):
@@ -76,7 +55,7 @@ def test_an_interrupted_response_resumes_as_prompt_plus_partial_plus_continuatio
     with pytest.raises(RuntimeError, match="interrupt"):  # nothing is generated under weights being written
         engine.update_weights(b.state_dict().items())
     assert [r.key for r, _ in engine.interrupt()] == ["probe"]
-    _cut_mid_response(engine, req, params)
+    cut_mid_response(engine, req, params, first_wait=0.2, timeout=120.0)
     cut = len(req.token_ids)
     assert 0 < cut < 400
     # the partial tokens' log-probs are A's (sampled at T=1: log softmax of A's logits)
