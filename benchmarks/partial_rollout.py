@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eos-shift", type=float, default=6.0, help="nats taken off the EOS logit (the tail's weight)")
     ap.add_argument("--schedules", nargs="*", default=list(SCHEDULES), choices=list(SCHEDULES))
     ap.add_argument("--max-inflight-groups", type=int, default=None,
-                    help="partial rollout's rollout.max_inflight_groups (default: the config's, 2 x prompts)")
+                    help="partial rollout's rollout.max_inflight_groups (default: the config's, N x prompts)")
     ap.add_argument("--workdir", default="/tmp/mtepo_partial_rollout")
     ap.add_argument("--json", default=None, help="write the results as JSON to PATH")
     args = ap.parse_args(argv)

@@ -140,6 +140,27 @@ def test_a_step_takes_complete_groups_in_drawing_order_and_every_prompt_is_accou
     assert not (set(trained) & set(dropped)) and not (set(trained) & held)
 
 
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_the_default_in_flight_bound_regenerates_nothing(staleness, caplog):
+    """The default ``rollout.max_inflight_groups`` is ``max(1, N) x prompts_per_step``: no group is
+    drawn more than N steps before the step that trains it, so the bound never has to regenerate
+    one (at the old default of 2 x, staleness 1 regenerated about half the samples of the long-tail
+    benchmark). A larger setting is allowed, and said once in the log."""
+    engine = EmbeddedEngine(tiny_qwen3(seed=0), seed=0)
+    buf = RolloutBuffer(engine, _task(), _cfg(max_staleness=staleness, dynamic_sampling=False), version=1)
+    assert buf.max_groups == staleness * 3
+    buf.start()
+    for step in (1, 2, 3, 4):
+        _, groups, _, _ = buf.take(step)
+        assert staleness_metrics(groups, step)["staleness_max"] <= staleness
+        buf.pause()
+        assert buf.resume(step + 1)["stale_regenerated"] == 0
+    buf.close()
+    with caplog.at_level("WARNING", logger="megatron_tepo.trainer.partial"):
+        RolloutBuffer(engine, _task(), _cfg(max_staleness=staleness, max_inflight_groups=7), version=1).close()
+    assert [r.getMessage() for r in caplog.records if "max_inflight_groups 7" in r.getMessage()]
+
+
 def test_a_group_drawn_later_never_overtakes_an_earlier_one():
     """A step takes the groups drawn first, once complete: short responses that finish first do
     not jump the queue (that would bias training towards short answers)."""
