@@ -1,7 +1,7 @@
 """Benchmark of the rollout schedules on long-tail responses: synchronous, one step off and partial
 rollout at staleness 1 and 2, with a real SGLang CPU server, in one run.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/partial_rollout.py [--steps 10] [--json PATH]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/partial_rollout.py [--steps 10] [--repeats 3] [--json PATH]
 
 The workload. The main job's tiny model (``tools/make_tiny_model.py``: a 2-layer Qwen3 with a
 16-token character vocabulary, two-digit sums) with its end-of-sequence token made rare: the EOS
@@ -13,9 +13,11 @@ hardly matter here (dynamic sampling off: every step trains on all its groups).
 
 The layout. One SGLang CPU server (bf16) on the last core, the actor (``tools/train.py``, one
 process, the launchers' command) on the first: the disaggregated layout on one machine, where each
-side idles while the other works unless they overlap. Every schedule runs ``--steps`` steps from
-the same weights against the same server. From each run's ``metrics.jsonl``, over the steps
-after the first two (start-up) and before the last (one step off generates nothing ahead then):
+side idles while the other works unless they overlap. Every run is ``--steps`` steps from the
+model's own weights (pushed to the server before it starts). With ``--repeats R`` each schedule runs
+R times, the schedules in turn (so a slow spell of the machine spreads over all of them), run r
+with ``train.seed=r``. From each run's ``metrics.jsonl``, over the steps after the first two
+(start-up) and before the last (one step off generates nothing ahead then), pooled over the runs:
 
 * ``tokens_per_s``: response tokens trained on per second of step time (the throughput);
 * ``steps_per_hour``: from the mean step time;
@@ -88,44 +90,45 @@ def run(args) -> dict:
             model_path=str(model), log_dir=str(work / "sglang"), startup_timeout=600)))
     finally:
         os.sched_setaffinity(0, set(cores))
-    results = {}
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    start_weights = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).state_dict()
+    runs = {name: [] for name in args.schedules}
     try:
         server = fleet.servers[0]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TEPO_SGLANG_URLS": server.url,
                "TEPO_SGLANG_API_KEY": server.api_key or ""}
-        for name in args.schedules:
-            out = work / name.replace(" ", "_").replace(",", "")
-            shutil.rmtree(out, ignore_errors=True)
-            cmd = [sys.executable, str(REPO / "tools/train.py"), "--config", str(REPO / "examples/tiny_tepo/config.yaml"),
-                   f"model.path={model}", f"data.train_files=[{tiny / 'train.jsonl'}]", "reward.kind=exact_match",
-                   "rollout.engine=sglang", f"train.steps={args.steps}", f"rollout.prompts_per_step={args.prompts}",
-                   f"rollout.n_samples={args.n_samples}", f"rollout.max_new_tokens={args.max_new_tokens}",
-                   f"rollout.max_prompt_len=16", f"train.mini_batch_prompts={args.prompts}",
-                   f"train.epochs_per_step={args.epochs}", "rollout.dynamic_sampling=false", "train.save_every=0",
-                   "train.export_hf=false", "train.resume=false", f"train.output_dir={out}", *SCHEDULES[name],
-                   *([f"rollout.max_inflight_groups={args.max_inflight_groups}"]
-                     if args.max_inflight_groups and name.startswith("partial") else [])]
-            proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
-                                  preexec_fn=lambda: os.sched_setaffinity(0, actor_cores))
-            if proc.returncode != 0:
-                raise SystemExit(f"benchmarks/partial_rollout.py: the {name!r} run failed:\n"
-                                 f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-            rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][2:-1]
-            wall = sum(r["step_s"] for r in rows)
-            tokens = sum(r["tokens_per_s"] * r["step_s"] for r in rows)
-            results[name] = {
-                "steps_measured": len(rows), "tokens_per_s": round(tokens / wall, 1),
-                "steps_per_hour": round(3600 * len(rows) / wall, 1), "step_s": round(wall / len(rows), 3),
-                "response_length_mean": round(statistics.mean(r["response_length_mean"] for r in rows), 1),
-                "staleness_max": max(r.get("staleness_max", r.get("rollout_staleness", 0.0)) for r in rows),
-                **({"engine_idle_fraction": round(statistics.mean(r["engine_idle_fraction"] for r in rows), 3),
-                    "stale_regenerated_per_step": round(statistics.mean(r["stale_regenerated"] for r in rows), 1),
-                    "partial_resumed_per_step": round(statistics.mean(r["partial_resumed"] for r in rows), 1)}
-                   if "engine_idle_fraction" in rows[0] else {}),
-            }
-            print(name, results[name], flush=True)
+        for rep in range(args.repeats):  # round robin: a slow spell of the machine spreads over the schedules
+            for name in args.schedules:
+                fleet.update_weights(start_weights.items())  # every run starts on the weights it loads
+                out = work / name.replace(" ", "_").replace(",", "")
+                shutil.rmtree(out, ignore_errors=True)
+                cmd = [sys.executable, str(REPO / "tools/train.py"), "--config",
+                       str(REPO / "examples/tiny_tepo/config.yaml"), f"model.path={model}",
+                       f"data.train_files=[{tiny / 'train.jsonl'}]", "reward.kind=exact_match", "rollout.engine=sglang",
+                       f"train.steps={args.steps}", f"rollout.prompts_per_step={args.prompts}",
+                       f"rollout.n_samples={args.n_samples}", f"rollout.max_new_tokens={args.max_new_tokens}",
+                       "rollout.max_prompt_len=16", f"train.mini_batch_prompts={args.prompts}",
+                       f"train.epochs_per_step={args.epochs}", "rollout.dynamic_sampling=false", "train.save_every=0",
+                       "train.export_hf=false", "train.resume=false", f"train.seed={rep + 1}", f"train.output_dir={out}",
+                       *SCHEDULES[name], *([f"rollout.max_inflight_groups={args.max_inflight_groups}"]
+                                           if args.max_inflight_groups and name.startswith("partial") else [])]
+                proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
+                                      preexec_fn=lambda: os.sched_setaffinity(0, actor_cores))
+                if proc.returncode != 0:
+                    raise SystemExit(f"benchmarks/partial_rollout.py: the {name!r} run failed:\n"
+                                     f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+                rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][2:-1]
+                runs[name].append(rows)
+                print(name, f"run {rep + 1}:", summarize([rows]), flush=True)
     finally:
         fleet.close()
+    results = {}
+    for name, rs in runs.items():
+        results[name] = summarize(rs)
+        per_run = [summarize([r])["tokens_per_s"] for r in rs]
+        results[name]["tokens_per_s_runs"] = per_run
     base = results.get("one step off")
     for name, r in results.items():
         if base:
@@ -134,9 +137,26 @@ def run(args) -> dict:
     return results
 
 
+def summarize(runs) -> dict:
+    """The figures over the measured steps of one schedule's runs, pooled (tokens over wall time)."""
+    rows = [r for rs in runs for r in rs]
+    wall = sum(r["step_s"] for r in rows)
+    tokens = sum(r["tokens_per_s"] * r["step_s"] for r in rows)
+    out = {"steps_measured": len(rows), "tokens_per_s": round(tokens / wall, 1),
+           "steps_per_hour": round(3600 * len(rows) / wall, 1), "step_s": round(wall / len(rows), 3),
+           "response_length_mean": round(statistics.mean(r["response_length_mean"] for r in rows), 1),
+           "staleness_max": max(r.get("staleness_max", r.get("rollout_staleness", 0.0)) for r in rows)}
+    if "engine_idle_fraction" in rows[0]:
+        out.update(engine_idle_fraction=round(statistics.mean(r["engine_idle_fraction"] for r in rows), 3),
+                   stale_regenerated_per_step=round(statistics.mean(r["stale_regenerated"] for r in rows), 1),
+                   partial_resumed_per_step=round(statistics.mean(r["partial_resumed"] for r in rows), 1))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per schedule, in turn (the figures pool them)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n-samples", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=400)
@@ -151,13 +171,15 @@ def main(argv=None) -> int:
     if args.steps < 5:
         ap.error("--steps must be >= 5 (the first two and the last are not measured)")
     results = run(args)
-    print("| schedule | trained tokens/s | steps/hour | step (s) | vs one step off | max staleness | engine idle | "
-          "regenerated / step |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| schedule | trained tokens/s | each run | steps/hour | step (s) | vs one step off | mean response | "
+          "max staleness | engine idle | regenerated / step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.schedules:
         r = results[name]
-        print(f"| {name} | {r['tokens_per_s']} | {r['steps_per_hour']} | {r['step_s']} | {r.get('vs_one_step_off', '')}x "
-              f"| {r['staleness_max']:.0f} | {r.get('engine_idle_fraction', '')} | {r.get('stale_regenerated_per_step', '')} |")
+        each = ", ".join(f"{x:.0f}" for x in r["tokens_per_s_runs"])
+        print(f"| {name} | {r['tokens_per_s']} | {each} | {r['steps_per_hour']} | {r['step_s']} | "
+              f"{r.get('vs_one_step_off', '')}x | {r['response_length_mean']} | {r['staleness_max']:.0f} | "
+              f"{r.get('engine_idle_fraction', '')} | {r.get('stale_regenerated_per_step', '')} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
