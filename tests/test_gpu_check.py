@@ -20,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CHECK = REPO / "benchmarks" / "gpu_check.py"
-CHEAP = ["tests", "actor_step", "vocab_op", "disk_sync", "ipc_handles", "hf_load"]
+CHEAP = ["tests", "actor_step", "vocab_op", "lm_head", "disk_sync", "ipc_handles", "hf_load"]
 
 
 def _env(**extra):
@@ -63,7 +63,8 @@ def test_smoke_run_records_every_cheap_step_with_figures(tmp_path):
         assert (out / f"{name}.log").stat().st_size > 0
     assert by["tests"]["figures"]["passed"] > 0 and by["tests"]["figures"]["failed"] == 0
     rows = by["actor_step"]["figures"]["rows"]
-    assert {"hf 2x128", "hf 1x192", "hf 1x256", "gpu-fast 2x128", "gpu-fast-unfused 2x128", "gpu-lean 1x256"} <= set(rows)
+    assert {"hf 2x128", "hf 1x192", "hf 1x256", "gpu-fast 2x128", "gpu-fast-unfused 2x128", "gpu-lean 1x256",
+            "gpu-lean 1x320"} <= set(rows)
     assert all(r["train_tokens_per_s"] > 0 for r in rows.values())
     # every actor figure as a ratio to the plain HF model on the same batch
     assert all(r["train_vs_hf"] > 0 and r["log_probs_vs_hf"] > 0 for k, r in rows.items() if not k.startswith("hf "))
@@ -83,14 +84,16 @@ def test_smoke_run_records_every_cheap_step_with_figures(tmp_path):
     assert off["pinned_registered_gb"] == 0  # (CPU: nothing pinned; on a GPU, the bytes moved)
     assert by["hf_load"]["figures"]["max_abs_diff_log_probs"] < 1e-4
     assert by["vocab_op"]["figures"]["auto_agrees_with_chunked"]
+    head = by["lm_head"]["figures"]["hidden 32"]
+    assert head["gemms_ms"] > 0 and head["fused"]["x_gemms"] > 0 and head["materialized"]["x_gemms"] > 0, head
     # the targets are there, with values, and not judged in a smoke run
     targets = [t for name in CHEAP for t in by[name]["targets"]]
-    assert len(targets) == 13 and all(t["pass"] is None for t in targets)
+    assert len(targets) == 16 and all(t["pass"] is None for t in targets)
     assert sum("pinned host memory (GB/s)" in t["name"] for t in by["actor_step"]["targets"]) == 2
     # every figure is there, but the vocab op's extra memory: CUDA's allocator statistics measure it
     assert all(t["value"] is not None for t in targets if "extra memory" not in t["name"]), targets
     report = (out / "report.md").read_text()
-    assert "SMOKE" in report and report.count("n/a (smoke)") == 13 and "steps failed: none" in report
+    assert "SMOKE" in report and report.count("n/a (smoke)") == 16 and "steps failed: none" in report
     assert "steps failed: none" in proc.stdout
 
 
@@ -103,6 +106,7 @@ def _summary(tmp_path, **overrides):
             {"name": "tput", "value": 35000, "target": 31000, "pass": True},
             {"name": "fits", "value": 31.0, "target": 80, "pass": True}]),
         "vocab_op": dict(figures={}, targets=[{"name": "time", "value": 0.9, "target": 1.0, "pass": True}]),
+        "lm_head": dict(figures={"hidden 1024": {}}, targets=[]),
         "disk_sync": dict(figures={"bytes": 1}, targets=[]),
         "ipc_handles": dict(figures={"export_buffer": {"opened": True, "bytes_equal": True}}, targets=[]),
         "hf_load": dict(figures={"build_s": 1.0}, targets=[]),

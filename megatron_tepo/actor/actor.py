@@ -17,16 +17,21 @@ sequence packing, sequence parallelism, the micro-batch token budget, fusions (s
 
 Precision. ``bf16`` is megatron's mixed precision: the model in ``Float16Module`` with bf16
 parameters and compute, the optimizer (plain or distributed) keeping fp32 main parameters and
-Adam states, gradients accumulated and reduced in fp32 (``grad_reduce_in_fp32``). The logits stay
-bf16 (``fp32_output=False``: no fp32 copy of the ``[tokens, V/tp]`` logits); the vocab-parallel op
-computes log-probs and entropy in fp32 from them, and the loss is fp32. ``fp32``: everything fp32.
+Adam states, gradients accumulated and reduced in fp32 (``grad_reduce_in_fp32``). The final hidden
+states stay bf16 (``fp32_output=False``); the LM head computes log-probs and entropy in fp32 from
+bf16 logits, and the loss is fp32. ``fp32``: everything fp32.
+
+The LM head (``actor.lm_head``, :mod:`megatron_tepo.megatron.lm_head`): the last stage's model
+returns its final hidden states, and the head runs only at the positions that score a response
+slot. ``fused`` (the default) never holds their ``[tokens, V/tp]`` logits
+(:mod:`megatron_tepo.ops.lm_head`); ``materialized`` makes them and runs the vocab op.
 
 Micro-batches (:mod:`megatron_tepo.actor.micro_batch`). With ``pack_sequences`` the rows are laid
 end to end (THD) up to ``max_tokens_per_micro_batch`` tokens, first-fit decreasing; megatron gets
 ``packed_seq_params`` (``cu_seqlens``), so RoPE positions restart in every sequence and the core
 attention (the sdpa one, or Transformer Engine's) never attends across two sequences. Without it,
 rows are right-padded to the micro-batch's longest. Log-probs and entropy are computed once for
-every position of the micro-batch and gathered into ``[B, R]``, so packing changes neither the
+every scored position of the micro-batch and laid into ``[B, R]``, so packing changes neither the
 per-token outputs nor the loss.
 
 Exact gradient bookkeeping. The :class:`~megatron_tepo.algorithms.PolicyLoss` receives
@@ -74,6 +79,7 @@ from megatron_tepo.actor.export import export_hf_state
 from megatron_tepo.checkpoint.hf_io import LazyHFCheckpoint
 from megatron_tepo.megatron.model import (TrainModel, actor_transformer_config, build_lr_scheduler, build_train_model,
                                           plan_actor)
+from megatron_tepo.megatron.lm_head import scored_log_probs
 from megatron_tepo.megatron.side_inputs import positions_to_rows, scored_positions
 
 __all__ = ["OptimConfig", "ActorConfig", "MegatronActor", "plan_actor", "actor_transformer_config", "build_lr_scheduler",
@@ -103,21 +109,16 @@ def _load_hf_weights(source):
     return state
 
 
-def token_log_probs(logits: torch.Tensor, mb: MicroBatch, tp_group=None,
-                    temperature: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob and entropy ``[b, R]`` of each response slot of ``mb`` from its vocab-sharded
-    logits (``[.., V/tp]``, one row per position of ``mb.input_ids``): the vocab-parallel op runs
-    once over every position (``mb.labels``), then the response slots are gathered
-    (``mb.score_index``). Padding slots are 0."""
-    from megatron_tepo.ops.vocab_parallel import vocab_parallel_log_probs_and_entropy
-
-    dev = logits.device
-    flat = logits.reshape(-1, logits.shape[-1])
-    lp, ent = vocab_parallel_log_probs_and_entropy(flat, mb.labels.to(dev), tp_group=tp_group,
-                                                   temperature=temperature)
-    idx, valid = mb.score_index.to(dev), mb.valid.to(dev)
-    zero = torch.zeros((), dtype=lp.dtype, device=dev)
-    return torch.where(valid, lp[idx], zero), torch.where(valid, ent[idx], zero)
+def token_log_probs(hidden: torch.Tensor, mb: MicroBatch, weight: torch.Tensor, tp_group=None,
+                    temperature: float = 1.0, lm_head: str = "fused") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy ``[b, R]`` of each response slot of ``mb`` from the model's final hidden
+    states (one row per position of ``mb.input_ids``) and the output weight's vocabulary shard: the
+    LM head runs at the positions that score a valid slot only (``actor.lm_head``:
+    :mod:`megatron_tepo.megatron.lm_head`). Padding slots are 0."""
+    dev = hidden.device
+    scored = tuple(t.to(dev) for t in mb.scored_index())
+    return scored_log_probs(hidden, weight, mb.labels.to(dev), scored, tuple(mb.valid.shape), tp_group=tp_group,
+                            temperature=temperature, lm_head=lm_head)
 
 
 class _OfTrainModel:
@@ -293,7 +294,8 @@ class MegatronActor:
         return [mb.padded_to(int(r), int(s)) for mb, (r, s) in zip(mbs, shapes.tolist())]
 
     def _log_probs_of(self, mb: MicroBatch, output: torch.Tensor, temperature: float):
-        return token_log_probs(output, mb, tp_group=self.tp_group, temperature=temperature)
+        return token_log_probs(output, mb, self.train_model.output_weight, tp_group=self.tp_group,
+                               temperature=temperature, lm_head=self.settings.lm_head)
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()

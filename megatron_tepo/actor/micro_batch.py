@@ -11,12 +11,13 @@ slot is scored. Pure torch; the actor turns it into megatron's inputs.
   match another rank's shape; it is a sequence of its own, so no real token attends to it.
 * padded: ``input_ids`` is ``[b, S]``, each row right-padded to the longest (``S >= 2``).
 
-Either way the model's logits are read as ``[N, V]`` rows, ``N = input_ids.numel()``:
-``labels[n]`` is the token the logits at flat position ``n`` score (0 where none is scored), and
-``score_index[i, j]`` is the flat position whose logits score response slot ``j`` of row ``i``
-(the token before it), ``valid[i, j]`` whether that slot is real. So per-token log-probs and
-entropy are computed once per position and gathered into ``[b, R]``; packing changes where a
-token sits, never what it is scored against.
+Either way the model's outputs (its final hidden states) are read as ``[N, h]`` rows, ``N =
+input_ids.numel()``: ``labels[n]`` is the token the output at flat position ``n`` scores (0 where
+none is scored), and ``score_index[i, j]`` is the flat position whose output scores response slot
+``j`` of row ``i`` (the token before it), ``valid[i, j]`` whether that slot is real.
+:meth:`MicroBatch.scored_index` lists the valid slots' positions, so the LM head runs at those
+positions only (never at prompt or padding positions) and its results land in ``[b, R]``;
+packing changes where a token sits, never what it is scored against.
 
 Per-position fields of the rows (``routed_experts``: :data:`~megatron_tepo.batch.PER_POSITION_FIELDS`)
 become the micro-batch's :class:`~megatron_tepo.megatron.side_inputs.SideInputs` (``side``), laid
@@ -52,6 +53,16 @@ class MicroBatch:
     per_token: Optional[Dict[str, Optional[torch.Tensor]]] = None  # data's per-token fields, once staged
     row_index: Optional[torch.Tensor] = None  # rows as a long tensor, once staged
     side: Optional[SideInputs] = None  # per-token side inputs in megatron's token order (or None)
+    scored: Optional[tuple] = None  # (positions, slots) of the valid response slots, once staged
+
+    def scored_index(self) -> tuple:
+        """``(positions, slots)``, each ``[n]`` long, one entry per valid response slot in row-major
+        order: the flat position whose output scores it and the slot's index in the flattened
+        ``[b, R]``. Built on the host (no device sync), kept on the device once :meth:`staged`."""
+        if self.scored is not None:
+            return self.scored
+        slots = self.valid.reshape(-1).nonzero().squeeze(1)
+        return self.score_index.reshape(-1)[slots], slots
 
     def field(self, name: str) -> Optional[torch.Tensor]:
         """Per-token field ``name`` of these rows (``[b, R]``), on the device once :meth:`staged`."""
@@ -75,7 +86,8 @@ class MicroBatch:
             score_index=move(self.score_index), valid=move(self.valid),
             per_token={f: move(getattr(self.data, f)) for f in PER_TOKEN_FIELDS},
             row_index=move(torch.as_tensor(self.rows, dtype=torch.long)),
-            side=None if self.side is None else self.side.to(device, non_blocking=pin))
+            side=None if self.side is None else self.side.to(device, non_blocking=pin),
+            scored=tuple(move(t) for t in self.scored_index()))
 
     @property
     def packed(self) -> bool:

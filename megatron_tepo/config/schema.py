@@ -282,6 +282,11 @@ class ActorConfig:
       router's probabilities over the replayed experts still come from its current logits (it
       keeps its gradient). Each pass logs ``routing_mismatch_mean`` / ``routing_mismatch_max``
       (tokens whose unforced routing differs, per layer) and ``routing_coverage`` (must be 1).
+    * ``lm_head``: how log-probs and entropy come from the last stage's hidden states, at the
+      positions that score a response token only (megatron/lm_head.py). ``fused`` -- in
+      vocabulary blocks, never holding the ``[tokens, V/tp]`` logits or their gradient
+      (ops/lm_head.py); ``materialized`` -- those positions' logits, then the vocab op (for
+      bisecting).
     """
 
     precision: Literal["bf16", "fp32"] = "bf16"
@@ -299,6 +304,7 @@ class ActorConfig:
     packed_attention: Literal["auto", "varlen", "flex", "loop"] = "auto"
     offload: Literal["auto", "none", "optimizer", "optimizer_grads", "all"] = "auto"
     routing_replay: Literal["off", "r2", "r3"] = "off"
+    lm_head: Literal["fused", "materialized"] = "fused"
 
     def offload_parts(self, colocated: bool) -> tuple:
         """The parts of the actor that ``offload`` moves (``auto`` decided by ``colocated``)."""

@@ -1,5 +1,5 @@
 """Memory per GPU, in bytes: parameters on one rank (:func:`param_counts`), activations kept for
-backward (:func:`layer_activation_bytes`), the logits working set, and the totals of the actor's
+backward (:func:`layer_activation_bytes`), the LM head's working set (:func:`lm_head_bytes`), and the totals of the actor's
 largest pipeline stage (:func:`actor_memory`, priced from the run config's ``actor`` section, what
 the trainer hands to the actor) and of one SGLang server GPU (:func:`server_memory`); for a
 colocated layout (the servers on the actor's GPUs, taking turns) the peak of each phase of a step
@@ -18,7 +18,8 @@ from megatron_tepo.config import OFFLOAD_LEVELS, RunConfig
 from megatron_tepo.launch.schema import LaunchLayout
 from megatron_tepo.launch.shape import ModelShape
 
-__all__ = ["GiB", "param_counts", "total_params", "layer_activation_bytes", "logits_bytes", "ActorMemory",
+__all__ = ["GiB", "param_counts", "total_params", "layer_activation_bytes", "logits_bytes", "lm_head_bytes",
+           "fused_block_columns", "ActorMemory",
            "ServerMemory", "actor_memory", "server_memory", "OFFLOAD_ORDER", "PhasePeaks", "ColocatedMemory",
            "colocated_memory", "HostMemory", "STAGING_ROUNDING"]
 
@@ -88,9 +89,36 @@ def layer_activation_bytes(m: ModelShape, t: int, sp: bool, elem: int = 2, fused
 
 
 def logits_bytes(m: ModelShape, t: int, elem: int = 2) -> float:
-    """Bytes per token of the logits working set on the last stage: the logits and their
-    gradient in the parameters' dtype, ``2 * elem * V / t``."""
+    """Bytes per token of the materialized LM head's working set on the last stage
+    (``actor.lm_head: materialized``): the logits and their gradient in the parameters' dtype,
+    ``2 * elem * V / t``."""
     return 2 * elem * m.vocab_size / t
+
+
+#: the fused head's vocabulary blocks (ops/lm_head.py, ``default_block_size``; a test keeps the two equal)
+_BLOCK_FRACTION, _MAX_BLOCK_BYTES, _MIN_BLOCK = 1 / 32, 256 * 2 ** 20, 128
+
+
+def fused_block_columns(tokens: int, vocab_local: int, elem: int) -> int:
+    """Columns of one vocabulary block of the fused LM head for ``tokens`` scored tokens."""
+    if vocab_local <= _MIN_BLOCK:
+        return max(1, vocab_local)
+    row = max(1, tokens) * elem
+    cap = min(row * vocab_local * _BLOCK_FRACTION, _MAX_BLOCK_BYTES)
+    return min(vocab_local, max(_MIN_BLOCK, int(cap // row) // _MIN_BLOCK * _MIN_BLOCK))
+
+
+def lm_head_bytes(m: ModelShape, t: int, tokens: int, elem: int = 2, fused: bool = True) -> float:
+    """Bytes of the LM head's working set on the last stage for a micro-batch of ``tokens``
+    tokens (all of them taken as scored: the head runs at the response positions only, which
+    the fit check does not know). Materialized: :func:`logits_bytes` per token. Fused
+    (``actor.lm_head: fused``): two ``[tokens, block]`` blocks of the parameters' dtype (a block's
+    logits and their gradient, in its backward), and per token the scored hidden states gathered
+    and their gradient (``2 * elem * h``) and its fp32 accumulator (``4 * h``)."""
+    if not fused:
+        return logits_bytes(m, t, elem) * tokens
+    block = fused_block_columns(tokens, m.vocab_size // t, elem)
+    return 2 * elem * block * tokens + (2 * elem + 4) * m.hidden_size * tokens
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,7 +134,7 @@ class ActorMemory:
     optimizer: float
     reference: float
     activations: float
-    logits: float
+    logits: float  # the LM head's working set (the logits and their gradient when materialized)
     reserve: float
     dp: int
     edp: int
@@ -180,7 +208,7 @@ def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> ActorMe
             weights=w_b * (dense + expert), grads=g_b * (dense + expert), optimizer=opt,
             reference=(w_b * (dense + expert) if ref else 0.0),
             activations=in_flight * n * kept * s + working,
-            logits=logits_bytes(m, t, elem) * s if has_logits else 0.0,
+            logits=lm_head_bytes(m, t, s, elem, fused=act.lm_head == "fused") if has_logits else 0.0,
             reserve=launch.reserve_gib * GiB, dp=dp, edp=edp, tokens=s,
             routing=(8.0 * in_flight * s * n * m.num_experts_per_tok) if replay else 0.0, routing_host=routing_host)
         if best is None or mem.total > best.total:

@@ -48,6 +48,7 @@ from megatron_tepo.megatron.fast_paths import use_fused_adam
 from megatron_tepo.megatron.gpt import (build_gpt_chunk, family_spec, resolve_actor_config, routing_replay_problem,
                                         transformer_config)
 from megatron_tepo.megatron.hf_load import load_hf_checkpoint_into, load_hf_weights_into
+from megatron_tepo.megatron.lm_head import hidden_output
 from megatron_tepo.megatron.offload import HostOffload
 from megatron_tepo.megatron.parallel import initialize_parallel, validate_layout_here
 from megatron_tepo.megatron.routing_replay import RoutingReplay
@@ -196,7 +197,7 @@ class TrainModel:
             causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=d), diagonal=1)
             inputs["attention_mask"] = causal[None, None]
         if self.settings.precision == "bf16":
-            inputs["fp32_output"] = False  # keep the logits bf16: the vocab op computes in fp32
+            inputs["fp32_output"] = False  # keep the hidden states bf16: the head computes in fp32
         return inputs
 
     def run(self, micro_batches: list, loss_func_for: Callable, forward_only: bool,
@@ -433,6 +434,8 @@ def build_train_model(hf_config, weights=None, layout: Optional[ParallelLayout] 
     chunk = build_gpt_chunk(config, family_cfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage(),
                             actor=resolved).to(device)
     chunk.family_cfg = family_cfg  # lets load_hf_weights_into find the mapping
+    # the last stage returns its final hidden states; the actor's head scores the positions it needs
+    output_weight = hidden_output(chunk) if ps.is_pipeline_last_stage() else None
     if hasattr(weights, "read_rows_into"):
         load_hf_checkpoint_into([chunk], weights, family_cfg)  # this rank's slices only
     elif weights is not None:
@@ -457,4 +460,5 @@ def build_train_model(hf_config, weights=None, layout: Optional[ParallelLayout] 
     scheduler = build_lr_scheduler(optimizer, optim, total_steps)
     train_model = TrainModel(model, optimizer, scheduler, config, resolved, family_cfg, layout, device, dp_size)
     train_model.replay = replay
+    train_model.output_weight = output_weight
     return train_model

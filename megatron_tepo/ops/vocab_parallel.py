@@ -59,6 +59,13 @@ layouts (e.g. ``[b, s, V].transpose(0, 1)``) and a last dim with stride != 1 cos
 copy of the shard in forward and again in backward (transient; it is not kept between them, so
 memory between forward and backward stays at the saved-vectors level).
 
+Pieces shared with the fused LM head
+------------------------------------
+:func:`shard_stats` (one shard's log-sum-exp, entropy and label log-prob from its logits),
+:func:`merge_shards` (two parts of one vocabulary as one), :func:`combine_tp` (the two all-reduces),
+:func:`grad_coefficients` and :func:`fill_logits_grad` (the backward) are the op's own steps;
+:mod:`megatron_tepo.ops.lm_head` runs them on one vocabulary block of logits at a time.
+
 GPU path (``impl``)
 -------------------
 Two implementations compute the same per-token local numbers (``m = max z``, ``s = sum exp(z - m)``,
@@ -176,80 +183,167 @@ def _tp_info(tp_group) -> Tuple[int, int]:
     return world, dist.get_rank(group=tp_group)
 
 
+def shard_stats(x: torch.Tensor, lbl_local: torch.Tensor, inv_t: float, impl: str, chunk: int,
+                cdt: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One shard's per-row numbers from its ``[n, V_local]`` logits ``x``: its log-sum-exp ``L_r``,
+    the entropy ``H_r`` of its own softmax and ``(z - L_r)[label]`` (meaningful where the shard owns
+    the label; ``lbl_local`` is clamped to 0 elsewhere), each ``[n]`` of ``cdt``. ``impl``:
+    ``"chunked"`` (``chunk`` rows at a time) or ``"triton"`` (see the module doc)."""
+    n, v_local = x.shape
+    dev = x.device
+    m = torch.empty(n, dtype=cdt, device=dev)       # local max of z
+    s = torch.empty(n, dtype=cdt, device=dev)       # local sum exp(z - m)
+    d = torch.empty(n, dtype=cdt, device=dev)       # local sum exp(z - m) (z - m)
+    t = torch.empty(n, 1, dtype=cdt, device=dev)    # (z - m) at the (local) label
+    if n > 0 and v_local > 0 and impl == "triton":
+        # the same four local numbers per row, one kernel over all rows (no [N, V] buffer)
+        _triton().local_stats(x, lbl_local, inv_t, m, s, d, t)
+    elif n > 0 and v_local > 0:
+        buf_a = torch.empty(chunk, v_local, dtype=cdt, device=dev)
+        buf_b = torch.empty(chunk, v_local, dtype=cdt, device=dev)
+        for i in range(0, n, chunk):
+            j = min(i + chunk, n)
+            xc = x[i:j]
+            za = buf_a[: j - i]
+            eb = buf_b[: j - i]
+            mc = m[i:j]
+            if xc.dtype == cdt:
+                torch.amax(xc, dim=-1, out=mc)
+            else:                                    # bf16/fp16: max is exact, then upcast
+                mc.copy_(xc.amax(-1))
+            if inv_t != 1.0:
+                mc.mul_(inv_t)
+                # z - m = x / T - m, in the compute dtype (x is upcast on the fly)
+                torch.add(mc.neg().unsqueeze(1), xc, alpha=inv_t, out=za)
+            else:
+                torch.sub(xc, mc.unsqueeze(1), out=za)
+            torch.gather(za, 1, lbl_local[i:j].unsqueeze(1), out=t[i:j])
+            torch.exp(za, out=eb)
+            torch.sum(eb, dim=-1, out=s[i:j])
+            za.mul_(eb)
+            torch.sum(za, dim=-1, out=d[i:j])
+        del buf_a, buf_b
+    else:
+        m.zero_(); s.fill_(1.0); d.zero_(); t.zero_()
+    log_s = torch.log(s)
+    local_logp = t.squeeze(1).sub_(log_s)      # (z - m)[label] - log s
+    ent = d.div_(s).neg_().add_(log_s)         # H_r = log s - d / s
+    lse = m.add_(log_s)                        # L_r = m + log s
+    return lse, ent, local_logp
+
+
+def merge_shards(lse_a, ent_a, logp_a, lse_b, ent_b, logp_b, owned_b):
+    """Two disjoint parts of one vocabulary (their ``shard_stats``) as one: the same shifted
+    combination as the tensor-parallel one below, for two parts held by one rank (the fused LM
+    head's vocabulary blocks). ``logp_a`` is kept where ``owned_b`` is False. Returns new tensors."""
+    big_m = torch.maximum(lse_a, lse_b)
+    sa, sb = lse_a - big_m, lse_b - big_m          # <= 0
+    ea, eb = sa.exp(), sb.exp()
+    big_s = ea + eb
+    log_big_s = big_s.log()
+    ent = (ea * (ent_a - sa) + eb * (ent_b - sb)).div_(big_s).add_(log_big_s)
+    logp = torch.where(owned_b, logp_b + sb, logp_a + sa).sub_(log_big_s)
+    return big_m.add_(log_big_s), ent, logp
+
+
+def combine_tp(lse, ent, local_logp, owned, tp_group, tp_size: int, cdt: torch.dtype):
+    """Every rank's shard numbers (:func:`shard_stats`) as the full vocabulary's: the global
+    log-sum-exp, entropy and label log-prob ``[n]``, with two all-reduces (see the module doc)."""
+    if tp_size <= 1:
+        return lse, ent, local_logp
+    n, dev = lse.shape[0], lse.device
+    big_m = lse.clone()
+    dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=tp_group)
+    shift = lse - big_m          # L_r - M  (<= 0)
+    stacked = torch.empty(3, n, dtype=cdt, device=dev)
+    torch.exp(shift, out=stacked[0])
+    torch.mul(stacked[0], ent - shift, out=stacked[1])
+    torch.where(owned, local_logp + shift, torch.zeros((), dtype=cdt, device=dev), out=stacked[2])
+    dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=tp_group)
+    log_big_s = stacked[0].log()
+    ent = stacked[1].div_(stacked[0]).add_(log_big_s)
+    log_probs = stacked[2].sub_(log_big_s)
+    lse = big_m.add_(log_big_s)
+    return lse, ent.clone(), log_probs.clone()
+
+
+def grad_coefficients(g_logp, g_ent, ent, owned, inv_t: float, cdt: torch.dtype):
+    """The backward's per-row coefficients: ``grad_x = p (A + B log p) + onehot * G`` with
+    ``A = (-g1 - g2 H) / T``, ``B = -g2 / T`` (None without an entropy gradient) and ``G = g1 / T``
+    where the shard owns the label (None without a log-prob gradient)."""
+    dev = ent.device
+    g1 = None if g_logp is None else g_logp.reshape(-1).to(cdt)
+    g2 = None if g_ent is None else g_ent.reshape(-1).to(cdt)
+    if g2 is not None:
+        coef_a = torch.mul(g2, ent).neg_()
+        if g1 is not None:
+            coef_a.sub_(g1)
+        coef_a.mul_(inv_t)
+        coef_b = g2 * (-inv_t)
+    else:
+        coef_a = g1 * (-inv_t)
+        coef_b = None
+    onehot = None if g1 is None else torch.where(owned, g1 * inv_t, torch.zeros((), dtype=cdt, device=dev))
+    return coef_a, coef_b, onehot
+
+
+def fill_logits_grad(x, grad, lse, coef_a, coef_b, onehot, lbl_local, inv_t: float, impl: str, chunk: int,
+                     cdt: torch.dtype) -> None:
+    """Write the gradient of the ``[n, V_local]`` logits ``x`` into ``grad`` (same shape, the
+    logits' dtype) from the global log-sum-exp and :func:`grad_coefficients`."""
+    n, v_local = x.shape
+    if n == 0 or v_local == 0:
+        return
+    if impl == "triton":
+        _triton().logits_grad(x, grad, lse, coef_a, coef_b, onehot, lbl_local, inv_t)
+        return
+    dev = x.device
+    neg_lse = lse.neg()
+    direct = grad.dtype == cdt       # work in the gradient slices themselves
+    buf_p = torch.empty(chunk, v_local, dtype=cdt, device=dev) if coef_b is not None else None
+    buf_w = None if direct else torch.empty(chunk, v_local, dtype=cdt, device=dev)
+    for i in range(0, n, chunk):
+        j = min(i + chunk, n)
+        xc = x[i:j]
+        w = grad[i:j] if direct else buf_w[: j - i]
+        # w = log p = x / T - L
+        if inv_t != 1.0:
+            torch.add(neg_lse[i:j].unsqueeze(1), xc, alpha=inv_t, out=w)
+        else:
+            torch.add(xc, neg_lse[i:j].unsqueeze(1), out=w)
+        if coef_b is not None:
+            p = buf_p[: j - i]
+            torch.exp(w, out=p)
+            w.mul_(coef_b[i:j].unsqueeze(1)).add_(coef_a[i:j].unsqueeze(1)).mul_(p)
+        else:
+            w.exp_().mul_(coef_a[i:j].unsqueeze(1))
+        if onehot is not None:
+            w.scatter_add_(1, lbl_local[i:j].unsqueeze(1), onehot[i:j].unsqueeze(1))
+        if not direct:
+            grad[i:j].copy_(w)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 for fp64 inputs (so gradcheck can be tight), fp32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 class _VocabParallelLogProbsEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, tp_group, temperature, chunk_size, impl):
         tp_size, tp_rank = _tp_info(tp_group)
         shape = logits.shape
         v_local = shape[-1]
-        cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        cdt = compute_dtype(logits.dtype)
         x = _as_2d(logits)
         n = x.shape[0]
         inv_t = 1.0 / temperature
-        lbl = labels.reshape(-1)
-        lbl_local, owned = _local_labels(lbl, tp_rank, v_local)
+        lbl_local, owned = _local_labels(labels.reshape(-1), tp_rank, v_local)
         if chunk_size is None:
             chunk_size = default_chunk_size(n, v_local, logits.device, cdt)
         chunk = max(1, min(int(chunk_size), max(n, 1)))
-
-        dev = logits.device
-        m = torch.empty(n, dtype=cdt, device=dev)       # local max of z
-        s = torch.empty(n, dtype=cdt, device=dev)       # local sum exp(z - m)
-        d = torch.empty(n, dtype=cdt, device=dev)       # local sum exp(z - m) (z - m)
-        t = torch.empty(n, 1, dtype=cdt, device=dev)    # (z - m) at the (local) label
-        if n > 0 and v_local > 0 and impl == "triton":
-            # the same four local numbers per row, one kernel over all rows (no [N, V] buffer)
-            _triton().local_stats(x, lbl_local, inv_t, m, s, d, t)
-        elif n > 0 and v_local > 0:
-            buf_a = torch.empty(chunk, v_local, dtype=cdt, device=dev)
-            buf_b = torch.empty(chunk, v_local, dtype=cdt, device=dev)
-            for i in range(0, n, chunk):
-                j = min(i + chunk, n)
-                xc = x[i:j]
-                za = buf_a[: j - i]
-                eb = buf_b[: j - i]
-                mc = m[i:j]
-                if xc.dtype == cdt:
-                    torch.amax(xc, dim=-1, out=mc)
-                else:                                    # bf16/fp16: max is exact, then upcast
-                    mc.copy_(xc.amax(-1))
-                if inv_t != 1.0:
-                    mc.mul_(inv_t)
-                    # z - m = x / T - m, in the compute dtype (x is upcast on the fly)
-                    torch.add(mc.neg().unsqueeze(1), xc, alpha=inv_t, out=za)
-                else:
-                    torch.sub(xc, mc.unsqueeze(1), out=za)
-                torch.gather(za, 1, lbl_local[i:j].unsqueeze(1), out=t[i:j])
-                torch.exp(za, out=eb)
-                torch.sum(eb, dim=-1, out=s[i:j])
-                za.mul_(eb)
-                torch.sum(za, dim=-1, out=d[i:j])
-            del buf_a, buf_b
-        else:
-            m.zero_(); s.fill_(1.0); d.zero_(); t.zero_()
-
-        log_s = torch.log(s)
-        local_logp = t.squeeze(1).sub_(log_s)      # (z - m)[label] - log s
-        ent = d.div_(s).neg_().add_(log_s)         # H_r = log s - d / s
-        lse = m.add_(log_s)                        # L_r = m + log s
-        if tp_size > 1:
-            big_m = lse.clone()
-            dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=tp_group)
-            shift = lse - big_m          # L_r - M  (<= 0)
-            stacked = torch.empty(3, n, dtype=cdt, device=dev)
-            torch.exp(shift, out=stacked[0])
-            torch.mul(stacked[0], ent - shift, out=stacked[1])
-            torch.where(owned, local_logp + shift, torch.zeros((), dtype=cdt, device=dev),
-                        out=stacked[2])
-            dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=tp_group)
-            log_big_s = stacked[0].log()
-            ent = stacked[1].div_(stacked[0]).add_(log_big_s)
-            log_probs = stacked[2].sub_(log_big_s)
-            lse = big_m.add_(log_big_s)
-            log_probs = log_probs.clone()
-            ent = ent.clone()
-        else:
-            log_probs = local_logp
+        lse, ent, log_probs = shard_stats(x, lbl_local, inv_t, impl, chunk, cdt)
+        lse, ent, log_probs = combine_tp(lse, ent, log_probs, owned, tp_group, tp_size, cdt)
 
         ctx.save_for_backward(logits, labels, lse, ent)
         ctx.tp = (tp_size, tp_rank)
@@ -268,60 +362,12 @@ class _VocabParallelLogProbsEntropy(torch.autograd.Function):
         if g_logp is None and g_ent is None:
             return None, None, None, None, None, None
         tp_size, tp_rank = ctx.tp
-        inv_t, chunk, cdt = ctx.inv_t, ctx.chunk, ctx.cdt
         shape = logits.shape
-        v_local = shape[-1]
         x = _as_2d(logits)
-        n = x.shape[0]
-        dev = logits.device
-        grad = torch.empty((n, v_local), dtype=logits.dtype, device=dev)
-        if n == 0 or v_local == 0:
-            return grad.view(shape), None, None, None, None, None
-
-        lbl_local, owned = _local_labels(labels.reshape(-1), tp_rank, v_local)
-        # grad_x = p * (A + B * log p) + onehot * g1 / T
-        #   A = (-g1 - g2 H) / T,  B = -g2 / T
-        g1 = None if g_logp is None else g_logp.reshape(-1).to(cdt)
-        g2 = None if g_ent is None else g_ent.reshape(-1).to(cdt)
-        if g2 is not None:
-            coef_a = torch.mul(g2, ent).neg_()
-            if g1 is not None:
-                coef_a.sub_(g1)
-            coef_a.mul_(inv_t)
-            coef_b = g2 * (-inv_t)
-        else:
-            coef_a = g1 * (-inv_t)
-            coef_b = None
-        if g1 is not None:
-            onehot = torch.where(owned, g1 * inv_t, torch.zeros((), dtype=cdt, device=dev))
-        if ctx.impl == "triton":
-            _triton().logits_grad(x, grad, lse, coef_a, coef_b,
-                                  onehot if g1 is not None else None, lbl_local, inv_t)
-            return grad.view(shape), None, None, None, None, None
-        neg_lse = lse.neg()
-
-        direct = grad.dtype == cdt       # work in the gradient slices themselves
-        buf_p = torch.empty(chunk, v_local, dtype=cdt, device=dev) if coef_b is not None else None
-        buf_w = None if direct else torch.empty(chunk, v_local, dtype=cdt, device=dev)
-        for i in range(0, n, chunk):
-            j = min(i + chunk, n)
-            xc = x[i:j]
-            w = grad[i:j] if direct else buf_w[: j - i]
-            # w = log p = x / T - L
-            if inv_t != 1.0:
-                torch.add(neg_lse[i:j].unsqueeze(1), xc, alpha=inv_t, out=w)
-            else:
-                torch.add(xc, neg_lse[i:j].unsqueeze(1), out=w)
-            if coef_b is not None:
-                p = buf_p[: j - i]
-                torch.exp(w, out=p)
-                w.mul_(coef_b[i:j].unsqueeze(1)).add_(coef_a[i:j].unsqueeze(1)).mul_(p)
-            else:
-                w.exp_().mul_(coef_a[i:j].unsqueeze(1))
-            if g1 is not None:
-                w.scatter_add_(1, lbl_local[i:j].unsqueeze(1), onehot[i:j].unsqueeze(1))
-            if not direct:
-                grad[i:j].copy_(w)
+        grad = torch.empty((x.shape[0], shape[-1]), dtype=logits.dtype, device=logits.device)
+        lbl_local, owned = _local_labels(labels.reshape(-1), tp_rank, shape[-1])
+        coef_a, coef_b, onehot = grad_coefficients(g_logp, g_ent, ent, owned, ctx.inv_t, ctx.cdt)
+        fill_logits_grad(x, grad, lse, coef_a, coef_b, onehot, lbl_local, ctx.inv_t, ctx.impl, ctx.chunk, ctx.cdt)
         return grad.view(shape), None, None, None, None, None
 
 

@@ -152,3 +152,40 @@ def test_fusions_on_match_hf(tmp_path):
                       "actor": {"fusions": "on"}}], 1, tmp_path)
     _check(per_rank)
     assert per_rank[0][0]["fusions"] == [True, False]
+
+
+#: fused against materialized LM head (``actor.lm_head``): the same logits, their statistics and
+#: the gradient GEMMs taken in vocabulary blocks. fp32: summation order; bf16: the hidden states'
+#: gradient sums the blocks' bf16 products in fp32 (ops/lm_head.py), about one bf16 rounding.
+#: (measured: fp32 1e-6; bf16 log-probs 1e-6, gradients 2-7e-3 of a tensor's largest entry, one or
+#: two bf16 units where a block's GEMM rounds differently from the whole one's)
+HEAD_TOL = {"fp32": {"lp": 1e-5, "loss_rel": 1e-5, "grad_rel": 1e-5, "grad_max_rel": 1e-5},
+            "bf16": {"lp": 1e-5, "loss_rel": 1e-5, "grad_rel": 1e-2, "grad_max_rel": 2e-2}}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+def test_fused_lm_head_equals_the_materialized_one(tmp_path):
+    """``actor.lm_head: fused`` (the default) against ``materialized`` on the same actor, at
+    temperature 0.7, in blocks of 32 of the 256 tokens: log-probs, entropy, the loss and every
+    gradient of the model (the output weight's, and through the model the hidden states'), at TP=2
+    and TP=1 (x DP=2), tied and untied embeddings, packed and padded, fp32 and bf16. The HF
+    comparisons above run the fused head too (with one block per shard at this vocabulary)."""
+    base = {"family": "qwen3", "pp": 1, "loss": {"name": "grpo"}, "head_check": True, "head_only": True}
+    cases = [
+        dict(base, tp=2, tie=False),
+        dict(base, tp=2, tie=True, actor={"pack_sequences": False}),
+        dict(base, tp=2, tie=True, actor={"precision": "bf16"}),
+        dict(base, tp=1, tie=True),
+        dict(base, tp=1, tie=False, actor={"precision": "bf16", "pack_sequences": False}),
+    ]
+    per_rank = _run(cases, 2, tmp_path)
+    for rank, results in enumerate(per_rank):
+        for c in results:
+            tol = HEAD_TOL[c["case"].get("actor", {}).get("precision", "fp32")]
+            hc, where = c["head_check"], f"rank {rank}, case {c['case']}"
+            assert hc["lp"] <= tol["lp"] and hc["ent"] <= tol["lp"], (where, hc)
+            assert hc["loss_rel"] <= tol["loss_rel"], (where, hc)
+            assert hc["grad_rel"] <= tol["grad_rel"] and hc["grad_max_rel"] <= tol["grad_max_rel"], (where, hc)
+            assert hc["output_grad_rel"] <= tol["grad_max_rel"], (where, hc)
+            assert any("output_layer" in n or "word_embeddings" in n for n in hc["names"]), where

@@ -65,6 +65,23 @@ def test_padded_micro_batch_layout_scores_the_same_tokens():
     assert torch.equal(flat_p[packed.score_index[v]], flat_q[padded.score_index[v]])
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_head_runs_at_the_scored_positions_only(packed):
+    """``scored_index``: one entry per valid response slot, the flat position that scores it (the
+    token before it) and its slot; no prompt or padding position, and the same once staged."""
+    batch = make_batch(seed=3)
+    mb = build_micro_batch(batch, list(range(batch.batch_size)), packed=packed)
+    positions, slots = mb.scored_index()
+    assert int(mb.valid.sum()) == len(positions) == len(slots) > 0
+    assert torch.equal(positions, mb.score_index.reshape(-1)[slots]) and bool(mb.valid.reshape(-1)[slots].all())
+    flat_ids = mb.input_ids.reshape(-1)
+    # the label a scored position carries is the next token of the sequence, a response token
+    assert torch.equal(mb.labels[positions], flat_ids[positions + 1])
+    assert len(positions) < mb.input_ids.numel() - batch.batch_size  # prompts are never scored
+    staged = mb.staged(torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(staged.scored, (positions, slots)))
+
+
 def test_pad_segment_and_common_shapes():
     b = make_batch(3)
     mb = build_micro_batch(b, [0, 1, 2], packed=True, pad_multiple=8)

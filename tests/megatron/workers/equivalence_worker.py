@@ -7,7 +7,8 @@ weights, randomised norms/biases) and the same mini-batch; the actor gets its DP
 reference runs the WHOLE mini-batch in this process. Each rank writes, per case, the max errors it
 measured on its own stage. ``pack_check``: the same actor with packing switched off gives the same
 log-probs, entropy, loss and gradients; ``recompute_check``: a second actor with full recompute
-(one layer at a time) gives the same gradients.
+(one layer at a time) gives the same gradients; ``head_check``: ``actor.lm_head`` fused against
+materialized on the same actor (``head_only``: nothing else is compared).
 """
 import json
 import os
@@ -62,6 +63,32 @@ def _pack_check(actor, local, loss_cfg):
     actor.settings = before
     return {"lp": float((packed[0] - padded[0]).abs().max()), "ent": float((packed[1] - padded[1]).abs().max()),
             "loss_rel": abs(packed[2] - padded[2]) / abs(padded[2]), "grad_rel": _rel_l2(packed[3], padded[3])}
+
+
+def _head_check(actor, local, loss_cfg):
+    """``actor.lm_head``: fused against materialized on the same actor, at temperature 0.7: max
+    |difference| of the log-probs and entropy, the loss's relative difference, and every gradient
+    of the stage (the output weight's, and through the rest of the model the hidden states'): the
+    relative L2 error over all of them and the largest per-tensor relative error."""
+    import dataclasses
+
+    from megatron_tepo.ops import lm_head
+
+    before, min_block = actor.settings, lm_head._MIN_BLOCK
+    lm_head._MIN_BLOCK = 32  # blocks of 32 columns: several per shard of the tiny vocabulary
+    hot = dataclasses.replace(local, temperature=0.7)
+    got = {}
+    for head in ("fused", "materialized"):
+        actor.settings = dataclasses.replace(before, lm_head=head)
+        got[head] = _outputs(actor, hot, loss_cfg)
+    actor.settings, lm_head._MIN_BLOCK = before, min_block
+    fused, mat = got["fused"], got["materialized"]
+    return {"lp": float((fused[0] - mat[0]).abs().max()), "ent": float((fused[1] - mat[1]).abs().max()),
+            "loss_rel": abs(fused[2] - mat[2]) / abs(mat[2]), "grad_rel": _rel_l2(fused[3], mat[3]),
+            "grad_max_rel": max(max_rel_err(fused[3][n], mat[3][n]) for n in mat[3]),
+            "output_grad_rel": max((max_rel_err(fused[3][n], mat[3][n]) for n in mat[3] if "output_layer" in n
+                                    or "word_embeddings" in n), default=0.0),
+            "names": sorted(mat[3])}
 
 
 def run_case(case):
@@ -121,6 +148,10 @@ def run_case(case):
 
     if case.get("pack_check"):
         out["pack_check"] = _pack_check(actor, local, PolicyLoss.of(**case["loss"]))
+    if case.get("head_check"):
+        out["head_check"] = _head_check(actor, local, PolicyLoss.of(**case["loss"]))
+        if case.get("head_only"):  # (a bf16 actor: compared with itself, not with the fp32 HF reference)
+            return out
 
     # --- one training step
     metrics = actor.forward_backward(local, PolicyLoss.of(**case["loss"]))

@@ -1,0 +1,85 @@
+"""The LM head moved out of megatron's model: the last pipeline stage returns its final hidden
+states, and the actor scores only the positions it needs (``actor.lm_head``).
+
+megatron's ``GPTModel`` ends in an output layer (a ``ColumnParallelLinear``: the sequence-parallel
+all-gather or the tensor-parallel copy of its input, then ``[tokens, h] x [h, V/tp]``) that makes
+logits for every position of the micro-batch, prompt and padding included. :func:`hidden_output`
+replaces that layer's forward on one model with its input region only: the model then returns the
+final hidden states ``[b, s, h]`` exactly as the output layer would have multiplied them (gathered
+over the sequence-parallel ranks, or under the copy whose backward all-reduces their gradient over
+the tensor-parallel ranks), and :func:`scored_log_probs` runs the head at the scored positions:
+
+* ``fused`` -- :func:`~megatron_tepo.ops.lm_head.lm_head_log_probs_and_entropy`: log-probs, entropy
+  and their gradients from the hidden states and the weight shard, in vocabulary blocks, never the
+  ``[n, V/tp]`` logits;
+* ``materialized`` -- the logits of the scored positions, then the vocab op
+  (:func:`~megatron_tepo.ops.vocab_parallel.vocab_parallel_log_probs_and_entropy`): the path of the
+  output layer restricted to those positions, kept for bisecting.
+
+The output layer's parameters stay where they are (checkpoints, the weight export, the tied
+embedding's synchronisation across pipeline stages are unchanged); only its forward is replaced.
+
+Left out: megatron's multi-token prediction (its layers call the output layer themselves; none of
+the supported families has them), MuP's logit scaling (not used), and the output layer's
+``gradient_accumulation_fusion`` (the head returns the weight's gradient; megatron DDP adds it to
+``main_grad`` as for any parameter).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["LM_HEADS", "hidden_output", "scored_log_probs"]
+
+LM_HEADS = ("fused", "materialized")
+
+
+def hidden_output(gpt) -> torch.nn.Parameter:
+    """Make ``gpt`` (a last-stage ``GPTModel``) return its final hidden states instead of logits
+    (module docstring); returns the output weight the head multiplies by (the embedding's when
+    they are tied)."""
+    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                        gather_from_sequence_parallel_region)
+
+    layer = gpt.output_layer
+    if getattr(gpt.config, "mtp_num_layers", None):
+        raise ValueError("actor.lm_head: multi-token prediction layers call the output layer themselves; not supported")
+    group = getattr(layer, "tp_group", None)
+
+    def forward(input_, weight=None, runtime_gather_output=None):
+        if layer.sequence_parallel:
+            return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=group), None
+        return copy_to_tensor_model_parallel_region(input_, group=group), None
+
+    layer.forward = forward
+    return gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else layer.weight
+
+
+def scored_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scored: Tuple[torch.Tensor, ...],
+                     shape: Tuple[int, int], tp_group=None, temperature: float = 1.0,
+                     lm_head: str = "fused", block_size: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy ``[b, R]`` (``shape``) of the scored slots, 0 elsewhere.
+
+    ``hidden``: the model's output ``[.., h]`` (one row per flat position); ``labels``: ``[N]``, the
+    token each position scores; ``scored``: ``(positions, slots)`` of the valid slots
+    (:meth:`~megatron_tepo.actor.micro_batch.MicroBatch.scored_index`)."""
+    from megatron_tepo.ops.lm_head import lm_head_log_probs_and_entropy
+    from megatron_tepo.ops.vocab_parallel import vocab_parallel_log_probs_and_entropy
+
+    if lm_head not in LM_HEADS:
+        raise ValueError(f"actor.lm_head: expected one of {', '.join(LM_HEADS)}, got {lm_head!r}")
+    positions, slots = scored
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    h = flat.index_select(0, positions)
+    target = labels.index_select(0, positions)
+    if lm_head == "fused":
+        lp, ent = lm_head_log_probs_and_entropy(h, weight, target, tp_group=tp_group, temperature=temperature,
+                                                block_size=block_size)
+    else:
+        lp, ent = vocab_parallel_log_probs_and_entropy(torch.nn.functional.linear(h, weight), target,
+                                                       tp_group=tp_group, temperature=temperature)
+    size = shape[0] * shape[1]
+    out_lp = lp.new_zeros(size).index_put((slots,), lp)
+    out_ent = ent.new_zeros(size).index_put((slots,), ent)
+    return out_lp.view(shape), out_ent.view(shape)
