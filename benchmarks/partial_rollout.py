@@ -9,7 +9,11 @@ row of the output layer is moved against the mean final hidden state, which lowe
 about ``--eos-shift`` nats, and the position limit is raised to 1024. Its responses then have the
 shape of reasoning answers' lengths: most are short and a few run long (at shift 6 on 128 samples:
 median 5 tokens, 90th percentile 33, longest 217; the cap is ``--max-new-tokens``). The rewards
-hardly matter here (dynamic sampling off: every step trains on all its groups).
+hardly matter here (dynamic sampling off: every step trains on all its groups), and the policy
+does not learn (``--lr`` 1e-30: the updates run but leave the weights as they are), so every
+schedule and run samples from the same length law. (With learning, the lengths drift apart: in a
+first measurement at the config's learning rate, one step off's responses grew to 48-65 tokens on
+average where the synchronous loop's stayed at 23-25, and its tokens per second rose with them.)
 
 The layout. One SGLang CPU server (bf16) on the last core, the actor (``tools/train.py``, one
 process, the launchers' command) on the first: the disaggregated layout on one machine, where each
@@ -112,6 +116,7 @@ def run(args) -> dict:
                        "rollout.max_prompt_len=16", f"train.mini_batch_prompts={args.prompts}",
                        f"train.epochs_per_step={args.epochs}", "rollout.dynamic_sampling=false", "train.save_every=0",
                        "train.export_hf=false", "train.resume=false", f"train.seed={rep + 1}", f"train.output_dir={out}",
+                       f"optim.lr={args.lr}",
                        *SCHEDULES[name], *([f"rollout.max_inflight_groups={args.max_inflight_groups}"]
                                            if args.max_inflight_groups and name.startswith("partial") else [])]
                 proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
@@ -161,6 +166,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n-samples", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=400)
     ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=1e-30,
+                    help="the actor's learning rate; the default freezes the weights, so every schedule and run "
+                         "generates from the same length law (a learning policy drifts: its lengths then differ)")
     ap.add_argument("--eos-shift", type=float, default=6.0, help="nats taken off the EOS logit (the tail's weight)")
     ap.add_argument("--schedules", nargs="*", default=list(SCHEDULES), choices=list(SCHEDULES))
     ap.add_argument("--max-inflight-groups", type=int, default=None,
