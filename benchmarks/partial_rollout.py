@@ -28,6 +28,9 @@ with ``train.seed=r``. From each run's ``metrics.jsonl``, over the steps after t
 * ``engine_idle_fraction`` (partial rollout only: the share of the time the server had nothing to
   generate) and ``stale_regenerated`` per step (samples dropped for outgrowing the bound).
 
+``--probe`` first measures the server itself (:func:`probe_server`): what a request and a batch
+cost it, which bounds what any schedule can gain here.
+
 Left out: several servers, a GPU, learning (the convergence benchmark's chain-task rows), and
 response lengths from a real model's reasoning (the tail here is made by hand).
 """
@@ -74,6 +77,34 @@ def long_tail_model(tiny: Path, out: Path, shift: float) -> Path:
     return out
 
 
+def probe_server(server) -> dict:
+    """What one request and one batch cost the server, the two numbers that bound the schedules
+    here: decode tokens/s at concurrency 1, 8, 32 and 128 (128 tokens each, EOS ignored), and 128
+    samples of 5 and 40 tokens sent as 128 requests (n=1, as partial rollout sends them: each sample
+    can be cut and resumed alone) against 16 requests with n=8 (as a step's generate sends them)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    def post(n, tokens):
+        return server.post("/generate", {"input_ids": [3, 4, 5, 6, 7, 8], "return_logprob": True, "sampling_params": {
+            "max_new_tokens": tokens, "temperature": 1.0, "ignore_eos": True, "n": n}}, timeout=600)
+
+    def timed(count, n, tokens):
+        start = time.perf_counter()
+        with ThreadPoolExecutor(count) as pool:
+            list(pool.map(lambda _: post(n, tokens), range(count)))
+        return time.perf_counter() - start
+
+    post(1, 2)  # warm-up
+    out = {"decode_tokens_per_s": {b: round(b * 128 / timed(b, 1, 128), 1) for b in (1, 8, 32, 128)}}
+    for tokens in (5, 40):
+        single, grouped = timed(128, 1, tokens), timed(16, 8, tokens)
+        out[f"128_samples_of_{tokens}_tokens_s"] = {"128 requests x n=1": round(single, 3),
+                                                    "16 requests x n=8": round(grouped, 3)}
+    print("server probe:", json.dumps(out), flush=True)
+    return out
+
+
 def run(args) -> dict:
     from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
     from megatron_tepo.rollout.sglang.server import ServerConfig
@@ -99,8 +130,11 @@ def run(args) -> dict:
 
     start_weights = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).state_dict()
     runs = {name: [] for name in args.schedules}
+    probe = None
     try:
         server = fleet.servers[0]
+        if args.probe:
+            probe = probe_server(server)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TEPO_SGLANG_URLS": server.url,
                "TEPO_SGLANG_API_KEY": server.api_key or ""}
         for rep in range(args.repeats):  # round robin: a slow spell of the machine spreads over the schedules
@@ -138,6 +172,8 @@ def run(args) -> dict:
     for name, r in results.items():
         if base:
             r["vs_one_step_off"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+    if probe is not None:
+        results["server_probe"] = probe
     results["settings"] = vars(args)
     return results
 
@@ -173,6 +209,9 @@ def main(argv=None) -> int:
     ap.add_argument("--schedules", nargs="*", default=list(SCHEDULES), choices=list(SCHEDULES))
     ap.add_argument("--max-inflight-groups", type=int, default=None,
                     help="partial rollout's rollout.max_inflight_groups (default: the config's, N x prompts)")
+    ap.add_argument("--probe", action="store_true",
+                    help="first measure the server: decode tokens/s by concurrency, and the cost of one request per "
+                         "sample against n samples per request (probe_server)")
     ap.add_argument("--workdir", default="/tmp/mtepo_partial_rollout")
     ap.add_argument("--json", default=None, help="write the results as JSON to PATH")
     args = ap.parse_args(argv)
