@@ -11,8 +11,10 @@ backward of ``sum(log_probs) + sum(entropy)``), beyond the inputs and what the p
 two ``[tokens]`` outputs and, training, the gradients of the hidden states and the weight), as a
 share of today's logits (``tokens x vocab`` of the inputs' dtype). On CPU the peak is the
 process's resident set (``VmHWM``, reset through ``/proc/self/clear_refs`` before the pass, then
-``VmHWM - VmRSS`` before it): large buffers are ``mmap``-ed by glibc and go back to the system
-when freed, so it counts what the pass held at once. On CUDA: ``torch.cuda.max_memory_allocated``.
+``VmHWM - VmRSS`` before it), with glibc's mmap threshold fixed at 128 KiB
+(``MALLOC_MMAP_THRESHOLD_``): every buffer above it is ``mmap``-ed and goes back to the system when
+freed, so it counts what the pass held at once (with the default, dynamic threshold, freed buffers
+of up to 32 MB stay in glibc's heap and the figure moved by +-60 MB between runs). On CUDA: ``torch.cuda.max_memory_allocated``.
 
 Timing (``--device cuda``): per hidden size, the median over ``--repeats`` of the fused head's
 training pass, of the materialized one's, and of the three GEMMs alone (the forward
@@ -108,7 +110,10 @@ def memory(tokens, hidden, vocab, dtypes, heads) -> list:
             for train in (False, True):
                 cmd = [sys.executable, __file__, "--child", head, str(tokens), str(hidden), str(vocab), dtype,
                        str(int(train))]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                # (a fixed mmap threshold: glibc's dynamic one keeps freed buffers of up to 32 MB in its
+                # heap, which the resident set would count as held)
+                proc = subprocess.run(cmd, capture_output=True, text=True, env={
+                    **os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"})
                 if proc.returncode != 0:
                     raise SystemExit(f"benchmarks/lm_head.py: the {head} {dtype} case failed:\n{proc.stderr[-3000:]}")
                 row = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -41,7 +41,7 @@ thousands.
 Numerics. Every element of a block's logits is the same dot product the full GEMM computes; the
 statistics are fp32 (fp64 for fp64 inputs, so gradcheck is tight). The hidden states' gradient
 sums the blocks' products in fp32 (on CUDA with ``torch.mm(..., out_dtype=float32)``; on CPU, which
-has no mixed-dtype GEMM, a bf16 block and its weight rows are upcast for it), where the output
+has no mixed-dtype GEMM, a bf16 block's rows are upcast an eighth at a time), where the output
 layer's single GEMM sums them in its own accumulator: the results agree within the inputs' rounding.
 
 Left out: a single kernel that keeps a block's logits in on-chip memory (the GEMM and the
@@ -96,8 +96,11 @@ def _mm_into_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a, b)
     elif a.is_cuda:
         acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
-    else:  # (CPU has no mixed-dtype GEMM: the block in fp32, a transient of twice its bytes)
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+    else:  # CPU has no mixed-dtype GEMM: the block upcast an eighth of its rows at a time
+        b = b.to(acc.dtype)
+        rows = max(1, -(-a.shape[0] // 8))
+        for i in range(0, a.shape[0], rows):
+            acc[i:i + rows].addmm_(a[i:i + rows].to(acc.dtype), b)
 
 
 class _FusedLMHead(torch.autograd.Function):
