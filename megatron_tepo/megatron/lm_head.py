@@ -49,11 +49,29 @@ def hidden_output(gpt) -> torch.nn.Parameter:
 
     def forward(input_, weight=None, runtime_gather_output=None):
         if layer.sequence_parallel:
-            return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=group), None
-        return copy_to_tensor_model_parallel_region(input_, group=group), None
+            hidden = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=group)
+        else:
+            hidden = copy_to_tensor_model_parallel_region(input_, group=group)
+        return _ContiguousGrad.apply(hidden), None
 
     layer.forward = forward
     return gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else layer.weight
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient. The model transposes its output to
+    ``[b, s, h]``, so the gradient reaching the region op is a strided ``[s, b, h]`` view when
+    ``b > 1``; megatron-core 0.16.1's ``_reduce`` all-reduces a contiguous copy of such a gradient
+    and returns the original, unsummed (its output layer never met one: the linear's backward
+    reduces its own gradient). Found by the packed-against-padded check at TP=2 on that stack."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 def scored_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scored: Tuple[torch.Tensor, ...],
