@@ -40,8 +40,9 @@ thousands.
 
 Numerics. Every element of a block's logits is the same dot product the full GEMM computes; the
 statistics are fp32 (fp64 for fp64 inputs, so gradcheck is tight). The hidden states' gradient
-sums the blocks' products in fp32 (on CUDA with ``torch.mm(..., out_dtype=float32)``; on CPU, which
-has no mixed-dtype GEMM, a bf16 block's rows are upcast an eighth at a time), where the output
+sums the blocks' products in fp32 (on CUDA with ``torch.mm(..., out_dtype=float32)`` where this torch
+has it; on CPU, which has no mixed-dtype GEMM, a bf16 block's rows are upcast an eighth at a time,
+and so on a torch whose CUDA ``mm`` lacks ``out_dtype``), where the output
 layer's single GEMM sums them in its own accumulator: the results agree within the inputs' rounding.
 
 Left out: a single kernel that keeps a block's logits in on-chip memory (the GEMM and the
@@ -90,17 +91,29 @@ def _block_labels(lbl_local: torch.Tensor, owned: torch.Tensor, v0: int, v1: int
     return local.masked_fill_(~mine, 0), mine
 
 
+_MM_OUT_DTYPE: Optional[bool] = None  # whether this torch's CUDA mm takes out_dtype (seen at first use)
+
+
 def _mm_into_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` with ``acc`` fp32 (or fp64) and ``a``, ``b`` maybe in a lower precision."""
+    global _MM_OUT_DTYPE
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif a.is_cuda:
-        acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
-    else:  # CPU has no mixed-dtype GEMM: the block upcast an eighth of its rows at a time
-        b = b.to(acc.dtype)
-        rows = max(1, -(-a.shape[0] // 8))
-        for i in range(0, a.shape[0], rows):
-            acc[i:i + rows].addmm_(a[i:i + rows].to(acc.dtype), b)
+        return
+    if a.is_cuda and _MM_OUT_DTYPE is not False:
+        try:
+            acc.add_(torch.mm(a, b, out_dtype=acc.dtype))  # bf16 inputs, fp32 accumulation and output
+            _MM_OUT_DTYPE = True
+            return
+        except (TypeError, NotImplementedError, RuntimeError):
+            if _MM_OUT_DTYPE:  # (it worked before: this is another error)
+                raise
+            _MM_OUT_DTYPE = False  # an older torch: the CPU way below
+    # no mixed-dtype GEMM: the block upcast an eighth of its rows at a time
+    b = b.to(acc.dtype)
+    rows = max(1, -(-a.shape[0] // 8))
+    for i in range(0, a.shape[0], rows):
+        acc[i:i + rows].addmm_(a[i:i + rows].to(acc.dtype), b)
 
 
 class _FusedLMHead(torch.autograd.Function):
