@@ -13,9 +13,13 @@ b * S`` (or ``T``), so a layer indexes it with the same ``n`` as its own tokens.
 parallelism splits the ``s`` dimension over the TP ranks, a contiguous range of ``n`` for each
 (:meth:`SideInputs.shard`); context parallelism will be another slice here.
 
+Context parallelism's load-balanced split of packed sequences is :func:`context_split` (one
+rank's tokens of every sequence, with their true positions); :meth:`ContextSplit.take` slices any
+per-token field of the packed layout with it, so inputs, labels and side inputs are cut in one
+place. It is not wired into the actor yet: ``parallel.cp`` is still refused above 1 (issue #44).
+
 Pure torch: nothing of megatron-core is imported. Left out: pipeline stages need no slicing (every
-stage sees every token; a per-layer field is read by the layers the stage holds), context
-parallelism's load-balanced split (its slot is :meth:`SideInputs.shard`'s neighbour).
+stage sees every token; a per-layer field is read by the layers the stage holds).
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["SideInputs", "lay_out_positions", "positions_to_rows", "scored_positions"]
+__all__ = ["SideInputs", "ContextSplit", "context_split", "lay_out_positions", "positions_to_rows",
+           "scored_positions"]
 
 
 @dataclass
@@ -116,3 +121,68 @@ def scored_positions(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
     """``[b, width]`` bool: the positions whose output scores the next token (all but the last of
     each sequence)."""
     return torch.arange(width)[None] < (seq_lens[:, None] - 1)
+
+
+@dataclass(frozen=True)
+class ContextSplit:
+    """Context-parallel rank ``rank`` of ``size``'s share of a packed micro-batch: every sequence
+    padded to a multiple of ``2 * size`` tokens and cut into ``2 * size`` equal chunks, this rank
+    holding chunks ``rank`` and ``2 * size - 1 - rank`` (an early and a late one: under causal
+    attention every rank then has about the same work). ``index``: this rank's tokens, in order,
+    as positions of the padded packed layout (the sequences' padded lengths end to end);
+    ``positions``: each one's position in its own sequence (RoPE); ``cu_seqlens``: where each
+    sequence's two chunks start in this rank's tokens; ``padded_lens``: each sequence's padded
+    length. A token's label is the next token of the whole sequence, so labels (and which
+    positions score a response token) are taken before the split: the last token of a chunk is
+    scored against the first of the next chunk, whichever rank holds that."""
+
+    size: int
+    rank: int
+    seq_lens: torch.Tensor
+    padded_lens: torch.Tensor
+    index: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+    def take(self, field: torch.Tensor, fill=0) -> torch.Tensor:
+        """This rank's part of a per-token field ``[T, ...]`` of the packed layout (the sequences'
+        real tokens end to end, then anything: a pad segment is ignored): padded per sequence with
+        ``fill``, then cut."""
+        total = int(self.seq_lens.sum())
+        if field.shape[0] < total:
+            raise ValueError(f"context split: the field has {field.shape[0]} tokens, the sequences {total}")
+        starts = torch.cat([self.padded_lens.new_zeros(1), self.padded_lens.cumsum(0)[:-1]])
+        where = torch.repeat_interleave(starts, self.seq_lens) + _ranks_within(self.seq_lens)
+        padded = field.new_full((int(self.padded_lens.sum()),) + tuple(field.shape[1:]), fill)
+        padded[where] = field[:total]
+        return padded[self.index]
+
+
+def _ranks_within(lens: torch.Tensor) -> torch.Tensor:
+    """``[0 .. l_0 - 1, 0 .. l_1 - 1, ...]``: each token's position in its sequence."""
+    total = int(lens.sum())
+    starts = torch.cat([lens.new_zeros(1), lens.cumsum(0)[:-1]])
+    return torch.arange(total) - torch.repeat_interleave(starts, lens, output_size=total)
+
+
+def context_split(seq_lens: torch.Tensor, size: int, rank: int) -> ContextSplit:
+    """The load-balanced split of packed sequences of ``seq_lens`` tokens for context-parallel rank
+    ``rank`` of ``size`` (:class:`ContextSplit`). A sequence shorter than ``2 * size`` tokens is
+    padded to ``2 * size``: each chunk then holds one token, some of them padding."""
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"context split: rank {rank} of {size}")
+    seq_lens = torch.as_tensor(seq_lens, dtype=torch.long)
+    if seq_lens.dim() != 1 or bool((seq_lens < 1).any()):
+        raise ValueError(f"context split: sequence lengths must be >= 1, got {seq_lens.tolist()}")
+    parts = 2 * size
+    padded = (seq_lens + parts - 1) // parts * parts
+    chunk = padded // parts
+    starts = torch.cat([padded.new_zeros(1), padded.cumsum(0)[:-1]])
+    local = 2 * chunk  # this rank's tokens of each sequence: chunk `rank`, then chunk `parts - 1 - rank`
+    total = int(local.sum())
+    seq_of = torch.repeat_interleave(torch.arange(len(seq_lens)), local, output_size=total)
+    within = _ranks_within(local)  # 0 .. 2 c - 1 in each sequence
+    c = chunk[seq_of]
+    pos = torch.where(within < c, rank * c + within, (parts - 1 - rank) * c + within - c)
+    return ContextSplit(size=size, rank=rank, seq_lens=seq_lens, padded_lens=padded, index=starts[seq_of] + pos,
+                        positions=pos, cu_seqlens=torch.cat([local.new_zeros(1), local.cumsum(0)]).to(torch.int32))

@@ -128,3 +128,54 @@ def test_replay_off_leaves_megatron_registry_alone():
     settings, fam = plan_actor(tiny_hf_config("qwen3_moe"), ParallelLayout(), world_size=1)
     actor_transformer_config(fam, ParallelLayout(), settings)
     assert RouterReplay.global_router_replay_instances == before
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_the_context_split_gives_every_padded_token_to_one_rank_in_balanced_chunks(size):
+    """Each sequence padded to a multiple of 2N and cut in 2N chunks; rank r holds chunks r and
+    2N - 1 - r of every sequence, with their true positions; the ranks' tokens cover the padded
+    layout once, and every rank holds as many tokens. Sequences shorter than 2N tokens included."""
+    from megatron_tepo.megatron.side_inputs import context_split
+
+    lens = torch.tensor([7, 1, 12, 3])
+    splits = [context_split(lens, size, r) for r in range(size)]
+    padded = splits[0].padded_lens
+    assert bool((padded % (2 * size) == 0).all()) and bool((padded >= lens).all())
+    assert bool((padded - lens < 2 * size).all())
+    covered = torch.cat([s.index for s in splits])
+    assert sorted(covered.tolist()) == list(range(int(padded.sum())))
+    assert len({len(s.index) for s in splits}) == 1
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), padded.cumsum(0)[:-1]])
+    for s in splits:
+        assert s.cu_seqlens.dtype == torch.int32 and s.cu_seqlens[-1] == len(s.index)
+        for i in range(len(lens)):
+            c = int(padded[i]) // (2 * size)
+            mine = s.index[s.cu_seqlens[i]:s.cu_seqlens[i + 1]] - starts[i]
+            want = list(range(s.rank * c, (s.rank + 1) * c)) + list(range((2 * size - 1 - s.rank) * c,
+                                                                            (2 * size - s.rank) * c))
+            assert mine.tolist() == want
+            assert s.positions[s.cu_seqlens[i]:s.cu_seqlens[i + 1]].tolist() == want
+
+
+def test_the_context_split_cuts_every_field_in_one_place_and_keeps_labels_across_chunks():
+    """``take`` slices any per-token field of the packed layout (a pad segment after the
+    sequences is ignored); labels taken before the split keep, at a chunk's last token, the next
+    chunk's first token, which another rank holds."""
+    from megatron_tepo.megatron.side_inputs import context_split
+
+    lens = torch.tensor([8, 5])
+    ids = torch.arange(100, 113)  # the two sequences' tokens end to end
+    labels = torch.cat([ids[1:8], torch.tensor([0]), ids[9:13], torch.tensor([0])])  # next token, 0 at the end
+    field = torch.cat([ids, torch.tensor([0, 0, 0])])  # a pad segment after them
+    s0, s1 = context_split(lens, 2, 0), context_split(lens, 2, 1)
+    got0, got1 = s0.take(field), s1.take(field)
+    # sequence 0 (8 tokens, chunks of 2): rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert got0[:4].tolist() == [100, 101, 106, 107] and got1[:4].tolist() == [102, 103, 104, 105]
+    # the last token of rank 0's first chunk (101) is scored against 102, rank 1's first token
+    assert s0.take(labels)[1] == 102 == got1[0]
+    # sequence 1 (5 tokens, padded to 8): rank 0's late chunk is padding
+    assert got0[4:].tolist() == [108, 109, 0, 0] and got1[4:].tolist() == [110, 111, 112, 0]
+    with pytest.raises(ValueError, match="the field has 12 tokens, the sequences 13"):
+        s0.take(field[:12])
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        context_split(lens, 2, 2)
