@@ -26,9 +26,15 @@ heads), output ``[s, b, heads * d]``. Packed sequences (``packed_seq_params`` wi
 split free of device synchronisation); the single-call paths copy it to the device once per
 micro-batch (cached on ``packed_seq_params``).
 
-Left out (refused with an error naming the setting): attention dropout, context parallelism,
-attention bias, masks other than causal (the actor's batches are right-padded or packed, so
-causal attention never lets a real token see padding).
+Context parallelism without Transformer Engine: :func:`context_parallel_attention` (packed
+sequences split by :func:`~megatron_tepo.megatron.side_inputs.context_split`): the keys and values
+all-gathered over the CP group, each sequence's two local chunks attending to the keys at or before
+their true positions. It is exact against one rank (tests/megatron/test_context_parallel.py) but not
+wired into the layer yet: ``parallel.cp`` is still refused above 1 (issue #44).
+
+Left out (refused with an error naming the setting): attention dropout, context parallelism in
+the layer, attention bias, masks other than causal (the actor's batches are right-padded or packed,
+so causal attention never lets a real token see padding).
 """
 from __future__ import annotations
 
@@ -40,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["SDPACoreAttention", "packed_attention", "varlen_attn_fn", "flex_attention_fns"]
+__all__ = ["SDPACoreAttention", "packed_attention", "context_parallel_attention", "varlen_attn_fn",
+           "flex_attention_fns"]
 
 PACKED_MODES = ("varlen", "flex", "loop")
 
@@ -198,3 +205,59 @@ class SDPACoreAttention(MegatronModule):
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
         out = self._sdpa(q, k, v)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, h*d]
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather ``[t, ...]`` over ``group`` along the tokens (every rank the same ``t``); the
+    backward sums the gathered gradient over the group and keeps this rank's slice (every rank's
+    queries read every rank's keys and values)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        ctx.group, ctx.rank, ctx.t = group, dist.get_rank(group), x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank * ctx.t:(ctx.rank + 1) * ctx.t], None
+
+
+def context_parallel_attention(q, k, v, splits, scale: float, group) -> torch.Tensor:
+    """Causal attention of this context-parallel rank's tokens ``[t_r, heads, d]`` of packed
+    sequences, laid out by ``splits[rank]`` (``splits``: every rank's
+    :class:`~megatron_tepo.megatron.side_inputs.ContextSplit`, the same sequences): the keys and
+    values of every rank are all-gathered (their gradients come back summed), each sequence's keys
+    put back in their true order, and each local query attends to the keys at or before its true
+    position (one SDPA call per sequence with that mask). Output ``[t_r, heads, d]``."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    mine = splits[rank]
+    k_all, v_all = _GatherTokens.apply(k, group), _GatherTokens.apply(v, group)
+    index = torch.cat([s.index for s in splits]).to(q.device)  # gathered row -> padded layout position
+    order = torch.empty_like(index)
+    order[index] = torch.arange(index.numel(), device=q.device)  # padded layout position -> gathered row
+    k_full, v_full = k_all[order], v_all[order]
+    starts = torch.cat([mine.padded_lens.new_zeros(1), mine.padded_lens.cumsum(0)]).tolist()
+    cu = mine.cu_seqlens.tolist()
+    outs = []
+    for i in range(len(mine.padded_lens)):
+        qi = q[cu[i]:cu[i + 1]]
+        if qi.shape[0] == 0:
+            continue
+        ki, vi = k_full[starts[i]:starts[i + 1]], v_full[starts[i]:starts[i + 1]]
+        qpos = mine.positions[cu[i]:cu[i + 1]].to(q.device)
+        mask = qpos[:, None] >= torch.arange(ki.shape[0], device=q.device)[None, :]  # [t_q, t_k]
+        qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (qi, ki, vi))  # [1, h, t, d]
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs)
