@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from megatron_tepo.batch import PER_TOKEN_FIELDS, RolloutBatch
-from megatron_tepo.megatron.side_inputs import SideInputs, lay_out_positions, scored_positions
+from megatron_tepo.megatron.side_inputs import SideInputs, context_split, lay_out_positions, scored_positions
 
 __all__ = ["MicroBatch", "build_micro_batch", "empty_rows"]
 
@@ -112,6 +112,32 @@ class MicroBatch:
         data = self.data.select(range(self.data.batch_size), max_len=s)  # (rows keep the batch's width)
         data = data.padded(data.batch_size + rows - b, length)
         return _with_side(_padded_rows(self.rows, data, length))
+
+    def context_shard(self, size: int, rank: int) -> "MicroBatch":
+        """Context-parallel rank ``rank`` of ``size``'s part of this packed micro-batch: every
+        sequence (the pad segment too) split by
+        :func:`~megatron_tepo.megatron.side_inputs.context_split`, and with it, in one place, the
+        token ids, their true positions, the labels (taken in the whole layout first, so a chunk's
+        last token keeps the next chunk's first as its label), the side inputs and the scored
+        positions: this rank scores the valid slots whose scoring position it holds
+        (:meth:`scored_index`), every slot on exactly one rank. Not used by the actor yet
+        (``parallel.cp`` is refused above 1: issue #44)."""
+        if not self.packed:
+            raise ValueError("context parallelism splits packed micro-batches (actor.pack_sequences: true)")
+        seq_lens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+        split = context_split(seq_lens, size, rank)
+        positions, slots = self.scored_index()
+        local = split.locate(positions)
+        mine = local >= 0
+        side = None if self.side is None else SideInputs(**{
+            f.name: (None if getattr(self.side, f.name) is None else split.take(
+                getattr(self.side, f.name), fill=False if getattr(self.side, f.name).dtype == torch.bool else -1))
+            for f in dataclasses.fields(self.side)})
+        return dataclasses.replace(
+            self, input_ids=split.take(self.input_ids[0])[None], position_ids=split.positions[None],
+            labels=split.take(self.labels), cu_seqlens=split.cu_seqlens,
+            max_seqlen=int((split.cu_seqlens[1:] - split.cu_seqlens[:-1]).max()), side=side,
+            scored=(local[mine], slots[mine]), per_token=None, row_index=None)
 
     def side_layout(self) -> dict:
         """How this micro-batch lays out per-position fields: the keyword arguments of

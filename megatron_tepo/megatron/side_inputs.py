@@ -158,6 +158,19 @@ class ContextSplit:
         return padded[self.index]
 
 
+    def locate(self, positions: torch.Tensor) -> torch.Tensor:
+        """Positions of real tokens in the packed layout -> their index among this rank's tokens,
+        -1 where another rank holds them."""
+        positions = torch.as_tensor(positions, dtype=torch.long)
+        seq_ends = self.seq_lens.cumsum(0)
+        seq = torch.searchsorted(seq_ends, positions, right=True)
+        pad_starts = torch.cat([self.padded_lens.new_zeros(1), self.padded_lens.cumsum(0)[:-1]])
+        padded_pos = pad_starts[seq] + positions - (seq_ends[seq] - self.seq_lens[seq])
+        local_of = torch.full((int(self.padded_lens.sum()),), -1, dtype=torch.long)
+        local_of[self.index] = torch.arange(self.index.numel())
+        return local_of[padded_pos]
+
+
 def _ranks_within(lens: torch.Tensor) -> torch.Tensor:
     """``[0 .. l_0 - 1, 0 .. l_1 - 1, ...]``: each token's position in its sequence."""
     total = int(lens.sum())

@@ -155,3 +155,31 @@ def test_settings_are_checked_before_any_process_group():
     assert resolve_actor_config(ActorConfig(), cuda=True, te=True).fusions == "on"
     assert resolve_actor_config(ActorConfig(), cuda=False, te=False).fusions == "off"
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_context_shard_scores_every_slot_on_one_rank_with_the_whole_layouts_labels(size):
+    """``MicroBatch.context_shard``: the ranks' parts score every valid slot once, each against the
+    label of the whole layout, from the same token at its true position (a chunk's last token is
+    scored against the next chunk's first, held by another rank)."""
+    batch = make_batch(seed=5)
+    mb = build_micro_batch(batch, list(range(batch.batch_size)), packed=True, pad_multiple=4)
+    positions, slots = mb.scored_index()
+    want = {int(s): (int(mb.labels[p]), int(mb.input_ids[0, p]), int(mb.position_ids[0, p]))
+            for p, s in zip(positions, slots)}
+    got, crossing = {}, 0
+    parts = [mb.context_shard(size, r) for r in range(size)]
+    assert len({part.input_ids.shape for part in parts}) == 1  # the same work on every rank
+    for part in parts:
+        assert part.cu_seqlens[-1] == part.input_ids.shape[1] and part.max_seqlen > 0
+        p_local, s_local = part.scored_index()
+        for p, s in zip(p_local.tolist(), s_local.tolist()):
+            assert s not in got  # one rank scores a slot
+            got[s] = (int(part.labels[p]), int(part.input_ids[0, p]), int(part.position_ids[0, p]))
+            # the label is the next token of the sequence: on this rank only when the next position is
+            nxt = p + 1 < part.input_ids.shape[1] and part.position_ids[0, p + 1] == part.position_ids[0, p] + 1
+            crossing += not nxt
+    assert got == want
+    assert crossing > 0  # some scored tokens' labels lie in a chunk another rank holds
+    with pytest.raises(ValueError, match="packed micro-batches"):
+        build_micro_batch(batch, [0, 1], packed=False).context_shard(2, 0)
