@@ -126,8 +126,8 @@ class EmbeddedEngine(RolloutEngine):
         lengths = torch.zeros(b, dtype=torch.long, device=self.device)  # tokens each row generated
         cache, step_ids = None, ids
         self._routing = [] if self._num_experts is not None else None
-        for _ in range(int(budget.max())):
-            if stop_event is not None and stop_event.is_set():
+        for step in range(int(budget.max())):
+            if step and stop_event is not None and stop_event.is_set():  # (every row gets its first token)
                 break
             pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
             out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
@@ -190,8 +190,8 @@ class EmbeddedEngine(RolloutEngine):
         return out
 
     def interrupt(self) -> List[Tuple[Request, Sample]]:
-        self._stop.set()  # the running batch ends after its current token; no new batch starts
-        with self._cv:
+        with self._cv:  # (under the lock: the worker hands one batch to the next without a gap)
+            self._stop.set()  # the running batch ends after its current token; no new batch starts
             self._cv.wait_for(lambda: not self._running)
             queued = [(r, Sample([], [], FINISH_ABORT)) for r, _ in self._queue]
             out, self._finished, self._queue = self._finished + queued, [], []
@@ -199,15 +199,13 @@ class EmbeddedEngine(RolloutEngine):
         return out
 
     def _work(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._closing or (self._queue and not self._stop.is_set()))
-                if self._closing:
-                    return
-                sp = self._queue[0][1]
-                batch = [r for r, p in self._queue if p == sp][:self.max_batch_size]
-                self._queue = [(r, p) for r, p in self._queue if not any(r is b for b in batch)]
-                self._running = batch
+        """Batch after batch. A finished batch is published and the next one taken in one hold of
+        the lock, and every row of a batch gets its first token before an interrupt stops it, so an
+        interrupt with requests queued or running always cuts a batch after at least one token."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._closing or (self._queue and not self._stop.is_set()))
+            batch, sp = self._take_batch()
+        while batch is not None:
             try:
                 samples = self._generate_rows([r.prompt + r.token_ids for r in batch], sp,
                                               [r.remaining for r in batch], self._stop)
@@ -218,6 +216,20 @@ class EmbeddedEngine(RolloutEngine):
                 self._finished += list(zip(batch, samples))
                 self._running = []
                 self._cv.notify_all()
+                self._cv.wait_for(lambda: self._closing or (self._queue and not self._stop.is_set()))
+                batch, sp = self._take_batch()
+
+    def _take_batch(self):
+        """(under the lock) The next batch (the first queued request's sampling parameters, up to
+        ``max_batch_size``), now running; (None, None) when closing."""
+        if self._closing:
+            return None, None
+        sp = self._queue[0][1]
+        batch = [r for r, p in self._queue if p == sp][:self.max_batch_size]
+        taken = {id(r) for r in batch}
+        self._queue = [(r, p) for r, p in self._queue if id(r) not in taken]
+        self._running = batch
+        return batch, sp
 
     def _check_serving(self) -> None:
         if self._released or self._weights_stale:

@@ -73,10 +73,12 @@ def test_sigkill_with_partial_responses_in_flight_resumes_every_prompt_once(tmp_
     many), and by the ledger every drawn prompt's group was trained once, dropped by dynamic
     sampling, or is still in the last checkpoint's buffer."""
     run, port = tmp_path / "run", 24000 + os.getpid() % 5000
-    # 1000 groups in flight: more than the engine finishes in a step, so every update cuts the
-    # batch it is generating. Staleness 6 (the run's length): no response is regenerated, so the
-    # cut ones are in the checkpoint whatever the machine's speed. (At staleness 1 the response cut
-    # at step 4's update may hold step 3's tokens and start again from its prompt: CI saw none left.)
+    # 1000 groups in flight: more than the engine finishes in a step, so every update cuts a batch
+    # after at least one token (the embedded engine takes the next batch without a gap, and every
+    # row gets its first token: CI once saw an update land between two batches, with nothing cut).
+    # Staleness 6 (the run's length): no response is regenerated, so the cut ones are in the
+    # checkpoint whatever the machine's speed. (At staleness 1 the response cut at step 4's update
+    # may hold step 3's tokens and start again from its prompt: CI saw none left.)
     bound = 6
     extra = ["train.steps=6", "rollout.partial_rollout=true", f"rollout.max_staleness={bound}",
              "rollout.max_inflight_groups=1000"]
