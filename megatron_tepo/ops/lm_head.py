@@ -53,15 +53,14 @@ states (the caller's: :mod:`megatron_tepo.megatron.lm_head`).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron_tepo.ops.vocab_parallel import (_local_labels, _resolve_impl, _tp_info, combine_tp, compute_dtype,
-                                              default_chunk_size, fill_logits_grad, grad_coefficients, merge_shards,
-                                              shard_stats)
+from megatron_tepo.ops.vocab_parallel import (_local_labels, _resolve_impl, _tp_info, check_label_range, check_size,
+                                              check_temperature, combine_tp, compute_dtype, default_chunk_size,
+                                              fill_logits_grad, grad_coefficients, merge_shards, shard_stats)
 
 __all__ = ["lm_head_log_probs_and_entropy", "default_block_size", "BLOCK_FRACTION", "MAX_BLOCK_BYTES"]
 
@@ -216,25 +215,12 @@ def lm_head_log_probs_and_entropy(
                          f"{getattr(labels, 'dtype', type(labels).__name__)} {tuple(getattr(labels, 'shape', ()))}")
     if labels.device != hidden.device:
         raise ValueError(f"labels are on {labels.device} but hidden on {hidden.device}")
-    try:
-        temperature = float(temperature)
-    except (TypeError, ValueError):
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}") from None
-    if not (temperature > 0.0) or not math.isfinite(temperature):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    temperature = check_temperature(temperature)
     n, v_local = hidden.shape[0], weight.shape[0]
-    if block_size is None:
-        block_size = default_block_size(n, v_local, hidden.element_size())
-    elif isinstance(block_size, bool) or int(block_size) != block_size or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer or None, got {block_size!r}")
+    block_size = check_size(block_size, "block_size") or default_block_size(n, v_local, hidden.element_size())
     impl = _resolve_impl(impl, hidden)
     labels = labels.long()
-    tp_size, _ = _tp_info(tp_group)
-    if labels.device.type == "cpu" and n > 0:
-        lo, hi = int(labels.min()), int(labels.max())
-        if lo < 0 or hi >= v_local * tp_size:
-            raise ValueError(f"labels must lie in [0, {v_local * tp_size}) (V_local={v_local} x tp={tp_size}), "
-                             f"got values in [{lo}, {hi}]")
+    check_label_range(labels, v_local, _tp_info(tp_group)[0])
     cdt = compute_dtype(hidden.dtype)
     if n == 0:  # (a micro-batch that scores nothing: zero gradients for both, as the output layer gives)
         zero = (hidden.sum() + weight.sum()).to(cdt) * 0

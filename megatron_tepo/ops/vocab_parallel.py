@@ -387,6 +387,37 @@ def _local_labels(lbl: torch.Tensor, tp_rank: int, v_local: int):
     return local.masked_fill_(~owned, 0), owned
 
 
+def check_temperature(temperature) -> float:
+    """``temperature`` as a finite float > 0; ValueError naming it otherwise."""
+    try:
+        temperature = float(temperature)
+    except (TypeError, ValueError):
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}") from None
+    if not (temperature > 0.0) or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    return temperature
+
+
+def check_size(value, name: str) -> Optional[int]:
+    """``value`` as a positive int, or None; ValueError naming ``name`` otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+    return int(value)
+
+
+def check_label_range(labels: torch.Tensor, v_local: int, tp_size: int) -> None:
+    """Global token ids in ``[0, v_local * tp_size)``; checked for CPU tensors only (a check on
+    GPU would synchronize the device)."""
+    if labels.device.type == "cpu" and labels.numel() > 0:
+        v_total = v_local * tp_size
+        lo, hi = int(labels.min()), int(labels.max())
+        if lo < 0 or hi >= v_total:
+            raise ValueError(f"labels must lie in [0, {v_total}) (V_local={v_local} x tp={tp_size}), "
+                             f"got values in [{lo}, {hi}]")
+
+
 def vocab_parallel_log_probs_and_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -434,26 +465,12 @@ def vocab_parallel_log_probs_and_entropy(
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"labels shape {tuple(labels.shape)} must equal logits.shape[:-1] = "
                          f"{tuple(logits.shape[:-1])}")
-    try:
-        temperature = float(temperature)
-    except (TypeError, ValueError):
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}") from None
-    if not (temperature > 0.0) or not math.isfinite(temperature):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    if chunk_size is not None:
-        if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
-        chunk_size = int(chunk_size)
+    temperature = check_temperature(temperature)
+    chunk_size = check_size(chunk_size, "chunk_size")
     if labels.device != logits.device:
         raise ValueError(f"labels are on {labels.device} but logits on {logits.device}")
     impl = _resolve_impl(impl, logits)
     labels = labels.long()
-    tp_size, _ = _tp_info(tp_group)
-    if labels.device.type == "cpu" and labels.numel() > 0:
-        v_total = logits.shape[-1] * tp_size
-        lo, hi = int(labels.min()), int(labels.max())
-        if lo < 0 or hi >= v_total:
-            raise ValueError(f"labels must lie in [0, {v_total}) (V_local={logits.shape[-1]} x "
-                             f"tp={tp_size}), got values in [{lo}, {hi}]")
+    check_label_range(labels, logits.shape[-1], _tp_info(tp_group)[0])
     return _VocabParallelLogProbsEntropy.apply(logits, labels, tp_group, temperature, chunk_size,
                                                impl)

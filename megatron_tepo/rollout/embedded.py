@@ -202,26 +202,27 @@ class EmbeddedEngine(RolloutEngine):
         """Batch after batch. A finished batch is published and the next one taken in one hold of
         the lock, and every row of a batch gets its first token before an interrupt stops it, so an
         interrupt with requests queued or running always cuts a batch after at least one token."""
-        with self._cv:
-            self._cv.wait_for(lambda: self._closing or (self._queue and not self._stop.is_set()))
-            batch, sp = self._take_batch()
-        while batch is not None:
+        batch, samples = [], []
+        while True:
+            with self._cv:
+                if batch:  # publish the last batch and take the next in one hold of the lock
+                    self._finished += list(zip(batch, samples))
+                    self._running = []
+                    self._cv.notify_all()
+                batch, sp = self._take_batch()
+            if batch is None:
+                return
             try:
                 samples = self._generate_rows([r.prompt + r.token_ids for r in batch], sp,
                                               [r.remaining for r in batch], self._stop)
             except BaseException as exc:  # noqa: BLE001 -- every request of the batch comes back aborted
                 samples = [Sample([], [], FINISH_ABORT, meta={"error": f"{type(exc).__name__}: {exc}"})
                            for _ in batch]
-            with self._cv:
-                self._finished += list(zip(batch, samples))
-                self._running = []
-                self._cv.notify_all()
-                self._cv.wait_for(lambda: self._closing or (self._queue and not self._stop.is_set()))
-                batch, sp = self._take_batch()
 
     def _take_batch(self):
-        """(under the lock) The next batch (the first queued request's sampling parameters, up to
-        ``max_batch_size``), now running; (None, None) when closing."""
+        """(under the lock) Wait for work, then the next batch (the first queued request's sampling
+        parameters, up to ``max_batch_size``), now running; (None, None) when closing."""
+        self._cv.wait_for(lambda: self._closing or (self._queue and not self._stop.is_set()))
         if self._closing:
             return None, None
         sp = self._queue[0][1]

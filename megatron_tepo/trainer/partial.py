@@ -93,12 +93,13 @@ class RolloutBuffer:
                              f"resume requests; set rollout.partial_rollout: false")
         self.engine, self.task, self.cfg = engine, task, cfg
         self.n, self.want, self.bound = r.n_samples, r.prompts_per_step, r.max_staleness
-        self.max_groups = r.max_inflight_groups or default_inflight_groups(r.max_staleness, r.prompts_per_step)
-        if self.max_groups > default_inflight_groups(r.max_staleness, r.prompts_per_step):
+        fitting = default_inflight_groups(r.max_staleness, r.prompts_per_step)
+        self.max_groups = r.max_inflight_groups or fitting
+        if self.max_groups > fitting:
             log.warning("partial rollout: rollout.max_inflight_groups %d is more than max_staleness x prompts_per_step "
                         "(%d): groups drawn more than %d step(s) ahead hold tokens too old to train on by then and "
-                        "start again from their prompts (stale_regenerated)", self.max_groups,
-                        default_inflight_groups(r.max_staleness, r.prompts_per_step), max(1, r.max_staleness))
+                        "start again from their prompts (stale_regenerated)", self.max_groups, fitting,
+                        max(1, r.max_staleness))
         self.params = SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p,
                                      max_new_tokens=r.max_new_tokens, stop_token_ids=task.stop_token_ids)
         self.version = version
