@@ -50,6 +50,18 @@ CAPABILITY_TESTS=(tests/trainer/test_loop.py::test_main_job_short_run
                   tests/trainer/test_colocated.py::test_colocated_main_job_equals_the_separate_run_and_resumes)
 
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=""
+# No copy of the downloaded wheels (the CUDA torch for Python 3.12 alone is about 3.5 GB) beside the
+# venvs that install them: CI's disk is the venvs' (about 12 GB) and the tests' files.
+export PIP_NO_CACHE_DIR="${PIP_NO_CACHE_DIR:-1}"
+# What the run needs on disk, measured (docs/DEVELOPMENT.md, "Disk"): the three venvs and the tests' files at
+# their peak. Less free space fails tests at random with "No space left on device" (CI once did, in
+# pytest's own set-up), so it is said first, and again when a lane fails.
+NEED_GB=20
+free_gb() { df -Pk "$1" | awk 'NR == 2 { printf "%d", $4 / 1048576 }'; }
+disk_report() {  # disk_report <when>: one line: free space where the venvs and the tests write
+  local tmp="${TMPDIR:-/tmp}"
+  echo "tools/test.sh: [disk, $1] $(free_gb "$repo") GB free under $repo, $(free_gb "$tmp") GB under $tmp" >&2
+}
 
 run_pytest() {  # run_pytest <label> <python> <pytest args...>: returns 0 / 1
   local label="$1" py="$2" rc start=$SECONDS
@@ -167,6 +179,10 @@ run_lanes() {  # run_lanes <python> [pytest args...]: appends to failed
 
 failed=()
 mkdir -p "$repo/.test-logs"
+disk_report start
+if [ "$(free_gb "$repo")" -lt "$NEED_GB" ] || [ "$(free_gb "${TMPDIR:-/tmp}")" -lt "$NEED_GB" ]; then
+  echo "tools/test.sh: warning: less than the $NEED_GB GB free that the venvs and the tests need: expect 'No space left on device'" >&2
+fi
 if [[ ",$stacks," == *",newest,"* ]]; then
   if [ "${MTEPO_SKIP_SLURM:-0}" != 1 ] && ! bash tools/slurm_cluster.sh status >/dev/null 2>&1; then
     trap 'bash tools/slurm_cluster.sh stop || true' EXIT
@@ -181,6 +197,7 @@ elif [[ ",$stacks," == *",oldest,"* ]]; then
   run_oldest || failed+=(oldest)
 fi
 if [ "${#failed[@]}" -gt 0 ]; then
+  disk_report end
   echo "tools/test.sh: FAILED on: ${failed[*]}" >&2
   exit 1
 fi

@@ -10,6 +10,7 @@ log-probs, entropy, loss and gradients; ``recompute_check``: a second actor with
 (one layer at a time) gives the same gradients; ``head_check``: ``actor.lm_head`` fused against
 materialized on the same actor (``head_only``: nothing else is compared).
 """
+import atexit
 import json
 import os
 import shutil
@@ -110,6 +111,7 @@ def run_case(case):
 
         # (save_pretrained writes on global rank 0 only once torch.distributed is up)
         path = tempfile.mkdtemp(prefix="mtepo_hf_")
+        atexit.register(shutil.rmtree, path, True)
         hf_cfg.to_json_file(os.path.join(path, "config.json"))
         save_file(source_weights, os.path.join(path, "model.safetensors"))
         source_cfg = source_weights = path

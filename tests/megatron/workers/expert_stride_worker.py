@@ -10,8 +10,10 @@ loaded (from a state dict and from a safetensors checkpoint read lazily) and exp
 ``linear_fc1`` shard is ``[gate_r; up_r]`` (what megatron's expert MLP computes SwiGLU on) and the
 export against the HF tensors.
 """
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -68,6 +70,8 @@ def main():
         for p in actor.model[0].parameters():
             p.zero_()
     folder = tempfile.mkdtemp(prefix="mtepo-moe-") if rank == 0 else None
+    if folder:
+        atexit.register(shutil.rmtree, folder, True)
     box = [folder]
     dist.broadcast_object_list(box, src=0)
     if rank == 0:

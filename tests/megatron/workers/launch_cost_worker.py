@@ -12,8 +12,10 @@ argv[1]: JSON list of cases, each ``{"kind": ...}``:
   the grad norm, the loss and every parameter after the step (the test runs it with and without
   ``MTEPO_FAST_PATHS=0`` and compares). Also which fast paths were in effect.
 """
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -34,6 +36,7 @@ LOSS = PolicyLoss.of("tepo", kl_coef=1e-3)
 def _model_dir(layers: int) -> str:
     cfg = tiny_hf_config("qwen3", num_hidden_layers=layers, max_position_embeddings=1024)
     path = tempfile.mkdtemp(prefix="mtepo-costs-")
+    atexit.register(shutil.rmtree, path, True)  # 225 of these were left in /tmp before
     cfg.save_pretrained(path)
     return path
 
