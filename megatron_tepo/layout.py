@@ -11,8 +11,11 @@ run on CPU) and how the world size is set, so the one message names the user's o
 Pure arithmetic: nothing here imports torch or megatron. Starting the process groups is the
 megatron backend's (:func:`megatron_tepo.megatron.parallel.initialize_parallel`).
 
-Left out: context parallelism (``cp`` is a slot, refused above 1), virtual pipeline stages,
-expert-tensor parallelism.
+Context parallelism (``cp``) splits every packed sequence over ``cp`` ranks of one model replica
+(docs/ARCHITECTURE.md, "context parallelism"): it needs packed micro-batches, and the experts of an
+MoE model are spread over the data- and context-parallel ranks together (megatron's expert grid).
+
+Left out: virtual pipeline stages, expert-tensor parallelism.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    cp: int = 1  # context parallelism: not implemented yet, must stay 1
+    cp: int = 1  # context parallelism: each packed sequence split over cp ranks
 
     @property
     def model_parallel(self) -> int:
@@ -85,14 +88,15 @@ class LayoutError(ValueError):
 
 
 def validate_layout(layout: ParallelLayout, model: Optional[ModelShape], world_size: Optional[int], *,
-                    sequence_parallel: bool = False,
+                    sequence_parallel: bool = False, pack_sequences: bool = True,
                     cpu: bool = False, field: str = "parallel.", world: str = "the world size") -> Optional[int]:
     """Check ``layout`` against ``model`` in a world of ``world_size`` ranks; return the
     data-parallel size. Raises ValueError (one line) naming every rule broken.
 
     ``model`` None: the rules that need the model's sizes are skipped, and ``world_size`` None
     those that need the world (then None is returned): what the run config checks when it is read,
-    before anything knows the model or the world. ``cpu``: the actor runs on
+    before anything knows the model or the world. ``sequence_parallel`` / ``pack_sequences``: the
+    actor's settings of those names. ``cpu``: the actor runs on
     CPU (MoE with PP is refused there); ``field``: how the sizes are named to the user
     (``parallel.`` for the config, ``--`` for a command line); ``world``: what sets the world size,
     for the message.
@@ -105,8 +109,8 @@ def validate_layout(layout: ParallelLayout, model: Optional[ModelShape], world_s
     if bad:
         raise ValueError("invalid parallel layout: " + ", ".join(bad) + " must be integers >= 1")
     problems = []  # (field, why) beside each message: see LayoutError
-    if cp != 1:
-        why = "context parallelism is not implemented (keep it 1)"
+    if cp > 1 and not pack_sequences:
+        why = "context parallelism splits packed sequences: needs actor.pack_sequences=true"
         errors.append(f"{f}cp={cp}: {why}")
         problems.append((f"{f}cp", f"{why}, got {cp}"))
     for name in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
@@ -119,8 +123,9 @@ def validate_layout(layout: ParallelLayout, model: Optional[ModelShape], world_s
     if world_size is not None and world_size % layout.model_parallel:
         errors.append(f"{f}tp x {f}pp" + (f" x {f}cp" if cp > 1 else "")
                       + f" = {layout.model_parallel} does not divide {world} ({world_size})")
-    elif world_size is not None and ep > 1 and layout.dp(world_size) % ep:
-        errors.append(f"{f}ep={ep} does not divide the data-parallel size {layout.dp(world_size)}")
+    elif world_size is not None and ep > 1 and (layout.dp(world_size) * cp) % ep:
+        what = "the data-parallel size" if cp == 1 else f"data-parallel x {f}cp"
+        errors.append(f"{f}ep={ep} does not divide {what} {layout.dp(world_size) * cp}")
     moe = model is not None and model.num_experts > 0
     if model is not None and ep > 1 and not moe:
         errors.append(f"{f}ep={ep} > 1 needs an MoE model")

@@ -73,7 +73,8 @@ def test_the_loss_is_checked_against_the_loss_registry():
 
 
 @pytest.mark.parametrize("section, message", [
-    ({"parallel": {"cp": 2}}, "parallel.cp: context parallelism is not implemented (keep it 1), got 2"),
+    ({"parallel": {"cp": 2}, "actor": {"pack_sequences": False}},
+     "parallel.cp: context parallelism splits packed sequences: needs actor.pack_sequences=true, got 2"),
     ({"actor": {"sequence_parallel": True}}, "actor.sequence_parallel: needs parallel.tp > 1"),
 ])
 def test_the_config_asks_the_layout_rules_and_names_the_field(section, message):
@@ -86,5 +87,6 @@ def test_the_config_asks_the_layout_rules_and_names_the_field(section, message):
     assert str(err.value).endswith(message), str(err.value)
     layout = ParallelLayout(**section.get("parallel", {}))
     with pytest.raises(LayoutError) as err:
-        validate_layout(layout, None, None, sequence_parallel=bool(section.get("actor")))
+        validate_layout(layout, None, None, sequence_parallel=bool(section.get("actor", {}).get("sequence_parallel")),
+                        pack_sequences=section.get("actor", {}).get("pack_sequences", True))
     assert [field for field, _ in err.value.problems] == [message.split(":")[0]]

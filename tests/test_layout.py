@@ -19,6 +19,8 @@ def test_valid_layouts_give_dp():
     assert validate_layout(ParallelLayout(), DENSE, 2) == 2
     assert validate_layout(ParallelLayout(ep=2), MOE, 4) == 4
     assert ParallelLayout(tp=2, pp=2).dp(8) == 2 and ParallelLayout(tp=2).model_parallel == 2
+    assert validate_layout(ParallelLayout(tp=2, cp=2), DENSE, 8) == 2  # (#44: cp is a model-parallel size)
+    assert ParallelLayout(tp=2, cp=2).model_parallel == 4
 
 
 @pytest.mark.parametrize("layout, dims, world, pattern, kw", [
@@ -31,7 +33,9 @@ def test_valid_layouts_give_dp():
     (ParallelLayout(tp=2), {}, 3, r"parallel.tp x parallel.pp = 2 does not divide the world size \(3\)", {}),
     (ParallelLayout(tp=1), {}, 1, r"actor.sequence_parallel=true needs parallel.tp > 1", dict(sequence_parallel=True)),
     (ParallelLayout(ep=2), {}, 2, r"parallel.ep=2 > 1 needs an MoE model", {}),
-    (ParallelLayout(cp=2), {}, 2, r"parallel.cp=2: context parallelism is not implemented", {}),
+    (ParallelLayout(cp=2), {}, 2, r"parallel.cp=2: context parallelism splits packed sequences: needs "
+                                  r"actor.pack_sequences=true", dict(pack_sequences=False)),
+    (ParallelLayout(tp=2, cp=2), {}, 6, r"parallel.tp x parallel.pp x parallel.cp = 4 does not divide the world", {}),
     (ParallelLayout(tp=0), {}, 2, r"parallel.tp=0 must be integers >= 1", {}),
 ])
 def test_bad_layouts_name_the_rule_and_the_knob(layout, dims, world, pattern, kw):
@@ -60,6 +64,10 @@ def test_moe_rules():
     with pytest.raises(ValueError, match=r"MoE with parallel.pp=2 does not run on CPU"):
         validate_layout(ParallelLayout(pp=2), MOE, 2, cpu=True)
     assert validate_layout(ParallelLayout(pp=2), MOE, 2, cpu=False) == 1
+    # megatron's expert grid spreads the experts over data- and context-parallel ranks together
+    assert validate_layout(ParallelLayout(ep=2, cp=2), MOE, 2) == 1
+    with pytest.raises(ValueError, match=r"parallel.ep=4 does not divide data-parallel x parallel.cp 2"):
+        validate_layout(ParallelLayout(ep=4, cp=2), MOE, 2)
     # unknown TE (the login node's fit check): that one rule is left to the actor
     assert validate_layout(ParallelLayout(tp=2), MOE, 2, sequence_parallel=True) == 1
 
@@ -68,8 +76,9 @@ def test_the_config_section_is_the_layout():
     cfg = from_dict({"parallel": {"tp": 2, "pp": 1}})
     assert isinstance(cfg.parallel, ParallelLayout) and cfg.parallel == ParallelLayout(tp=2)
     assert RunConfig().parallel == ParallelLayout()
-    with pytest.raises(ConfigError, match=r"parallel.cp: context parallelism is not implemented"):
-        from_dict({"parallel": {"cp": 2}})
+    assert from_dict({"parallel": {"cp": 2}}).parallel == ParallelLayout(cp=2)
+    with pytest.raises(ConfigError, match=r"parallel.cp: context parallelism splits packed sequences"):
+        from_dict({"parallel": {"cp": 2}, "actor": {"pack_sequences": False}})
     with pytest.raises(ConfigError, match=r"parallel.dp: unknown key"):
         from_dict({"parallel": {"dp": 2}})
 

@@ -101,7 +101,8 @@ def validate(cfg: RunConfig) -> None:
     _positive(cfg.parallel, "parallel", ["tp", "pp", "ep", "cp"])
     a = cfg.actor
     try:  # the layout's rules that need neither the model nor the world: the one rule set's
-        validate_layout(cfg.parallel, None, None, sequence_parallel=a.sequence_parallel)
+        validate_layout(cfg.parallel, None, None, sequence_parallel=a.sequence_parallel,
+                        pack_sequences=a.pack_sequences)
     except LayoutError as exc:
         field, why = exc.problems[0] if exc.problems else ("parallel", str(exc))
         raise ConfigError(f"{field}: {why}") from None

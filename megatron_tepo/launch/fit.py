@@ -33,6 +33,7 @@ def check_layout(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> None:
     errors = []
     try:
         validate_layout(cfg.parallel, m, launch.actor_gpus, sequence_parallel=cfg.actor.sequence_parallel,
+                        pack_sequences=cfg.actor.pack_sequences,
                         cpu=launch.device == "cpu",
                         world="the actor's ranks (launch.actor_nodes x launch.gpus_per_node)")
     except ValueError as exc:

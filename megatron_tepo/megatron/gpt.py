@@ -166,7 +166,7 @@ def require_resolved(actor: ActorConfig) -> ActorConfig:
     return actor
 
 
-def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int = 1,
+def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int = 1, cp: int = 1,
                        actor: ActorConfig = FP32_ACTOR, params_dtype: Optional[torch.dtype] = None,
                        initialize: bool = True, variable_seq_lengths: bool = False,
                        calculate_per_token_loss: bool = False, on_gpu: bool = False):
@@ -212,6 +212,7 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
+        context_parallel_size=cp,
         sequence_parallel=actor.sequence_parallel,
         bf16=bf16,
         params_dtype=dtype,

@@ -108,7 +108,8 @@ def plan_actor(hf_config, layout: ParallelLayout, actor_config: Optional[ActorCo
         from megatron_tepo.config import ConfigError
 
         raise ConfigError(problem)
-    validate_layout_here(layout, family_cfg, world_size=world_size, sequence_parallel=resolved.sequence_parallel)
+    validate_layout_here(layout, family_cfg, world_size=world_size, sequence_parallel=resolved.sequence_parallel,
+                         pack_sequences=resolved.pack_sequences)
     return resolved, family_cfg
 
 
@@ -118,7 +119,7 @@ def actor_transformer_config(family_cfg: GPTFamilyConfig, layout: ParallelLayout
     ``initialize=False`` when weights will be loaded: no random init is drawn (and with ``on_gpu``
     the parameters are made on the GPU, never as a host copy)."""
     return transformer_config(
-        family_cfg, tp=layout.tp, pp=layout.pp, ep=layout.ep, actor=settings, initialize=initialize,
+        family_cfg, tp=layout.tp, pp=layout.pp, ep=layout.ep, cp=layout.cp, actor=settings, initialize=initialize,
         variable_seq_lengths=layout.pp > 1,  # token-budget micro-batches vary in shape
         calculate_per_token_loss=True,  # the loss is already each micro-batch's share: exact gradient sums
         on_gpu=on_gpu)
@@ -424,7 +425,7 @@ def build_train_model(hf_config, weights=None, layout: Optional[ParallelLayout] 
     optim = optim or OptimConfig()
     resolved, family_cfg = plan_actor(load_hf_config(hf_config), layout, actor_config, **settings)
     dp_size = initialize_parallel(layout, family_cfg, seed=seed, sequence_parallel=resolved.sequence_parallel,
-                                  timeout_s=process_group_timeout_s)
+                                  timeout_s=process_group_timeout_s, pack_sequences=resolved.pack_sequences)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     from megatron.core import parallel_state as ps
 

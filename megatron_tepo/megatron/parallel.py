@@ -7,7 +7,7 @@ process may use), applies the CPU patches when there is no CUDA and the fast pat
 (:mod:`.fast_paths`) everywhere, joins the default process group (gloo on CPU, nccl on GPU) if
 needed, builds megatron's ``parallel_state`` groups and seeds the model-parallel RNG tracker.
 
-Left out: context parallelism, virtual pipeline stages, expert-tensor parallelism.
+Left out: virtual pipeline stages, expert-tensor parallelism.
 """
 from __future__ import annotations
 
@@ -33,22 +33,23 @@ def world_size_here(world_size: Optional[int] = None) -> int:
 
 
 def validate_layout_here(layout: ParallelLayout, family_cfg, world_size: Optional[int] = None,
-                         sequence_parallel: bool = False) -> int:
+                         sequence_parallel: bool = False, pack_sequences: bool = True) -> int:
     """:func:`megatron_tepo.layout.validate_layout` with the facts of this machine: its world size
     (see :func:`world_size_here`) and whether CUDA is there. Returns the data-parallel size."""
     return validate_layout(layout, family_cfg.dims(), world_size_here(world_size),
-                           sequence_parallel=sequence_parallel, cpu=not torch.cuda.is_available())
+                           sequence_parallel=sequence_parallel, pack_sequences=pack_sequences,
+                           cpu=not torch.cuda.is_available())
 
 
 def initialize_parallel(layout: ParallelLayout, family_cfg, seed: int = 1234,
                         backend: Optional[str] = None, sequence_parallel: bool = False,
-                        timeout_s: Optional[float] = None) -> int:
+                        timeout_s: Optional[float] = None, pack_sequences: bool = True) -> int:
     """Validate, then start the process groups; returns the data-parallel size. Idempotent only in
     the sense that an already-initialized default group is reused. ``timeout_s``: how long every
     group (the default one, megatron's) waits in one collective (None: torch's and megatron's
     defaults, 10 / 30 minutes); the trainer derives it from the watchdog's settings
     (:func:`megatron_tepo.trainer.watchdog.process_group_timeout_s`)."""
-    dp = validate_layout_here(layout, family_cfg, sequence_parallel=sequence_parallel)
+    dp = validate_layout_here(layout, family_cfg, sequence_parallel=sequence_parallel, pack_sequences=pack_sequences)
     on_gpu = torch.cuda.is_available()
     torch.set_num_threads(1 if not on_gpu else min(torch.get_num_threads(), usable_cpus()))
     from megatron_tepo.megatron import apply_cpu_patches
@@ -69,7 +70,7 @@ def initialize_parallel(layout: ParallelLayout, family_cfg, seed: int = 1234,
     minutes = {"distributed_timeout_minutes": max(1, math.ceil(timeout_s / 60))} if timeout_s else {}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        expert_model_parallel_size=layout.ep, **minutes)
+        context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep, **minutes)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return dp
 
