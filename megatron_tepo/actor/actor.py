@@ -56,7 +56,14 @@ MoE routing replay (``actor.routing_replay``, :mod:`megatron_tepo.megatron.routi
 as each micro-batch's side inputs; the gates of the last pass are :attr:`MegatronActor.routing_metrics`
 (and part of the training metrics). With ``off`` a batch's ``routed_experts`` is ignored.
 
-Left out: virtual pipeline stages, context parallelism, fp16 (loss scaling), MoE with PP > 1 on
+Context parallelism (``parallel.cp``): each micro-batch is packed, then cut for this CP rank in one
+place (:meth:`~megatron_tepo.actor.micro_batch.MicroBatch.context_shard`: its tokens, true
+positions, labels, side inputs and scored slots); the head scores this rank's slots, and the
+``[b, R]`` results are summed over the CP group, so the loss sees whole rows (sequence means,
+token means over the DP batch: each token once) and is the same on every CP rank; the gradients
+each rank's tokens contribute are summed over data x context parallel by megatron's DDP.
+
+Left out: virtual pipeline stages, fp16 (loss scaling), MoE with PP > 1 on
 CPU. Checkpoints: :meth:`MegatronActor.save_checkpoint` / :meth:`MegatronActor.load_checkpoint`
 (see :mod:`megatron_tepo.actor.checkpointing`).
 """
@@ -79,7 +86,7 @@ from megatron_tepo.actor.export import export_hf_state
 from megatron_tepo.checkpoint.hf_io import LazyHFCheckpoint
 from megatron_tepo.megatron.model import (TrainModel, actor_transformer_config, build_lr_scheduler, build_train_model,
                                           plan_actor)
-from megatron_tepo.megatron.lm_head import scored_log_probs
+from megatron_tepo.megatron.lm_head import scored_log_probs, sum_over_context
 from megatron_tepo.megatron.side_inputs import positions_to_rows, scored_positions
 
 __all__ = ["OptimConfig", "ActorConfig", "MegatronActor", "plan_actor", "actor_transformer_config", "build_lr_scheduler",
@@ -257,6 +264,10 @@ class MegatronActor:
                 parts = [torch.empty_like(recorded) for _ in range(replay.sp_size)]
                 dist.all_gather(parts, recorded.contiguous(), group=self.tp_group)
                 recorded = torch.cat(parts)
+            if mb.cp_splits is not None:  # each CP rank routed its chunks: back to the whole layout
+                parts = [torch.empty_like(recorded) for _ in range(self.layout.cp)]
+                dist.all_gather(parts, recorded.contiguous(), group=self.train_model.cp_group)
+                recorded = mb.context_gather([p.cpu() for p in parts])
             if not mb.rows:
                 continue
             rows = positions_to_rows(recorded.cpu(), width=width, **mb.side_layout())[: len(mb.rows)]
@@ -273,8 +284,16 @@ class MegatronActor:
         plan = equalize_micro_batch_count(plan, self.train_model.dp_group)
         # sequence parallelism splits the tokens (packed) / positions (padded) over the TP ranks
         multiple = self.layout.tp if self.settings.sequence_parallel else 1
-        mbs = [build_micro_batch(batch, rows, packed=packed, pad_multiple=multiple) for rows in plan]
-        if self._needs_equal_shapes():
+        cp = self.layout.cp
+        mbs = [build_micro_batch(batch, rows, packed=packed, pad_multiple=1 if cp > 1 else multiple)
+               for rows in plan]
+        if cp > 1:  # each rank's share (MicroBatch.context_shard), a multiple of the SP split
+            mbs = [mb.with_context_tokens(cp, multiple=multiple) for mb in mbs]
+            if self._needs_equal_shapes():
+                mbs = self._pad_to_common_shapes(mbs)
+            rank = self.train_model.cp_rank
+            mbs = [mb.context_shard(cp, rank) for mb in mbs]
+        elif self._needs_equal_shapes():
             mbs = self._pad_to_common_shapes(mbs)
         # every micro-batch's inputs queued to the device before the first forward (pinned, async)
         return [mb.staged(self.device) for mb in mbs]
@@ -288,14 +307,27 @@ class MegatronActor:
     def _pad_to_common_shapes(self, mbs: List[MicroBatch]) -> List[MicroBatch]:
         """Pad micro-batch i to the largest shape of micro-batch i over the DP group (a pad
         segment when packed; dummy rows and pad columns after every real token otherwise: causal
-        attention and per-token routing leave the real tokens untouched)."""
+        attention and per-token routing leave the real tokens untouched). With context
+        parallelism, to the largest share of one CP rank (before the split)."""
+        cp = self.layout.cp
+        if cp > 1:
+            local = torch.tensor([mb.context_tokens(cp) for mb in mbs], device=self.device)
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.train_model.dp_group)
+            multiple = self.layout.tp if self.settings.sequence_parallel else 1
+            return [mb.with_context_tokens(cp, int(t), multiple) for mb, t in zip(mbs, local.tolist())]
         shapes = torch.tensor([mb.shape for mb in mbs], device=self.device)
         dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=self.train_model.dp_group)
         return [mb.padded_to(int(r), int(s)) for mb, (r, s) in zip(mbs, shapes.tolist())]
 
     def _log_probs_of(self, mb: MicroBatch, output: torch.Tensor, temperature: float):
-        return token_log_probs(output, mb, self.train_model.output_weight, tp_group=self.tp_group,
-                               temperature=temperature, lm_head=self.settings.lm_head)
+        """``[b, R]`` log-probs and entropy of ``mb``'s rows; with context parallelism every CP
+        rank's slots, summed over the group (:func:`~megatron_tepo.megatron.lm_head.sum_over_context`)."""
+        lp, ent = token_log_probs(output, mb, self.train_model.output_weight, tp_group=self.tp_group,
+                                  temperature=temperature, lm_head=self.settings.lm_head)
+        if self.layout.cp > 1:
+            both = sum_over_context(torch.stack([lp, ent]), self.train_model.cp_group)
+            lp, ent = both[0], both[1]
+        return lp, ent
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()

@@ -54,6 +54,11 @@ class MicroBatch:
     row_index: Optional[torch.Tensor] = None  # rows as a long tensor, once staged
     side: Optional[SideInputs] = None  # per-token side inputs in megatron's token order (or None)
     scored: Optional[tuple] = None  # (positions, slots) of the valid response slots, once staged
+    # context parallelism (context_shard): every CP rank's ContextSplit of the whole micro-batch,
+    # and the whole micro-batch's padded sequence boundaries and longest padded sequence
+    cp_splits: Optional[list] = None
+    cp_cu_seqlens: Optional[torch.Tensor] = None
+    cp_max_seqlen: int = 0
 
     def scored_index(self) -> tuple:
         """``(positions, slots)``, each ``[n]`` long, one entry per valid response slot in row-major
@@ -113,6 +118,25 @@ class MicroBatch:
         data = data.padded(data.batch_size + rows - b, length)
         return _with_side(_padded_rows(self.rows, data, length))
 
+    def context_tokens(self, size: int) -> int:
+        """How many tokens each of ``size`` context-parallel ranks holds of this packed micro-batch
+        (every sequence padded to a multiple of ``2 * size``)."""
+        lens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+        return int(((lens + 2 * size - 1) // (2 * size) * (2 * size)).sum()) // size
+
+    def with_context_tokens(self, size: int, tokens: int = 0, multiple: int = 1) -> "MicroBatch":
+        """This packed micro-batch with a pad segment (a sequence of its own) so that each of
+        ``size`` context-parallel ranks holds at least ``tokens``, a multiple of ``multiple`` (the
+        sequence-parallel split of each rank's tokens), and no more than that needs."""
+        have = self.context_tokens(size)
+        want = max(have, tokens)
+        while want % multiple or (want - have) % 2:
+            want += 1
+        if want == have:
+            return self
+        extra = (want - have) // 2 * 2 * size  # a segment of 2 * size * k tokens: k per chunk, 2k per rank
+        return _with_side(_with_pad_segment(self, extra))
+
     def context_shard(self, size: int, rank: int) -> "MicroBatch":
         """Context-parallel rank ``rank`` of ``size``'s part of this packed micro-batch: every
         sequence (the pad segment too) split by
@@ -120,12 +144,14 @@ class MicroBatch:
         token ids, their true positions, the labels (taken in the whole layout first, so a chunk's
         last token keeps the next chunk's first as its label), the side inputs and the scored
         positions: this rank scores the valid slots whose scoring position it holds
-        (:meth:`scored_index`), every slot on exactly one rank. Not used by the actor yet
-        (``parallel.cp`` is refused above 1: issue #44)."""
+        (:meth:`scored_index`), every slot on exactly one rank. It keeps every rank's split and the
+        whole micro-batch's padded boundaries (``cp_splits``, ``cp_cu_seqlens``, ``cp_max_seqlen``)
+        for the attention and RoPE."""
         if not self.packed:
             raise ValueError("context parallelism splits packed micro-batches (actor.pack_sequences: true)")
         seq_lens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
-        split = context_split(seq_lens, size, rank)
+        splits = [context_split(seq_lens, size, r) for r in range(size)]
+        split = splits[rank]
         positions, slots = self.scored_index()
         local = split.locate(positions)
         mine = local >= 0
@@ -133,16 +159,27 @@ class MicroBatch:
             f.name: (None if getattr(self.side, f.name) is None else split.take(
                 getattr(self.side, f.name), fill=False if getattr(self.side, f.name).dtype == torch.bool else -1))
             for f in dataclasses.fields(self.side)})
+        padded = split.padded_lens
         return dataclasses.replace(
             self, input_ids=split.take(self.input_ids[0])[None], position_ids=split.positions[None],
             labels=split.take(self.labels), cu_seqlens=split.cu_seqlens,
             max_seqlen=int((split.cu_seqlens[1:] - split.cu_seqlens[:-1]).max()), side=side,
-            scored=(local[mine], slots[mine]), per_token=None, row_index=None)
+            scored=(local[mine], slots[mine]), per_token=None, row_index=None, cp_splits=splits,
+            cp_cu_seqlens=torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(torch.int32),
+            cp_max_seqlen=int(padded.max()))
+
+    def context_gather(self, parts: List[torch.Tensor]) -> torch.Tensor:
+        """The inverse of :meth:`context_shard` for a per-token field: every CP rank's ``[t_r, ...]``
+        (in rank order) back to ``[T, ...]`` in the whole micro-batch's packed layout (its
+        sequences' real tokens end to end, the pad segment included)."""
+        return self.cp_splits[0].put(parts, self.cp_splits)
 
     def side_layout(self) -> dict:
         """How this micro-batch lays out per-position fields: the keyword arguments of
-        :func:`~megatron_tepo.megatron.side_inputs.lay_out_positions` (and of its inverse)."""
-        return dict(packed=self.packed, seq_lens=self.data.seq_lens(), rows=self.shape[0], length=self.shape[1])
+        :func:`~megatron_tepo.megatron.side_inputs.lay_out_positions` (and of its inverse); for a
+        context-parallel shard, those of the whole micro-batch."""
+        length = int(self.cp_splits[0].seq_lens.sum()) if self.cp_splits is not None else self.shape[1]
+        return dict(packed=self.packed, seq_lens=self.data.seq_lens(), rows=self.shape[0], length=length)
 
 
 def empty_rows(like: RolloutBatch) -> RolloutBatch:

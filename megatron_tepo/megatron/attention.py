@@ -26,15 +26,18 @@ heads), output ``[s, b, heads * d]``. Packed sequences (``packed_seq_params`` wi
 split free of device synchronisation); the single-call paths copy it to the device once per
 micro-batch (cached on ``packed_seq_params``).
 
-Context parallelism without Transformer Engine: :func:`context_parallel_attention` (packed
-sequences split by :func:`~megatron_tepo.megatron.side_inputs.context_split`): the keys and values
-all-gathered over the CP group, each sequence's two local chunks attending to the keys at or before
-their true positions. It is exact against one rank (tests/megatron/test_context_parallel.py) but not
-wired into the layer yet: ``parallel.cp`` is still refused above 1 (issue #44).
+Context parallelism without Transformer Engine (``parallel.cp > 1``):
+:func:`context_parallel_attention` (packed sequences split by
+:func:`~megatron_tepo.megatron.side_inputs.context_split`): the keys and values all-gathered over
+the CP group, each sequence's two local chunks attending to the keys at or before their true
+positions (one SDPA call per sequence with that mask: no flash or varlen kernel here, so it is the
+CPU's and the bisecting GPU's path; Transformer Engine's ring attention is the GPU's). The layer
+finds the split of every rank and the CP group on ``packed_seq_params``
+(:meth:`~megatron_tepo.megatron.model.TrainModel.inputs` puts them there).
 
-Left out (refused with an error naming the setting): attention dropout, context parallelism in
-the layer, attention bias, masks other than causal (the actor's batches are right-padded or packed,
-so causal attention never lets a real token see padding).
+Left out (refused with an error naming the setting): attention dropout, context parallelism
+without packed sequences, attention bias, masks other than causal (the actor's batches are
+right-padded or packed, so causal attention never lets a real token see padding).
 """
 from __future__ import annotations
 
@@ -172,8 +175,7 @@ class SDPACoreAttention(MegatronModule):
         if dropout:
             raise NotImplementedError(f"attention_dropout={dropout}: the sdpa core attention has no dropout "
                                       f"(set actor.attention: te or unfused)")
-        if getattr(config, "context_parallel_size", 1) > 1:
-            raise NotImplementedError("context parallelism is not supported by the sdpa core attention")
+        self.cp_size = getattr(config, "context_parallel_size", 1)
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise NotImplementedError(f"attn_mask_type={attn_mask_type}: the sdpa core attention is causal only")
         self.layer_number = layer_number
@@ -191,6 +193,14 @@ class SDPACoreAttention(MegatronModule):
                 packed_seq_params=None):
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by the sdpa core attention")
+        if self.cp_size > 1:
+            split = packed_seq_params.__dict__.get("_tepo_cache", {}).get("cp") if packed_seq_params else None
+            if split is None:
+                raise NotImplementedError("parallel.cp > 1: the sdpa core attention needs packed sequences split "
+                                          "over the context-parallel ranks (actor.pack_sequences: true)")
+            splits, group = split
+            out = context_parallel_attention(query, key, value, splits, self.softmax_scale, group)
+            return out.reshape(out.shape[0], -1)  # [t_r, h*d]
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu = packed_seq_params.cu_seqlens_q
             end = _cached(packed_seq_params, "end", lambda: int(cu[-1]))  # one read per micro-batch

@@ -10,8 +10,8 @@ equivalent that launches a fixed number of ops and reads nothing back on the hos
   one call per q / k per layer over the whole packed tensor (:mod:`megatron_tepo.ops.rope`), its
   ``cos`` / ``sin`` built once per micro-batch and shared by every layer (kept for the micro-batch
   whose ``cu_seqlens`` and ``freqs`` tensors it was built for: all layers share those objects).
-  megatron's own function stays in use for what the op leaves out (interleaved layouts, MLA,
-  context parallelism).
+  Context parallelism too: each rank's tokens at their true positions in the load-balanced split.
+  megatron's own function stays in use for what the op leaves out (interleaved layouts, MLA).
 * ``grad_norm`` -- ``clip_grads.l2_norm_impl`` when it is megatron's no-apex
   ``local_multi_tensor_l2_norm`` (a ``torch.norm`` and a host read per parameter): one
   ``torch._foreach_norm`` and one norm of the norms, left on the device (megatron then reads the
@@ -79,14 +79,15 @@ class _TableCache:
     def __init__(self):
         self.entries: List[tuple] = []
 
-    def get(self, cu_seqlens, freqs, total: int, dtype, mscale: float):
+    def get(self, cu_seqlens, freqs, total: int, dtype, mscale: float, cp_size: int = 1, cp_rank: int = 0):
         from megatron_tepo.ops.rope import packed_rope_tables
 
+        key = (total, dtype, mscale, cp_size, cp_rank)
         for entry in self.entries:
-            if entry[0] is cu_seqlens and entry[1] is freqs and entry[2] == (total, dtype, mscale):
+            if entry[0] is cu_seqlens and entry[1] is freqs and entry[2] == key:
                 return entry[3]
-        tables = packed_rope_tables(cu_seqlens, freqs, total, dtype, mscale)
-        self.entries = [(cu_seqlens, freqs, (total, dtype, mscale), tables)] + self.entries[: self.size - 1]
+        tables = packed_rope_tables(cu_seqlens, freqs, total, dtype, mscale, cp_size=cp_size, cp_rank=cp_rank)
+        self.entries = [(cu_seqlens, freqs, key, tables)] + self.entries[: self.size - 1]
         return tables
 
     def clear(self) -> None:
@@ -104,9 +105,11 @@ def _rope_thd(original: Callable) -> Callable:
         mla = kwargs.get("mla_rotary_interleaved", kwargs.get("multi_latent_attention")) or (args and args[0])
         cp_group = kwargs.get("cp_group")
         mscale = kwargs.get("mscale", 1.0)
-        if rotary_interleaved or mla or cp_group is None or cp_group.size() != 1 or freqs.dim() != 4:
+        if rotary_interleaved or mla or cp_group is None or freqs.dim() != 4:
             return original(t, cu_seqlens, freqs, rotary_interleaved, *args, **kwargs)
-        cos, sin = ROPE_TABLES.get(cu_seqlens, freqs, t.shape[0], t.dtype, float(mscale))
+        # (context parallelism: this rank's chunks of every sequence, at their true positions)
+        cos, sin = ROPE_TABLES.get(cu_seqlens, freqs, t.shape[0], t.dtype, float(mscale),
+                                   cp_size=cp_group.size(), cp_rank=cp_group.rank())
         return apply_packed_rope(t, cos, sin)
 
     return apply_rotary_pos_emb_thd

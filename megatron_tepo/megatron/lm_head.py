@@ -19,6 +19,9 @@ the tensor-parallel ranks), and :func:`scored_log_probs` runs the head at the sc
 The output layer's parameters stay where they are (checkpoints, the weight export, the tied
 embedding's synchronisation across pipeline stages are unchanged); only its forward is replaced.
 
+Context parallelism: each rank runs the head at the scored positions it holds, and
+:func:`sum_over_context` brings every rank's slots together in the batch's order.
+
 Left out: megatron's multi-token prediction (its layers call the output layer themselves; none of
 the supported families has them), MuP's logit scaling (not used), and the output layer's
 ``gradient_accumulation_fusion`` (the head returns the weight's gradient; megatron DDP adds it to
@@ -30,7 +33,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["LM_HEADS", "hidden_output", "scored_log_probs"]
+__all__ = ["LM_HEADS", "hidden_output", "scored_log_probs", "sum_over_context"]
 
 LM_HEADS = ("fused", "materialized")
 
@@ -101,3 +104,29 @@ def scored_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     out_lp = lp.new_zeros(size).index_put((slots,), lp)
     out_ent = ent.new_zeros(size).index_put((slots,), ent)
     return out_lp.view(shape), out_ent.view(shape)
+
+
+class _SumOverContext(torch.autograd.Function):
+    """All-reduce (sum) over the context-parallel group; the backward hands the gradient on as it
+    is: every rank computes the same loss from the summed values, and each rank's own slots are
+    the only ones its graph reaches."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sum_over_context(values: torch.Tensor, group) -> torch.Tensor:
+    """The per-slot results of every context-parallel rank in one ``[..]`` tensor (each slot is
+    scored on exactly one rank, 0 on the others: the sum is exact). Differentiable: the loss is
+    then computed whole on every rank, and megatron's DDP sums each rank's share of the gradients
+    over the data- x context-parallel ranks."""
+    return _SumOverContext.apply(values, group)

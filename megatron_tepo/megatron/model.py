@@ -26,7 +26,12 @@ rank skips it; else clip, Adam, LR schedule), :meth:`TrainModel.discard_gradient
 bit-identical: :mod:`.offload`). Its ``model`` / ``optimizer`` / ``scheduler`` / ``config`` are
 megatron's own objects, which the checkpoints and the weight export read.
 
-Left out: virtual pipeline stages, context parallelism, fp16 loss scaling, megatron's FSDP.
+Context parallelism (``parallel.cp``): :meth:`TrainModel.inputs` takes a micro-batch already cut
+for this rank (:meth:`~megatron_tepo.actor.micro_batch.MicroBatch.context_shard`) and hands megatron
+the whole micro-batch's padded boundaries with every rank's split; megatron's DDP reduces the
+gradients over the data- x context-parallel ranks.
+
+Left out: virtual pipeline stages, fp16 loss scaling, megatron's FSDP.
 """
 from __future__ import annotations
 
@@ -155,6 +160,14 @@ class TrainModel:
         return self._ps.get_data_parallel_group()
 
     @property
+    def cp_group(self):
+        return self._ps.get_context_parallel_group()
+
+    @property
+    def cp_rank(self) -> int:
+        return self._ps.get_context_parallel_rank() if self.layout.cp > 1 else 0
+
+    @property
     def dp_rank(self) -> int:
         return self._ps.get_data_parallel_rank() if self.dp_size > 1 else 0
 
@@ -184,7 +197,19 @@ class TrainModel:
         d = self.device
         inputs: Dict[str, Any] = dict(input_ids=mb.input_ids.to(d), position_ids=mb.position_ids.to(d),
                                       attention_mask=None)
-        if mb.cu_seqlens is not None:
+        if mb.cp_splits is not None:  # this rank's share of the micro-batch (MicroBatch.context_shard)
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            # the whole micro-batch's padded boundaries: RoPE (megatron's, the fast path's) and
+            # Transformer Engine's ring attention find this rank's chunks from them; the sdpa
+            # attention takes every rank's split and the group from the cache
+            cu = mb.cp_cu_seqlens.to(d) if self.settings.attention == "te" else mb.cp_cu_seqlens
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                                     cu_seqlens_kv_padded=cu, max_seqlen_q=mb.cp_max_seqlen,
+                                     max_seqlen_kv=mb.cp_max_seqlen)
+            params.__dict__["_tepo_cache"] = {"cp": (mb.cp_splits, self.cp_group)}
+            inputs["packed_seq_params"] = params
+        elif mb.cu_seqlens is not None:
             from megatron.core.packed_seq_params import PackedSeqParams
 
             # the sdpa attention splits on the host (CPU boundaries: no device sync per layer);

@@ -11,12 +11,13 @@ wherever they work per token (the MoE router's ``[s * b, experts]`` logits): a p
 its tokens in the packed order. A :class:`SideInputs` tensor is ``[N, ...]`` in that order, ``N =
 b * S`` (or ``T``), so a layer indexes it with the same ``n`` as its own tokens. Sequence
 parallelism splits the ``s`` dimension over the TP ranks, a contiguous range of ``n`` for each
-(:meth:`SideInputs.shard`); context parallelism will be another slice here.
+(:meth:`SideInputs.shard`); context parallelism cuts before that (:class:`ContextSplit`).
 
 Context parallelism's load-balanced split of packed sequences is :func:`context_split` (one
 rank's tokens of every sequence, with their true positions); :meth:`ContextSplit.take` slices any
 per-token field of the packed layout with it, so inputs, labels and side inputs are cut in one
-place. It is not wired into the actor yet: ``parallel.cp`` is still refused above 1 (issue #44).
+place (:meth:`~megatron_tepo.actor.micro_batch.MicroBatch.context_shard`); :meth:`ContextSplit.put`
+takes every rank's part back (the routing a recording pass chose).
 
 Pure torch: nothing of megatron-core is imported. Left out: pipeline stages need no slicing (every
 stage sees every token; a per-layer field is read by the layers the stage holds).
@@ -156,6 +157,18 @@ class ContextSplit:
         padded = field.new_full((int(self.padded_lens.sum()),) + tuple(field.shape[1:]), fill)
         padded[where] = field[:total]
         return padded[self.index]
+
+    def put(self, parts, splits) -> torch.Tensor:
+        """The inverse of :meth:`take` over the whole group: every rank's ``[t_r, ...]`` (``parts``,
+        in rank order, each rank's split in ``splits``) back to ``[T, ...]``, the sequences' real
+        tokens end to end (the padding dropped)."""
+        first = parts[0]
+        padded = first.new_empty((int(self.padded_lens.sum()),) + tuple(first.shape[1:]))
+        for split, part in zip(splits, parts):
+            padded[split.index] = part
+        starts = torch.cat([self.padded_lens.new_zeros(1), self.padded_lens.cumsum(0)[:-1]])
+        where = torch.repeat_interleave(starts, self.seq_lens) + _ranks_within(self.seq_lens)
+        return padded[where]
 
 
     def locate(self, positions: torch.Tensor) -> torch.Tensor:

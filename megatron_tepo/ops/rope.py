@@ -15,8 +15,14 @@ for q and k, in every layer; 0.16.1 gathers the angles per sequence and then rot
   directions equal megatron's per-sequence path bit for bit in fp32 and bf16 (the same elementwise
   operations on the same values; ``tests/ops/test_rope.py``).
 
-Left out (the caller keeps megatron's own path for them): interleaved rotary layouts, MLA's
-channel shuffle and context parallelism. Transformer Engine's fused THD kernel replaces all of
+Context parallelism (``cp_size > 1``): ``cu_seqlens`` are the whole micro-batch's, every sequence
+padded to a multiple of ``2 * cp_size`` tokens, and this rank holds chunks ``cp_rank`` and
+``2 * cp_size - 1 - cp_rank`` of each (megatron's and Transformer Engine's load-balanced layout,
+:func:`~megatron_tepo.megatron.side_inputs.context_split`): :func:`context_positions` gives each
+local token its true position, the tables follow from it.
+
+Left out (the caller keeps megatron's own path for them): interleaved rotary layouts and MLA's
+channel shuffle. Transformer Engine's fused THD kernel replaces all of
 this where TE is installed (``apply_rope_fusion``).
 """
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Tuple
 
 import torch
 
-__all__ = ["packed_positions", "packed_rope_tables", "apply_packed_rope"]
+__all__ = ["packed_positions", "context_positions", "packed_rope_tables", "apply_packed_rope"]
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> torch.Tensor:
@@ -37,13 +43,31 @@ def packed_positions(cu_seqlens: torch.Tensor, total: int, device: torch.device)
     return tokens - cu[seq]
 
 
+def context_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, total: int,
+                      device: torch.device) -> torch.Tensor:
+    """``[total]`` long: the true position in its sequence of each of context-parallel rank
+    ``cp_rank``'s ``total`` tokens (module docstring; ``cu_seqlens`` the whole micro-batch's padded
+    boundaries), on ``device`` without a host sync."""
+    cu = cu_seqlens.to(device=device, dtype=torch.long, non_blocking=True)
+    local = cu // cp_size  # this rank's share of each sequence starts here
+    tokens = torch.arange(total, device=device)
+    seq = torch.searchsorted(local[1:].contiguous(), tokens, right=True).clamp_(max=cu.numel() - 2)
+    within = tokens - local[seq]
+    chunk = (cu[seq + 1] - cu[seq]) // (2 * cp_size)
+    return torch.where(within < chunk, cp_rank * chunk + within, (2 * cp_size - 1 - cp_rank) * chunk + within - chunk)
+
+
 def packed_rope_tables(cu_seqlens: torch.Tensor, freqs: torch.Tensor, total: int, dtype: torch.dtype,
-                       mscale: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+                       mscale: float = 1.0, cp_size: int = 1, cp_rank: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)``, each ``[total, 1, rot_dim]`` in ``dtype``, for the ``total`` packed tokens
     with boundaries ``cu_seqlens`` (megatron's ``freqs`` ``[max_s, 1, 1, rot_dim]``, fp32). A
     ``freqs`` of exactly ``total`` rows already holds one row per packed token (megatron's "exact
-    mapping" case, and a single sequence): it is used as it is."""
-    if freqs.shape[0] == total:
+    mapping" case, and a single sequence): it is used as it is. ``cp_size > 1``: this
+    context-parallel rank's tokens (:func:`context_positions`)."""
+    if cp_size > 1:
+        angles = freqs[context_positions(cu_seqlens, cp_size, cp_rank, total, freqs.device)]
+        angles = angles.reshape(total, 1, freqs.shape[-1])
+    elif freqs.shape[0] == total:
         angles = freqs.reshape(total, 1, freqs.shape[-1])
     else:
         angles = freqs[packed_positions(cu_seqlens, total, freqs.device)].reshape(total, 1, freqs.shape[-1])

@@ -71,6 +71,11 @@ def _check(per_rank):
             if c["case"].get("recompute_check"):
                 assert c["recompute_grad_rel_err"] <= PACK_TOL, (where, c["recompute_grad_rel_err"])
                 assert c["recompute_loss_rel_err"] <= PACK_TOL, where
+            if c["case"].get("cp_check"):
+                cc = c["cp_check"]
+                assert cc["lp"] <= PACK_TOL and cc["ent"] <= PACK_TOL, (where, cc)
+                assert cc["loss_rel"] <= PACK_TOL and cc["grad_rel"] <= PACK_TOL, (where, cc)
+                assert cc["grad_names"], where
             covered |= set(c["grad_names"])
         assert covered == set(per_rank[0][k]["hf_names"]), per_rank[0][k]["case"]
 
@@ -189,3 +194,44 @@ def test_fused_lm_head_equals_the_materialized_one(tmp_path):
             assert hc["grad_rel"] <= tol["grad_rel"] and hc["grad_max_rel"] <= tol["grad_max_rel"], (where, hc)
             assert hc["output_grad_rel"] <= tol["grad_max_rel"], (where, hc)
             assert any("output_layer" in n or "word_embeddings" in n for n in hc["names"]), where
+
+
+CP = {"precision": "fp32", "attention": "sdpa", "pack_sequences": True}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+def test_cp2_matches_hf_and_cp1(tmp_path):
+    """Context parallelism (#44) at CP=2 on 2 ranks, packed, rows of uneven lengths (one of 1 token
+    and one of 3: fewer than the 4 chunks, some chunks all padding), several micro-batches: against
+    the HF reference, and against the same start at CP=1 (the ranks then data-parallel): log-probs,
+    entropy, loss and every gradient within fp32 rounding; with full recompute; tied embeddings
+    and GSPO's sequence means too; Qwen3-MoE at CP=2, and with its experts spread over the CP
+    ranks (EP=2 x CP=2)."""
+    per_rank = _run([
+        {"family": "qwen3", "tie": False, "tp": 1, "pp": 1, "cp": 2, "short": True, "mb_tokens": 40,
+         "loss": {"name": "grpo"}, "cp_check": True, "recompute_check": True},
+        {"family": "qwen3", "tie": True, "tp": 1, "pp": 1, "cp": 2, "short": True, "loss": {"name": "gspo"},
+         "cp_check": True, "actor": {"lm_head": "materialized"}},
+        {"family": "qwen3_moe", "tie": False, "tp": 1, "pp": 1, "cp": 2, "short": True, "loss": {"name": "grpo"},
+         "cp_check": True, "recompute_check": True},
+        {"family": "qwen3_moe", "tie": True, "tp": 1, "pp": 1, "ep": 2, "cp": 2, "short": True,
+         "loss": {"name": "grpo"}, "cp_check": True},
+    ], 2, tmp_path)
+    _check(per_rank)
+    assert all(r[k]["dp"] == 1 and r[k]["cp_check"]["dp"] == 2 for r in per_rank for k in range(4))
+    assert any(r[0]["num_micro_batches"] > 1 for r in per_rank)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_tp2_cp2_matches_hf_and_cp1(tmp_path):
+    """TP=2 x CP=2 on 4 ranks (#44), with and without sequence parallelism, against the HF reference
+    and against TP=2 x DP=2 from the same start."""
+    per_rank = _run([
+        {"family": "qwen3", "tie": False, "tp": 2, "pp": 1, "cp": 2, "short": True, "loss": {"name": "grpo"},
+         "cp_check": True},
+        {"family": "qwen3", "tie": True, "tp": 2, "pp": 1, "cp": 2, "short": True, "loss": {"name": "grpo"},
+         "cp_check": True, "actor": dict(CP, sequence_parallel=True)},
+    ], 4, tmp_path)
+    _check(per_rank)

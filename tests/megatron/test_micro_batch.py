@@ -183,3 +183,49 @@ def test_a_context_shard_scores_every_slot_on_one_rank_with_the_whole_layouts_la
     assert crossing > 0  # some scored tokens' labels lie in a chunk another rank holds
     with pytest.raises(ValueError, match="packed micro-batches"):
         build_micro_batch(batch, [0, 1], packed=False).context_shard(2, 0)
+
+
+def test_a_token_whose_label_lies_in_the_next_chunk_is_scored_right():
+    """One 8-token sequence (2 prompt, 6 response tokens) at CP=2: chunks of 2 tokens, rank 0 holds
+    chunks 0 and 3 (positions 0, 1, 6, 7), rank 1 chunks 1 and 2 (positions 2-5). Position 1 ends
+    rank 0's first chunk and scores the token at position 2, which rank 1 holds; position 5 ends
+    rank 1's part and scores position 6, on rank 0. Each is scored by the rank that holds it,
+    against the next token of the whole sequence, never a roll of its own chunk (verl PR #4250's
+    bug); the ranks' own chunks restart nothing: positions stay true."""
+    from megatron_tepo.batch import RolloutBatch
+
+    ids = torch.tensor([[11, 12, 13, 14, 15, 16, 17, 18]])
+    batch = RolloutBatch(input_ids=ids, prompt_lens=torch.tensor([2]), response_mask=torch.ones(1, 6))
+    mb = build_micro_batch(batch, [0], packed=True)
+    rank0, rank1 = mb.context_shard(2, 0), mb.context_shard(2, 1)
+    assert rank0.input_ids.tolist() == [[11, 12, 17, 18]] and rank0.position_ids.tolist() == [[0, 1, 6, 7]]
+    assert rank1.input_ids.tolist() == [[13, 14, 15, 16]] and rank1.position_ids.tolist() == [[2, 3, 4, 5]]
+    scored = {}
+    for rank, part in enumerate((rank0, rank1)):
+        for p, slot in zip(*(t.tolist() for t in part.scored_index())):
+            scored[slot] = (rank, int(part.position_ids[0, p]), int(part.labels[p]))
+    # response slot j is the token at position 2 + j, scored by the output at position 1 + j
+    assert scored[0] == (0, 1, 13)  # position 1 (rank 0) scores position 2's token, held by rank 1
+    assert scored[4] == (1, 5, 17)  # position 5 (rank 1) scores position 6's token, held by rank 0
+    assert scored == {j: (0 if j in (0, 5) else 1, 1 + j, 13 + j) for j in range(6)}
+    # the whole micro-batch's padded boundaries, for RoPE and Transformer Engine
+    assert rank0.cp_cu_seqlens.tolist() == [0, 8] and rank0.cp_max_seqlen == 8
+
+
+def test_context_parallel_padding_and_the_gather_back():
+    """``with_context_tokens`` adds a pad segment so each CP rank's share is a multiple of the
+    sequence-parallel split (or another rank's size), and ``context_gather`` puts every rank's
+    per-token values back in the whole packed layout."""
+    batch = make_batch(seed=3)
+    mb = build_micro_batch(batch, list(range(batch.batch_size)), packed=True)
+    total = mb.input_ids.shape[1]
+    have = mb.context_tokens(2)
+    assert have % 2 == 0 and have * 2 >= total
+    grown = mb.with_context_tokens(2, tokens=have + 6, multiple=4)
+    assert grown.context_tokens(2) % 4 == 0 and have + 6 <= grown.context_tokens(2) < have + 6 + 4
+    assert grown.input_ids.shape[1] > total and grown.cu_seqlens[-2] == total  # one pad segment after
+    assert mb.with_context_tokens(2) is mb
+    parts = [grown.context_shard(2, r) for r in range(2)]
+    assert [p.input_ids.shape[1] for p in parts] == [grown.context_tokens(2)] * 2
+    back = grown.context_shard(2, 0).context_gather([p.input_ids[0] for p in parts])
+    assert torch.equal(back, grown.input_ids[0])

@@ -19,6 +19,17 @@ class _OneRank:  # megatron's THD RoPE asks its context-parallel group for size 
         return 0
 
 
+class _Ranks:  # a context-parallel group of `size` ranks, seen from `rank`
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
 def _megatron_thd():
     from megatron.core.models.common.embeddings import rope_utils
 
@@ -75,6 +86,33 @@ def test_the_fast_path_keeps_megatrons_arguments_and_one_table_per_micro_batch()
     inter = _run(lambda x: fn(x, cu, freqs, rotary_interleaved=True, cp_group=_OneRank()), t, grad)
     want = _run(lambda x: _megatron_thd()(x, cu, freqs, rotary_interleaved=True, cp_group=_OneRank()), t, grad)
     assert all(torch.equal(a, b) for a, b in zip(inter, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cp", [2, 3])
+def test_context_parallel_ranks_rotate_at_their_true_positions(cp, dtype):
+    """Context parallelism (#44): each rank holds chunks r and 2 cp - 1 - r of every sequence (the
+    whole micro-batch's padded boundaries in ``cu``); the fast path equals megatron's own
+    per-sequence CP path bit for bit, and both equal rotating each token at its true position."""
+    from megatron_tepo.megatron.side_inputs import context_split
+
+    lengths = [4 * cp, 2 * cp, 6 * cp]  # padded already: multiples of 2 cp
+    _, cu, freqs, _ = _case(lengths, dtype=dtype)
+    fn = fast_paths._rope_thd(_megatron_thd())
+    for rank in range(cp):
+        local = sum(lengths) // cp
+        g = torch.Generator().manual_seed(rank)
+        t = torch.randn(local, 3, 16, generator=g).to(dtype)
+        grad = torch.randn(local, 3, 16, generator=g).to(dtype)
+        ref = _run(lambda x: _megatron_thd()(x, cu, freqs, rotary_interleaved=False, cp_group=_Ranks(cp, rank)), t, grad)
+        fast_paths.ROPE_TABLES.clear()
+        ours = _run(lambda x: fn(x, cu, freqs, rotary_interleaved=False, cp_group=_Ranks(cp, rank)), t, grad)
+        for name, a, b in zip(("output", "grad"), ours, ref):
+            assert torch.equal(a, b), (rank, name, float((a.float() - b.float()).abs().max()))
+        positions = context_split(torch.tensor(lengths), cp, rank).positions
+        angles = freqs[positions].reshape(local, 1, -1)
+        want = apply_packed_rope(t, torch.cos(angles).to(dtype), torch.sin(angles).to(dtype))
+        assert torch.equal(ours[0], want)
 
 
 def test_a_freqs_row_per_token_is_used_as_it_is():

@@ -8,7 +8,10 @@ reference runs the WHOLE mini-batch in this process. Each rank writes, per case,
 measured on its own stage. ``pack_check``: the same actor with packing switched off gives the same
 log-probs, entropy, loss and gradients; ``recompute_check``: a second actor with full recompute
 (one layer at a time) gives the same gradients; ``head_check``: ``actor.lm_head`` fused against
-materialized on the same actor (``head_only``: nothing else is compared).
+materialized on the same actor (``head_only``: nothing else is compared). ``cp``: the context-parallel
+size; ``cp_check``: the same start at ``cp: 1`` (its ranks then data-parallel) gives the same
+log-probs, entropy, loss and gradients as the context-parallel actor. ``short``: two rows shorter
+than 4 tokens (1 and 3: fewer than 2 x cp chunks at cp 2, some chunks all padding).
 """
 import atexit
 import json
@@ -92,6 +95,39 @@ def _head_check(actor, local, loss_cfg):
             "names": sorted(mat[3])}
 
 
+def _cp_check(case, mine, source_cfg, source_weights, optim, settings, batch, loss_cfg):
+    """The same start at ``cp: 1`` (same TP / PP / EP, its ranks data-parallel) against the
+    context-parallel actor's outputs ``mine``: max |difference| of the log-probs and entropy of
+    the rows both hold, the loss's relative difference, the gradients' relative L2 error."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_tepo.actor.actor import MegatronActor
+    from megatron_tepo.layout import ParallelLayout
+
+    layout = ParallelLayout(tp=case["tp"], pp=case["pp"], ep=case.get("ep", 1))
+    other = MegatronActor(source_cfg, hf_weights=source_weights, layout=layout, optim=optim, **settings)
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    theirs = _outputs(other, batch.split_for_data_parallel(dp_rank, dp), loss_cfg)
+    rows = slice(dp_rank, None, dp)
+    return {"dp": dp, "lp": float((mine[0][rows] - theirs[0]).abs().max()),
+            "ent": float((mine[1][rows] - theirs[1]).abs().max()),
+            "loss_rel": abs(mine[2] - theirs[2]) / abs(theirs[2]), "grad_rel": _rel_l2(mine[3], theirs[3]),
+            "grad_names": sorted(theirs[3])}
+
+
+def _short_rows(batch):
+    """Row 1: one prompt and two response tokens (3 in all); the last row (no response): one token."""
+    batch.prompt_lens[1], batch.prompt_lens[-1] = 1, 1
+    batch.response_mask[1] = 0
+    batch.response_mask[1, :2] = 1
+    batch.input_ids[1, 3:] = 0
+    batch.input_ids[-1, 1:] = 0
+    if batch.advantages is not None:
+        batch.advantages[1, 2:] = 0
+        batch.old_entropy[1, 2:] = 0
+    return batch
+
+
 def run_case(case):
     from megatron.core import parallel_state as ps
 
@@ -103,6 +139,8 @@ def run_case(case):
     hf_cfg = tiny_hf_config(case["family"], tie=case["tie"])
     model = make_hf_model(hf_cfg, seed=case.get("seed", 0))
     batch = make_batch(seed=case.get("seed", 0) + 1)
+    if case.get("short"):
+        batch = _short_rows(batch)
     initial = hf_state(model)
     optim = OptimConfig(**OPT, use_distributed_optimizer=case.get("dist_opt", False))
     source_cfg, source_weights = hf_cfg, hf_state(model)
@@ -115,7 +153,7 @@ def run_case(case):
         hf_cfg.to_json_file(os.path.join(path, "config.json"))
         save_file(source_weights, os.path.join(path, "model.safetensors"))
         source_cfg = source_weights = path
-    layout = ParallelLayout(tp=case["tp"], pp=case["pp"], ep=case.get("ep", 1))
+    layout = ParallelLayout(tp=case["tp"], pp=case["pp"], ep=case.get("ep", 1), cp=case.get("cp", 1))
     settings = dict(ACTOR, max_tokens_per_micro_batch=case.get("mb_tokens", 64), **case.get("actor", {}))
     actor = MegatronActor(source_cfg, hf_weights=source_weights, layout=layout, optim=optim, **settings)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -148,6 +186,8 @@ def run_case(case):
         out["mb_invariance_rel_err"] = max(max_rel_err(a[n], b[n]) for n in a)
         actor.max_tokens_per_micro_batch = case.get("mb_tokens", 64)
 
+    if case.get("cp_check"):
+        cp_outputs = _outputs(actor, local, PolicyLoss.of(**case["loss"]))
     if case.get("pack_check"):
         out["pack_check"] = _pack_check(actor, local, PolicyLoss.of(**case["loss"]))
     if case.get("head_check"):
@@ -188,6 +228,9 @@ def run_case(case):
         m2 = other.forward_backward(local, PolicyLoss.of(**case["loss"]))
         out["recompute_grad_rel_err"] = _rel_l2(dict(gather_full_tensors(other.model, "grad")), mgrads)
         out["recompute_loss_rel_err"] = abs(m2["loss"] - metrics["loss"]) / abs(metrics["loss"])
+    if case.get("cp_check"):  # last: it starts the process groups again without CP
+        out["cp_check"] = _cp_check(case, cp_outputs, source_cfg, source_weights, optim, settings, batch,
+                                    PolicyLoss.of(**case["loss"]))
     if case.get("from_dir"):
         shutil.rmtree(source_cfg)
     return out
