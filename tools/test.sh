@@ -25,7 +25,8 @@ OLDEST_TESTS=(tests/megatron tests/checkpoint tests/ops/test_rope.py tests/ops/t
 OLDEST_MARKS="not sglang and not slurm"
 # Left out there: the layouts whose megatron-core calls another oldest-stack test already makes (the
 # newest stack runs them all). TP2 and PP2 alone: TP2xPP2 makes both calls; the trainer's TP2 and DP2
-# two-process runs: its PP2 run (megatron's pipeline schedule) and the actor's TP2xPP2/DP2 tests;
+# two-process runs: its PP2 run (megatron's pipeline schedule) and the actor's TP2xPP2/DP2 tests,
+# and its CP2 run: the actor's CP2 and TP2xCP2 tests;
 # conversion's TP2 reshard and bf16 round trip: its TP2xPP2 round trip with logits and the bf16
 # actor; SmolLM2 (a Llama: the same GPTModel and mapping calls); the streaming import's EP2 case and
 # the TP2 and PP2 export buckets: their TP2xPP2 and EP2 cases; one of each pair of the fast-path
@@ -35,6 +36,7 @@ OLDEST_DESELECT=(
   tests/megatron/test_actor_distributed.py::test_pp2_matches_hf
   "tests/trainer/test_multiprocess.py::test_two_processes_match_one[tp2]"
   "tests/trainer/test_multiprocess.py::test_two_processes_match_one[dp2]"
+  "tests/trainer/test_multiprocess.py::test_two_processes_match_one[cp2]"
   tests/checkpoint/test_convert_roundtrip.py::test_tp2_logits_and_reshard_to_tp1_and_pp2
   tests/checkpoint/test_convert_roundtrip.py::test_bf16_checkpoint_roundtrip_tp2
   tests/checkpoint/test_convert_smollm2.py::test_smollm2_pp2_logits_and_tp3_reshard

@@ -24,6 +24,12 @@ become the micro-batch's :class:`~megatron_tepo.megatron.side_inputs.SideInputs`
 out in megatron's token order for this micro-batch's final shape (pad segments and dummy rows
 included) by :func:`~megatron_tepo.megatron.side_inputs.lay_out_positions`; without them ``side``
 is None and nothing else is built.
+
+Context parallelism: :meth:`MicroBatch.context_shard` cuts a packed micro-batch for one CP rank
+(:func:`~megatron_tepo.megatron.side_inputs.context_split`): everything per token in one place,
+the labels and scored positions taken in the whole layout first; :meth:`MicroBatch.with_context_tokens`
+pads it first where each rank's share must be a multiple of the sequence-parallel split or match
+another rank's.
 """
 from __future__ import annotations
 

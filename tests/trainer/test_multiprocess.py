@@ -1,5 +1,5 @@
 """tools/train.py under torchrun: rank 0 drives (generates, scores, logs) and broadcasts; every rank
-runs the actor. The same run at TP=2, DP=2 and PP=2 reproduces the one-process run (the engine on
+runs the actor. The same run at TP=2, DP=2, PP=2 and CP=2 reproduces the one-process run (the engine on
 rank 0 gets every pipeline stage's weights: drift stays ~1e-6). A TP=2 run with a real SGLang
 server as the engine, syncing every step and resuming, is the Slurm job test
 (tests/slurm/test_local_cluster.py), which CI always runs."""
@@ -35,7 +35,8 @@ def _single(tiny, out, *extra):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.tp=1", "parallel.pp=2"], ids=["tp2", "dp2", "pp2"])
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.tp=1", "parallel.pp=2", "parallel.cp=2"],
+                         ids=["tp2", "dp2", "pp2", "cp2"])
 def test_two_processes_match_one(tiny, tmp_path, layout):
     ref = _single(tiny, tmp_path / "one", "train.steps=2")
     torchrun(REPO / "tools/train.py", 2, *_args(tiny, tmp_path / "two", "train.steps=2", layout), tmp_path=tmp_path)
