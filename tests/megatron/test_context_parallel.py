@@ -1,6 +1,7 @@
-"""Context parallelism's first pieces (issue #44; not wired into the actor yet): the
-load-balanced split (tests/megatron/test_side_inputs.py) and the attention without Transformer
-Engine, exact against one rank's attention of the whole sequences (CP = 2 and 3, under torchrun)."""
+"""Context parallelism's attention without Transformer Engine, exact against one rank's attention of
+the whole sequences (CP = 2 and 3, under torchrun). The load-balanced split:
+tests/megatron/test_side_inputs.py; the actor at CP=2 and TP=2 x CP=2:
+tests/megatron/test_actor_distributed.py."""
 from pathlib import Path
 
 import pytest
