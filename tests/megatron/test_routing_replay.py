@@ -9,7 +9,8 @@ equal the Hugging Face model with its routers' top-k forced to the same experts,
 the log-probs (so the comparison could fail). ``r2``: the routers are perturbed between the
 recording pass and the training pass, which must still use the recorded experts.
 
-Layouts: EP=2, DP=2, and TP=2 with sequence parallelism (megatron's MoE layer needs it at TP > 1;
+Layouts: EP=2, DP=2, CP=2 (each rank routes its own chunks; r2 gathers them back to the rows), and
+TP=2 with sequence parallelism (megatron's MoE layer needs it at TP > 1;
 on CPU the local spec's torch norms run it, megatron/spec.py): each TP rank's routers see its share
 of the tokens. Left out: PP > 1 (MoE with PP does not run on CPU).
 """
@@ -45,6 +46,7 @@ def test_r3_routes_every_token_to_the_given_experts_and_matches_forced_hf(tmp_pa
         {"mode": "r3", "tp": 1, "ep": 2, "pack": True, "recompute": "none"},  # EP=2, packed
         {"mode": "r3", "tp": 2, "ep": 1, "pack": True, "recompute": "full"},  # TP=2 (sequence parallel), packed
         {"mode": "r3", "tp": 2, "ep": 1, "pack": False, "recompute": "none"},  # TP=2 (sequence parallel), padded
+        {"mode": "r3", "tp": 1, "ep": 1, "cp": 2, "pack": True, "recompute": "full"},  # CP=2: each rank its chunks
     ], tmp_path)
     for rank, cases in enumerate(per_rank):
         for c in cases:
@@ -79,6 +81,7 @@ def test_r2_training_pass_replays_the_routing_recorded_in_the_log_prob_pass(tmp_
         {"mode": "r2", "tp": 1, "ep": 2, "pack": True, "recompute": "full"},
         {"mode": "r2", "tp": 1, "ep": 1, "pack": False, "recompute": "none"},
         {"mode": "r2", "tp": 2, "ep": 1, "pack": True, "recompute": "full"},  # TP=2 (sequence parallel)
+        {"mode": "r2", "tp": 1, "ep": 1, "cp": 2, "pack": True, "recompute": "none"},  # CP=2: recorded per rank
     ], tmp_path)
     for rank, cases in enumerate(per_rank):
         for c in cases:

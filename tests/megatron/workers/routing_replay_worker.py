@@ -92,6 +92,11 @@ def expected_in_token_order(mb, routed, layer):
             for p in range(int(seq_lens[i])):
                 out[n] = set(routed[row, p, layer].tolist())
                 n += 1
+        if mb.cp_splits is not None:  # a context-parallel shard: this rank's tokens only, by local index
+            from megatron.core import parallel_state as ps
+
+            where = mb.cp_splits[ps.get_context_parallel_rank()].locate(torch.tensor(sorted(out)))
+            out = {int(local): out[n] for n, local in zip(sorted(out), where.tolist()) if local >= 0}
         return out
     b = mb.shape[0]
     for r, row in enumerate(mb.rows):
@@ -157,14 +162,15 @@ def run_case(case):
     hf_cfg = tiny_hf_config("qwen3_moe", num_experts=EXPERTS, num_experts_per_tok=TOPK, num_hidden_layers=LAYERS)
     model = make_hf_model(hf_cfg, seed=0)
     batch = make_batch(seed=1)
-    actor = MegatronActor(hf_cfg, hf_state(model), layout=ParallelLayout(tp=case["tp"], ep=case.get("ep", 1)),
+    layout = ParallelLayout(tp=case["tp"], ep=case.get("ep", 1), cp=case.get("cp", 1))
+    actor = MegatronActor(hf_cfg, hf_state(model), layout=layout,
                           optim=OptimConfig(**OPT), precision="fp32", attention="sdpa",
                           pack_sequences=case["pack"], recompute=case["recompute"], routing_replay=case["mode"],
                           max_tokens_per_micro_batch=48, sequence_parallel=case["tp"] > 1)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     sp = (ps.get_tensor_model_parallel_rank(), case["tp"])
     rows = slice(dp_rank, None, dp)
-    out = {"case": case, "dp": dp}
+    out = {"case": case, "dp": dp, "cp_rank": ps.get_context_parallel_rank()}
 
     seen_mbs = []
     build = actor._micro_batches
