@@ -83,6 +83,21 @@ def test_resume_tp2_and_dp2_distributed_optimizer(tmp_path):
         assert "model_only=True" in tp2["full_load_other_layout"], rank
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_resume_cp2_and_its_weights_at_cp1(tmp_path):
+    """Context parallelism (#44): a CP=2 actor (its two ranks one replica) resumes bit-exact, with
+    the distributed optimizer sharding its state over the CP ranks too; a full load at CP=1 is
+    refused naming model_only, and the weights alone load at CP=1 equal to the saved ones."""
+    per_rank = _run([{"cp": 2, "reshard_to_tp1": True}, {"cp": 2, "dist_opt": True}], 2, tmp_path)
+    for rank, (cp2, cp2_dist_opt) in enumerate(per_rank):
+        _check_resume(cp2, f"rank {rank} cp2")
+        _check_resume(cp2_dist_opt, f"rank {rank} cp2 distributed optimizer")
+        assert cp2["dp"] == 1 and cp2_dist_opt["dp"] == 1
+        assert "model_only=True" in cp2["full_load_other_layout"], rank
+        assert cp2["reshard_equal"] and cp2["reshard_extra_state"] == {"step": 2, "data_position": 16}, rank
+
+
 def _fake_ckpt(root: Path, name: str, marker: bool) -> Path:
     d = root / name
     d.mkdir(parents=True)

@@ -73,7 +73,7 @@ def run_case(case, root: Path):
     hf_cfg = tiny_hf_config("qwen3", tie=False)
     weights = hf_state(make_hf_model(hf_cfg, seed=0))
     optim = OptimConfig(**OPT, use_distributed_optimizer=case.get("dist_opt", False))
-    layout = ParallelLayout(tp=case.get("tp", 1), pp=case.get("pp", 1))
+    layout = ParallelLayout(tp=case.get("tp", 1), pp=case.get("pp", 1), cp=case.get("cp", 1))
     precision = case.get("precision", "fp32")
     batches = _batches()
 
