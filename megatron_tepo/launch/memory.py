@@ -19,7 +19,7 @@ from megatron_tepo.launch.schema import LaunchLayout
 from megatron_tepo.launch.shape import ModelShape
 
 __all__ = ["GiB", "param_counts", "total_params", "layer_activation_bytes", "logits_bytes", "lm_head_bytes",
-           "fused_block_columns", "ActorMemory",
+           "fused_block_columns", "context_tokens", "cp_attention_bytes", "ActorMemory",
            "ServerMemory", "actor_memory", "server_memory", "OFFLOAD_ORDER", "PhasePeaks", "ColocatedMemory",
            "colocated_memory", "HostMemory", "STAGING_ROUNDING"]
 
@@ -122,6 +122,43 @@ def lm_head_bytes(m: ModelShape, t: int, tokens: int, elem: int = 2, fused: bool
 
 
 # --------------------------------------------------------------------------------------------
+# Context parallelism
+# --------------------------------------------------------------------------------------------
+def context_tokens(tokens: int, cp: int, multiple: int = 1) -> int:
+    """Tokens one of ``cp`` context-parallel ranks holds of a packed micro-batch of ``tokens``
+    tokens: the sequence padded to a multiple of ``2 * cp`` and cut in ``2 * cp`` chunks, two a rank
+    (``MicroBatch.context_tokens``), then, as the actor pads each rank's share, to an even multiple of
+    ``multiple`` (the sequence-parallel split: TP with ``actor.sequence_parallel``). Priced as one
+    sequence: a micro-batch of several pads each, at most ``2 * cp - 1`` tokens a sequence (under 2 a
+    rank), which is left out. ``cp == 1``: ``tokens``, unchanged."""
+    if cp == 1:
+        return tokens
+    step = multiple * (1 if multiple % 2 == 0 else 2)
+    share = -(-tokens // (2 * cp)) * 2
+    return -(-share // step) * step
+
+
+def cp_attention_bytes(m: ModelShape, t: int, rank_tokens: int, cp: int, seq: int, elem: int = 2,
+                       te: bool = False) -> float:
+    """Bytes one layer's context-parallel attention holds beside what a rank holds at CP 1, for a
+    micro-batch of which the rank holds ``rank_tokens`` tokens and whose longest sequence has ``seq``.
+
+    * Without Transformer Engine (the project's own attention, ``megatron/attention.py``): the keys and
+      values all-gathered over the CP group (the whole micro-batch, ``cp * rank_tokens`` tokens, ``2 *
+      ng/t * d * elem`` bytes a token), and each sequence's causal mask of its local queries against its
+      keys, a boolean ``[t_q, t_k]`` and the additive bias SDPA makes of it in the activations' dtype,
+      ``(1 + elem)`` bytes an entry: at most ``rank_tokens * seq`` entries.
+    * With TE (``actor.attention: te``): its ring holds the keys and values of about two ranks' blocks
+      (the one it computes on and the one it receives), no mask.
+
+    0 at ``cp == 1``."""
+    if cp == 1:
+        return 0.0
+    kv = 2.0 * (m.num_key_value_heads // t) * m.head_dim * elem * (2 if te else cp) * rank_tokens
+    return kv + (0.0 if te else (1 + elem) * rank_tokens * seq)
+
+
+# --------------------------------------------------------------------------------------------
 # Reports
 # --------------------------------------------------------------------------------------------
 @dataclass
@@ -144,11 +181,18 @@ class ActorMemory:
     routing: float = 0.0
     # and on the host, per rank, once per step: the step's routing (int8 up to 128 experts), every row
     routing_host: float = 0.0
+    # context parallelism (parallel.cp): each rank holds rank_tokens of a micro-batch's tokens; its
+    # activations, LM head and routing are priced at those; cp_attention: what its attention holds of the
+    # other ranks (gathered keys and values and the causal mask, or TE's ring; kept for backward without
+    # recompute, else one re-run block's)
+    cp: int = 1
+    rank_tokens: int = 0
+    cp_attention: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.weights + self.grads + self.optimizer + self.reference + self.activations
-                + self.logits + self.reserve + self.routing)
+                + self.logits + self.reserve + self.routing + self.cp_attention)
 
 
 @dataclass
@@ -174,26 +218,35 @@ def _precision_bytes(precision: str) -> Tuple[int, int, int]:
 def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> ActorMemory:
     """Per-GPU memory of the actor's largest pipeline stage (bytes; docs/LAUNCH.md),
     priced from the run config's ``actor`` section."""
-    t, p, e = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep
+    t, p, e, cp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp
     act = cfg.actor
     sp = act.sequence_parallel
     world = launch.actor_gpus
-    dp, edp = world // (t * p), world // (p * e * t)
+    # the distributed optimizer shards the dense parameters' state over data x context parallel
+    # (megatron's DP group with CP); the experts' over their own data-parallel group (CP is part of it)
+    dp, edp = world // (t * p * cp), world // (p * e * t)
     w_b, g_b, o_b = _precision_bytes(act.precision)
     elem = w_b  # activations are in the parameters' dtype
     dist = cfg.optim.use_distributed_optimizer
     ref = cfg.algorithm.kl_target == "ref"
     longest = cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens
     s = max(act.max_tokens_per_micro_batch, longest)
+    r = context_tokens(s, cp, t if sp else 1)  # this rank's share (s at cp 1)
     n = m.num_hidden_layers // p
     fused = act.fusions == "on" or (act.fusions == "auto" and launch.device == "cuda")
     unfused_seq = min(s, longest) if act.attention == "unfused" else 0
     per_layer = layer_activation_bytes(m, t, sp, elem, fused, unfused_seq, act.recompute == "selective")
+    gather = cp_attention_bytes(m, t, r, cp, min(s, longest), elem, te=act.attention == "te")  # one layer's
     if act.recompute == "full":
         kept = elem * m.hidden_size / t if sp else elem * m.hidden_size
-        working = per_layer * s * min(act.recompute_num_layers, n)  # one block re-run at a time
-    else:
+        working = per_layer * r * min(act.recompute_num_layers, n)  # one block re-run at a time
+        gather_kept, gather_working = 0.0, gather * min(act.recompute_num_layers, n)  # the re-run block's
+    elif act.recompute == "none" and act.attention != "te":
         kept, working = per_layer, 0.0
+        gather_kept, gather_working = gather, 0.0  # autograd keeps every layer's (SDPA's backward needs them)
+    else:  # selective: the core attention re-runs one layer at a time; TE's ring buffers pass
+        kept, working = per_layer, 0.0
+        gather_kept, gather_working = 0.0, gather
     counts = param_counts(m, t, p, e)
     replay = m.is_moe and act.routing_replay != "off"
     step_rows = cfg.rollout.prompts_per_step * cfg.rollout.n_samples
@@ -202,15 +255,16 @@ def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> ActorMe
     best = None
     for stage, in_flight, has_logits in (("first", p, p == 1), ("last", 1, True)):
         dense, expert = counts[stage]
-        opt = (o_b * dense / dp + o_b * expert / edp) if dist else o_b * (dense + expert)
+        opt = (o_b * dense / (dp * cp) + o_b * expert / edp) if dist else o_b * (dense + expert)
         mem = ActorMemory(
             stage=stage if p > 1 else "only", dense_params=dense, expert_params=expert,
             weights=w_b * (dense + expert), grads=g_b * (dense + expert), optimizer=opt,
             reference=(w_b * (dense + expert) if ref else 0.0),
-            activations=in_flight * n * kept * s + working,
-            logits=lm_head_bytes(m, t, s, elem, fused=act.lm_head == "fused") if has_logits else 0.0,
+            activations=in_flight * n * kept * r + working,
+            logits=lm_head_bytes(m, t, r, elem, fused=act.lm_head == "fused") if has_logits else 0.0,
             reserve=launch.reserve_gib * GiB, dp=dp, edp=edp, tokens=s,
-            routing=(8.0 * in_flight * s * n * m.num_experts_per_tok) if replay else 0.0, routing_host=routing_host)
+            routing=(8.0 * in_flight * r * n * m.num_experts_per_tok) if replay else 0.0, routing_host=routing_host,
+            cp=cp, rank_tokens=r, cp_attention=in_flight * n * gather_kept + gather_working)
         if best is None or mem.total > best.total:
             best = mem
     return best

@@ -52,8 +52,13 @@ class FitReport:
             hints.append("set actor.recompute: full")
         if cfg.actor.precision == "fp32":
             hints.append("set actor.precision: bf16")
-        if a.activations + a.logits > 0.25 * a.total:
-            hints.append("lower actor.max_tokens_per_micro_batch")
+        if a.activations + a.logits + a.cp_attention > 0.25 * a.total:
+            longest = cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens
+            if cfg.actor.max_tokens_per_micro_batch > longest:  # (never below the longest sequence)
+                hints.append("lower actor.max_tokens_per_micro_batch")
+            hints.append(("" if cfg.actor.pack_sequences else "set actor.pack_sequences: true and ")
+                         + f"raise parallel.cp (now {cfg.parallel.cp}: each of cp ranks holds 1/cp of a "
+                         f"micro-batch's tokens, its activations and LM head)")
         if not cfg.actor.sequence_parallel and cfg.parallel.tp > 1:
             hints.append("set actor.sequence_parallel: true")
         if cfg.optim.use_distributed_optimizer:
@@ -98,7 +103,10 @@ class FitReport:
         parts = [f"weights {_gib(a.weights)}", f"grads {_gib(a.grads)}", f"optimizer {_gib(a.optimizer)}"]
         if a.reference:
             parts.append(f"reference {_gib(a.reference)}")
-        parts += [f"activations {_gib(a.activations)}", f"logits {_gib(a.logits)}", f"reserve {_gib(a.reserve)}"]
+        parts += [f"activations {_gib(a.activations)}", f"logits {_gib(a.logits)}"]
+        if a.cp > 1:
+            parts.append(f"CP attention {_gib(a.cp_attention)}")
+        parts.append(f"reserve {_gib(a.reserve)}")
         if a.routing:
             parts.append(f"routing replay {a.routing / 2 ** 20:.0f} MiB (and {_gib(a.routing_host)} of host memory a "
                          f"rank per step: the step's routed experts)")
@@ -128,10 +136,13 @@ class FitReport:
     def actor_line(self) -> str:
         m, a, L, cfg, par = self.shape, self.actor, self.launch, self.cfg, self.cfg.parallel
         return (f"actor: {L.actor_nodes} node(s) x {L.gpus_per_node} GPUs = {L.actor_gpus}; tp={par.tp} pp={par.pp} "
-                f"ep={par.ep} dp={a.dp}" + (f" edp={a.edp}" if m.is_moe else "")
+                f"ep={par.ep} dp={a.dp} cp={par.cp}" + (f" edp={a.edp}" if m.is_moe else "")
                 + f" sp={cfg.actor.sequence_parallel} distributed_optimizer={cfg.optim.use_distributed_optimizer} "
                 f"precision={cfg.actor.precision} attention={cfg.actor.attention} recompute={cfg.actor.recompute} "
-                f"packed={cfg.actor.pack_sequences} micro-batch tokens={a.tokens}")
+                f"packed={cfg.actor.pack_sequences} micro-batch tokens={a.tokens}"
+                + (f" ({a.rank_tokens} a CP rank: each sequence in 2 x cp={par.cp} chunks, two a rank"
+                   + (f"; the optimizer sharded over dp x cp = {a.dp * par.cp}"
+                      if cfg.optim.use_distributed_optimizer else "") + ")" if par.cp > 1 else ""))
 
     def render_colocated(self) -> str:
         """A colocated layout: the servers on the actor's GPUs; each phase's peak per GPU at the
@@ -190,7 +201,7 @@ class FitReport:
         return "\n".join([
             self.model_line(),
             f"actor (cpu): {L.actor_nodes} node(s) x {L.gpus_per_node} processes = {L.actor_gpus}; "
-            f"tp={par.tp} pp={par.pp} ep={par.ep} dp={par.dp(L.actor_gpus)}",
+            f"tp={par.tp} pp={par.pp} ep={par.ep} dp={par.dp(L.actor_gpus)} cp={par.cp}",
             f"rollout (cpu): {L.servers} SGLang server(s) {where}, tp={L.rollout.server.tp}, "
             f"{L.rollout.server.threads_per_server} thread(s) each",
             "memory: not checked (launch.device: cpu; the GPU arithmetic does not apply)",
