@@ -54,7 +54,8 @@ def _run_config(path: Path, tmp_path: Path):
 
 
 def test_every_example_is_covered():
-    assert {f.stem for f in FILES} >= {"qwen3_14b", "qwen2.5_7b", "qwen3_32b", "qwen3_30b_a3b", "tiny_cpu"}
+    assert {f.stem for f in FILES} >= {"qwen3_14b", "qwen3_14b_32k", "qwen2.5_7b", "qwen3_32b", "qwen3_30b_a3b",
+                                       "tiny_cpu"}
 
 
 @pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])
@@ -74,16 +75,18 @@ def test_layout_settings_reach_the_transformer_config(path, tmp_path):
     assert tc.bf16 == (a.precision == "bf16")
     assert tc.params_dtype == (torch.bfloat16 if a.precision == "bf16" else torch.float32)
     assert tc.sequence_parallel == a.sequence_parallel
-    assert (tc.tensor_model_parallel_size, tc.pipeline_model_parallel_size, tc.expert_model_parallel_size) == (
-        cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
+    assert (tc.tensor_model_parallel_size, tc.pipeline_model_parallel_size, tc.expert_model_parallel_size,
+            tc.context_parallel_size) == (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp)
     if a.recompute == "full":
         assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == (
             "full", "uniform", a.recompute_num_layers)
     else:
         assert tc.recompute_granularity == (None if a.recompute == "none" else "selective")
     assert tc.bias_activation_fusion == (settings.fusions == "on")
-    if path.stem != "tiny_cpu":  # the GPU files: bf16, full recompute, packed, sequence parallel
-        assert (a.precision, a.recompute, a.pack_sequences, a.sequence_parallel) == ("bf16", "full", True, True)
+    if path.stem != "tiny_cpu":  # the GPU files: bf16, packed, sequence parallel, full recompute (with
+        # context parallelism, qwen3_14b_32k.yaml, selective: CP halves the activations it keeps)
+        assert (a.precision, a.pack_sequences, a.sequence_parallel) == ("bf16", True, True)
+        assert a.recompute == ("full" if cfg.parallel.cp == 1 else "selective")
         assert spec.launch.device == "cuda"
 
 

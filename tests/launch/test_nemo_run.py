@@ -29,11 +29,11 @@ def _env(**extra):
     return env
 
 
-def _launch(tmp, *args, pythons=None):
-    """The 14B launch; ``pythons``: TEPO_PYTHON / MTEPO_SGLANG_PYTHON (default: a GPU job's
+def _launch(tmp, *args, pythons=None, launch=LAUNCH):
+    """The 14B launch (or ``launch``); ``pythons``: TEPO_PYTHON / MTEPO_SGLANG_PYTHON (default: a GPU job's
     stand-ins, which the launcher's check of the nodes' pythons accepts: tests/launch/gpu_pythons.py)."""
     pythons = gpu_pythons(tmp / "pythons") if pythons is None else pythons
-    return subprocess.run([sys.executable, str(TOOL), "--launch", str(LAUNCH), "--executor", "slurm",
+    return subprocess.run([sys.executable, str(TOOL), "--launch", str(launch), "--executor", "slurm",
                            "--account", "acct_rl", "--partition", "gpu", "--nemorun-home", str(tmp / "nemorun"),
                            *args], capture_output=True, text=True, env=_env(**pythons), cwd=ROOT, timeout=300)
 
@@ -159,6 +159,41 @@ def test_run_config_is_the_launch_files(rendered):
     assert cfg.train.output_dir == str(rendered["tmp"] / "out")
     assert "total 37.9 GiB of 80 GiB: fits" in (path.parent / "fit.log").read_text()
     assert "architecture" not in path.read_text() and "launch:" not in path.read_text()
+
+
+def test_the_32k_context_parallel_job(tmp_path):
+    """examples/models/qwen3_14b_32k.yaml (parallel.cp: 2) through nemo-run, as slurm/qwen3_14b_32k_tepo.sh:
+    4 nodes, torchrun with 8 processes on each of the 2 actor nodes (16 ranks: TP 4 x CP 2 x DP 2, which
+    the trainer makes of them), 2 servers at TP 4 a rollout node with a 34816-token context; the run
+    config keeps parallel.cp, the fit log says the CP it assumed. At parallel.cp=1 the launcher stops
+    before anything is rendered, naming parallel.cp."""
+    from megatron_tepo.config import load_config
+
+    launch = ROOT / "examples" / "models" / "qwen3_14b_32k.yaml"
+    res = _launch(tmp_path, "--dryrun", f"train.output_dir={tmp_path / 'out'}", launch=launch)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    found = dict(re.findall(r"^(sbatch script|run config): (\S+)$", res.stdout, re.M))
+    text = Path(found["sbatch script"]).read_text()
+    assert _sbatch_flags(text)["nodes"] == "4" and re.search(r"^tepo_split_nodes 2 2 \|\|", text, re.M)
+    sruns = _sruns(text)
+    _, step, server = _step(next(a for a in sruns if "step-sglang" in a), "step-sglang")
+    assert _opt(step, "--ports") == "30000,30001" and _opt(step, "--gpus-per-server") == "4"
+    assert _opt(server, "--tp") == "4" and _opt(server, "--context-length") == "34816"
+    srun, _, torchrun = _step(next(a for a in sruns if "step-trainer" in a), "step-trainer")
+    assert _opt(srun, "--nodes") == "2" and _opt(srun, "--gpus-per-node") == "8"
+    assert (_opt(torchrun, "--nnodes"), _opt(torchrun, "--nproc-per-node")) == ("2", "8")
+    run_config = Path(found["run config"])
+    cfg = load_config(run_config)
+    assert (cfg.parallel.tp, cfg.parallel.cp, cfg.actor.pack_sequences, cfg.rollout.max_new_tokens) == (
+        4, 2, True, 32768)
+    fit = (run_config.parent / "fit.log").read_text()
+    assert "dp=2 cp=2 " in fit and "total 67.0 GiB of 80 GiB: fits" in fit
+
+    res = _launch(tmp_path / "cp1", "--dryrun", f"train.output_dir={tmp_path / 'out1'}", "parallel.cp=1", launch=launch)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "fit check FAILED" in res.stderr and "actor does not fit: 95.5 GiB > 80 GiB per GPU" in res.stderr
+    assert "raise parallel.cp (now 1" in res.stderr
+    assert not (tmp_path / "cp1" / "nemorun").exists() and not (tmp_path / "out1").exists()  # nothing rendered
 
 
 FAKE_SCONTROL = """#!/bin/bash

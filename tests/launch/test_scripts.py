@@ -14,7 +14,7 @@ from tests.launch.gpu_pythons import gpu_pythons
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((ROOT / "slurm").glob("*.sh"))
 MODEL_SCRIPTS = ["qwen3_14b_tepo.sh", "qwen2.5_7b_tepo.sh", "qwen3_32b_tepo.sh", "qwen3_30b_a3b_tepo.sh",
-                 "qwen3_14b_tepo_colocated.sh"]
+                 "qwen3_14b_tepo_colocated.sh", "qwen3_14b_32k_tepo.sh"]
 
 
 def test_all_scripts_present():
@@ -136,6 +136,41 @@ def test_dry_run_qwen3_14b(tmp_path):
     assert "--context-length\\ 10240" in sglang
     assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION" not in sglang  # (no memory saver: SGLang's defaults)
     assert "total 37.9 GiB of 80 GiB: fits" in (logs / "fit.log").read_text()
+
+
+def test_dry_run_qwen3_14b_32k(tmp_path):
+    """The 32k-response job (context parallelism, parallel.cp: 2): the same 4 nodes as the 14B job,
+    torchrun starting 8 processes on each of the 2 actor nodes (16 ranks: TP 4 x CP 2 x DP 2, which the
+    trainer makes of them), 2 servers at TP 4 a rollout node with a 34816-token context, and the fit
+    check's report of the CP it assumed; the run config keeps parallel.cp."""
+    res = subprocess.run(["bash", str(ROOT / "slurm" / "qwen3_14b_32k_tepo.sh"), "train.steps=3"], cwd=tmp_path,
+                         env=_dry_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "actor nodes: n1 n2; rollout nodes: n3 n4" in res.stderr
+    logs = next((tmp_path / "out" / "logs").iterdir())
+    trainer = (logs / "trainer.log").read_text()
+    assert "srun --nodes=2 --ntasks-per-node=1 --nodelist=n1\\,n2" in trainer
+    assert "torch.distributed.run --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=n1:29500" in trainer
+    for host in ("n3", "n4"):
+        sglang = (logs / f"sglang.{host}.srun.log").read_text()
+        assert sglang.count("megatron_tepo.rollout.sglang.server") == 2  # 8 GPUs / TP 4
+        assert "CUDA_VISIBLE_DEVICES=4\\,5\\,6\\,7" in sglang and "--tp\\ 4" in sglang
+        assert "--context-length\\ 34816" in sglang and "--max-running-requests\\ 44" in sglang
+    fit = (logs / "fit.log").read_text()
+    assert "tp=4 pp=1 ep=1 dp=2 cp=2 " in fit and "(17408 a CP rank:" in fit
+    assert "total 67.0 GiB of 80 GiB: fits" in fit
+    run = yaml.safe_load((tmp_path / "run" / "run.yaml").read_text())
+    assert run["parallel"]["cp"] == 2 and run["actor"]["pack_sequences"] is True
+    assert run["rollout"]["max_new_tokens"] == 32768
+
+
+def test_dry_run_qwen3_14b_32k_at_cp_1_stops_naming_parallel_cp(tmp_path):
+    """The same job with parallel.cp=1 (an override): the fit check stops it before any srun."""
+    res = subprocess.run(["bash", str(ROOT / "slurm" / "qwen3_14b_32k_tepo.sh"), "parallel.cp=1"], cwd=tmp_path,
+                         env=_dry_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1 and "fit check failed (see above); nothing was started" in res.stderr
+    assert "actor does not fit: 95.5 GiB > 80 GiB per GPU" in res.stderr and "raise parallel.cp (now 1" in res.stderr
+    assert "DRY-RUN: srun" not in _dry_run_output(tmp_path, res)
 
 
 def test_dry_run_qwen3_14b_colocated(tmp_path):

@@ -25,6 +25,7 @@ def test_serve_module_exists():
 
 @pytest.mark.parametrize("name,device_args", [
     ("qwen3_14b", ["--context-length", "10240"]),
+    ("qwen3_14b_32k", ["--context-length", "34816"]),  # 2048 + 32768
     ("tiny_cpu", ["--threads", "1", "--max-total-tokens", "4096"]),
 ])
 def test_one_serve_command_for_both_launchers(tmp_path, name, device_args):
