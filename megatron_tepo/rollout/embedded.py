@@ -57,6 +57,17 @@ def sampling_log_probs(logits: torch.Tensor, temperature: float, top_p: float) -
     return logp - torch.logsumexp(logp, dim=-1, keepdim=True)
 
 
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name under which ``model``'s forward takes and returns its KV cache: ``cache`` in
+    the newer transformers (5.24: ``past_key_values`` is deprecated there, to be removed in 5.40),
+    else ``past_key_values`` (4.x, and 5.19 of the SGLang venv). Read from the forward's signature
+    (``inspect.signature`` follows transformers' ``deprecate_kwarg`` wrapper to the function)."""
+    import inspect
+
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class EmbeddedEngine(RolloutEngine):
     """In-process engine around a ``transformers`` causal LM (HF parameter names)."""
 
@@ -75,6 +86,7 @@ class EmbeddedEngine(RolloutEngine):
         self.max_batch_size = max_batch_size
         self.pad_token_id = pad_token_id
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self._cache_arg = cache_argument(self.model)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self._released: set = set()  # colocated mode: the memory tags released
         self._weights_stale = False  # weights taken back, not yet updated: nothing to generate with
@@ -130,9 +142,9 @@ class EmbeddedEngine(RolloutEngine):
             if step and stop_event is not None and stop_event.is_set():  # (every row gets its first token)
                 break
             pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
-            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
-                             past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                             **{self._cache_arg: cache})
+            cache = getattr(out, self._cache_arg)
             logp = sampling_log_probs(out.logits[:, -1], sp.temperature, sp.top_p)
             tok = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(1)
             tok_lp = logp.gather(-1, tok[:, None]).squeeze(1)

@@ -144,3 +144,78 @@ def test_bad_arguments(model):
         eng.generate([[]])
     with pytest.raises(ValueError):
         eng.generate([[VOCAB + 5]])
+
+
+def _cache_deprecations(run):
+    """The transformers cache deprecations ``run()`` raises: its ``FutureWarning`` (``past_key_values
+    is deprecated ... Use cache instead``) and its logger's ``past_key_values/cache_params are
+    deprecated`` (a ``warning_once``: its cache is cleared first, so an earlier test's use still
+    counts here)."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    hf_logger = logging.getLogger("transformers")
+    hf_logging.warning_once.cache_clear()
+    hf_logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+    finally:
+        hf_logger.removeHandler(handler)
+    said = [str(w.message) for w in caught] + [r.getMessage() for r in records]
+    return [m for m in said if "past_key_values" in m or "cache_params" in m or "deprecated" in m]
+
+
+def test_generation_uses_the_cache_argument_of_the_installed_transformers(model):
+    """transformers 5.24 takes the KV cache as ``cache`` (``past_key_values`` deprecated, removed in
+    5.40); 4.x and 5.19 as ``past_key_values``. The engine asks the forward's signature and says
+    nothing deprecated."""
+    import inspect
+
+    from megatron_tepo.rollout.embedded import cache_argument
+
+    takes = inspect.signature(type(model).forward).parameters
+    assert cache_argument(model) == ("cache" if "cache" in takes else "past_key_values")
+    eng = EmbeddedEngine(model, seed=1)
+    assert _cache_deprecations(lambda: eng.generate(PROMPTS, n=2, max_new_tokens=4)) == []
+
+
+class _PastKeyValuesModel(torch.nn.Module):
+    """A model of the older API (transformers 4.x, 5.19): the cache in and out as ``past_key_values``,
+    around a model of the installed transformers."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.cache_name = "cache" if "cache" in __import__("inspect").signature(type(inner).forward).parameters \
+            else "past_key_values"
+        self.calls = []
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=None):
+        from types import SimpleNamespace
+
+        self.calls.append(past_key_values is not None)
+        out = self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=use_cache, **{self.cache_name: past_key_values})
+        return SimpleNamespace(logits=out.logits, past_key_values=getattr(out, self.cache_name))
+
+
+def test_generation_with_the_older_past_key_values_api_is_the_same(model):
+    from megatron_tepo.rollout.embedded import cache_argument
+
+    old = _PastKeyValuesModel(model)
+    assert cache_argument(old) == "past_key_values"
+    a = EmbeddedEngine(old, seed=7).generate(PROMPTS, n=2, max_new_tokens=6)
+    b = EmbeddedEngine(model, seed=7).generate(PROMPTS, n=2, max_new_tokens=6)
+    assert old.calls[0] is False and all(old.calls[1:])  # the prefill, then the cache handed back each step
+    assert [(s.token_ids, s.log_probs) for g in a for s in g] == [(s.token_ids, s.log_probs) for g in b for s in g]
