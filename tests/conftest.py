@@ -21,6 +21,8 @@ def pytest_configure(config):
         ("slow", "takes more than ~30 s"),
         ("journey", "a user's whole command line (tools/train.py and the CLI, in subprocesses); tools/test.sh runs "
                     "these beside the rest, with the sglang and slurm tests"),
+        ("second_lane", "runs in tools/test.sh's second lane, beside the sglang tests (that lane has time "
+                        "to spare; the first has none): where it runs, never whether"),
     ]:
         config.addinivalue_line("markers", f"{name}: {text}")
 

@@ -26,7 +26,8 @@ OLDEST_MARKS="not sglang and not slurm"
 # Left out there: the layouts whose megatron-core calls another oldest-stack test already makes (the
 # newest stack runs them all). TP2 and PP2 alone: TP2xPP2 makes both calls; the trainer's TP2 and DP2
 # two-process runs: its PP2 run (megatron's pipeline schedule) and the actor's TP2xPP2/DP2 tests,
-# and its CP2 run: the actor's CP2 and TP2xCP2 tests;
+# and its CP2 run: the actor's CP2 and TP2xCP2 tests; the actor's TP2xCP2 and CP2 checkpoint
+# tests: its CP2 test (the same megatron-core calls for CP; TP, SP and checkpoints tested alone);
 # conversion's TP2 reshard and bf16 round trip: its TP2xPP2 round trip with logits and the bf16
 # actor; SmolLM2 (a Llama: the same GPTModel and mapping calls); the streaming import's EP2 case and
 # the TP2 and PP2 export buckets: their TP2xPP2 and EP2 cases; one of each pair of the fast-path
@@ -37,6 +38,8 @@ OLDEST_DESELECT=(
   "tests/trainer/test_multiprocess.py::test_two_processes_match_one[tp2]"
   "tests/trainer/test_multiprocess.py::test_two_processes_match_one[dp2]"
   "tests/trainer/test_multiprocess.py::test_two_processes_match_one[cp2]"
+  tests/megatron/test_actor_distributed.py::test_tp2_cp2_matches_hf_and_cp1
+  tests/megatron/test_actor_checkpoint.py::test_resume_cp2_and_its_weights_at_cp1
   tests/checkpoint/test_convert_roundtrip.py::test_tp2_logits_and_reshard_to_tp1_and_pp2
   tests/checkpoint/test_convert_roundtrip.py::test_bf16_checkpoint_roundtrip_tp2
   tests/checkpoint/test_convert_smollm2.py::test_smollm2_pp2_logits_and_tp3_reshard
@@ -88,14 +91,15 @@ run_pytest() {  # run_pytest <label> <python> <pytest args...>: returns 0 / 1
 # one process. What the server tests need is made from the start, beside .venv (servers_setup).
 #   first:  the rest of the newest stack, as soon as .venv is made; then the loop tests under a
 #           second CPU capability;
-#   second: the `sglang` tests (SECOND_LANE), once the SGLang venv is made;
+#   second: the `sglang` tests and the `second_lane` ones (SECOND_LANE: tests moved out of the
+#           first lane, which has no time to spare), once the SGLang venv is made;
 #   third:  the oldest stack's venv, then its tests (when asked for), then the `journey` tests
 #           (whole runs of a user's command) and the `slurm` tests (THIRD_LANE).
 # The second and third lanes' output goes to .test-logs/sglang.log and .test-logs/oldest-journeys-slurm.log,
 # printed after the first lane's with the installs' (.test-logs/servers-setup.log); a lane that
 # fails names itself in .test-logs/failed-lanes. Extra arguments (a selection of tests): one pytest
 # run of the newest stack, as they say, once the installs are done.
-SECOND_LANE="sglang and not slurm"
+SECOND_LANE="(sglang or second_lane) and not slurm"
 THIRD_LANE="journey and not (slurm or sglang)"
 
 # The oldest stack's venv (tools/setup_env.sh with MTEPO_PYTHON, default python3.11): its last line
@@ -163,7 +167,7 @@ run_lanes() {  # run_lanes <python> [pytest args...]: appends to failed
   third=$!
   echo "tools/test.sh: beside the rest: [$SECOND_LANE] (pid $second) in $logs/sglang.log;" \
        "[the oldest stack, the journeys, slurm] (pid $third) in $logs/oldest-journeys-slurm.log" >&2
-  run_pytest "newest: the rest" "$py" -m "not (slurm or sglang or journey)" || failed+=(newest)
+  run_pytest "newest: the rest" "$py" -m "not (slurm or sglang or journey or second_lane)" || failed+=(newest)
   # The loop tests that compare two runs' floating point, once more under torch's portable CPU
   # kernels (ATEN_CPU_CAPABILITY=default: other rounding than this machine's vectorised ones), so a
   # test that holds only on one CPU's rounding fails here rather than on the next machine.

@@ -84,6 +84,7 @@ def test_resume_tp2_and_dp2_distributed_optimizer(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.second_lane
 @pytest.mark.timeout(400)
 def test_resume_cp2_and_its_weights_at_cp1(tmp_path):
     """Context parallelism (#44): a CP=2 actor (its two ranks one replica) resumes bit-exact, with

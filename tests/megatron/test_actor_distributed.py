@@ -200,6 +200,7 @@ CP = {"precision": "fp32", "attention": "sdpa", "pack_sequences": True}
 
 
 @pytest.mark.distributed
+@pytest.mark.second_lane
 @pytest.mark.timeout(500)
 def test_cp2_matches_hf_and_cp1(tmp_path):
     """Context parallelism (#44) at CP=2 on 2 ranks, packed, rows of uneven lengths (one of 1 token
@@ -224,6 +225,7 @@ def test_cp2_matches_hf_and_cp1(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.second_lane
 @pytest.mark.timeout(600)
 def test_tp2_cp2_matches_hf_and_cp1(tmp_path):
     """TP=2 x CP=2 on 4 ranks (#44), with and without sequence parallelism, against the HF reference

@@ -35,7 +35,8 @@ def _single(tiny, out, *extra):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.tp=1", "parallel.pp=2", "parallel.cp=2"],
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.tp=1", "parallel.pp=2",
+                                    pytest.param("parallel.cp=2", marks=pytest.mark.second_lane)],
                          ids=["tp2", "dp2", "pp2", "cp2"])
 def test_two_processes_match_one(tiny, tmp_path, layout):
     ref = _single(tiny, tmp_path / "one", "train.steps=2")
