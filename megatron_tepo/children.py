@@ -1,7 +1,7 @@
 """Helper processes that die with the process that started them, ``kill -9`` included (Linux):
 :func:`die_with_parent`, called first thing in a child (the math-reward workers), and
 :func:`checkpoint_results_queue`, megatron-core's asynchronous-save results queue served by such a
-child.
+child, and :func:`call_dying_with_parent`, which NVRx's persistent checkpoint writer runs.
 
 megatron-core's asynchronous checkpoint writer reports through a ``multiprocessing`` queue that a
 Manager serves from a spawned server process (``filesystem_async._results_queue``, made on the
@@ -11,13 +11,14 @@ good, with the trainer's imports in memory (about 0.5 GB on CPU). Under Slurm th
 it; on a workstation or a supervisor's restart loop it piles up, one per kill.
 
 Standard library only. Left out: other platforms (``PR_SET_PDEATHSIG`` is Linux's; elsewhere the
-children behave as before), and megatron's forked writer itself, which finishes its write and exits.
+children behave as before), and megatron's forked writer itself, which finishes its write and exits
+(NVRx's persistent writer, which waits for the next save, dies with the trainer instead).
 """
 from __future__ import annotations
 
 import os
 
-__all__ = ["die_with_parent", "checkpoint_results_queue"]
+__all__ = ["die_with_parent", "call_dying_with_parent", "checkpoint_results_queue"]
 
 _MANAGERS = []  # the Manager behind the queue: kept, so its finalizer runs only at exit
 
@@ -37,11 +38,20 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
+def call_dying_with_parent(parent_pid: int, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a child that from now on dies with its parent (:func:`die_with_parent`):
+    what NVRx's persistent checkpoint writer runs for each save (it would otherwise wait for the next
+    one for good once the trainer is killed)."""
+    die_with_parent(parent_pid)
+    return fn(*args, **kwargs)
+
+
 def checkpoint_results_queue(filesystem_async=None):
     """megatron-core's asynchronous-save results queue, made now (once per process) and served by a
     Manager whose server process dies with this one; returns it. ``filesystem_async``: the module
-    (default ``megatron.core.dist_checkpointing.strategies.filesystem_async``). A queue megatron
-    already made is left as it is."""
+    (default ``megatron.core.dist_checkpointing.strategies.filesystem_async``; NVRx's writer has its
+    own, ``nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async``, the same way). A queue
+    megatron already made is left as it is."""
     import multiprocessing as mp
     from multiprocessing.managers import SyncManager
 

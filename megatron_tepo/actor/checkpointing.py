@@ -25,12 +25,15 @@ Assumes a file system shared by all ranks (every rank writes its own shards and 
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
 import random
 import shutil
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -43,7 +46,7 @@ from megatron_tepo.checkpoint.store import (COMPLETE_MARKER, EXTRA_STATE, FORMAT
 from megatron_tepo.megatron.parallel import raise_if_any_rank_failed
 
 __all__ = ["save_actor_checkpoint", "load_actor_checkpoint", "load_newest_checkpoint", "get_rng_state",
-           "set_rng_state", "actor_layout", "AsyncSaves"]
+           "set_rng_state", "actor_layout", "AsyncSaves", "AsyncWriter", "choose_async_writer"]
 
 DIST_OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -201,19 +204,111 @@ def _sharded_state_dict(actor, is_loading: bool, with_optimizer: bool = True) ->
     return state
 
 
+#: ``MTEPO_ASYNC_WRITER``: ``auto`` (the default: :func:`choose_async_writer`'s rule), ``mcore`` or ``nvrx``
+#: (that writer, or an error saying why it cannot be had): for tests that run both paths.
+ASYNC_WRITER_ENV = "MTEPO_ASYNC_WRITER"
+
+
+@dataclass(frozen=True)
+class AsyncWriter:
+    """The writer of the asynchronous saves: ``name`` (``"nvrx"``: nvidia-resiliency-ext's, the one
+    megatron-core >= 0.19 asks for; ``"mcore"``: megatron-core's own), ``save_kwargs`` (for
+    ``dist_checkpointing.save``) and ``why`` (said once in the log)."""
+    name: str
+    save_kwargs: Dict[str, Any]
+    why: str
+
+
+def _nvrx_ready() -> Optional[str]:
+    """nvidia-resiliency-ext's version when megatron-core finds in it every symbol its ``nvrx`` async
+    strategy uses (megatron-core's own probe, ``strategies.torch.HAVE_NVRX``; it wants >= 0.6), else None."""
+    import importlib.metadata
+
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch_strategy
+
+    if not getattr(mcore_torch_strategy, "HAVE_NVRX", False):
+        return None
+    return importlib.metadata.version("nvidia-resiliency-ext")
+
+
+def choose_async_writer(save_fn=None, nvrx_version: Optional[str] = "probe",
+                        wanted: Optional[str] = None) -> AsyncWriter:
+    """THE choice of the asynchronous saves' writer: NVRx's where megatron-core's
+    ``dist_checkpointing.save`` takes ``async_strategy`` (>= 0.19, which deprecates its own writer)
+    and nvidia-resiliency-ext is importable with what megatron-core needs; megatron-core's own
+    writer elsewhere (megatron-core 0.16.1, or NVRx missing). ``save_fn`` (default megatron-core's
+    ``dist_checkpointing.save``), ``nvrx_version`` (default: probed; None: not installed) and
+    ``wanted`` (default ``$MTEPO_ASYNC_WRITER`` or ``auto``) are for tests."""
+    import inspect
+
+    from megatron_tepo.megatron.compat import async_save_kwargs, mcore_version
+
+    if save_fn is None:
+        from megatron.core.dist_checkpointing import save as save_fn
+    wanted = wanted or os.environ.get(ASYNC_WRITER_ENV) or "auto"
+    if wanted not in ("auto", "mcore", "nvrx"):
+        raise CheckpointError(f"{ASYNC_WRITER_ENV}={wanted!r}: expected auto, mcore or nvrx")
+    mcore = AsyncWriter("mcore", async_save_kwargs(save_fn), "")
+    if "async_strategy" not in inspect.signature(save_fn).parameters:
+        why = f"megatron-core {mcore_version()} has no async_strategy"
+    else:
+        if nvrx_version == "probe":
+            nvrx_version = _nvrx_ready()
+        if nvrx_version is not None and wanted != "mcore":
+            return AsyncWriter("nvrx", {"async_sharded_save": True, "async_strategy": "nvrx"},
+                               f"nvidia-resiliency-ext {nvrx_version}")
+        why = (f"{ASYNC_WRITER_ENV}=mcore" if nvrx_version is not None else
+               "nvidia-resiliency-ext >= 0.6 is not installed: docs/FAULT_TOLERANCE.md")
+    if wanted == "nvrx":
+        raise CheckpointError(f"{ASYNC_WRITER_ENV}=nvrx: NVRx's writer cannot be had here: {why}")
+    return AsyncWriter(mcore.name, mcore.save_kwargs, why)
+
+
+_ANNOUNCED: List[str] = []  # the writer this process said it uses (once)
+
+
+def _announce(writer: AsyncWriter) -> None:
+    if not _ANNOUNCED and global_rank() == 0:
+        name = {"nvrx": "NVRx (nvidia-resiliency-ext)", "mcore": "megatron-core's own"}[writer.name]
+        print(f"[megatron_tepo] asynchronous checkpoint saves: {name} writer ({writer.why})", flush=True)
+    _ANNOUNCED.append(writer.name)
+
+
 class AsyncSaves:
-    """The asynchronous checkpoint saves of one actor: megatron-core's ``AsyncCallsQueue`` with at
-    most one save in flight. Every method is collective (all ranks call it at the same point)."""
+    """The asynchronous checkpoint saves of one actor, at most one in flight, through the writer
+    :func:`choose_async_writer` picks: megatron-core's ``AsyncCallsQueue`` (a forked writer per save,
+    writing from its own copy) or NVRx's (one persistent writer process, given a copy of the
+    tensors, made to die with this process: ``megatron_tepo/children.py``). Either way the writers'
+    results queue is served by a child that dies with this process. Every method is collective (all
+    ranks call it at the same point)."""
 
-    def __init__(self):
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
+    def __init__(self, writer: Optional[AsyncWriter] = None):
         from megatron_tepo.children import checkpoint_results_queue
 
-        self.queue = AsyncCallsQueue()  # (a forked writer per save: it writes from its own copy)
-        checkpoint_results_queue()  # the writers' results queue, its server dying with this process
+        self.writer = writer or choose_async_writer()
+        _announce(self.writer)
+        if self.writer.name == "nvrx":
+            from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
+            from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
+
+            # without CUDA: its writer process must not set a CUDA device (it divides by the count)
+            self.queue = AsyncCallsQueue(persistent=True, cpu_shm_mode=not torch.cuda.is_available())
+            checkpoint_results_queue(filesystem_async)
+            atexit.register(self._close_queue)  # (its writer process is stopped before Python tears down)
+        else:
+            from megatron.core.dist_checkpointing.strategies import filesystem_async
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.queue = AsyncCallsQueue()  # (a forked writer per save: it writes from its own copy)
+            checkpoint_results_queue(filesystem_async)
 
     def schedule(self, request) -> None:
+        if self.writer.name == "nvrx" and request.async_fn is not None:
+            from megatron_tepo.children import call_dying_with_parent
+
+            # (the persistent writer runs it: from its first save on, it dies with this process)
+            request = request._replace(async_fn=functools.partial(call_dying_with_parent, os.getpid(),
+                                                                  request.async_fn))
         self.queue.schedule_async_request(request)
 
     def finalize(self, blocking: bool = False) -> int:
@@ -224,7 +319,16 @@ class AsyncSaves:
 
     def close(self) -> None:
         self.finalize(blocking=True)
-        self.queue.close()
+        self._close_queue()
+
+    def _close_queue(self) -> None:
+        """Close the queue (at exit: NVRx's writer process is stopped; a save still in flight then,
+        after a failure, is abandoned unpublished)."""
+        if self.writer.name != "nvrx":
+            self.queue.close()
+            return
+        self.queue.close(abort=self.queue.get_num_unfinalized_calls() > 0)
+        self.queue.cpu_shm_mode = False  # (else its __del__ imports again at shutdown to undo what close() did)
 
 
 def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict] = None,
@@ -246,8 +350,6 @@ def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict
     first: at most one is in flight. Until it is published the checkpoint is a ``*.tmp-*``
     directory, which a resume never takes."""
     from megatron.core import dist_checkpointing
-
-    from megatron_tepo.megatron.compat import async_save_kwargs
 
     if saves is not None:
         saves.finalize(blocking=True)  # at most one save in flight
@@ -271,7 +373,7 @@ def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict
     rng = get_rng_state()
     state = _sharded_state_dict(actor, is_loading=False)
     request = dist_checkpointing.save(state, str(tmp), content_metadata={"format": FORMAT},
-                                      **(async_save_kwargs() if saves is not None else {}))
+                                      **(saves.writer.save_kwargs if saves is not None else {}))
     set_rng_state(rng)
     (tmp / RNG_DIR).mkdir(exist_ok=True)  # by every rank: no extra collective
     torch.save(rng, tmp / RNG_DIR / f"rank{global_rank()}.pt")

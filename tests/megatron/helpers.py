@@ -194,3 +194,30 @@ def hf_reference_step(model, batch: RolloutBatch, loss_cfg: dict, lr: float, bet
 def max_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     scale = float(ref.abs().max())
     return float((got - ref).abs().max()) / max(scale, 1e-30)
+
+
+# ------------------------------------------------------------------ the asynchronous saves' writers
+#: the writers of the asynchronous checkpoint saves (megatron_tepo/actor/checkpointing.py:choose_async_writer),
+#: each forced by MTEPO_ASYNC_WRITER in the tests that run both
+ASYNC_WRITERS = ("mcore", "nvrx")
+
+
+def async_writer_missing(writer: str):
+    """Why ``writer`` cannot run on this stack (None when it can), from the installed packages'
+    versions, without importing megatron-core: NVRx's needs megatron-core >= 0.19 (``async_strategy``)
+    and nvidia-resiliency-ext >= 0.6 (megatron-core's minimum)."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    if writer == "mcore":
+        return None
+    mcore = Version(importlib.metadata.version("megatron-core"))
+    if mcore < Version("0.19"):
+        return f"megatron-core {mcore} has no async_strategy: only its own writer"
+    try:
+        nvrx = Version(importlib.metadata.version("nvidia-resiliency-ext"))
+    except importlib.metadata.PackageNotFoundError:
+        return ("nvidia-resiliency-ext is not installed (its wheels >= 0.5 need glibc >= 2.39: "
+                "docs/FAULT_TOLERANCE.md)")
+    return None if nvrx >= Version("0.6") else f"nvidia-resiliency-ext {nvrx} < 0.6, megatron-core's minimum"

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.megatron.helpers import ASYNC_WRITERS, async_writer_missing
+
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).parent / "workers" / "async_kill_worker.py"
 
@@ -30,12 +32,12 @@ def _session(sid):
     return alive
 
 
-def _run(mode, root):
+def _run(mode, root, writer):
     """The worker in a session of its own, its output in a file. After a SIGKILL the processes it
     started must end by themselves (dist_checkpointing's forked writer once its files are written,
     the results queue's server with the worker, ``megatron_tepo/children.py``): what is still running
     a minute later is returned, then killed with the session, as a Slurm step's end would."""
-    env = dict(os.environ, OMP_NUM_THREADS="1",  # (CUDA as the machine has it: the GPU check runs this too)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MTEPO_ASYNC_WRITER=writer,  # (CUDA as the machine has it: the GPU check runs this too)
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     log = root / f"{mode}.log"
     left = []
@@ -57,11 +59,17 @@ def _run(mode, root):
 
 
 @pytest.mark.timeout(330)
-def test_kill_during_an_async_write_resumes_from_the_previous_complete_checkpoint(tmp_path):
-    rc, log, left = _run("run", tmp_path)
+@pytest.mark.parametrize("writer", ASYNC_WRITERS)
+def test_kill_during_an_async_write_resumes_from_the_previous_complete_checkpoint(tmp_path, writer):
+    """On both writers: megatron-core's (a forked writer per save) and NVRx's (one persistent writer
+    process, where nvidia-resiliency-ext is installed)."""
+    if async_writer_missing(writer):
+        pytest.skip(async_writer_missing(writer))
+    rc, log, left = _run("run", tmp_path, writer)
     assert rc == -signal.SIGKILL, log[-3000:]
+    assert f"asynchronous checkpoint saves: {'NVRx' if writer == 'nvrx' else 'megatron-core'}" in log, log[-3000:]
     assert left == [], left  # nothing of the killed trainer runs on: no writer, no results-queue server
-    rc, log, left = _run("resume", tmp_path)
+    rc, log, left = _run("resume", tmp_path, writer)
     assert rc == 0 and left == [], (left, log[-3000:])
     r = json.loads((tmp_path / "resumed.json").read_text())
     assert "step_2" not in r["listing"]  # never published

@@ -10,15 +10,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.megatron.helpers import ASYNC_WRITERS, async_writer_missing
+
 REPO = Path(__file__).resolve().parents[2]
 VOLATILE = {"time", "step_s", "sync_s", "rollout_s", "train_s", "tokens_per_s"}
 
 
-def _run(out, async_save, port):
+def _run(out, async_save, port, writer="mcore"):
     cmd = [sys.executable, str(REPO / "examples/tiny_tepo/run.py"), "train.steps=6", "train.save_every=2",
            "train.keep_checkpoints=2", f"train.async_save={str(async_save).lower()}", f"train.output_dir={out}",
            "--eval-size", "10"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(port)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(port),
+           "MTEPO_ASYNC_WRITER": writer}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = [{k: v for k, v in json.loads(line).items() if k not in VOLATILE}
@@ -31,10 +34,14 @@ def _run(out, async_save, port):
 
 @pytest.mark.slow
 @pytest.mark.journey  # (whole main-job runs: the second lane, tools/test.sh)
-def test_async_saves_give_the_metrics_of_synchronous_saves(tmp_path):
+@pytest.mark.parametrize("writer", ASYNC_WRITERS)
+def test_async_saves_give_the_metrics_of_synchronous_saves(tmp_path, writer):
+    """On each writer that runs here (NVRx's where nvidia-resiliency-ext is installed)."""
+    if async_writer_missing(writer):
+        pytest.skip(async_writer_missing(writer))
     port = 24000 + os.getpid() % 5000
     sync = _run(tmp_path / "sync", False, port)
-    asyn = _run(tmp_path / "async", True, port + 1)
+    asyn = _run(tmp_path / "async", True, port + 1, writer)
     assert [m["step"] for m in asyn[0]] == list(range(1, 7))
     assert asyn[0] == sync[0]  # every metric of every step, bit for bit
     assert asyn[1] == sync[1] == ["step_4", "step_6"]  # complete, no temporary directory left

@@ -1,9 +1,10 @@
 """torchrun worker: save / resume of the Megatron actor continues bit-exactly.
 
 argv[1]: a scratch root (shared by the ranks); argv[2]: JSON list of cases
-``{"tp", "pp", "dist_opt", "reshard_to_tp1", "partial_checks", "precision", "async"}`` (precision:
+``{"tp", "pp", "dist_opt", "reshard_to_tp1", "partial_checks", "precision", "async", "writer"}`` (precision:
 fp32 by default; bf16 also compares the optimizer's fp32 main parameters after step 3; async: the
-save is asynchronous, A trains step 3 while it is written and publishes it after). Per case: actor A (HF weights)
+save is asynchronous, A trains step 3 while it is written and publishes it after; writer: its writer,
+``mcore`` by default or ``nvrx``). Per case: actor A (HF weights)
 trains steps 1-2, saves ``step_2`` (extra_state), draws ``torch.rand``, trains step 3. Then A is
 dropped, the RNGs are scrambled, a FRESH actor B (different init seed, no HF weights) loads the
 newest complete checkpoint, draws ``torch.rand`` and trains step 3. Every rank reports whether
@@ -87,9 +88,12 @@ def run_case(case, root: Path):
     for b in batches[:2]:
         a.train_step(local(a, b), LOSS)
     asynchronous = case.get("async", False)
+    if asynchronous:  # the writer of the asynchronous saves: "mcore" (megatron-core's) or "nvrx"
+        os.environ["MTEPO_ASYNC_WRITER"] = case.get("writer", "mcore")
     path = a.save_checkpoint(root / "step_2", extra_state={"step": 2, "data_position": 16}, asynchronous=asynchronous)
     out["saved_path"] = str(path)
     out["published_at_return"] = (root / "step_2" / "complete").exists()
+    out["writer"] = a._async_saves.writer.name if asynchronous else None
     full_at_save = {n: t.clone() for n, t in a.export_hf_state()} if case.get("reshard_to_tp1") else None
     tracker_a = _tracker_states()
     rand_a = torch.rand(6)
