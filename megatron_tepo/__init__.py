@@ -12,7 +12,10 @@ __version__ = "0.1.0"
 import warnings as _warnings
 
 #: The warnings of the libraries underneath that a user can do nothing about: (message regex,
-#: category, issuing-module regex, why). :func:`filter_known_library_warnings` silences exactly these,
+#: category, issuing-module regex, why); their log lines are :data:`KNOWN_LIBRARY_LOG_LINES` below.
+#: This is the one place where other libraries' noise is silenced, each line by its exact message,
+#: never by category and never for this package's own modules.
+#: :func:`filter_known_library_warnings` silences exactly these,
 #: each by its message and the module that issues it, so that every other warning -- a library's new
 #: one, or this package's own -- still shows. It runs here, when ``megatron_tepo`` is imported, before
 #: it imports megatron-core (which warns at import); here rather than in a module of its own so that
@@ -29,13 +32,65 @@ KNOWN_LIBRARY_WARNINGS = (
     (r"Please use DTensor instead and we are deprecating ShardedTensor\.", FutureWarning,
      r"torch\.distributed\.checkpoint\.",
      "PyTorch's checkpoint planner on the ShardedTensors megatron-core's dist_checkpointing is built on"),
+    (r"MimoModelConfig is experimental and still under active development\. The API may change without "
+     r"notice in future releases\.", UserWarning, r"megatron\.core\.models\.mimo\.",
+     "megatron-core 0.19 at import (its package imports the multi-modal config; the actor never uses it)"),
+)
+
+#: The log records of the libraries underneath that a user can do nothing about: (logger name,
+#: exact message regex, why). :func:`filter_known_library_warnings` drops exactly these records, each
+#: from the one logger that issues it (a ``logging.Filter`` on that logger: the loggers need not exist
+#: yet, so nothing is imported here); every other record of those loggers still shows.
+KNOWN_LIBRARY_LOG_LINES = (
+    ("torch.utils.cpp_extension", r"No CUDA runtime is found, using CUDA_HOME='[^']*'\Z",
+     "PyTorch, where its build has CUDA (the registry's default on Python 3.12) and the machine none: "
+     "megatron-core's tensor_parallel.random imports torch.utils.cpp_extension, which looks for a CUDA "
+     "toolkit at import to build extensions; nothing here builds one"),
+    ("megatron.core.models.gpt.gpt_model", r"GPTModel IS DEPRECATED\. GPTModel is only accepting critical bug "
+     r"fixes, no new features\. Please reference the migration guide "
+     r"`docs/user-guide/hybrid-model-migration\.md` for details on how to use `HybridModel`\Z",
+     "megatron-core 0.19 at every GPTModel: the actor's model (megatron_tepo/megatron/gpt.py) is a "
+     "GPTModel on every supported megatron-core"),
+    ("megatron.core.dist_checkpointing.strategies.torch", r"MCore's async save is deprecated and will be "
+     r"removed in the future releases\. Please, use NVRx async solution by setting `async_strategy` to "
+     r"`nvrx`\.\Z",
+     "megatron-core 0.19 at the first asynchronous save through its own writer: the actor takes NVRx's "
+     "where nvidia-resiliency-ext is installed and says once which writer it took, and why "
+     "(megatron_tepo/actor/checkpointing.py:choose_async_writer)"),
 )
 
 
+class _DropLines:
+    """A ``logging`` filter that drops the records whose message matches one of ``patterns``."""
+
+    def __init__(self, patterns):
+        import re
+
+        self.patterns = [re.compile(p) for p in patterns]
+
+    def filter(self, record) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 -- a malformed record is the logging module's to report
+            return True
+        return not any(p.match(message) for p in self.patterns)
+
+
 def filter_known_library_warnings() -> None:
-    """Ignore exactly :data:`KNOWN_LIBRARY_WARNINGS` (idempotent)."""
+    """Ignore exactly :data:`KNOWN_LIBRARY_WARNINGS` and drop exactly :data:`KNOWN_LIBRARY_LOG_LINES`
+    (idempotent)."""
+    import logging
+
     for message, category, module, _why in KNOWN_LIBRARY_WARNINGS:
         _warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    by_logger = {}
+    for name, message, _why in KNOWN_LIBRARY_LOG_LINES:
+        by_logger.setdefault(name, []).append(message)
+    for name, messages in by_logger.items():
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, _DropLines)]:
+            logger.removeFilter(old)
+        logger.addFilter(_DropLines(messages))
 
 
 filter_known_library_warnings()
