@@ -121,6 +121,29 @@ run_oldest() {  # run_oldest: makes the oldest venv, then its pytest run; return
 # choice) skips them. A cluster this script starts is stopped at the end (the trap, set by the main
 # shell); one that was already running is reused and left running. It runs in the background from
 # the start and writes what the tests need to know, as shell exports, to .test-logs/servers.env last.
+# NVRx's asynchronous checkpoint writer, for the tests of that writer only (tests/megatron/helpers.py:
+# writer_env): nvidia-resiliency-ext's wheels >= 0.5 are tagged for glibc >= 2.39 and pip will not
+# install them on an older one, but the checkpoint code megatron-core calls is pure Python, so the
+# PyPI wheel is unpacked into .nvrx/ and only those tests put it on their subprocesses' path.
+NVRX_VERSION=0.7.0
+nvrx_unpack() {  # nvrx_unpack <python>: exports MTEPO_NVRX_PATH, or says why not (the tests then skip, saying so)
+  local py="$1" dir="$repo/.nvrx" tag
+  tag="$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+  if [ ! -d "$dir/nvidia_resiliency_ext-$NVRX_VERSION.dist-info" ]; then
+    rm -rf "$dir" "$dir.wheel"
+    if ! "$py" -m pip download -q --no-deps --only-binary :all: --platform manylinux_2_39_x86_64 \
+         --python-version "$tag" -d "$dir.wheel" "nvidia-resiliency-ext==$NVRX_VERSION" >&2 \
+       || ! "$py" -c 'import sys, zipfile, glob; zipfile.ZipFile(glob.glob(sys.argv[1] + "/*.whl")[0]).extractall(sys.argv[2])' \
+         "$dir.wheel" "$dir"; then
+      echo "tools/test.sh: nvidia-resiliency-ext $NVRX_VERSION could not be fetched: NVRx's writer is not tested" >&2
+      rm -rf "$dir" "$dir.wheel"
+      return 0
+    fi
+    rm -rf "$dir.wheel"
+  fi
+  export MTEPO_NVRX_PATH="$dir"
+}
+
 servers_setup() {
   local sglang_py conf=""
   sglang_py="$(bash tools/install_sglang_cpu.sh | tail -n 1)"
@@ -197,6 +220,7 @@ if [[ ",$stacks," == *",newest,"* ]]; then
   servers_setup >"$repo/.test-logs/servers-setup.log" 2>&1 &
   servers_pid=$!
   py="$(bash tools/setup_env.sh | tail -n 1)"
+  nvrx_unpack "$py"
   run_lanes "$py" "$@"
   wait "$servers_pid" || true
 elif [[ ",$stacks," == *",oldest,"* ]]; then

@@ -8,6 +8,7 @@ the Megatron actor: log-probs/entropy from ``log_softmax`` of its logits, the lo
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, Tuple
 
 import torch
@@ -202,10 +203,44 @@ def max_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 ASYNC_WRITERS = ("mcore", "nvrx")
 
 
+#: a folder holding nvidia-resiliency-ext's code where pip cannot install it (tools/test.sh unpacks
+#: the PyPI wheel there: its wheels >= 0.5 are tagged for glibc >= 2.39, and the asynchronous
+#: checkpoint code megatron-core calls is pure Python); only the tests of NVRx's writer put it on
+#: their subprocesses' path, so every other test sees the stack as it installs
+NVRX_PATH = os.environ.get("MTEPO_NVRX_PATH", "")
+
+
+def _unpacked_nvrx_version():
+    import glob
+
+    found = sorted(glob.glob(os.path.join(NVRX_PATH, "nvidia_resiliency_ext-*.dist-info"))) if NVRX_PATH else []
+    return os.path.basename(found[-1])[len("nvidia_resiliency_ext-"):-len(".dist-info")] if found else None
+
+
+def writer_env(writer: str) -> dict:
+    """The environment a subprocess of the tests of ``writer`` needs beyond the tests' own: the
+    writer forced (``MTEPO_ASYNC_WRITER``), and for NVRx's its unpacked code on the path where it
+    is not installed (:data:`NVRX_PATH`)."""
+    env = {"MTEPO_ASYNC_WRITER": writer}
+    if writer == "nvrx" and _unpacked_nvrx_version() and not _installed_nvrx_version():
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (NVRX_PATH, os.environ.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _installed_nvrx_version():
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("nvidia-resiliency-ext")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def async_writer_missing(writer: str):
     """Why ``writer`` cannot run on this stack (None when it can), from the installed packages'
     versions, without importing megatron-core: NVRx's needs megatron-core >= 0.19 (``async_strategy``)
-    and nvidia-resiliency-ext >= 0.6 (megatron-core's minimum)."""
+    and nvidia-resiliency-ext >= 0.6 (megatron-core's minimum), installed or unpacked in
+    ``$MTEPO_NVRX_PATH`` (:data:`NVRX_PATH`)."""
     import importlib.metadata
 
     from packaging.version import Version
@@ -215,9 +250,9 @@ def async_writer_missing(writer: str):
     mcore = Version(importlib.metadata.version("megatron-core"))
     if mcore < Version("0.19"):
         return f"megatron-core {mcore} has no async_strategy: only its own writer"
-    try:
-        nvrx = Version(importlib.metadata.version("nvidia-resiliency-ext"))
-    except importlib.metadata.PackageNotFoundError:
-        return ("nvidia-resiliency-ext is not installed (its wheels >= 0.5 need glibc >= 2.39: "
-                "docs/FAULT_TOLERANCE.md)")
+    version = _installed_nvrx_version() or _unpacked_nvrx_version()
+    if version is None:
+        return ("nvidia-resiliency-ext is neither installed (its wheels >= 0.5 need glibc >= 2.39: "
+                "docs/FAULT_TOLERANCE.md) nor unpacked in $MTEPO_NVRX_PATH (tools/test.sh does that)")
+    nvrx = Version(version)
     return None if nvrx >= Version("0.6") else f"nvidia-resiliency-ext {nvrx} < 0.6, megatron-core's minimum"

@@ -13,6 +13,7 @@ megatron_tepo/checkpoint/store.py).
   are ignored by ``find_latest_checkpoint`` and refused by ``load_checkpoint``.
 """
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -25,15 +26,18 @@ from megatron_tepo.checkpoint.store import (
     prune_checkpoints,
     read_marker,
 )
-from tests.dist_utils import torchrun
-from tests.megatron.helpers import ASYNC_WRITERS, async_writer_missing
+from tests.dist_utils import REPO, torchrun
+from tests.megatron.helpers import ASYNC_WRITERS, async_writer_missing, writer_env
 
 WORKER = Path(__file__).parent / "workers" / "checkpoint_worker.py"
 
 
 def _run(cases, nproc, tmp_path):
     root = tmp_path / "ckpts"
-    results = torchrun(WORKER, nproc, str(root), json.dumps(cases), tmp_path=tmp_path, timeout=380)
+    # (NVRx's code on the workers' path where a case asks for its writer: each case forces its own)
+    extra = writer_env("nvrx").get("PYTHONPATH") if any(c.get("writer") == "nvrx" for c in cases) else None
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), extra])} if extra else None
+    results = torchrun(WORKER, nproc, str(root), json.dumps(cases), tmp_path=tmp_path, timeout=380, env=env)
     return [r["cases"] for r in results]
 
 

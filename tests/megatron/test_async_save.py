@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.megatron.helpers import ASYNC_WRITERS, async_writer_missing
+from tests.megatron.helpers import ASYNC_WRITERS, async_writer_missing, writer_env
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).parent / "workers" / "async_kill_worker.py"
@@ -37,8 +37,8 @@ def _run(mode, root, writer):
     started must end by themselves (dist_checkpointing's forked writer once its files are written,
     the results queue's server with the worker, ``megatron_tepo/children.py``): what is still running
     a minute later is returned, then killed with the session, as a Slurm step's end would."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MTEPO_ASYNC_WRITER=writer,  # (CUDA as the machine has it: the GPU check runs this too)
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", **writer_env(writer))  # (CUDA as the machine has it: the GPU check runs this too)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     log = root / f"{mode}.log"
     left = []
     with open(log, "w") as out:

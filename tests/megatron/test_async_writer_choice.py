@@ -59,7 +59,9 @@ def test_the_installed_stack_gets_the_writer_it_can_run(monkeypatch):
     """On this stack: NVRx's exactly where the tests' own reading of the installed versions says
     it runs (megatron-core >= 0.19 and nvidia-resiliency-ext >= 0.6), megatron-core's otherwise."""
     from megatron_tepo.actor.checkpointing import choose_async_writer
+    from tests.megatron import helpers
     from tests.megatron.helpers import async_writer_missing
 
     monkeypatch.delenv("MTEPO_ASYNC_WRITER", raising=False)
+    monkeypatch.setattr(helpers, "NVRX_PATH", "")  # this process: the stack as installed, no unpacked NVRx
     assert choose_async_writer().name == ("mcore" if async_writer_missing("nvrx") else "nvrx")

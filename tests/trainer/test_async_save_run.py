@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.megatron.helpers import ASYNC_WRITERS, async_writer_missing
+from tests.megatron.helpers import ASYNC_WRITERS, async_writer_missing, writer_env
 
 REPO = Path(__file__).resolve().parents[2]
 VOLATILE = {"time", "step_s", "sync_s", "rollout_s", "train_s", "tokens_per_s"}
@@ -21,7 +21,7 @@ def _run(out, async_save, port, writer="mcore"):
            "train.keep_checkpoints=2", f"train.async_save={str(async_save).lower()}", f"train.output_dir={out}",
            "--eval-size", "10"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(port),
-           "MTEPO_ASYNC_WRITER": writer}
+           **writer_env(writer)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = [{k: v for k, v in json.loads(line).items() if k not in VOLATILE}
