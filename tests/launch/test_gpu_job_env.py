@@ -223,8 +223,11 @@ def test_the_cpu_install_marks_its_venv_before_installing_anything():
 
 
 # ---- rows 7 and 9: each step's environment ------------------------------------------------------
-RECORD = """    *megatron_tepo.rollout.sglang.server*) env > "$TEPO_REPORT_DIR/sglang.$$.env"; exit 0 ;;
-    *torch.distributed.run*) env > "$TEPO_REPORT_DIR/trainer.env"; exit 0 ;;
+# Each server writes its environment whole (a temporary file, then a rename); the trainer waits
+# (up to 60 s) for every server's before it writes its own and the job ends: the job stops its
+# servers when the trainer exits, which cut a late server's report short once (CI, a quiet run).
+RECORD = """    *megatron_tepo.rollout.sglang.server*) env > "$TEPO_REPORT_DIR/.sglang.$$.tmp" && mv "$TEPO_REPORT_DIR/.sglang.$$.tmp" "$TEPO_REPORT_DIR/sglang.$$.env"; exit 0 ;;
+    *torch.distributed.run*) n=$(grep -o "http://" <<<"${TEPO_SGLANG_URLS:-}" | wc -l); for _ in $(seq 600); do [ "$(ls "$TEPO_REPORT_DIR" | grep -c '^sglang\..*\.env$')" -ge "$n" ] && break; sleep 0.1; done; env > "$TEPO_REPORT_DIR/trainer.env"; exit 0 ;;
 """
 FAKE_SRUN = """#!/bin/bash
 # stand-in srun: drop the options, run the command here in this environment (srun's --export=ALL)
