@@ -82,8 +82,11 @@ def main(args):
     task, _ = build_task(cfg, tokenizer, None)
     single_process_env()
     actor = MegatronActor(model_dir, hf_weights=model_dir, **actor_args(cfg))
+    # probe_timeout 30 s: while the killed server restarts (SGLang's start-up takes the CPU), the
+    # other one once missed two 10 s probes on a loaded 2-core CI machine and was declared dead;
+    # the frozen server is still found within 2 x (2 + 30) s, long before the 300 s request time-out
     fcfg = FleetConfig(num_servers=2, router=args["router"], request_timeout=300, step_timeout=900,
-                       probe_interval=2.0, probe_timeout=10.0, restart_backoff=1.0, server_restarts=2,
+                       probe_interval=2.0, probe_timeout=30.0, restart_backoff=1.0, server_restarts=2,
                        server=ServerConfig(model_path=args.get("server_model") or model_dir, python=args["python"],
                                            dtype="float32", startup_timeout=400, log_dir=str(out / "sglang_logs"),
                                            env={"TEPO_SGLANG_LOG_REQUESTS": "1"} if colocated else {}))
