@@ -145,6 +145,11 @@ class ContextSplit:
     positions: torch.Tensor
     cu_seqlens: torch.Tensor
 
+    def _real_in_padded(self) -> torch.Tensor:
+        """``[T]``: where each real token of the packed layout sits in the padded one."""
+        starts = torch.cat([self.padded_lens.new_zeros(1), self.padded_lens.cumsum(0)[:-1]])
+        return torch.repeat_interleave(starts, self.seq_lens) + _ranks_within(self.seq_lens)
+
     def take(self, field: torch.Tensor, fill=0) -> torch.Tensor:
         """This rank's part of a per-token field ``[T, ...]`` of the packed layout (the sequences'
         real tokens end to end, then anything: a pad segment is ignored): padded per sequence with
@@ -152,8 +157,7 @@ class ContextSplit:
         total = int(self.seq_lens.sum())
         if field.shape[0] < total:
             raise ValueError(f"context split: the field has {field.shape[0]} tokens, the sequences {total}")
-        starts = torch.cat([self.padded_lens.new_zeros(1), self.padded_lens.cumsum(0)[:-1]])
-        where = torch.repeat_interleave(starts, self.seq_lens) + _ranks_within(self.seq_lens)
+        where = self._real_in_padded()
         padded = field.new_full((int(self.padded_lens.sum()),) + tuple(field.shape[1:]), fill)
         padded[where] = field[:total]
         return padded[self.index]
@@ -166,8 +170,7 @@ class ContextSplit:
         padded = first.new_empty((int(self.padded_lens.sum()),) + tuple(first.shape[1:]))
         for split, part in zip(splits, parts):
             padded[split.index] = part
-        starts = torch.cat([self.padded_lens.new_zeros(1), self.padded_lens.cumsum(0)[:-1]])
-        where = torch.repeat_interleave(starts, self.seq_lens) + _ranks_within(self.seq_lens)
+        where = self._real_in_padded()
         return padded[where]
 
 

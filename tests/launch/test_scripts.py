@@ -117,8 +117,10 @@ def _dry_env(tmp_path, **extra):
     return env
 
 
-def test_dry_run_qwen3_14b(tmp_path):
-    res = subprocess.run(["bash", str(ROOT / "slurm" / "qwen3_14b_tepo.sh"), "train.steps=3"], cwd=tmp_path,
+def _dry_run_4_nodes(tmp_path, script):
+    """``script`` dry-run on nodes n1-n4 (2 actor nodes of 8 GPUs, 2 rollout nodes): the checks
+    every such job shares; returns its logs folder and its trainer's log."""
+    res = subprocess.run(["bash", str(ROOT / "slurm" / script), "train.steps=3"], cwd=tmp_path,
                          env=_dry_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "actor nodes: n1 n2; rollout nodes: n3 n4" in res.stderr
@@ -126,6 +128,11 @@ def test_dry_run_qwen3_14b(tmp_path):
     trainer = (logs / "trainer.log").read_text()
     assert "srun --nodes=2 --ntasks-per-node=1 --nodelist=n1\\,n2" in trainer
     assert "torch.distributed.run --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=n1:29500" in trainer
+    return logs, trainer
+
+
+def test_dry_run_qwen3_14b(tmp_path):
+    logs, trainer = _dry_run_4_nodes(tmp_path, "qwen3_14b_tepo.sh")
     assert f"--config {tmp_path}/run/run.yaml train.steps=3" in trainer
     assert "--overlap" not in trainer
     assert "TEPO_SGLANG_RESTART_GATE" not in trainer  # (separate nodes: restarts need no gate)
@@ -143,14 +150,7 @@ def test_dry_run_qwen3_14b_32k(tmp_path):
     torchrun starting 8 processes on each of the 2 actor nodes (16 ranks: TP 4 x CP 2 x DP 2, which the
     trainer makes of them), 2 servers at TP 4 a rollout node with a 34816-token context, and the fit
     check's report of the CP it assumed; the run config keeps parallel.cp."""
-    res = subprocess.run(["bash", str(ROOT / "slurm" / "qwen3_14b_32k_tepo.sh"), "train.steps=3"], cwd=tmp_path,
-                         env=_dry_env(tmp_path), capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert "actor nodes: n1 n2; rollout nodes: n3 n4" in res.stderr
-    logs = next((tmp_path / "out" / "logs").iterdir())
-    trainer = (logs / "trainer.log").read_text()
-    assert "srun --nodes=2 --ntasks-per-node=1 --nodelist=n1\\,n2" in trainer
-    assert "torch.distributed.run --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=n1:29500" in trainer
+    logs, _ = _dry_run_4_nodes(tmp_path, "qwen3_14b_32k_tepo.sh")
     for host in ("n3", "n4"):
         sglang = (logs / f"sglang.{host}.srun.log").read_text()
         assert sglang.count("megatron_tepo.rollout.sglang.server") == 2  # 8 GPUs / TP 4
