@@ -87,3 +87,12 @@ def test_the_trainer_imports_nothing_of_megatron():
     core = sorted(str(f.relative_to(PKG)) for f in (PKG / "trainer").rglob("*.py")
                   if any(m == "megatron" or m.startswith("megatron.") for m in imported_modules(f)))
     assert core == []
+
+
+def test_the_trainer_imports_nothing_of_the_actor():
+    """#51: the trainer drives its policy through the declared interface
+    (``trainer/policy.py:Policy``), never the Megatron actor's modules, even lazily: the backend is
+    built by name (``POLICY_BACKENDS``), so another backend, LoRA or a reference policy plugs in
+    there."""
+    edges = _graph()
+    assert "actor" not in edges.get("trainer", {}), edges["trainer"].get("actor")

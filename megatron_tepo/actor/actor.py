@@ -178,7 +178,7 @@ class MegatronActor:
             if isinstance(weights, LazyHFCheckpoint) and weights is not hf_weights:
                 weights.close()
         tm = self.train_model
-        self.family_cfg, self.dp_size, self.device = tm.family_cfg, tm.dp_size, tm.device
+        self.family_cfg, self.device = tm.family_cfg, tm.device
 
     # the megatron stack's objects, as the checkpoints, the export and the tests read them: the
     # train model's own (read there and, for ``settings``, written there)
@@ -190,6 +190,7 @@ class MegatronActor:
     _ps = _OfTrainModel()
     tp_group = _OfTrainModel()
     dp_rank = _OfTrainModel()
+    dp_size = _OfTrainModel()
     is_last_stage = _OfTrainModel()
 
     @property
@@ -507,6 +508,30 @@ class MegatronActor:
                 group["betas"], group["eps"] = (o.adam_beta1, o.adam_beta2), o.adam_eps
                 if "max_lr" in group:
                     group["max_lr"], group["min_lr"] = o.lr, o.min_lr
+
+    def load_newest_checkpoint(self, root, report=None):
+        """Collective: the newest complete checkpoint under ``root`` that loads (a damaged one is
+        reported through ``report`` and the one before it tried): ``(path, extra_state)``, or
+        ``(None, None)`` when there is none (:func:`~megatron_tepo.actor.checkpointing.load_newest_checkpoint`)."""
+        from megatron_tepo.actor.checkpointing import load_newest_checkpoint
+
+        return load_newest_checkpoint(self, root, report)
+
+    def write_conversion_files(self, directory, source_model: str) -> None:
+        """The sidecars that make a checkpoint in ``directory`` convertible back to the HF model
+        ``source_model`` (its config and tokenizer, the typed family config, the dtype and layout:
+        :func:`~megatron_tepo.checkpoint.sidecars.write_conversion_sidecars`)."""
+        from megatron_tepo.checkpoint import write_conversion_sidecars
+
+        write_conversion_sidecars(directory, source_model, self.family_cfg, next(self.model[0].parameters()).dtype,
+                                  self.layout)
+
+    def export_hf(self, directory, source_model: str):
+        """Collective: the live policy as an HF model folder (:func:`~megatron_tepo.checkpoint.export_actor_to_hf`);
+        its path on global rank 0, None elsewhere."""
+        from megatron_tepo.checkpoint import export_actor_to_hf
+
+        return export_actor_to_hf(self, directory, source_model)
 
     def load_checkpoint(self, directory, model_only: bool = False) -> dict:
         """Collective: restore what :meth:`save_checkpoint` wrote (bit-exact continuation at the

@@ -13,12 +13,19 @@ background (:meth:`RolloutEngine.submit`), hands back the finished ones
 prompt + partial response. In colocated
 mode an engine also releases and takes back its device memory (:meth:`RolloutEngine.release_memory`,
 :meth:`RolloutEngine.resume_memory`) while the actor uses the same GPUs.
+
+A sample's and a request's saved state (a checkpoint's pending rollout or rollout buffer) is one
+round trip, :func:`to_state` / :func:`from_state`: every field of the dataclass, read from its
+definition, so a field added to :class:`Sample` or :class:`Request` is saved by every place that
+saves them.
 """
 from __future__ import annotations
 
 import abc
+import copy
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Type, TypeVar
 
 import torch
 
@@ -75,6 +82,29 @@ class Sample:
 
 
 Group = List[Sample]  # the n samples of one prompt
+
+_T = TypeVar("_T")
+
+
+def to_state(obj) -> Dict:
+    """A :class:`Sample`'s or :class:`Request`'s saved state: every field of its dataclass, by
+    name, deep-copied (tensors stay tensors: ``torch.save`` / ``torch.load(weights_only=True)``
+    keep them). The one way samples are checkpointed (the pending one-step-off rollout, the
+    partial-rollout buffer): a new field is saved without a change here."""
+    return {f.name: copy.deepcopy(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
+def from_state(cls: Type[_T], state: Dict, where: str = "the saved state") -> _T:
+    """:func:`to_state` read back into ``cls``. A missing or unknown field is a ValueError naming
+    it and ``where`` (written by another version of this code: resume from another checkpoint)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    missing, unknown = sorted(required - set(state)), sorted(set(state) - names)
+    if missing or unknown:
+        raise ValueError(f"{where}: a saved {cls.__name__} " +
+                         (f"lacks {missing}" if missing else f"has fields this version does not know: {unknown}"))
+    return cls(**state)
 
 #: what an engine can release and take back (colocated mode), under SGLang's tags: its weights
 #: (their content is lost until the next weight update), its KV cache, its CUDA graphs

@@ -40,7 +40,8 @@ resumed run goes on counting).
 Partial rollout (``rollout.partial_rollout``, any ``max_staleness``): the driver's
 :class:`~megatron_tepo.trainer.partial.RolloutBuffer` keeps the engine generating across steps; a step
 takes its complete groups, and its weight sync interrupts the requests in flight and resumes them
-under the new weights (the mode :data:`~megatron_tepo.trainer.step.PARTIAL`).
+under the new weights. Each of the three schedules is a rollout source
+(:mod:`megatron_tepo.trainer.sources`): the step's phases call it and do not branch on it.
 
 Left out: a reference policy for ``kl_target: ref``; a resumed run whose ``train.steps`` was raised past a finished run
 generates its next step on-policy (the finished run saved no pending rollout).
@@ -56,9 +57,10 @@ from megatron_tepo.algorithms import PolicyLoss, stale_sequence_ratio_warning
 from megatron_tepo.algorithms.drift import DriftCheck
 from megatron_tepo.config import RunConfig
 from megatron_tepo.trainer.driver import Driver, FollowerEngine
-from megatron_tepo.trainer.partial import RolloutBuffer, staleness_metrics
+from megatron_tepo.trainer.policy import Policy
 from megatron_tepo.trainer.rollouts import Generated, Task, evaluate, generate_groups, sync_weights
 from megatron_tepo.trainer.run_state import Checkpoints, RunState
+from megatron_tepo.trainer.sources import RolloutSource, source_of
 from megatron_tepo.trainer.stalls import NoUpdateError, no_update_cause, stalled_message
 from megatron_tepo.trainer.step import Mode, Step, mode_of, policy_update
 from megatron_tepo.trainer.watchdog import Watchdog
@@ -67,7 +69,7 @@ __all__ = ["train", "Run", "Task", "NoUpdateError", "generate_groups", "evaluate
            "policy_update", "no_update_cause", "stalled_message", "Driver", "FollowerEngine", "data_parallel_coords"]
 
 
-def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
+def train(cfg: RunConfig, actor: Policy, engine, task: Task, logger=None,
           on_step: Optional[Callable[[int, Dict], None]] = None,
           eval_fn: Optional[Callable[[], Dict[str, float]]] = None,
           checkpoint_root: Optional[Path] = None, extra_state: Optional[Dict] = None,
@@ -107,22 +109,23 @@ def train(cfg: RunConfig, actor, engine, task: Task, logger=None,
                     phase(run, step)
             with run.watchdog.phase("collective"):
                 run.checkpoints.finish()  # every checkpoint complete before the run returns
-            for phase in mode.end:  # colocated: the actor back on its devices; partial: the engine idle
+            for phase in mode.end:  # colocated: the actor back on its devices; every mode: the source stopped
                 phase(run, Step(cfg.train.steps))
         finally:
-            run.close_partial()  # (a failed run's requests stopped too)
+            run.source.close(run)  # (a failed run's requests stopped too)
     return run.history
 
 
 class Run:
     """One run's parts and state, as the phases of a step read and change them: the config, the
     actor, the engine (a :class:`FollowerEngine` on ranks other than the driver), the task, the
-    loss (built once), the :class:`Driver`, this rank's :class:`Watchdog`, the data-parallel
-    coordinates, the :class:`~megatron_tepo.trainer.run_state.RunState` and its
+    loss (built once), the schedule's rollout source (:mod:`~megatron_tepo.trainer.sources`), the
+    :class:`Driver`, this rank's :class:`Watchdog`, the data-parallel coordinates, the
+    :class:`~megatron_tepo.trainer.run_state.RunState` and its
     :class:`~megatron_tepo.trainer.run_state.Checkpoints`, the hooks (``logger``, ``on_step``,
     ``eval_fn``, ``report``: the driver's only) and the metrics so far (``history``)."""
 
-    def __init__(self, cfg: RunConfig, actor, engine, task: Task, *, logger=None, on_step=None, eval_fn=None,
+    def __init__(self, cfg: RunConfig, actor: Policy, engine, task: Task, *, logger=None, on_step=None, eval_fn=None,
                  report=None, checkpoints=(None, None), extra_state: Optional[Dict] = None):
         if cfg.algorithm.kl_target != "old":
             raise NotImplementedError("algorithm.kl_target: 'ref' needs a reference policy, not wired yet")
@@ -148,18 +151,16 @@ class Run:
         self.resumed_from: Optional[Path] = None
         # colocated mode: what the actor moves to host memory while the engine generates
         self.offload_parts = cfg.actor.offload_parts(cfg.rollout.colocated)
-        # partial rollout: every rank knows the mode; the driver holds the buffer (trainer/partial.py)
-        self.partial = bool(cfg.rollout.partial_rollout)
-        self.buffer: Optional[RolloutBuffer] = None
-        self._partial_start: Dict[str, float] = {}  # the first step's counts (resumed_from_checkpoint)
+        # where each step's rollout comes from: synchronous, one step off, or partial rollout
+        self.source: RolloutSource = source_of(cfg)
 
     def actor_offloaded(self) -> bool:
-        return bool(getattr(self.actor, "offloaded", ()))
+        return bool(self.actor.offloaded)
 
     def resume(self) -> None:
         """The newest checkpoint that loads (``train.resume``; the mode's start pushes its weights
         to the engine); the warnings and log state of the run's start."""
-        latest = self.resumed_from = self.checkpoints.resume(self.state, self.engine, self.report)
+        latest = self.resumed_from = self.checkpoints.resume(self.state, self.engine, self.report, self.source)
         if latest is not None:
             if self.report is not None:
                 self.report(f"resumed from {latest}: continuing at step {self.state.start}")
@@ -181,35 +182,7 @@ class Run:
         return Generated(prompts, groups, rewards, {**stats, **health}, version)
 
 
-    def start_partial(self, version: int) -> None:
-        """Partial rollout, on the driver: the buffer (from the checkpoint's, resumed) starts
-        generating with weights ``version``."""
-        def start():
-            root = self.checkpoints.root
-            self.buffer = RolloutBuffer(self.engine, self.task, self.cfg, version, snapshot=self.state.buffer,
-                                        ledger=Path(root) / "rollout_ledger.jsonl" if root else None)
-            self.buffer.start()
-            self._partial_start = {"resumed_from_checkpoint": float(self.buffer.resumed_from_checkpoint)}
-        self.driver.local(start)
-
-    def take_partial(self, step: int) -> Generated:
-        """Partial rollout, on the driver: the buffer's next complete groups, their staleness, and
-        (the first step) the partial responses resumed from the checkpoint."""
-        prompts, groups, rewards, stats = self.buffer.take(step)
-        health = getattr(self.engine, "health_metrics", dict)()
-        stats = {**stats, **staleness_metrics(groups, step), **self._partial_start, **health}
-        self._partial_start = {}
-        versions = [v for g in groups for s in g for v in (s.versions or ())]
-        return Generated(prompts, groups, rewards, stats, min(versions) if versions else step)
-
-    def close_partial(self) -> None:
-        """Partial rollout: the buffer stopped (on the driver; nothing elsewhere)."""
-        buffer, self.buffer = self.buffer, None
-        if buffer is not None:
-            buffer.close()
-
-
-def data_parallel_coords(actor) -> tuple:
-    """(dp_rank, dp_size) of this process in the actor's layout."""
-    size = int(getattr(actor, "dp_size", 1) or 1)
-    return (int(getattr(actor, "dp_rank", 0)), size) if size > 1 else (0, 1)
+def data_parallel_coords(actor: Policy) -> tuple:
+    """(dp_rank, dp_size) of this process in the policy's layout."""
+    size = int(actor.dp_size)
+    return (int(actor.dp_rank), size) if size > 1 else (0, 1)

@@ -70,30 +70,17 @@ def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool
     return factory.build(settings) if driver else FollowerEngine(factory.follower_sync(settings))
 
 
-def actor_args(cfg: RunConfig) -> dict:
-    """``MegatronActor``'s keyword arguments from the run config: the layout (``parallel``), how it
-    computes (``actor``), the optimizer (``optim``), the seed, the LR horizon and the process
-    groups' time-out (longer than the watchdog's longest phase, ``fault``)."""
-    from megatron_tepo.trainer.watchdog import process_group_timeout_s
-
-    updates_per_step = cfg.train.epochs_per_step * (cfg.rollout.prompts_per_step // cfg.train.mini_batch_prompts)
-    return dict(layout=cfg.parallel,
-                optim=cfg.optim, actor_config=cfg.actor, seed=cfg.train.seed,
-                total_steps=cfg.train.steps * updates_per_step,
-                process_group_timeout_s=process_group_timeout_s(cfg.fault))
-
-
 def build_actor_and_engine(cfg: RunConfig, model_dir: str, pad_token_id: int):
-    """The Megatron actor (every rank) and the rollout engine (the driver, global rank 0; a
-    follower that only takes part in the weight sync on the others), both loaded from the HF
-    checkpoint ``model_dir`` with ``cfg``'s layout, actor settings (``cfg.actor``), optimizer and
-    seed. Outside torchrun it starts
-    a one-process gloo world."""
-    from megatron_tepo.actor import MegatronActor
+    """The policy (every rank: the ``megatron`` backend of :func:`~megatron_tepo.trainer.policy.build_policy`)
+    and the rollout engine (the driver, global rank 0; a follower that only takes part in the
+    weight sync on the others), both loaded from the HF checkpoint ``model_dir`` with ``cfg``'s
+    layout, actor settings (``cfg.actor``), optimizer and seed. Outside torchrun it starts a
+    one-process gloo world."""
     from megatron_tepo.net import single_process_env
+    from megatron_tepo.trainer.policy import build_policy
 
     single_process_env()
-    actor = MegatronActor(model_dir, hf_weights=model_dir, **actor_args(cfg))
+    actor = build_policy("megatron", cfg, model_dir)
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -132,7 +119,6 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
     from transformers import AutoTokenizer
 
     from megatron_tepo.checkpoint.store import find_latest_checkpoint
-    from megatron_tepo.checkpoint import export_actor_to_hf, write_conversion_sidecars
     from megatron_tepo.metrics import MetricsLogger
     from megatron_tepo.rewards import COUNT_NAMES, MathRewardPool
     from megatron_tepo.trainer.loop import evaluate, train
@@ -181,9 +167,7 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
 
         def checkpoint_files(tmp: Path) -> None:  # what makes a trainer checkpoint resumable-checked and convertible
             dump_config(cfg, tmp / RUN_CONFIG)
-            write_conversion_sidecars(tmp, cfg.model.path, actor.family_cfg,
-                                      next(actor.model[0].parameters()).dtype,
-                                      cfg.parallel)
+            actor.write_conversion_files(tmp, cfg.model.path)
 
         def report(line: str) -> None:
             print(f"[train] {line}", flush=True)
@@ -197,7 +181,7 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
             updates = sum(m.get("updates", 0.0) for m in history)
             exported = None
             if cfg.train.export_hf and (history or state.get("resumed_from")):
-                exported = export_actor_to_hf(actor, out / "hf", cfg.model.path)
+                exported = actor.export_hf(out / "hf", cfg.model.path)
         finally:
             if logger is not None:
                 logger.close()

@@ -43,7 +43,6 @@ priorities among groups beyond their drawing order.
 """
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import random
@@ -57,7 +56,8 @@ import torch
 
 from megatron_tepo.algorithms import filter_groups
 from megatron_tepo.rewards import scores_and_counts
-from megatron_tepo.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, Sample, SamplingParams
+from megatron_tepo.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, Sample, SamplingParams,
+                                          from_state, to_state)
 
 log = logging.getLogger(__name__)
 
@@ -366,7 +366,7 @@ class RolloutBuffer:
                 "cursor": self.cursor, "next_gid": self.next_gid, "dropped": [list(d) for d in self.dropped],
                 "groups": [{"gid": g.gid, "prompt_index": g.prompt_index, "finish": list(g.finish),
                             "rewards": None if g.rewards is None else g.rewards.clone(), "counts": dict(g.counts),
-                            "requests": [copy.deepcopy(r.__dict__) for r in g.requests]}
+                            "requests": [to_state(r) for r in g.requests]}
                            for g in sorted(self.groups.values(), key=lambda g: g.gid)]}
 
     def _load(self, snap: Dict) -> None:
@@ -375,7 +375,7 @@ class RolloutBuffer:
         self.dropped = [list(d) for d in snap["dropped"]]
         self.groups = {}
         for d in snap["groups"]:
-            reqs = [Request(**r) for r in d["requests"]]
+            reqs = [from_state(Request, r, "the rollout buffer's saved state") for r in d["requests"]]
             self.groups[d["gid"]] = GroupState(d["gid"], d["prompt_index"], reqs, list(d["finish"]), d["rewards"],
                                                dict(d["counts"]))
         self.resumed_from_checkpoint = sum(1 for g in self.groups.values() for k, r in enumerate(g.requests)

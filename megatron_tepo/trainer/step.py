@@ -13,11 +13,10 @@ A step whose rollout kept no group (every group had equal rewards for ``max_samp
 rounds) is *skipped*: the phases between ``generate`` and ``log`` do nothing for it.
 
 Waits are watched (:class:`~megatron_tepo.trainer.watchdog.Watchdog` phases ``generate``,
-``collective``, ``sync``). With one-step-off generation (``rollout.max_staleness: 1``) ``generate``
-starts the next step's rollout in the driver's background thread, and ``sync`` waits for it before
-the weights change, so no request runs across an update. With partial rollout (the mode
-:data:`PARTIAL`) ``generate`` takes the buffer's complete groups, and ``sync`` interrupts the
-requests in flight, pushes the weights and resumes them (``trainer/partial.py``).
+``collective``, ``sync``). The schedule is not a branch here: ``generate``, ``sync`` and ``log``
+ask the run's rollout source (:mod:`megatron_tepo.trainer.sources`: synchronous, one step off,
+partial rollout) for the step's rollout, for the weight sync with nothing generating, and for
+the evaluation with nothing generating.
 
 Left out: what each phase computes beyond calling the parts (losses, advantages, the actor and the
 engines are their own modules).
@@ -25,9 +24,7 @@ engines are their own modules).
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Callable, Dict, List, Optional
 
 from megatron_tepo.algorithms import compute_group_advantages
@@ -37,7 +34,7 @@ from megatron_tepo.rollout.engine import MEMORY_TAGS
 from megatron_tepo.trainer.rollouts import sync_weights
 from megatron_tepo.trainer.stalls import NoUpdateError, skipped_update_message, stalled_message
 
-__all__ = ["Step", "STEP", "COLOCATED_STEP", "Mode", "SEPARATE", "COLOCATED", "PARTIAL", "mode_of", "generate", "advantages",
+__all__ = ["Step", "STEP", "COLOCATED_STEP", "Mode", "SEPARATE", "COLOCATED", "mode_of", "generate", "advantages",
            "old_log_probs", "update", "sync", "log", "save", "policy_update"]
 
 
@@ -52,8 +49,6 @@ class Step:
     version: int = 0  # the weights the rollout was generated with (step k: the weights step k started from)
     gen: Dict = field(default_factory=dict)  # the rollout's statistics
     skipped: bool = False  # no group kept: nothing to train on
-    overlap: bool = False  # the next step's rollout is being generated (one-step-off)
-    ahead: Optional[Future] = None
     rollout_s: float = 0.0
     batch: Optional[RolloutBatch] = None  # this rank's share
     response_length_mean: float = 0.0
@@ -69,35 +64,18 @@ class Step:
 
 
 def generate(run, step: Step) -> None:
-    """1. generate -> reward -> dynamic sampling, on the driver; one-step-off: this step's rollout was
-    generated while the previous step trained, and the next one's starts now, with this step's weights."""
-    cfg, driver, state = run.cfg, run.driver, run.state
-    if run.partial:  # partial rollout: the buffer's complete groups (trainer/partial.py)
-        with run.watchdog.phase("generate"):
-            prompts, groups, rewards, gen, version = driver.run(lambda: run.take_partial(step.number))
-        step.rollout_s = time.time() - step.t0
-        step.prompts, step.groups, step.rewards, step.version = prompts, groups, rewards, version
-        step.gen = {**gen, "rollout_staleness": float(step.number - version)}
-        if not prompts:
-            step.skipped = True
-            step.metrics = {"skipped_step": 1.0, "updates": 0.0, **step.gen, "rollout_s": step.rollout_s,
-                            "step_s": time.time() - step.t0}
-        return
+    """1. the step's rollout (generate -> reward -> dynamic sampling, on the driver) from the
+    schedule's source (:mod:`~megatron_tepo.trainer.sources`): generated now, generated while the
+    previous step trained (one step off), or the buffer's complete groups (partial rollout)."""
     with run.watchdog.phase("generate"):
-        prompts, groups, rewards, gen, version = driver.run(lambda: state.pending or run.generate_rollout(step.number))
+        prompts, groups, rewards, gen, version = run.source.take(run, step)
     step.rollout_s = time.time() - step.t0  # waiting for the rollout (generating it, when not done ahead)
-    # (every rank knows whether a rollout runs ahead: waiting for it is a collective)
-    step.overlap = bool(cfg.rollout.max_staleness) and step.number < cfg.train.steps
-    state.pending = None
-    step.ahead = driver.start(partial(run.generate_rollout, step.number)) if step.overlap else None
     step.prompts, step.groups, step.rewards, step.version = prompts, groups, rewards, version
     step.gen = {**gen, "rollout_staleness": float(step.number - version)}
     if not prompts:  # every group had equal rewards for max_sampling_rounds rounds
-        t = time.time()
-        with run.watchdog.phase("generate"):
-            state.pending = driver.local(lambda: step.ahead.result()) if step.overlap else None
+        run.source.settle(run, step)
         step.skipped = True
-        step.metrics = {"skipped_step": 1.0, "updates": 0.0, **step.gen, "rollout_s": step.rollout_s + time.time() - t,
+        step.metrics = {"skipped_step": 1.0, "updates": 0.0, **step.gen, "rollout_s": step.rollout_s,
                         "step_s": time.time() - step.t0}
 
 
@@ -164,24 +142,14 @@ def update(run, step: Step) -> None:
 
 
 def sync(run, step: Step) -> None:
-    """5. the weight sync to the rollout engine, once the next step's rollout is in (no request runs
-    across a weight update); the step's metrics."""
+    """5. the weight sync to the rollout engine with nothing generating (the source waits for the
+    rollout running ahead, or interrupts the requests in flight and resumes them after it: no
+    request runs across a weight update); the step's metrics."""
     if step.skipped:
         return
-    t = time.time()
-    train_s = t - step.t_train
-    with run.watchdog.phase("generate"):
-        run.state.pending = run.driver.local(lambda: step.ahead.result()) if step.overlap else None
-    step.rollout_s += time.time() - t
-    if run.partial:  # the requests in flight interrupted for the update, then resumed under the new weights
-        with run.watchdog.phase("sync"):
-            run.driver.local(lambda: run.buffer.pause())
-            sync_s = sync_weights(run.actor, run.engine)
-            step.gen.update(run.driver.run(lambda: run.buffer.resume(step.number + 1)))
-            run.state.buffer = run.driver.local(lambda: run.buffer.snapshot())
-    else:
-        with run.watchdog.phase("sync"):
-            sync_s = sync_weights(run.actor, run.engine)
+    train_s = time.time() - step.t_train
+    sync_s, counts = run.source.around_sync(run, step, lambda: sync_weights(run.actor, run.engine))
+    step.gen.update(counts)
     updates = step.updates
     if run.report is not None and any(u["skipped_update"] for u in updates):
         run.report(skipped_update_message(step.number, updates, run.cfg.fault.max_steps_without_update))
@@ -204,8 +172,7 @@ def log(run, step: Step) -> None:
         metrics["step_s"] = time.time() - step.t0
     if cfg.train.eval_every and step.number % cfg.train.eval_every == 0:
         with run.watchdog.phase("generate"):
-            metrics.update(run.driver.run(run.eval_fn or dict) if not run.partial else
-                           run.driver.run(lambda: run.buffer.paused(run.eval_fn or dict)))
+            metrics.update(run.source.quiet(run, run.eval_fn or dict))
     metrics.update(step.memory)
     if run.on_step is not None:
         run.on_step(step.number, metrics)
@@ -219,7 +186,7 @@ def save(run, step: Step) -> None:
     cfg, state, metrics = run.cfg, run.state, step.metrics
     state.stalled = state.stalled + 1 if metrics["updates"] == 0 else 0
     with run.watchdog.phase("collective"):
-        run.checkpoints.save(step.number, state, run.engine)
+        run.checkpoints.save(step.number, state, run.engine, run.source)
     run.history.append(metrics)
     if cfg.fault.max_steps_without_update and state.stalled >= cfg.fault.max_steps_without_update:
         with run.watchdog.phase("collective"):
@@ -342,37 +309,32 @@ class Mode:
     end: tuple = ()
 
 
-#: the engine and the actor on their own devices
-SEPARATE = Mode("separate", start=(sync_resumed,), step=STEP)
+def start_source(run, step: Step) -> None:
+    """The schedule's rollout source starts (partial rollout: the buffer, a resumed run's from its
+    checkpoint, generates with the weights the engine holds)."""
+    run.source.start(run, step.number + 1)
+
+
+def stop_source(run, step: Step) -> None:
+    """Everything the rollout source runs in the background stopped; the engine idle for the caller."""
+    run.source.close(run)
+
+
+#: the engine and the actor on their own devices; the source starts once the resumed weights
+#: reached the engine
+SEPARATE = Mode("separate", start=(sync_resumed, start_source), step=STEP, end=(stop_source,))
 #: the engine and the actor share the GPUs (``rollout.colocated``). The start goes from whatever
 #: state the two are in (each release, resume, offload and onload changes only what it must) to the
 #: one every step starts from: the actor offloaded, the engine holding the actor's weights and its
 #: cache
 COLOCATED = Mode("colocated", start=(release_engine, onload_actor, offload_actor, resume_engine_weights, first_sync,
-                                     offload_params, resume_engine_cache), step=COLOCATED_STEP,
-                 end=(release_engine, onload_actor))
-
-
-def start_buffer(run, step: Step) -> None:
-    """Partial rollout: the driver's rollout buffer (a resumed run's, from its checkpoint) starts
-    generating with the weights the engine holds."""
-    with run.watchdog.phase("generate"):
-        run.start_partial(step.number + 1)
-
-
-def stop_buffer(run, step: Step) -> None:
-    """Partial rollout: every request stopped; the engine idle for the caller."""
-    run.close_partial()
-
-
-#: the engine generates all the time, across steps (``rollout.partial_rollout``): the buffer starts
-#: after the resumed weights reached the engine, and every update interrupts and resumes it
-PARTIAL = Mode("partial", start=(sync_resumed, start_buffer), step=STEP, end=(stop_buffer,))
+                                     offload_params, resume_engine_cache, start_source), step=COLOCATED_STEP,
+                 end=(stop_source, release_engine, onload_actor))
 
 
 def mode_of(cfg) -> Mode:
-    if cfg.rollout.partial_rollout:
-        return PARTIAL
+    """Colocated or separate: how the engine and the actor share the devices. (The schedule, where
+    each step's rollout comes from, is the rollout source: :func:`~megatron_tepo.trainer.sources.source_of`.)"""
     return COLOCATED if cfg.rollout.colocated else SEPARATE
 
 

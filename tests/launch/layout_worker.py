@@ -2,7 +2,7 @@
 
 argv[1]: JSON {"run_config": the run.yaml that ``tools/fit_check.py --write-run-config`` wrote,
 "model_dir": an HF model directory}. Builds ``MegatronActor(model_dir, hf_weights=model_dir,
-**trainer.main.actor_args(cfg))``, takes one optimizer step on a random batch and reports the
+**megatron_tepo.actor.actor_args(cfg))``, takes one optimizer step on a random batch and reports the
 ``TransformerConfig`` fields the actor section sets, the loss and whether the weights moved.
 """
 import json
@@ -25,7 +25,7 @@ def main():
     from megatron_tepo.actor import MegatronActor
     from megatron_tepo.config import load_config
     from megatron_tepo.megatron.sharding import unwrap_model
-    from megatron_tepo.trainer.main import actor_args
+    from megatron_tepo.actor import actor_args
 
     cfg = load_config(args["run_config"])
     actor = MegatronActor(args["model_dir"], hf_weights=args["model_dir"], **actor_args(cfg))

@@ -63,7 +63,7 @@ def test_layout_settings_reach_the_transformer_config(path, tmp_path):
     from megatron_tepo.actor.actor import actor_transformer_config
     from megatron_tepo.megatron.gpt import family_spec, resolve_actor_config
     from megatron_tepo.models import family_config_from_hf
-    from megatron_tepo.trainer.main import actor_args
+    from megatron_tepo.actor import actor_args
 
     spec, cfg, arch = _run_config(path, tmp_path)
     assert cfg.actor == spec.cfg.actor and cfg.parallel == spec.cfg.parallel  # the run config is the file's
@@ -96,7 +96,7 @@ def test_gpu_layouts_pass_the_actors_own_check_on_cpu_too(path, tmp_path):
     30B-A3B) holds on this CPU machine without Transformer Engine: the local spec's torch norms run
     sequence parallelism (megatron/spec.py). (That a GPU job's python has TE: the launch checks.)"""
     from megatron_tepo.actor.actor import plan_actor
-    from megatron_tepo.trainer.main import actor_args
+    from megatron_tepo.actor import actor_args
 
     spec, cfg, arch = _run_config(path, tmp_path)
     kw = actor_args(cfg)

@@ -66,7 +66,8 @@ def main(args):
     from megatron_tepo.rollout.sglang.server import ServerConfig
     from megatron_tepo.rollout.sglang.weight_sync import make_weight_sync
     from megatron_tepo.trainer.loop import train
-    from megatron_tepo.trainer.main import actor_args, build_task
+    from megatron_tepo.actor import actor_args
+    from megatron_tepo.trainer.main import build_task
 
     tiny, out = Path(args["tiny"]), Path(args["out"])
     model_dir = str(tiny / "model")

@@ -12,6 +12,7 @@ from megatron_tepo.rollout.engine import gathered_tensors
 from megatron_tepo.config import RolloutConfig
 from megatron_tepo.rollout.sglang.weight_sync import MODES, SYNC_MODES, DiskSync, make_weight_sync
 from megatron_tepo.trainer.loop import sync_weights
+from tests.fakes import FakePolicy
 
 
 class FakeServer:
@@ -52,7 +53,7 @@ def test_sync_weights_is_one_update_call_and_no_second_flush():
         def flush_cache(self):
             calls.append(("flush", None))
 
-    class Actor:
+    class Actor(FakePolicy):
         def export_hf_state(self):
             return iter([("w", torch.ones(2))])
 

@@ -22,7 +22,7 @@ def main():
 
     from megatron_tepo.actor import MegatronActor, RolloutBatch
     from megatron_tepo.config import load_config
-    from megatron_tepo.trainer.main import actor_args
+    from megatron_tepo.actor import actor_args
 
     cfg = load_config(os.path.join(args["checkpoint"], "run_config.yaml"))
     actor = MegatronActor(args["model"], hf_weights=args["model"], **actor_args(cfg))

@@ -16,7 +16,7 @@ def main():
     from megatron_tepo.config import from_dict
     from megatron_tepo.megatron.parallel import group_timeout, group_timeouts
     from megatron_tepo.trainer.loop import Driver
-    from megatron_tepo.trainer.main import actor_args
+    from megatron_tepo.actor import actor_args
     from megatron_tepo.trainer.watchdog import process_group_timeout_s
     from tests.dist_utils import write_result
     from tests.megatron.helpers import tiny_hf_config

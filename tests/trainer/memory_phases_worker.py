@@ -18,11 +18,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.dist_utils import write_result  # noqa: E402
+from tests.fakes import FakePolicy  # noqa: E402
 
 
-class Actor:
+class Actor(FakePolicy):
     def __init__(self, slow_s: float):
-        self.slow_s, self.offloaded, self.offload_done = slow_s, (), None
+        super().__init__()
+        self.slow_s, self.offload_done = slow_s, None
 
     def offload(self, parts):
         time.sleep(self.slow_s)  # copying the optimizer to host memory takes this rank a while

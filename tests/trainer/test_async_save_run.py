@@ -62,11 +62,11 @@ def test_a_checkpoint_is_published_before_the_next_steps_first_update(tmp_path):
             super().__init__(finite=set(range(1, 100)))
             self.events = []
 
-        def forward_backward(self, mb, loss):
+        def forward_backward(self, batch, loss):
             self.events.append("update")
-            return super().forward_backward(mb, loss)
+            return super().forward_backward(batch, loss)
 
-        def save_checkpoint(self, directory, state, write_extra=None, asynchronous=False, on_publish=None):
+        def save_checkpoint(self, directory, extra_state=None, write_extra=None, asynchronous=False, on_publish=None):
             self.events.append(f"save {Path(directory).name} async={asynchronous}")
 
         def finalize_checkpoints(self, blocking=False):

@@ -9,6 +9,7 @@ import pytest
 from megatron_tepo.config import from_dict
 from megatron_tepo.rollout.engine import RolloutEngine, Sample
 from megatron_tepo.trainer.loop import NoUpdateError, Task, train
+from tests.fakes import FakePolicy
 
 
 class EchoEngine(RolloutEngine):
@@ -21,16 +22,17 @@ class EchoEngine(RolloutEngine):
         pass
 
 
-class NanActor:
+class NanActor(FakePolicy):
     """Every update's loss is NaN (skipped by the loop) except on the calls in ``finite``; with
     ``nan_grads`` the losses are finite and the gradients of those calls are not (the actor's
     optimizer step skips them, as ``MegatronActor.optimizer_step`` does)."""
 
     def __init__(self, finite=(), nan_grads=()):
+        super().__init__()
         self.calls, self.finite, self.nan_grads = 0, set(finite), set(nan_grads)
         self.discarded = 0
 
-    def forward_backward(self, mb, loss):
+    def forward_backward(self, batch, loss):
         self.calls += 1
         finite = self.calls in self.finite or self.calls in self.nan_grads
         return {"loss": 0.5 if finite else math.nan}
@@ -42,9 +44,6 @@ class NanActor:
         if self.calls in self.nan_grads:
             return {"lr": 1e-4, "grad_norm": math.nan, "skipped_update": 1.0}
         return {"lr": 1e-4, "grad_norm": 1.0, "skipped_update": 0.0}
-
-    def export_hf_state(self):
-        return iter(())
 
 
 def _cfg(steps, max_without, **rollout):
@@ -97,10 +96,11 @@ def test_the_count_is_saved_with_each_checkpoint_and_a_resumed_run_goes_on_count
     assert [saved[s]["steps_without_update"] for s in (1, 2)] == [1, 2]
 
     # run 2 resumes from step 2's state: one more such step makes 3 in a row
-    monkeypatch.setattr(loop, "load_newest_checkpoint", lambda actor, root, report: (tmp_path / "step_2", saved[2]))
+    resumed = NanActor()
+    resumed.load_newest_checkpoint = lambda root, report: (tmp_path / "step_2", saved[2])
     seen = []
     with pytest.raises(NoUpdateError) as err:
-        train(_cfg(400, 3), NanActor(), EchoEngine(), _task(lambda r: 0.0), checkpoint_root=tmp_path,
+        train(_cfg(400, 3), resumed, EchoEngine(), _task(lambda r: 0.0), checkpoint_root=tmp_path,
               on_step=lambda s, m: seen.append(s))
     assert seen == [3]
     assert "no policy update for 3 steps in a row (steps 1-3, fault.max_steps_without_update=3)" in str(err.value)
