@@ -14,7 +14,8 @@ torch's setter and getter: ``torch._C._accelerator_setAllocatorSettings`` /
 ``_accelerator_getAllocatorSettings`` (torch 2.9 on), else ``torch.cuda.memory._set_allocator_settings``
 and the process's ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF``. Left out: other devices'
 allocators (nothing here shares their memory across processes); on a machine without CUDA the
-scope does nothing.
+scope does nothing. (torch is imported where it is used: the launch side reads a setting with
+:func:`expandable_in` without it.)
 """
 from __future__ import annotations
 
@@ -23,14 +24,14 @@ import os
 import threading
 from typing import Iterator
 
-import torch
-
-__all__ = ["expandable_segments_on", "no_expandable_segments"]
+__all__ = ["expandable_segments_on", "no_expandable_segments", "expandable_in"]
 
 _lock = threading.Lock()
 
 
 def _get_settings() -> str:
+    import torch
+
     get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if get is not None:
         try:
@@ -41,21 +42,29 @@ def _get_settings() -> str:
 
 
 def _set_settings(conf: str) -> None:
+    import torch
+
     set_ = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if set_ is None:
         set_ = torch.cuda.memory._set_allocator_settings
     set_(conf)
 
 
-def expandable_segments_on() -> bool:
-    """Whether the CUDA allocator makes expandable segments now (False without CUDA)."""
-    if not torch.cuda.is_available():
-        return False
-    for item in _get_settings().split(","):
+def expandable_in(conf: str) -> bool:
+    """Whether an allocator setting (``key:value,key:value``, as ``PYTORCH_CUDA_ALLOC_CONF``) turns
+    expandable segments on."""
+    for item in conf.split(","):
         key, _, value = item.partition(":")
         if key.strip() == "expandable_segments":
             return value.strip().lower() in ("true", "1")
     return False
+
+
+def expandable_segments_on() -> bool:
+    """Whether the CUDA allocator makes expandable segments now (False without CUDA)."""
+    import torch
+
+    return torch.cuda.is_available() and expandable_in(_get_settings())
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from megatron_tepo import cuda_alloc
 
 def _stand_in_allocator(monkeypatch, conf):
     state = {"conf": conf}
-    monkeypatch.setattr(cuda_alloc.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cuda_alloc, "_get_settings", lambda: state["conf"])
 
     def set_(new):  # torch's setter changes the keys it is given, keeps the others

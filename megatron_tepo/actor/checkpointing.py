@@ -46,7 +46,8 @@ from megatron_tepo.checkpoint.store import (COMPLETE_MARKER, EXTRA_STATE, FORMAT
 from megatron_tepo.megatron.parallel import raise_if_any_rank_failed
 
 __all__ = ["save_actor_checkpoint", "load_actor_checkpoint", "load_newest_checkpoint", "get_rng_state",
-           "set_rng_state", "actor_layout", "AsyncSaves", "AsyncWriter", "choose_async_writer"]
+           "set_rng_state", "actor_layout", "AsyncSaves", "AsyncWriter", "choose_async_writer", "STAGINGS",
+           "NVRX_WORKER_CONTEXT_GIB"]
 
 DIST_OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -209,14 +210,26 @@ def _sharded_state_dict(actor, is_loading: bool, with_optimizer: bool = True) ->
 ASYNC_WRITER_ENV = "MTEPO_ASYNC_WRITER"
 
 
+#: how a save's tensors reach the writer process: by CUDA IPC handles (NVRx's default: the writer
+#: opens them, with a CUDA context of its own on the GPU), copied into host shared memory first
+#: (NVRx's ``use_cpu_shm_for_gpu_tensors``, megatron-core's ``cpu_shm_mode``), or copied to host
+#: memory and the writer forked from the trainer (megatron-core's own writer)
+STAGINGS = ("cuda_ipc", "host_shm", "host_copy")
+#: the CUDA context NVRx's writer process makes on the trainer's GPU when it opens CUDA IPC handles
+#: (each rank's writer on its own GPU); the fit check prices it (launch/memory.py)
+NVRX_WORKER_CONTEXT_GIB = 0.5
+
+
 @dataclass(frozen=True)
 class AsyncWriter:
     """The writer of the asynchronous saves: ``name`` (``"nvrx"``: nvidia-resiliency-ext's, the one
     megatron-core >= 0.19 asks for; ``"mcore"``: megatron-core's own), ``save_kwargs`` (for
-    ``dist_checkpointing.save``) and ``why`` (said once in the log)."""
+    ``dist_checkpointing.save``), ``why`` (said once in the log) and ``staging`` (how the tensors
+    reach the writer: :data:`STAGINGS`)."""
     name: str
     save_kwargs: Dict[str, Any]
     why: str
+    staging: str = "host_copy"
 
 
 def _nvrx_ready() -> Optional[str]:
@@ -231,16 +244,55 @@ def _nvrx_ready() -> Optional[str]:
     return importlib.metadata.version("nvidia-resiliency-ext")
 
 
-def choose_async_writer(save_fn=None, nvrx_version: Optional[str] = "probe",
-                        wanted: Optional[str] = None) -> AsyncWriter:
-    """THE choice of the asynchronous saves' writer: NVRx's where megatron-core's
-    ``dist_checkpointing.save`` takes ``async_strategy`` (>= 0.19, which deprecates its own writer)
-    and nvidia-resiliency-ext is importable with what megatron-core needs; megatron-core's own
-    writer elsewhere (megatron-core 0.16.1, or NVRx missing). ``save_fn`` (default megatron-core's
-    ``dist_checkpointing.save``), ``nvrx_version`` (default: probed; None: not installed) and
-    ``wanted`` (default ``$MTEPO_ASYNC_WRITER`` or ``auto``) are for tests."""
+def _nvrx_stages_in_host_memory() -> bool:
+    """Whether this megatron-core and nvidia-resiliency-ext can stage a save's GPU tensors in host
+    shared memory (megatron-core's ``TorchDistSaveShardedStrategy(cpu_shm_mode=)`` from 0.19.2,
+    NVRx's ``FileSystemWriterAsync(use_cpu_shm_for_gpu_tensors=)`` from 0.7)."""
     import inspect
 
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    if "cpu_shm_mode" not in inspect.signature(TorchDistSaveShardedStrategy.__init__).parameters:
+        return False
+    try:
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+    except ImportError:
+        return False
+    return "use_cpu_shm_for_gpu_tensors" in inspect.signature(FileSystemWriterAsync.__init__).parameters
+
+
+def _host_shm_strategy():
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    return TorchDistSaveShardedStrategy(cpu_shm_mode=True)
+
+
+def choose_async_writer(save_fn=None, nvrx_version: Optional[str] = "probe",
+                        wanted: Optional[str] = None, expandable: Optional[bool] = None,
+                        host_shm: Optional[bool] = None, on_gpu: Optional[bool] = None) -> AsyncWriter:
+    """THE choice of the asynchronous saves' writer and of how the tensors reach it: NVRx's where
+    megatron-core's ``dist_checkpointing.save`` takes ``async_strategy`` (>= 0.19, which deprecates
+    its own writer) and nvidia-resiliency-ext is importable with what megatron-core needs;
+    megatron-core's own writer elsewhere (megatron-core 0.16.1, or NVRx missing).
+
+    NVRx hands a save's GPU tensors to its writer process by CUDA IPC, unless they are staged in host
+    shared memory first. Tensors in the allocator's expandable segments (the trainer's
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, slurm/lib.sh) share by a file descriptor that
+    the receiver opens with ``pidfd_getfd``, which containers without ptrace and Yama
+    ``ptrace_scope=1`` refuse (pytorch#165685: the first save fails). So with expandable segments (or
+    NVRx's writer gets host shared memory (``staging`` ``host_shm``), and where this stack cannot do
+    that, megatron-core's own writer (host copies, a forked writer) is used instead; CUDA IPC
+    (``cuda_ipc``) only with ordinary segments. Without CUDA the tensors are on the host already
+    (``host_copy``: NVRx's writer gets copies, and makes no CUDA context).
+
+    ``save_fn`` (default megatron-core's ``dist_checkpointing.save``), ``nvrx_version`` (default:
+    probed; None: not installed), ``wanted`` (default ``$MTEPO_ASYNC_WRITER`` or ``auto``),
+    ``expandable`` (default: the CUDA allocator's setting now), ``host_shm`` (whether the stack can
+    stage in host shared memory; default: probed) and ``on_gpu`` (default: whether CUDA is there) are
+    for tests."""
+    import inspect
+
+    from megatron_tepo.cuda_alloc import expandable_segments_on
     from megatron_tepo.megatron.compat import async_save_kwargs, mcore_version
 
     if save_fn is None:
@@ -248,20 +300,33 @@ def choose_async_writer(save_fn=None, nvrx_version: Optional[str] = "probe",
     wanted = wanted or os.environ.get(ASYNC_WRITER_ENV) or "auto"
     if wanted not in ("auto", "mcore", "nvrx"):
         raise CheckpointError(f"{ASYNC_WRITER_ENV}={wanted!r}: expected auto, mcore or nvrx")
-    mcore = AsyncWriter("mcore", async_save_kwargs(save_fn), "")
+    mcore = AsyncWriter("mcore", async_save_kwargs(save_fn), "", "host_copy")
     if "async_strategy" not in inspect.signature(save_fn).parameters:
         why = f"megatron-core {mcore_version()} has no async_strategy"
     else:
         if nvrx_version == "probe":
             nvrx_version = _nvrx_ready()
-        if nvrx_version is not None and wanted != "mcore":
-            return AsyncWriter("nvrx", {"async_sharded_save": True, "async_strategy": "nvrx"},
-                               f"nvidia-resiliency-ext {nvrx_version}")
         why = (f"{ASYNC_WRITER_ENV}=mcore" if nvrx_version is not None else
                "nvidia-resiliency-ext >= 0.6 is not installed: docs/FAULT_TOLERANCE.md")
+        if nvrx_version is not None and wanted != "mcore":
+            on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+            expandable = expandable_segments_on() if expandable is None else expandable
+            kwargs, named = {"async_sharded_save": True, "async_strategy": "nvrx"}, f"nvidia-resiliency-ext {nvrx_version}"
+            if not on_gpu:
+                return AsyncWriter("nvrx", kwargs, f"{named}; no CUDA", "host_copy")
+            if not expandable:
+                return AsyncWriter("nvrx", kwargs, f"{named}; GPU tensors by CUDA IPC", "cuda_ipc")
+            host_shm = _nvrx_stages_in_host_memory() if host_shm is None else host_shm
+            if host_shm:
+                return AsyncWriter("nvrx", {**kwargs, "sharded_strategy": _host_shm_strategy()},
+                                   f"{named}; GPU tensors staged in host shared memory: expandable segments cannot "
+                                   f"go by CUDA IPC where pidfd_getfd is refused", "host_shm")
+            why = (f"{named} with megatron-core {mcore_version()} cannot stage GPU tensors in host shared memory "
+                   f"(NVRx >= 0.7's use_cpu_shm_for_gpu_tensors, megatron-core >= 0.19.2's cpu_shm_mode), and "
+                   f"expandable segments cannot go by CUDA IPC where pidfd_getfd is refused (pytorch#165685)")
     if wanted == "nvrx":
         raise CheckpointError(f"{ASYNC_WRITER_ENV}=nvrx: NVRx's writer cannot be had here: {why}")
-    return AsyncWriter(mcore.name, mcore.save_kwargs, why)
+    return AsyncWriter(mcore.name, mcore.save_kwargs, why, mcore.staging)
 
 
 _ANNOUNCED: List[str] = []  # the writer this process said it uses (once)
@@ -270,7 +335,8 @@ _ANNOUNCED: List[str] = []  # the writer this process said it uses (once)
 def _announce(writer: AsyncWriter) -> None:
     if not _ANNOUNCED and global_rank() == 0:
         name = {"nvrx": "NVRx (nvidia-resiliency-ext)", "mcore": "megatron-core's own"}[writer.name]
-        print(f"[megatron_tepo] asynchronous checkpoint saves: {name} writer ({writer.why})", flush=True)
+        print(f"[megatron_tepo] asynchronous checkpoint saves: {name} writer, staging {writer.staging} "
+              f"({writer.why})", flush=True)
     _ANNOUNCED.append(writer.name)
 
 
@@ -291,8 +357,8 @@ class AsyncSaves:
             from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
             from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
 
-            # without CUDA: its writer process must not set a CUDA device (it divides by the count)
-            self.queue = AsyncCallsQueue(persistent=True, cpu_shm_mode=not torch.cuda.is_available())
+            # staged in host shared memory (or without CUDA): its writer process makes no CUDA context
+            self.queue = AsyncCallsQueue(persistent=True, cpu_shm_mode=self.writer.staging != "cuda_ipc")
             checkpoint_results_queue(filesystem_async)
             atexit.register(self._close_queue)  # (its writer process is stopped before Python tears down)
         else:

@@ -14,7 +14,8 @@ import socket
 from typing import Mapping, Optional
 
 from megatron_tepo.config import RunConfig
-from megatron_tepo.launch.memory import GiB, HostMemory, actor_memory, colocated_memory, server_memory
+from megatron_tepo.launch.memory import (TRAINER_ALLOC_CONF, GiB, HostMemory, actor_memory, colocated_memory,
+                                        server_memory)
 from megatron_tepo.launch.report import FitReport
 from megatron_tepo.launch.schema import LaunchLayout
 from megatron_tepo.launch.shape import ModelShape
@@ -78,7 +79,8 @@ def check_fit(m: ModelShape, cfg: RunConfig, launch: LaunchLayout, raise_error: 
         raise FitError(f"{launch.rollout.key}.max_running_requests: must be >= 1 on cuda (the fit check prices "
                        f"the KV cache of that many sequences per server)")
     colocated = colocated_memory(m, cfg, launch, node_host_memory(launch)) if launch.colocated else None
-    report = FitReport(m, actor_memory(m, cfg, launch), server_memory(m, cfg, launch), launch, cfg, colocated)
+    alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", TRAINER_ALLOC_CONF)  # (as slurm/lib.sh hands it on)
+    report = FitReport(m, actor_memory(m, cfg, launch, alloc), server_memory(m, cfg, launch), launch, cfg, colocated)
     if raise_error:
         if colocated is not None:
             errors = [] if report.colocated_fits else [report.colocated_error()]

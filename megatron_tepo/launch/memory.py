@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from megatron_tepo.config import OFFLOAD_LEVELS, RunConfig
+from megatron_tepo.cuda_alloc import expandable_in
 from megatron_tepo.launch.schema import LaunchLayout
 from megatron_tepo.launch.shape import ModelShape
 
@@ -188,11 +189,16 @@ class ActorMemory:
     cp: int = 1
     rank_tokens: int = 0
     cp_attention: float = 0.0
+    # the asynchronous checkpoint save (train.async_save): the CUDA context of NVRx's writer process on
+    # this GPU where it opens the save's tensors by CUDA IPC (the trainer's allocator without expandable
+    # segments), and on the host, per GPU, the save's staged copies (host shared memory or pinned copies)
+    writer_context: float = 0.0
+    staging_host: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.weights + self.grads + self.optimizer + self.reference + self.activations
-                + self.logits + self.reserve + self.routing + self.cp_attention)
+                + self.logits + self.reserve + self.routing + self.cp_attention + self.writer_context)
 
 
 @dataclass
@@ -215,9 +221,21 @@ def _precision_bytes(precision: str) -> Tuple[int, int, int]:
     return (2, 4, 12) if precision == "bf16" else (4, 4, 8)
 
 
-def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> ActorMemory:
+#: the trainer's allocator setting when ``PYTORCH_CUDA_ALLOC_CONF`` is unset (slurm/lib.sh's
+#: ``tepo_trainer_env``; tests/launch hold the two equal)
+TRAINER_ALLOC_CONF = "expandable_segments:True"
+#: the CUDA context NVRx's checkpoint writer process makes on its trainer's GPU when it takes a save's
+#: tensors by CUDA IPC (actor/checkpointing.py:choose_async_writer: only with ordinary segments; with
+#: expandable segments they are staged in host shared memory and the writer makes no context)
+NVRX_WORKER_CONTEXT = 0.5 * GiB
+
+
+def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout,
+                 alloc_conf: str = TRAINER_ALLOC_CONF) -> ActorMemory:
     """Per-GPU memory of the actor's largest pipeline stage (bytes; docs/LAUNCH.md),
-    priced from the run config's ``actor`` section."""
+    priced from the run config's ``actor`` section; ``alloc_conf``: the trainer's
+    ``PYTORCH_CUDA_ALLOC_CONF`` (the asynchronous save's writer takes a CUDA context on the GPU
+    without expandable segments)."""
     t, p, e, cp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp
     act = cfg.actor
     sp = act.sequence_parallel
@@ -264,7 +282,9 @@ def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> ActorMe
             logits=lm_head_bytes(m, t, r, elem, fused=act.lm_head == "fused") if has_logits else 0.0,
             reserve=launch.reserve_gib * GiB, dp=dp, edp=edp, tokens=s,
             routing=(8.0 * in_flight * r * n * m.num_experts_per_tok) if replay else 0.0, routing_host=routing_host,
-            cp=cp, rank_tokens=r, cp_attention=in_flight * n * gather_kept + gather_working)
+            cp=cp, rank_tokens=r, cp_attention=in_flight * n * gather_kept + gather_working,
+            writer_context=NVRX_WORKER_CONTEXT if cfg.train.async_save and not expandable_in(alloc_conf) else 0.0,
+            staging_host=STAGING_ROUNDING * (w_b * (dense + expert) + opt) if cfg.train.async_save else 0.0)
         if best is None or mem.total > best.total:
             best = mem
     return best

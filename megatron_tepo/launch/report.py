@@ -110,6 +110,12 @@ class FitReport:
         if a.routing:
             parts.append(f"routing replay {a.routing / 2 ** 20:.0f} MiB (and {_gib(a.routing_host)} of host memory a "
                          f"rank per step: the step's routed experts)")
+        if a.writer_context:
+            parts.append(f"checkpoint writer {_gib(a.writer_context)} (NVRx's writer opens the asynchronous save's "
+                         f"tensors by CUDA IPC: PYTORCH_CUDA_ALLOC_CONF has no expandable segments)")
+        if a.staging_host:
+            parts.append(f"and {_gib(a.staging_host)} of host memory a GPU staging each asynchronous save "
+                         f"({_gib(a.staging_host * self.launch.gpus_per_node)} a node)")
         return ", ".join(parts)
 
     def render(self) -> str:

@@ -288,3 +288,35 @@ def test_the_fit_check_prices_routing_replay():
     assert actor_memory(off.shape(), off.cfg, off.launch).routing == 0.0
     dense = load_launch(MODELS / "qwen3_14b.yaml")
     assert actor_memory(dense.shape(), dense.cfg, dense.launch).routing_host == 0.0
+
+
+def test_the_async_saves_writer_and_staging_are_priced(tmp_path):
+    """#50 row 2: with ``train.async_save`` the fit check prices NVRx's writer process's CUDA context
+    on each trainer GPU where it takes the save's tensors by CUDA IPC (an allocator without expandable
+    segments; with them -- the trainer's default -- the tensors are staged in host memory and the
+    writer makes none), and the staging's host memory: the rank's weights and optimizer shard at the
+    pinned allocator's bound (STAGING_ROUNDING)."""
+    from megatron_tepo.launch.memory import NVRX_WORKER_CONTEXT, STAGING_ROUNDING, TRAINER_ALLOC_CONF
+
+    spec = tiny(tmp_path)
+    m = spec.shape()
+    shm = actor_memory(m, spec.cfg, spec.launch)  # (the default: the trainer's allocator)
+    assert TRAINER_ALLOC_CONF == "expandable_segments:True" and shm.writer_context == 0.0
+    ipc = actor_memory(m, spec.cfg, spec.launch, alloc_conf="max_split_size_mb:512")
+    assert ipc.writer_context == NVRX_WORKER_CONTEXT == 0.5 * GiB
+    assert ipc.total - shm.total == NVRX_WORKER_CONTEXT
+    assert shm.staging_host == STAGING_ROUNDING * (shm.weights + shm.optimizer) == 2.0 * (2 + 12) * 53632
+    spec.cfg.train.async_save = False
+    off = actor_memory(m, spec.cfg, spec.launch, alloc_conf="max_split_size_mb:512")
+    assert (off.writer_context, off.staging_host) == (0.0, 0.0)
+
+
+def test_the_fit_checks_allocator_default_is_lib_shs():
+    """The trainer's allocator when PYTORCH_CUDA_ALLOC_CONF is unset is one setting: lib.sh's."""
+    import os
+
+    from megatron_tepo.launch.memory import TRAINER_ALLOC_CONF
+    from megatron_tepo.launch.sequence import trainer_env
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    assert trainer_env("cuda", env)["PYTORCH_CUDA_ALLOC_CONF"] == TRAINER_ALLOC_CONF
