@@ -19,7 +19,7 @@ RESUME_MAY_CHANGE = (
     "train.steps", "train.save_every", "train.keep_checkpoints", "train.async_save", "train.eval_every",
     "train.export_hf",
     "train.resume", "train.allow_config_change", "train.output_dir", "rollout.sglang_urls",
-    "rollout.request_timeout_s", "rollout.router", "rollout.sync_address", "reward.workers", "fault", "notes",
+    "rollout.request_timeout_s", "rollout.decode_floor_tokens_per_s", "rollout.router", "rollout.sync_address", "reward.workers", "fault", "notes",
 )
 
 

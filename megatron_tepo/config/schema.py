@@ -86,7 +86,13 @@ class RolloutConfig:
     # wins over sglang_urls; the Slurm launchers set it); weights pushed after every update.
     engine: Literal["embedded", "sglang"] = "embedded"
     sglang_urls: List[str] = field(default_factory=list)
-    request_timeout_s: float = 600.0  # one SGLang request
+    # one request's time limit; None: derived from max_new_tokens at decode_floor_tokens_per_s (+120 s
+    # for the prompt, at least 600 s); a generation call's limit is its waves on the servers' slots x
+    # that (time_limits.py). A set limit shorter than the longest answer needs is refused
+    request_timeout_s: Optional[float] = None
+    # the slowest decode a request may have (tokens/s of one sequence on a busy server): the time
+    # limits above derive from it
+    decode_floor_tokens_per_s: float = 20.0
     # dispatch over 2+ servers: sglang-router where the SGLang venv has it (auto), or least-loaded
     router: Literal["auto", "sglang_router", "none"] = "auto"
     # see rollout/sglang/weight_sync/; ipc: colocated mode, each actor rank's bucket handed to the

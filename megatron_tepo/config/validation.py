@@ -121,7 +121,14 @@ def validate(cfg: RunConfig) -> None:
     _positive(cfg.fault, "fault", ["server_restarts", "restart_backoff_s", "server_return_timeout_s",
                                    "watchdog_generate_s", "watchdog_collective_s", "watchdog_sync_s",
                                    "max_steps_without_update", "inject_hang_at_step"], allow_zero=True)
-    _positive(r, "rollout", ["request_timeout_s", "sync_bucket_mb", "drift_warn_mean", "drift_warn_max"])
+    _positive(r, "rollout", ["sync_bucket_mb", "drift_warn_mean", "drift_warn_max", "decode_floor_tokens_per_s"])
+    if r.request_timeout_s is not None:
+        _positive(r, "rollout", ["request_timeout_s"])
+        from megatron_tepo.time_limits import check_request_limit
+
+        too_short = check_request_limit(r)
+        if too_short:
+            raise ConfigError(too_short)
     if isinstance(r.max_staleness, bool) or not isinstance(r.max_staleness, int) or r.max_staleness < 0:
         raise ConfigError(f"rollout.max_staleness: expected an integer >= 0, found {r.max_staleness!r}")
     if r.max_staleness > 1 and not r.partial_rollout:

@@ -20,8 +20,9 @@ from megatron_tepo.launch.report import FitReport
 from megatron_tepo.launch.schema import LaunchLayout
 from megatron_tepo.launch.shape import ModelShape
 from megatron_tepo.layout import validate_layout
+from megatron_tepo.time_limits import request_limit_s, round_limit_s, waves
 
-__all__ = ["FitError", "check_layout", "check_fit", "settle_colocated", "node_host_memory"]
+__all__ = ["FitError", "check_layout", "check_fit", "check_time_limits", "settle_colocated", "node_host_memory"]
 
 
 class FitError(ValueError):
@@ -70,9 +71,28 @@ def node_host_memory(launch: LaunchLayout, environ: Optional[Mapping[str, str]] 
     return HostMemory(kib * 1024.0, f"MemTotal of {socket.gethostname()}, where the fit check runs")
 
 
+def check_time_limits(cfg: RunConfig, launch: LaunchLayout) -> None:
+    """A sampling round's time limit (its waves of requests on the servers' slots x a request's:
+    :mod:`megatron_tepo.time_limits`) fits the watchdog's generation phase; else :class:`FitError`
+    naming ``fault.watchdog_generate_s``. (Further rounds of dynamic sampling draw the dropped
+    groups again, fewer: one round is checked.)"""
+    r, w = cfg.rollout, cfg.fault.watchdog_generate_s
+    slots = launch.servers * launch.rollout.server.max_running_requests
+    samples = r.prompts_per_step * r.n_samples
+    need = round_limit_s(r, samples, slots)
+    if w and need > w:
+        raise FitError(f"fault.watchdog_generate_s: {w:g} s is shorter than one sampling round may take: "
+                       f"{waves(samples, slots)} wave(s) of {samples} sequences on {slots} slots "
+                       f"({launch.servers} servers x {launch.rollout.key}.max_running_requests) x "
+                       f"{request_limit_s(r):.0f} s a request = {need:.0f} s; raise it (or 0: off), or add servers")
+
+
 def check_fit(m: ModelShape, cfg: RunConfig, launch: LaunchLayout, raise_error: bool = True) -> FitReport:
-    """Compute the report; raise :class:`FitError` naming the settings to change if it does not fit."""
+    """Compute the report; raise :class:`FitError` naming the settings to change if it does not fit
+    (the memory, and the rollout's time limits against the watchdog)."""
     check_layout(m, cfg, launch)
+    if raise_error and cfg.rollout.engine == "sglang":
+        check_time_limits(cfg, launch)
     if launch.device == "cpu":
         return FitReport(m, None, None, launch, cfg)
     if launch.rollout.server.max_running_requests < 1:  # (0: SGLang's own number, which is not priced)

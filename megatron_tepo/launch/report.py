@@ -13,6 +13,7 @@ from megatron_tepo.config import RunConfig
 from megatron_tepo.launch.memory import OFFLOAD_ORDER, GiB, ActorMemory, ColocatedMemory, ServerMemory, total_params
 from megatron_tepo.launch.schema import LaunchLayout
 from megatron_tepo.launch.shape import ModelShape
+from megatron_tepo.time_limits import MIN_REQUEST_S, PREFILL_S, needed_request_s, request_limit_s, waves
 
 __all__ = ["FitReport"]
 
@@ -136,8 +137,24 @@ class FitReport:
             f"  per GPU: weights {_gib(s.weights)} + KV cache {_gib(s.kv_cache)} "
             f"({s.kv_tokens:,} tokens x {s.kv_bytes_per_token:,} B) = {_gib(s.total)} of {_gib(s.budget)} "
             f"(mem_fraction_static {server.mem_fraction_static:g}): {'fits' if self.server_fits else 'DOES NOT FIT'}",
+            self.limits_line(),
         ]
         return "\n".join(lines)
+
+    def limits_line(self) -> str:
+        """The rollout's time limits (time_limits.py) against the watchdog's generation phase."""
+        r, L = self.cfg.rollout, self.launch
+        slots = L.servers * L.rollout.server.max_running_requests
+        samples = r.prompts_per_step * r.n_samples
+        request, rounds = request_limit_s(r), waves(samples, slots)
+        need = needed_request_s(r.max_new_tokens, r.decode_floor_tokens_per_s)
+        how = ("rollout.request_timeout_s" if r.request_timeout_s is not None else
+               f"{r.max_new_tokens} tokens at rollout.decode_floor_tokens_per_s {r.decode_floor_tokens_per_s:g} "
+               f"+ {PREFILL_S:g} s" + (f" = {need:.0f} s, at least {MIN_REQUEST_S:g} s" if need < MIN_REQUEST_S else ""))
+        w = self.cfg.fault.watchdog_generate_s
+        return (f"time limits: a request {request:.0f} s ({how}); a sampling round {rounds} wave(s) of {samples} "
+                f"sequences on {slots} slots = {rounds * request:.0f} s; fault.watchdog_generate_s "
+                + (f"{w:g} s" if w else "off"))
 
     def actor_line(self) -> str:
         m, a, L, cfg, par = self.shape, self.actor, self.launch, self.cfg, self.cfg.parallel
@@ -190,6 +207,7 @@ class FitReport:
                 lines.append(f"  offload {level}: rollout {_gib(q.rollout)}, training {_gib(q.training)}, sync "
                              f"{_gib(q.sync)}, host {_gib(q.host_per_node)} per node: "
                              + ("fits" if q.fits else "does not fit"))
+        lines.append(self.limits_line())
         return "\n".join(lines)
 
     def model_line(self) -> str:

@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 import torch
 
 from megatron_tepo.config import RolloutConfig
+from megatron_tepo.time_limits import request_limit_s
 from megatron_tepo.rollout.registry import EngineSettings, register_engine
 from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet, memory_tags
 from megatron_tepo.rollout.sglang.options import API_KEY_ENV, RELEASED_ENV, RESTART_GATE_ENV
@@ -85,8 +86,9 @@ def attach_fleet(settings: EngineSettings) -> SGLangFleet:
     urls = sglang_urls(r)
     keys = [os.environ.get(API_KEY_ENV) or None] * len(urls)
     f = settings.fault
-    fleet = SGLangFleet(FleetConfig(urls=urls, api_keys=keys, request_timeout=r.request_timeout_s,
-                                    step_timeout=max(r.request_timeout_s, 600.0), router=r.router,
+    request_s = request_limit_s(r)  # (time_limits.py: from max_new_tokens where not set)
+    fleet = SGLangFleet(FleetConfig(urls=urls, api_keys=keys, request_timeout=request_s,
+                                    step_timeout=max(request_s, 600.0), router=r.router,
                                     probe_timeout=f.probe_timeout_s, return_timeout=f.server_return_timeout_s,
                                     server_restarts=f.server_restarts, restart_backoff=f.restart_backoff_s,
                                     released=released_tags(r), restart_gate=os.environ.get(RESTART_GATE_ENV, ""),
