@@ -87,7 +87,8 @@ class RolloutConfig:
     engine: Literal["embedded", "sglang"] = "embedded"
     sglang_urls: List[str] = field(default_factory=list)
     request_timeout_s: float = 600.0  # one SGLang request
-    # dispatch over 2+ servers: sglang-router where the SGLang venv has it (auto), or least-loaded
+    # dispatch over 2+ servers: sglang-router where the SGLang venv has it (auto), or least-loaded;
+    # with actor.routing_replay: r3 always least-loaded (the router drops the routing field)
     router: Literal["auto", "sglang_router", "none"] = "auto"
     # see rollout/sglang/weight_sync/; ipc: colocated mode, each actor rank's bucket handed to the
     # server TP rank on its GPU (CUDA IPC; shared memory on CPU)
