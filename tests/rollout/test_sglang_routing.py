@@ -273,12 +273,11 @@ def test_routing_over_two_real_servers_and_sglang_router_reaches_the_batch(moe_s
     from megatron_tepo.batch import RolloutBatch
     from megatron_tepo.rollout.sglang.client import running_slots
     from megatron_tepo.rollout.sglang.fleet import parse_generate_output
-    from megatron_tepo.rollout.sglang.router import launch_router, router_installed
+    from megatron_tepo.rollout.sglang.router import launch_router
     from megatron_tepo.rollout.sglang.routing import ROUTING_REQUEST
     from megatron_tepo.rollout.sglang.server import stop_server
 
-    cfg, servers, _ = moe_servers
-    assert router_installed(cfg.python)  # what made rollout.router: auto put the router in front
+    cfg, servers, _ = moe_servers  # (the SGLang venv has sglang-router: launched below)
     shape = routing_shape_of(cfg.model_path)
     fleet = SGLangFleet(FleetConfig(urls=[s.url for s in servers], api_keys=["job-key"] * 2, router="auto",
                                     request_timeout=300, step_timeout=600, routing=shape, server=cfg))
