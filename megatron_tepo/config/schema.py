@@ -93,7 +93,8 @@ class RolloutConfig:
     # the slowest decode a request may have (tokens/s of one sequence on a busy server): the time
     # limits above derive from it
     decode_floor_tokens_per_s: float = 20.0
-    # dispatch over 2+ servers: sglang-router where the SGLang venv has it (auto), or least-loaded
+    # dispatch over 2+ servers: sglang-router where the SGLang venv has it (auto), or least-loaded;
+    # with actor.routing_replay: r3 always least-loaded (the router drops the routing field)
     router: Literal["auto", "sglang_router", "none"] = "auto"
     # see rollout/sglang/weight_sync/; ipc: colocated mode, each actor rank's bucket handed to the
     # server TP rank on its GPU (CUDA IPC; shared memory on CPU)

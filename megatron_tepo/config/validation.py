@@ -19,7 +19,8 @@ __all__ = ["validate", "packing_problem", "ROUTING_ENGINES"]
 
 #: the rollout engines that return each token's routed experts (``Sample.routed_experts``), which
 #: ``actor.routing_replay: r3`` replays (the SGLang fleet asks its servers for them:
-#: rollout/sglang/routing.py; the servers need --enable-return-routed-experts, SGLang 0.5.23)
+#: rollout/sglang/routing.py, directly, never through sglang-router, which drops the request's field;
+#: the servers need --enable-return-routed-experts, SGLang >= 0.5.7: rollout/sglang/versions.py)
 ROUTING_ENGINES = ("embedded", "sglang")
 
 
@@ -113,6 +114,10 @@ def validate(cfg: RunConfig) -> None:
     if a.routing_replay == "r3" and r.engine not in ROUTING_ENGINES:
         raise ConfigError(f"actor.routing_replay: r3 replays the engine's routing, which rollout.engine "
                           f"{r.engine!r} does not return (engines that do: {', '.join(ROUTING_ENGINES)}); use r2 or off")
+    if a.routing_replay == "r3" and r.engine == "sglang" and r.router == "sglang_router":
+        raise ConfigError("rollout.router: sglang_router drops return_routed_experts from the requests it forwards "
+                          "(sglang-router 0.3.2), which actor.routing_replay: r3 asks for; set rollout.router: auto "
+                          "(r3's requests go to the servers directly) or none")
     if a.routing_replay == "r2" and cfg.algorithm.old_log_prob == "rollout":
         raise ConfigError("actor.routing_replay: r2 records the routing in the actor's old-log-prob pass, which "
                           "algorithm.old_log_prob: rollout skips; use r3 or old_log_prob: recompute")

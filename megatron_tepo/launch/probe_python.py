@@ -2,7 +2,8 @@
 
     <python> megatron_tepo/launch/probe_python.py
     {"executable": ..., "prefix": ..., "torch": {"version": "2.6.0+cu126", "cuda": "12.6", "hip": null} | null,
-     "transformer_engine": true|false, "sglang": true|false, "torch_memory_saver": true|false}
+     "transformer_engine": true|false, "sglang": true|false, "sglang_version": "0.5.23" | null,
+     "torch_memory_saver": true|false}
 
 Run by path under the python it describes, which need not have megatron_tepo (an SGLang venv): the
 standard library only, and it imports nothing it reports on. torch's build comes from its
@@ -10,10 +11,13 @@ standard library only, and it imports nothing it reports on. torch's build comes
 as literals, not imported: no CUDA initialisation, well under a second, and it answers on a login
 node without a GPU. Transformer Engine, SGLang and its memory saver (``torch_memory_saver``, what a
 colocated layout's servers start with): whether the package is installed
-(``importlib.util.find_spec``), not whether it imports. Left out: whether a GPU is there (the
+(``importlib.util.find_spec``), not whether it imports; SGLang's version from its installed
+metadata (``importlib.metadata``), which the launch checks against the settings that need a later
+release (``megatron_tepo/rollout/sglang/versions.py``). Left out: whether a GPU is there (the
 job's nodes have them; where this runs may not), the driver, apex.
 """
 import ast
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -55,10 +59,17 @@ def installed(name: str) -> bool:
         return False
 
 
+def version(name: str):
+    try:
+        return importlib.metadata.version(name)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+
+
 def probe() -> dict:
     return {"executable": sys.executable, "prefix": sys.prefix, "torch": torch_build(),
             "transformer_engine": installed("transformer_engine"), "sglang": installed("sglang"),
-            "torch_memory_saver": installed("torch_memory_saver")}
+            "sglang_version": version("sglang"), "torch_memory_saver": installed("torch_memory_saver")}
 
 
 if __name__ == "__main__":

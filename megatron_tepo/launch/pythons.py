@@ -16,12 +16,18 @@ variable to set:
 * the SGLang python (``rollout.engine: sglang`` only), found as the serve command finds it
   (``MTEPO_SGLANG_PYTHON``, else ``<repo>/.venv-sglang/bin/python`` where it exists, else the
   trainer's python): one that cannot import sglang, the CPU build (its venv carries the mark of
-  ``tools/install_sglang_cpu.sh``), or one with a CPU build of torch.
+  ``tools/install_sglang_cpu.sh``), or one with a CPU build of torch;
+* on any device, the SGLang python's version against the settings of the job that need a later
+  SGLang than the declared floor (``megatron_tepo/rollout/sglang/versions.py``: ``actor.routing_replay:
+  r3`` needs 0.5.7, ``launch.device: cpu`` 0.5.14), read from its installed metadata before any
+  server starts (an older SGLang's servers would die parsing their arguments). A ``cpu`` job is
+  probed only when such a setting besides the device is on (its SGLang is tools/install_sglang_cpu.sh's
+  0.5.23 otherwise).
 
 It checks installs, not a GPU: the check may run where there is none (a nemo-run submission from
 a login node). Left out: the CUDA driver and the GPUs themselves, whether TE imports (the trainer
-finds out, in one line), apex, and versions (a torch or SGLang outside the declared ranges passes).
-``launch.device: cpu`` jobs are not checked.
+finds out, in one line), apex, and versions other than SGLang's bound settings (a torch or SGLang
+outside the declared ranges passes). ``launch.device: cpu`` jobs are otherwise not checked.
 """
 from __future__ import annotations
 
@@ -104,8 +110,19 @@ def _trainer(spec: LaunchSpec, python: str, setting: str, found: List[str]) -> L
     return []
 
 
+def version_bound(spec: LaunchSpec) -> List[str]:
+    """The settings of ``spec`` that need a later SGLang than the declared floor (keys of
+    ``versions.MIN_VERSIONS``)."""
+    from megatron_tepo.rollout.sglang.versions import CPU, R3
+
+    return [s for s, on in ((R3, spec.cfg.actor.routing_replay == "r3"), (CPU, spec.launch.device == "cpu")) if on]
+
+
 def _sglang(spec: LaunchSpec, trainer_python: str, found: List[str]) -> List[str]:
     from megatron_tepo.rollout.sglang.options import configured_sglang_python, cpu_build_marker
+    from megatron_tepo.rollout.sglang.versions import version_problem
+
+    gpu = spec.launch.device == "cuda"
 
     python = configured_sglang_python()
     if python is None:
@@ -118,8 +135,16 @@ def _sglang(spec: LaunchSpec, trainer_python: str, found: List[str]) -> List[str
         info = probe_python(python, env)
     except ValueError as exc:
         return [f"the SGLang python ({source}) {exc}: {fix}"]
-    found.append(f"SGLang python: {python} ({source}): {_torch(info)}, sglang "
-                 f"{'installed' if info.get('sglang') else 'not installed'}")
+    have = info.get("sglang_version") or ("installed" if info.get("sglang") else "not installed")
+    found.append(f"SGLang python: {python} ({source}): {_torch(info)}, sglang {have}")
+    problem = version_problem(info.get("sglang_version"), version_bound(spec))
+    too_old = (f"{problem} in {who}: set MTEPO_SGLANG_PYTHON to a python with a newer SGLang "
+               f"(docs/ROLLOUT.md#sglang-versions)")
+    if not gpu:
+        if not info.get("sglang"):
+            return [f"{who} cannot import sglang: set MTEPO_SGLANG_PYTHON to a python with sglang "
+                    f"(CPU: bash tools/install_sglang_cpu.sh)"]
+        return [too_old] if problem else []
     marker = cpu_build_marker(python, info.get("prefix"))
     if marker is not None:
         return [f"launch.device: cuda, but {who} is SGLang's CPU build (tools/install_sglang_cpu.sh: {marker}): {fix}"]
@@ -131,17 +156,24 @@ def _sglang(spec: LaunchSpec, trainer_python: str, found: List[str]) -> List[str
         return [f"{spec.launch.rollout.key}.placement: colocated starts the servers with SGLang's memory saver, "
                 f"which {who} does not have (pip install torch_memory_saver, a dependency of SGLang's CUDA "
                 f"install): {fix}"]
-    return []
+    return [too_old] if problem else []
 
 
 def check_pythons(spec: LaunchSpec, trainer_python: str, setting: str = "TEPO_PYTHON") -> List[str]:
     """On ``launch.device: cuda``: raise :class:`~megatron_tepo.launch.fit.FitError` (one line, a
     part per python, each naming the variable to set; ``setting``: how the trainer's python is set) when the
     trainer's or the SGLang python is not one for a GPU job; return what was found, one line per
-    python, for the report. ``launch.device: cpu``: nothing checked, ``[]``."""
-    if spec.launch.device != "cuda":
-        return []
+    python, for the report. ``launch.device: cpu``: only the SGLang python's version, and only when a
+    setting besides the device needs a later SGLang (``actor.routing_replay: r3``); else ``[]``."""
+    from megatron_tepo.rollout.sglang.versions import CPU
+
     found: List[str] = []
+    if spec.launch.device != "cuda":
+        if spec.cfg.rollout.engine == "sglang" and set(version_bound(spec)) - {CPU}:
+            errors = _sglang(spec, trainer_python, found)
+            if errors:
+                raise FitError("; ".join(errors))
+        return found
     errors = _trainer(spec, trainer_python, setting, found)
     if spec.cfg.rollout.engine == "sglang":
         errors += _sglang(spec, trainer_python, found)

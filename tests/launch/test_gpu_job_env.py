@@ -180,6 +180,41 @@ def test_a_colocated_layout_needs_sglangs_memory_saver(tmp_path, monkeypatch):
     assert check_pythons(_spec("qwen3_14b_colocated"), trainer)
 
 
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_an_sglang_too_old_for_routing_replay_is_refused_before_any_server_starts(tmp_path, monkeypatch, device):
+    """Issue #50 row 4: actor.routing_replay: r3 needs SGLang >= 0.5.7 (--enable-return-routed-experts),
+    later than pyproject.toml's floor: the fit check reads the SGLang python's version and refuses an
+    older one in one line naming the setting, the minimum and the variable to set, on either device
+    (an older SGLang's servers would die parsing their arguments); without r3 the same python
+    serves; 0.5.7 serves r3 (a cpu job's servers need 0.5.14 for their own flags, named with it)."""
+    py = _sglang(tmp_path, monkeypatch, sglang_version="0.5.6.post2")
+    trainer = str(standin_python(tmp_path / "trainer-venv"))
+    with pytest.raises(FitError) as err:
+        check_pythons(_spec("qwen3_30b_a3b", f"launch.device={device}"), trainer)
+    cpu = ("; launch.device: cpu needs SGLang >= 0.5.14 (the CPU servers' --cuda-graph-backend-decode/-prefill)"
+           if device == "cpu" else "")
+    assert str(err.value) == (f"actor.routing_replay: r3 needs SGLang >= 0.5.7 (--enable-return-routed-experts){cpu}, "
+                              f"found 0.5.6.post2 in the SGLang python {py} (MTEPO_SGLANG_PYTHON): set "
+                              f"MTEPO_SGLANG_PYTHON to a python with a newer SGLang (docs/ROLLOUT.md#sglang-versions)")
+    found = check_pythons(_spec("qwen3_30b_a3b", f"launch.device={device}", "actor.routing_replay=off"), trainer)
+    assert found == [] if device == "cpu" else "sglang 0.5.6.post2" in found[-1]
+    serves = "0.5.14" if device == "cpu" else "0.5.7"
+    _sglang(tmp_path, monkeypatch, sglang_version=serves)
+    found = check_pythons(_spec("qwen3_30b_a3b", f"launch.device={device}"), trainer)
+    assert found[-1] == f"SGLang python: {py} (MTEPO_SGLANG_PYTHON): torch 2.6.0+cu126 (CUDA 12.6), sglang {serves}"
+
+
+@pytest.mark.sglang
+def test_the_real_sglang_venv_serves_routing_replay(tmp_path, monkeypatch):
+    """The CPU SGLang the tests run (0.5.23) passes the same check, read from its own metadata."""
+    from tests.rollout.conftest import require_sglang
+
+    monkeypatch.setenv("MTEPO_SGLANG_PYTHON", require_sglang())
+    found = check_pythons(_spec("qwen3_30b_a3b", "launch.device=cpu"), str(tmp_path / "unused"))
+    assert found == [f"SGLang python: {require_sglang()} (MTEPO_SGLANG_PYTHON): torch 2.13.0+cpu (CPU build), "
+                     f"sglang 0.5.23"], found
+
+
 def test_a_python_that_does_not_run_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("MTEPO_SGLANG_PYTHON", str(tmp_path / "nowhere" / "python"))
     with pytest.raises(FitError) as err:

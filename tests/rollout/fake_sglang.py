@@ -1,5 +1,8 @@
 """A fake SGLang HTTP server for the weight sync's unit tests: it answers the routes the sync uses
-with success, reports a TP size on ``/server_info`` and ``/get_server_info``, can lack routes
+with success, reports a TP size, an SGLang version (0.5.23 unless told) and, if told, a
+running-request limit and more server arguments on ``/server_info`` and ``/get_server_info``
+(as 0.5.23 does: ``max_running_requests`` and ``internal_states``), can hold every ``/generate``
+until an event is set (``hold``), can lack routes
 (HTTP 404, as an SGLang version without them answers), can take its time over a bucket, and
 records every request (path, JSON body, start and end time); it answers ``/generate`` with two
 fixed tokens and can be frozen (``freeze``: generation and its probe hang while ``/health`` still
@@ -35,15 +38,22 @@ def routed_experts_ids(positions: int, num_layers: int, topk: int, num_experts: 
     return ((3 * p + 5 * layer + k) % num_experts).astype(np.int32)
 
 
-def routed_experts_b64(positions: int, num_layers: int, topk: int, num_experts: int) -> str:
+def routed_experts_b64(positions: int, num_layers: int, topk: int, num_experts: int,
+                       wire_dtype: Optional[str] = None) -> str:
     """As SGLang 0.5.23's tokenizer manager writes ``meta_info["routed_experts"]``:
-    ``pybase64.b64encode(tensor.numpy().tobytes())`` of the int32 ids."""
+    ``pybase64.b64encode(tensor.numpy().tobytes())`` of the int32 ids; with ``wire_dtype`` (uint8,
+    uint16, int32) as SGLang's source after 0.5.23 writes it (``srt/state_capturer/
+    routed_experts_wire.py``'s ``encode_routed_experts_for_wire``: the ids cast to that dtype, the
+    server sending ``meta_info["routed_experts_dtype"] = wire_dtype`` beside them)."""
     import base64
 
-    return base64.b64encode(routed_experts_ids(positions, num_layers, topk, num_experts).tobytes()).decode("utf-8")
+    ids = routed_experts_ids(positions, num_layers, topk, num_experts)
+    return base64.b64encode(ids.astype(wire_dtype or "int32").tobytes()).decode("utf-8")
 
 
 class _QuietServer(ThreadingHTTPServer):
+    request_queue_size = 512  # (a fleet's partial rollout opens hundreds of connections at once)
+
     def handle_error(self, request, client_address):  # a client that gave up on a frozen server
         if not isinstance(sys.exc_info()[1], (ConnectionError, BrokenPipeError)):
             super().handle_error(request, client_address)
@@ -52,11 +62,19 @@ class _QuietServer(ThreadingHTTPServer):
 class FakeSGLang:
     def __init__(self, tp_size: int = 1, missing: Iterable[str] = (), delays: Optional[Dict[str, float]] = None,
                  port: int = 0, inspect: Optional[Callable[[str, Optional[dict], str], None]] = None,
-                 routing: Optional[tuple] = None):
+                 routing: Optional[tuple] = None, wire_dtype: Optional[str] = None, version: str = "0.5.23",
+                 slots: Optional[int] = None, info: Optional[dict] = None, hold: Optional[threading.Event] = None):
         self.tp_size, self.missing, self.delays, self.inspect = tp_size, set(missing), dict(delays or {}), inspect
         # (num_layers, topk, num_experts): a server started with --enable-return-routed-experts, which answers a
-        # request asking for them with SGLang 0.5.23's meta_info["routed_experts"] (ROUTED_EXPERTS below)
-        self.routing = routing
+        # request asking for them with SGLang 0.5.23's meta_info["routed_experts"] (routed_experts_b64), or with
+        # wire_dtype as the compact format of SGLang's newer source writes it
+        self.routing, self.wire_dtype = routing, wire_dtype
+        # /server_info: the version, the running-request limit (slots: as 0.5.23 reports it), and more arguments
+        self.info = {"version": version, "enable_return_routed_experts": routing is not None, **(info or {})}
+        if slots is not None:
+            self.info.update(max_running_requests=slots,
+                             internal_states=[{"effective_max_running_requests_per_dp": slots}])
+        self.hold = hold  # set: /generate answers; clear: it waits (a server whose batch is busy)
         self.requests: List[dict] = []  # {"method", "path", "body", "start", "end"}
         # freeze(): /generate and /health_generate hang until thaw() (a SIGSTOP-ed scheduler)
         self.frozen, self.thawed = threading.Event(), threading.Event()
@@ -97,7 +115,7 @@ class FakeSGLang:
                     if path in fake.missing:
                         status, out = 404, {"detail": "Not Found"}
                     elif method == "GET" and path in ("/server_info", "/get_server_info"):
-                        status, out = 200, {"tp_size": fake.tp_size, "dp_size": 1, "version": "fake"}
+                        status, out = 200, {"tp_size": fake.tp_size, "dp_size": 1, **fake.info}
                     elif method == "GET" and path == "/health":
                         status, out = 200, {}
                     elif fake.frozen.is_set() and path in ("/generate", "/health_generate"):
@@ -107,13 +125,17 @@ class FakeSGLang:
                         status, out = 200, {}
                     elif path == "/generate":
                         time.sleep(fake.delays.get(path, 0.0))
+                        if fake.hold is not None:
+                            fake.hold.wait()
                         status, out = 200, {"output_ids": [7, 8], "meta_info": {
                             "output_token_logprobs": [[-0.5, 7, None], [-0.25, 8, None]],
                             "finish_reason": {"type": "length", "length": 2},
                             "prompt_tokens": len((body or {}).get("input_ids") or ())}}
                         if fake.routing is not None and (body or {}).get("return_routed_experts"):
                             out["meta_info"]["routed_experts"] = routed_experts_b64(
-                                out["meta_info"]["prompt_tokens"] + 2 - 1, *fake.routing)
+                                out["meta_info"]["prompt_tokens"] + 2 - 1, *fake.routing, wire_dtype=fake.wire_dtype)
+                            if fake.wire_dtype is not None:
+                                out["meta_info"]["routed_experts_dtype"] = fake.wire_dtype
                     else:
                         time.sleep(fake.delays.get(path, 0.0))
                         status, out = 200, {"success": True, "message": "ok"}
@@ -164,6 +186,8 @@ class FakeSGLang:
 
     def close(self) -> None:
         self.thaw()
+        if self.hold is not None:
+            self.hold.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 

@@ -105,3 +105,11 @@ def test_supported_sglang_range_is_stated_and_holds_the_tested_version():
     pinned = re.search(r'SGLANG_VERSION="\$\{MTEPO_SGLANG_VERSION:-([0-9.]+)\}"',
                        (REPO / "tools/install_sglang_cpu.sh").read_text())
     assert pinned and Version(pinned.group(1)) in spec, (pinned and pinned.group(1), spec)
+    # the settings that need a later SGLang (issue #50 row 4): inside the range, above its floor (the
+    # launch checks them), and served by the SGLang the tests run
+    from megatron_tepo.rollout.sglang.versions import DECLARED_MINIMUM, MIN_VERSIONS
+
+    assert Version(DECLARED_MINIMUM) == _minimum(spec)
+    for setting, (need, _) in MIN_VERSIONS.items():
+        assert Version(need) in spec and Version(need) > _minimum(spec), (setting, need)
+        assert Version(need) <= Version(pinned.group(1)), (setting, need)

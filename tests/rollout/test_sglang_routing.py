@@ -3,7 +3,13 @@ every ``/generate`` for the routed experts, decodes SGLang 0.5.23's answer (the 
 ``[prompt + output - 1, num_hidden_layers, topk]``, as its tokenizer manager writes it) into
 ``Sample.routed_experts`` over the MoE layers, and a server that answers without them is an error
 naming it, never a silent fall-back. Against fake servers (tests/rollout/fake_sglang.py) that encode
-the ids as SGLang does; the launchers start the servers with the flag when replay asks for it."""
+the ids as SGLang does; the launchers start the servers with the flag when replay asks for it.
+
+Issue #50: the requests go to the servers directly, never through sglang-router, which drops the
+field (row 1: two real servers and the real router); a server older than routing needs (0.5.7) or
+started without the flag is refused before any request (row 4); the compact wire format of SGLang's
+newer source (uint8 / uint16, ``meta_info["routed_experts_dtype"]``) decodes by the dtype the answer
+names, and the servers are started asking for the narrowest (row 7)."""
 import base64
 import json
 
@@ -12,9 +18,10 @@ import pytest
 import torch
 
 from megatron_tepo.rollout.sglang.client import FleetError
-from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet
+from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet, use_router
+from megatron_tepo.rollout.sglang.options import ROUTED_EXPERTS_DTYPE_ENV, ServerConfig, server_command
 from megatron_tepo.rollout.sglang.routing import RoutingShape, decode_routed_experts, routing_shape_of
-from tests.rollout.fake_sglang import FakeSGLang, routed_experts_ids
+from tests.rollout.fake_sglang import FakeSGLang, routed_experts_b64, routed_experts_ids
 
 
 def _config(tmp_path, **kw):
@@ -49,9 +56,109 @@ def test_sglangs_encoding_decodes_to_the_moe_layers_ids():
     assert decode_routed_experts(meta, 5, RoutingShape(4, (0, 2, 3), 2, 200), "x").dtype == torch.int16
 
 
+@pytest.mark.parametrize("wire", ["uint8", "uint16", "int32"])
+def test_the_compact_wire_format_decodes_by_the_dtype_the_server_names(wire):
+    """Row 7: SGLang's source after 0.5.23 (``srt/state_capturer/routed_experts_wire.py``) sends the
+    ids cast to ``SGLANG_ROUTED_EXPERTS_DTYPE`` and names it in ``routed_experts_dtype``: the same
+    ids come out, whichever dtype travelled (the old decoder read every answer as int32 and refused
+    uint8 and uint16 as mis-sized). An unknown dtype, or bytes that are no whole number of ids, is an
+    error naming the server."""
+    shape = RoutingShape(4, (0, 2, 3), 2, 200)
+    meta = {"routed_experts": routed_experts_b64(5, 4, 2, 200, wire_dtype=wire), "routed_experts_dtype": wire}
+    want = torch.from_numpy(routed_experts_ids(5, 4, 2, 200)[:, [0, 2, 3]]).long()
+    assert len(base64.b64decode(meta["routed_experts"])) == 5 * 4 * 2 * np.dtype(wire).itemsize
+    out = decode_routed_experts(meta, 5, shape, "server X")
+    assert out.dtype == torch.int16 and torch.equal(out.long(), want)
+    with pytest.raises(ValueError, match=r"^server X returned routed experts in routed_experts_dtype='float32', "
+                                         r"expected one of \['int32', 'uint16', 'uint8'\]"):
+        decode_routed_experts({**meta, "routed_experts_dtype": "float32"}, 5, shape, "server X")
+    if wire != "uint8":
+        with pytest.raises(ValueError, match="^server X returned 39 bytes of routed experts, not a whole number"):
+            decode_routed_experts({**meta, "routed_experts": base64.b64encode(b"x" * 39).decode()}, 5, shape,
+                                  "server X")
+
+
 def _fleet(fakes, shape):
     return SGLangFleet(FleetConfig(urls=[f.url for f in fakes], router="none", request_timeout=30, step_timeout=60,
                                    probe_interval=0.2, probe_timeout=1.0, routing=shape))
+
+
+def test_the_fleet_takes_the_compact_format_from_servers_that_send_it():
+    """Row 7 through the fleet: one server sends uint8, the other SGLang 0.5.23's int32 (no
+    ``routed_experts_dtype``): every sample carries the same ids."""
+    shape = RoutingShape(4, (0, 2, 3), 2, 8)
+    fakes = [FakeSGLang(routing=(4, 2, 8), wire_dtype="uint8"), FakeSGLang(routing=(4, 2, 8))]
+    fleet = _fleet(fakes, shape)
+    try:
+        prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]]
+        groups = fleet.generate(prompts, n=1, max_new_tokens=2)
+        for prompt, (sample,) in zip(prompts, groups):
+            want = routed_experts_ids(len(prompt) + 2 - 1, 4, 2, 8)[:, [0, 2, 3]]
+            assert torch.equal(sample.routed_experts.long(), torch.from_numpy(want).long())
+        assert all(f.bodies("/generate") for f in fakes)  # both formats were decoded
+    finally:
+        fleet.close()
+        for f in fakes:
+            f.close()
+
+
+def test_a_routing_server_is_started_asking_for_the_narrowest_wire_dtype(tmp_path):
+    """Row 7: the servers that return routing are started with SGLANG_ROUTED_EXPERTS_DTYPE, the
+    narrowest dtype that holds the model's expert ids (a release without the compact format ignores
+    it); the user's own setting stays; a server without routing gets none."""
+    def env(experts=None, **kw):
+        if experts is not None:
+            (tmp_path / "config.json").write_text(json.dumps({"num_experts": experts}))
+        cfg = ServerConfig(model_path=str(tmp_path), enable_return_routed_experts=True, **kw)
+        return server_command(cfg, 30000, base_env={"PATH": "/bin"})[1]
+
+    assert env()[ROUTED_EXPERTS_DTYPE_ENV] == "uint16"  # no config.json here: uint16 holds any real model's
+    assert env(128)[ROUTED_EXPERTS_DTYPE_ENV] == "uint8" and env(256)[ROUTED_EXPERTS_DTYPE_ENV] == "uint8"
+    assert env(512)[ROUTED_EXPERTS_DTYPE_ENV] == "uint16"
+    assert env(128, env={ROUTED_EXPERTS_DTYPE_ENV: "int32"})[ROUTED_EXPERTS_DTYPE_ENV] == "int32"
+    plain = server_command(ServerConfig(model_path=str(tmp_path)), 30000, base_env={"PATH": "/bin"})[1]
+    assert ROUTED_EXPERTS_DTYPE_ENV not in plain
+
+
+def test_routing_goes_to_the_servers_directly_never_through_sglang_router():
+    """Row 1: with routing the fleet puts no router in front (sglang-router drops
+    return_routed_experts); asking for the router with routing is refused in one line."""
+    shape = RoutingShape(4, (0, 2, 3), 2, 8)
+    assert not use_router(FleetConfig(router="auto", routing=shape), 8)
+    with pytest.raises(ValueError, match=r"^FleetConfig.router=sglang_router \(rollout.router\) with routing replay "
+                                         r"\(actor.routing_replay: r3\): sglang-router drops return_routed_experts"):
+        use_router(FleetConfig(router="sglang_router", routing=shape), 8)
+    from megatron_tepo.config import ConfigError, RunConfig, validate
+
+    cfg = RunConfig()
+    cfg.rollout.engine, cfg.rollout.router, cfg.actor.routing_replay = "sglang", "sglang_router", "r3"
+    with pytest.raises(ConfigError, match="rollout.router: sglang_router drops return_routed_experts"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("version", ["0.5.6.post2", "fake"])
+def test_a_server_older_than_routing_needs_is_refused_before_any_request(version):
+    """Row 4: each server's /server_info version is read when the fleet attaches; one older than
+    0.5.7 (or of no version that can be read) is refused in one line naming it, the setting and
+    the minimum, before any request; 0.5.7 serves."""
+    fakes = [FakeSGLang(routing=(4, 2, 8)), FakeSGLang(routing=(4, 2, 8), version=version)]
+    try:
+        with pytest.raises(ValueError) as err:
+            _fleet(fakes, RoutingShape(4, (0, 2, 3), 2, 8))
+        msg = str(err.value)
+        assert msg.startswith(f"SGLang server {fakes[1].url}: actor.routing_replay: r3 needs SGLang >= 0.5.7 "
+                              f"(--enable-return-routed-experts), ") and "\n" not in msg, msg
+        assert not any(f.bodies("/generate") for f in fakes)
+    finally:
+        for f in fakes:
+            f.close()
+    fake = FakeSGLang(routing=(4, 2, 8), version="0.5.7")
+    fleet = _fleet([fake], RoutingShape(4, (0, 2, 3), 2, 8))
+    try:
+        assert fleet.generate([[1, 2, 3]], n=1, max_new_tokens=2)[0][0].routed_experts.shape == (4, 3, 2)
+    finally:
+        fleet.close()
+        fake.close()
 
 
 def test_the_fleet_asks_for_the_routing_and_each_sample_carries_it():
@@ -66,6 +173,7 @@ def test_the_fleet_asks_for_the_routing_and_each_sample_carries_it():
         bodies = [b for f in fakes for b in f.bodies("/generate")]
         assert bodies and all(b["return_routed_experts"] is True and b["routed_experts_start_len"] == 0
                               for b in bodies)
+        assert fleet.cfg.server.enable_return_routed_experts  # (the servers it launches start with the flag)
     finally:
         fleet.close()
         for f in fakes:
@@ -73,7 +181,13 @@ def test_the_fleet_asks_for_the_routing_and_each_sample_carries_it():
 
 
 def test_a_server_that_does_not_return_the_routing_is_an_error_naming_it():
-    fake = FakeSGLang()  # started without --enable-return-routed-experts: answers without them
+    fake = FakeSGLang()  # started without --enable-return-routed-experts: refused when the fleet attaches
+    with pytest.raises(ValueError, match=rf"^SGLang server {fake.url} runs without --enable-return-routed-experts, "
+                                         r"which actor.routing_replay: r3 needs"):
+        _fleet([fake], RoutingShape(4, (0, 2, 3), 2, 8))
+    fake.close()
+    # one that says it runs with the flag and answers without them (a server that reports no such argument)
+    fake = FakeSGLang(info={"enable_return_routed_experts": True})
     fleet = _fleet([fake], RoutingShape(4, (0, 2, 3), 2, 8))
     try:
         with pytest.raises(FleetError, match=rf"request rejected by {fake.url}: an SGLang server returned no routed "
@@ -109,16 +223,9 @@ def test_the_launchers_start_the_servers_returning_routing_when_replay_asks():
     assert "--enable-return-routed-experts" in cmd
 
 
-@pytest.mark.sglang
-@pytest.mark.timeout(900)
-def test_a_real_sglang_cpu_server_returns_the_routing_of_a_tiny_moe(tmp_path, sglang_python):
-    """The fleet launches a real SGLang 0.5.23 CPU server on a tiny random Qwen3-MoE (2 layers, 8
-    experts, top-2) with ``routing``: it starts it with --enable-return-routed-experts, asks every
-    request for the routing and decodes it. The experts are those of SGLang's own forward: each id
-    in range, one per slot, the two slots of a position distinct, the same for the same prompt."""
+def _tiny_moe(path):
+    """A tiny random Qwen3-MoE (2 layers, 8 experts, top-2), saved in ``path``; the HF model."""
     import transformers
-
-    from megatron_tepo.rollout.sglang.options import ServerConfig
 
     cfg = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -128,14 +235,97 @@ def test_a_real_sglang_cpu_server_returns_the_routing_of_a_tiny_moe(tmp_path, sg
                                       pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(cfg).float()
-    model.save_pretrained(tmp_path / "moe")
-    shape = routing_shape_of(str(tmp_path / "moe"))
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def moe_servers(sglang_python, tmp_path_factory):
+    """Two real SGLang 0.5.23 CPU servers on the tiny MoE, started as the launchers start them
+    (--enable-return-routed-experts, one API key for the job), and the HF model."""
+    from megatron_tepo.rollout.sglang.server import launch_server, stop_server, wait_ready
+
+    path = tmp_path_factory.mktemp("moe")
+    model = _tiny_moe(path)
+    cfg = ServerConfig(model_path=str(path), python=sglang_python, dtype="float32", startup_timeout=600,
+                       enable_return_routed_experts=True, log_dir=str(tmp_path_factory.mktemp("logs")))
+    servers = []
+    try:
+        servers = [launch_server(cfg, i, "job-key") for i in range(2)]
+        wait_ready(servers, cfg.startup_timeout)
+        yield cfg, servers, model
+    finally:
+        for s in servers:
+            stop_server(s)
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(900)
+def test_routing_over_two_real_servers_and_sglang_router_reaches_the_batch(moe_servers):
+    """Row 1. The trainer's fleet over two servers, with rollout.router: auto in a venv that has
+    sglang-router: before #50 it put the router in front and step 1 failed (the router forwards its
+    own typed request, without return_routed_experts). Now the requests go to the servers directly:
+    every sample carries its routing, equal to what a server answers the same request sent to it
+    directly, and RolloutBatch.from_groups puts it in the batch. The real router, in front of the
+    same servers, still drops the field (what would tell us that a newer one passes it on). The
+    servers' version (0.5.23) passes the fleet's check (row 4), and each reports its running-request
+    limit (row 5)."""
+    from megatron_tepo.batch import RolloutBatch
+    from megatron_tepo.rollout.sglang.client import running_slots
+    from megatron_tepo.rollout.sglang.fleet import parse_generate_output
+    from megatron_tepo.rollout.sglang.router import launch_router
+    from megatron_tepo.rollout.sglang.routing import ROUTING_REQUEST
+    from megatron_tepo.rollout.sglang.server import stop_server
+
+    cfg, servers, _ = moe_servers  # (the SGLang venv has sglang-router: launched below)
+    shape = routing_shape_of(cfg.model_path)
+    fleet = SGLangFleet(FleetConfig(urls=[s.url for s in servers], api_keys=["job-key"] * 2, router="auto",
+                                    request_timeout=300, step_timeout=600, routing=shape, server=cfg))
+    try:
+        prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [3, 4]]
+        groups = fleet.generate(prompts, n=1, max_new_tokens=3, temperature=1e-5)  # (near-greedy)
+        assert fleet.router is None and all(s.served > 0 for s in fleet.servers)  # both served, directly
+        sampling = {"n": 1, "temperature": 1e-5, "top_p": 1.0, "top_k": -1, "max_new_tokens": 3,
+                    "stop_token_ids": [], "ignore_eos": True, "skip_special_tokens": False}  # (the fleet's)
+        for i, (prompt, (sample,)) in enumerate(zip(prompts, groups)):
+            payload = {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True,
+                       "logprob_start_len": -1, **ROUTING_REQUEST}
+            direct = parse_generate_output(servers[i % 2].post("/generate", payload, timeout=300), shape, "direct")
+            assert sample.token_ids == direct.token_ids
+            assert torch.equal(sample.routed_experts, direct.routed_experts), (sample.routed_experts, direct)
+        batch = RolloutBatch.from_groups(prompts, groups, pad_id=0)
+        for row, (prompt, (sample,)) in enumerate(zip(prompts, groups)):
+            n = len(prompt) + len(sample.token_ids) - 1
+            assert torch.equal(batch.routed_experts[row, :n].to(sample.routed_experts.dtype), sample.routed_experts)
+        for s in fleet.servers:  # rows 4 and 5: what the fleet reads of a real 0.5.23 server
+            info = s.server_info()
+            assert info["version"] == "0.5.23" and info["enable_return_routed_experts"] is True
+            limit = running_slots(info)
+            assert limit == info["internal_states"][0]["effective_max_running_requests_per_dp"] and limit > 0
+    finally:
+        fleet.close()
+    router = launch_router(cfg, servers, "round_robin", 300)
+    try:
+        out = router.post("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2},
+                                        **ROUTING_REQUEST}, timeout=300)
+        out = out[0] if isinstance(out, list) else out
+        assert out["meta_info"].get("routed_experts") is None, "sglang-router passed the routing on: see fleet.py"
+    finally:
+        stop_server(router)
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(900)
+def test_a_real_sglang_cpu_server_returns_the_routing_of_a_tiny_moe(moe_servers):
+    """A real SGLang 0.5.23 CPU server on a tiny random Qwen3-MoE (2 layers, 8 experts, top-2),
+    started with --enable-return-routed-experts: the fleet asks every request for the routing and
+    decodes it. The experts are those of SGLang's own forward: each id in range, one per slot, the
+    two slots of a position distinct, the same for the same prompt, HF's router's but for near ties."""
+    cfg, servers, model = moe_servers
+    shape = routing_shape_of(cfg.model_path)
     assert shape == RoutingShape(2, (0, 1), 2, 8)
-    fleet = SGLangFleet(FleetConfig(num_servers=1, router="none", request_timeout=300, step_timeout=600,
-                                    routing=shape,
-                                    server=ServerConfig(model_path=str(tmp_path / "moe"), python=sglang_python,
-                                                        dtype="float32", startup_timeout=600,
-                                                        log_dir=str(tmp_path / "logs"))))
+    fleet = SGLangFleet(FleetConfig(urls=[servers[0].url], api_keys=["job-key"], router="none", request_timeout=300,
+                                    step_timeout=600, routing=shape, server=cfg))
     try:
         prompts = [[5, 6, 7, 8], [9, 10, 11]]
         groups = fleet.generate(prompts, n=2, max_new_tokens=3, temperature=1e-5)  # (near-greedy)

@@ -8,6 +8,8 @@
   of it is the serve command (``serve.py``: one server in the foreground, what the Slurm launchers
   run per server).
 * ``router.py`` -- sglang-router in front of several servers.
+* ``routing.py`` -- MoE routing replay's routed experts: asked for, decoded from an answer.
+* ``versions.py`` -- which SGLang release each version-bound setting needs, and the refusal.
 * ``launch.py`` -- what ``server_command``'s command line runs inside the SGLang venv (SGLang's own launch with
   the API key taken from the environment); it imports nothing of this package.
 * ``fleet.py`` -- dispatch: a step's requests spread over the servers (or through the router),

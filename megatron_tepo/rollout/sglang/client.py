@@ -1,7 +1,8 @@
 """One SGLang server as an HTTP endpoint (launched here or attached by URL): :class:`SGLangServer`,
 its address, API key and (if launched here) process, its HTTP calls, ``/health`` and the generation
-probe, its TP size and its health state (``health.py``); the fleet also keeps its load on it, and
-(colocated mode) what memory it has released. The errors of a call (:class:`RequestFailed`) and of
+probe, its TP size, its running-request slots (:func:`running_slots`) and its health state
+(``health.py``); the fleet also keeps its load on it, and (colocated mode) what memory it has
+released. The errors of a call (:class:`RequestFailed`) and of
 the fleet (:class:`FleetError`).
 
 Left out: how the process is started and stopped (``server.py``), spreading requests over several
@@ -30,6 +31,21 @@ class RequestFailed(Exception):
         self.server_dead, self.retryable, self.status = server_dead, retryable, status
 
 
+def running_slots(info: dict) -> Optional[int]:
+    """How many requests a server runs at once, from its ``/server_info``: the sum of its DP ranks'
+    ``effective_max_running_requests_per_dp`` (SGLang 0.5.23's ``internal_states``: what the
+    scheduler computed when the flag was not given), else its ``max_running_requests`` argument
+    (``--max-running-requests``: the launch's setting), else None (not reported)."""
+    states = [st for st in info.get("internal_states") or () if isinstance(st, dict)]
+    effective = [st.get("effective_max_running_requests_per_dp") for st in states]
+    if effective and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in effective):
+        return sum(effective)
+    given = info.get("max_running_requests")
+    if isinstance(given, int) and not isinstance(given, bool) and given > 0:
+        return given
+    return None
+
+
 class SGLangServer:
     """One server: its URL, key, (if launched here) its process, its load, and its TP size.
 
@@ -41,6 +57,7 @@ class SGLangServer:
                  log_path: Optional[str] = None, tp_size: Optional[int] = None):
         self.url, self.api_key, self.proc, self.log_path = url.rstrip("/"), api_key, proc, log_path
         self.tp_size = tp_size
+        self.slots: Optional[int] = None  # requests it runs at once (running_slots; None: not asked yet)
         self.inflight = 0
         self.health = ServerHealth()
         self.last_error: Optional[str] = None

@@ -9,7 +9,22 @@ API key). A step's requests (one per prompt group) are spread over the healthy s
 sglang-router where it is installed (``FleetConfig.router``; ``auto``: when the SGLang python
 imports ``sglang_router`` and there are two servers or more), a router process started here on
 loopback that holds the servers' API key and checks it on every request; least-loaded first
-(fewest requests in flight) otherwise. A request that fails (connection refused or reset,
+(the fewest requests in flight for its running-request slots: :meth:`SGLangFleet._pick`, the one
+place that chooses a server, where a prefix or session affinity would go) otherwise.
+
+With routing replay (``FleetConfig.routing``: every ``/generate`` asks for its routed experts) no
+router stands in front: the requests go to the servers directly, least-loaded. sglang-router
+(0.3.2, the newest release on PyPI; upstream reports the same of its successor, the SGLang Model
+Gateway: sgl-project/sglang#20696, closed as inactive) parses ``/generate`` into its own typed
+request, which has no ``return_routed_experts``, and forwards that: the server answers without the
+routing and the step fails. The fleet's own
+dispatch sends the request as written, to a server it picks, so routing works with any router
+release, over any number of servers; ``router: sglang_router`` with routing is refused in one
+line. Before the first request the fleet reads each server's SGLang version (``/server_info``) and
+refuses one older than routing needs (``versions.py``: 0.5.7), or started without
+``--enable-return-routed-experts``.
+
+A request that fails (connection refused or reset,
 time-out, HTTP 5xx) -- through the router, after the router's own retries on its other workers --
 is moved to another server directly. When no server is left -- or the step's deadline passes --
 :class:`FleetError` names every server and its last error. Weight updates and cache flushes go to
@@ -30,6 +45,14 @@ request, and is not put behind the router, until a weight sync has reached it
 then marks the stale ones healthy and rebuilds the router over the healthy set). Every change of
 state is logged and counted; :meth:`health_metrics` hands the counts since its last call to the
 step metrics.
+
+Partial rollout (:meth:`submit`): each sample is one request, and as many are in flight as the
+servers have running-request slots (each server's ``/server_info``, read at the first submit:
+0.5.23's effective limit per DP rank, else its ``--max-running-requests``, else
+``FleetConfig.max_concurrency``), summed over the fleet and bounded by
+:data:`MAX_PARTIAL_INFLIGHT` (``FleetConfig.partial_inflight`` sets it instead), so that the
+fleet stays full; :meth:`generate` sends one request per group of n samples,
+``max_concurrency`` at a time.
 
 Colocated mode (the servers share the actor's GPUs): :meth:`release_memory` / :meth:`resume_memory`
 post ``/release_memory_occupation`` / ``/resume_memory_occupation`` with the tags to every live
@@ -79,14 +102,19 @@ import torch
 from megatron_tepo.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Group, Request,
                                           RolloutEngine, Sample, SamplingParams, make_params, validate_prompts)
 from megatron_tepo.rollout.sglang.health import COUNTERS, Event, State, counter
-from megatron_tepo.rollout.sglang.client import FleetError, RequestFailed, SGLangServer
+from megatron_tepo.rollout.sglang.client import FleetError, RequestFailed, SGLangServer, running_slots
 from megatron_tepo.rollout.sglang.options import ServerConfig
 from megatron_tepo.rollout.sglang.router import ROUTER_POLICIES, launch_router, router_installed
 from megatron_tepo.rollout.sglang.routing import ROUTING_REQUEST, RoutingShape, decode_routed_experts
 from megatron_tepo.rollout.sglang.server import launch_server, stop_server, wait_ready
+from megatron_tepo.rollout.sglang.versions import R3, check_version
 from megatron_tepo.rollout.sglang.weight_sync import TensorSync
 
 log = logging.getLogger(__name__)
+
+#: the most requests :meth:`SGLangFleet.submit` keeps in flight, whatever the servers' slots (one
+#: waiting thread each)
+MAX_PARTIAL_INFLIGHT = 4096
 
 
 @dataclass
@@ -101,9 +129,13 @@ class FleetConfig:
     step_timeout: float = 600.0          # one generate() call, retries included
     max_attempts: int = 4                # per request, over distinct servers where possible
     health_timeout: float = 5.0          # /health while starting
-    max_concurrency: int = 64            # requests in flight over the whole fleet
+    max_concurrency: int = 64            # generate(): requests (groups of n) in flight over the whole fleet
+    # submit() (partial rollout, one sample a request): requests in flight over the whole fleet; None: the
+    # servers' running-request slots summed (read from each at the first submit), at most MAX_PARTIAL_INFLIGHT
+    partial_inflight: Optional[int] = None
     # sglang-router in front of the servers: "auto" (when the SGLang python imports sglang_router
-    # and there are >= 2 servers), "sglang_router" (required), "none" (least-loaded dispatch here)
+    # and there are >= 2 servers, and no routing is asked for), "sglang_router" (required; refused
+    # with routing), "none" (least-loaded dispatch here)
     router: str = "auto"
     router_policy: str = "cache_aware"   # sglang-router's --policy
     probe_timeout: float = 60.0          # a one-token generation (fault.probe_timeout_s)
@@ -118,7 +150,8 @@ class FleetConfig:
     # dead servers to come back (slurm/lib.sh restarts one only then: TEPO_SGLANG_RESTART_GATE)
     restart_gate: str = ""
     # MoE routing replay (actor.routing_replay: r3): every sample's routed experts are asked for and
-    # decoded (the servers need --enable-return-routed-experts); None: not asked
+    # decoded (the servers need --enable-return-routed-experts, SGLang >= 0.5.7; sent to them directly,
+    # never through sglang-router, which drops the field); None: not asked
     routing: Optional[RoutingShape] = None
 
 
@@ -129,6 +162,13 @@ def use_router(cfg: FleetConfig, n_servers: int) -> bool:
     if cfg.router_policy not in ROUTER_POLICIES:
         raise ValueError(f"FleetConfig.router_policy: expected one of {ROUTER_POLICIES}, found {cfg.router_policy!r}")
     if cfg.router == "none":
+        return False
+    if cfg.routing is not None:  # the router would drop return_routed_experts: direct dispatch
+        if cfg.router == "sglang_router":
+            raise ValueError("FleetConfig.router=sglang_router (rollout.router) with routing replay "
+                             "(actor.routing_replay: r3): sglang-router drops return_routed_experts from the "
+                             "requests it forwards (0.3.2; sgl-project/sglang#20696), and r3's requests go to the "
+                             "servers directly: set rollout.router: auto or none")
         return False
     if cfg.router == "auto":
         return n_servers >= 2 and router_installed(cfg.server.python)
@@ -223,6 +263,8 @@ class SGLangFleet(RolloutEngine):
                 raise ValueError("FleetConfig names no server: set num_servers or urls")
             for s in self.servers:
                 s.health.on_change = partial(self._on_change, s)
+            if cfg.routing is not None:
+                self._check_routing_servers()
             if self._routed:
                 self._rebuild_router()
         except BaseException:
@@ -236,6 +278,21 @@ class SGLangFleet(RolloutEngine):
         self._interrupting = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="sglang-health", daemon=True)
         self._monitor.start()
+
+    def _check_routing_servers(self) -> None:
+        """Routing replay: every server runs an SGLang that returns routing (``versions.py``) and was
+        started to return it; ValueError naming the first that does not (one line, before any
+        request). ``/server_info`` reports the version and the server's arguments."""
+        for s in self.servers:
+            try:
+                info = s.server_info(self.cfg.request_timeout)
+            except RequestFailed as e:
+                raise FleetError(f"routing replay: cannot read {s.url}/server_info: {e}") from None
+            check_version(info.get("version"), [R3], f"SGLang server {s.url}")
+            if info.get("enable_return_routed_experts") is False:
+                raise ValueError(f"SGLang server {s.url} runs without --enable-return-routed-experts, which "
+                                 f"{R3} needs (launch.rollout.enable_return_routed_experts; the launchers set it "
+                                 f"when the run config says r3)")
 
     # ------------------------------------------------------------------ health
     def _on_change(self, s: SGLangServer, health, t) -> None:
@@ -359,6 +416,12 @@ class SGLangFleet(RolloutEngine):
         return out
 
     def _pick(self, exclude: set) -> Optional[SGLangServer]:
+        """The server a request goes to when it does not go through the router: among the serving
+        ones not in ``exclude`` (tried already; all tried: any), the least loaded, i.e. the fewest
+        requests in flight per running-request slot (slots known once :meth:`submit` has read
+        them; before, every server counts alike), then the fewest served. The one place that picks
+        a server: a prefix or session affinity (a multi-turn episode's turns to the server holding
+        its prefix) goes here."""
         with self._lock:
             serving = self.serving_servers()
             cands = [s for s in serving if s.url not in exclude]
@@ -366,7 +429,7 @@ class SGLangFleet(RolloutEngine):
                 cands = serving  # all tried: reuse a live one
             if not cands:
                 return None
-            best = min(cands, key=lambda s: (s.inflight, s.served))
+            best = min(cands, key=lambda s: (s.inflight / (s.slots or 1), s.served))
             best.inflight += 1
             return best
 
@@ -623,7 +686,9 @@ class SGLangFleet(RolloutEngine):
 
     def submit(self, requests: Sequence[Request], params: SamplingParams) -> None:
         """Each request as one ``/generate`` of one sample (``prompt + token_ids``, its remaining
-        tokens), through the router where there is one, retried as :meth:`generate`'s are."""
+        tokens), through the router where there is one, retried as :meth:`generate`'s are;
+        :meth:`partial_inflight` of them in flight at once (the fleet's running-request slots), the
+        rest waiting here."""
         if self.cfg.routing is not None:
             raise ValueError("SGLangFleet.submit: routing is not returned for interrupted requests "
                              "(rollout.partial_rollout with actor.routing_replay: r3)")
@@ -631,10 +696,10 @@ class SGLangFleet(RolloutEngine):
         sampling = {"n": 1, "temperature": params.temperature, "top_p": params.top_p, "top_k": -1,
                     "stop_token_ids": list(params.stop_token_ids), "ignore_eos": not params.stop_token_ids,
                     "skip_special_tokens": False}
+        workers = self.partial_inflight() if self._partial_pool is None else 0  # (asks the servers: not under the lock)
         with self._partial_cv:
             if self._partial_pool is None:
-                self._partial_pool = ThreadPoolExecutor(max_workers=self.cfg.max_concurrency,
-                                                        thread_name_prefix="sglang-partial")
+                self._partial_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sglang-partial")
             for r in requests:
                 if r.remaining < 1:
                     raise ValueError(f"request {r.key!r}: no tokens left to generate")
@@ -645,6 +710,33 @@ class SGLangFleet(RolloutEngine):
                     with self._lock:
                         self._steps_running += 1  # (the monitor probes the servers that hold requests)
                 self._partial_running[id(r)] = (r, self._partial_pool.submit(self._run_partial, r, payload))
+
+    def partial_inflight(self) -> int:
+        """How many requests :meth:`submit` keeps in flight: ``FleetConfig.partial_inflight`` if set,
+        else every server's running-request slots (:func:`~.client.running_slots` of its
+        ``/server_info``, asked once per server; ``max_concurrency`` for one that reports none or
+        does not answer), summed, at most :data:`MAX_PARTIAL_INFLIGHT`. One request a slot keeps
+        each server's batch full; more would only queue on the servers, where an interrupt has to
+        abort them too."""
+        if self.cfg.partial_inflight is not None:
+            if self.cfg.partial_inflight < 1:
+                raise ValueError(f"FleetConfig.partial_inflight must be >= 1, got {self.cfg.partial_inflight}")
+            return self.cfg.partial_inflight
+        total = 0
+        for s in self.servers:
+            if s.slots is None:
+                try:
+                    s.slots = running_slots(s.server_info(self.cfg.health_timeout))
+                except (RequestFailed, ValueError) as e:
+                    log.warning("SGLang server %s: its running-request limit is unknown (%s): counted as %d",
+                                s.url, e, self.cfg.max_concurrency)
+                if s.slots is None:
+                    s.slots = self.cfg.max_concurrency
+            total += s.slots
+        if total > MAX_PARTIAL_INFLIGHT:
+            log.warning("SGLang fleet: %d running-request slots over %d servers; partial rollout keeps %d requests "
+                        "in flight (MAX_PARTIAL_INFLIGHT)", total, len(self.servers), MAX_PARTIAL_INFLIGHT)
+        return max(1, min(total, MAX_PARTIAL_INFLIGHT))
 
     def _run_partial(self, r: Request, payload: dict) -> None:
         deadline = time.monotonic() + self.cfg.step_timeout

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -246,6 +247,24 @@ MEMORY_SAVER_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false", "SGLANG
                     "TEPO_SGLANG_EMPTY_CACHE_ON_RELEASE": "1"}
 
 
+#: the server's environment variable that picks the wire dtype of the routing it returns
+#: (``meta_info["routed_experts_dtype"]``; SGLang's source after 0.5.23:
+#: ``srt/state_capturer/routed_experts_wire.py``; releases up to 0.5.23 ignore it and send int32)
+ROUTED_EXPERTS_DTYPE_ENV = "SGLANG_ROUTED_EXPERTS_DTYPE"
+
+
+def routed_experts_wire_dtype(model_path: Optional[str]) -> str:
+    """The narrowest routing wire dtype (``uint8``, ``uint16``, ``int32``) that holds every expert id
+    of the model in ``model_path`` (its ``config.json``'s ``num_experts`` / ``num_local_experts``);
+    ``uint16``, which holds any real model's, where that file cannot be read here."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts"))
+    except (OSError, ValueError, TypeError):
+        return "uint16"
+    return "uint8" if experts <= 256 else "uint16" if experts <= 65536 else "int32"
+
+
 def without_expandable_segments(conf: str) -> str:
     """An allocator setting (``key:value,key:value``) without its ``expandable_segments`` entry."""
     return ",".join(item for item in conf.split(",")
@@ -257,7 +276,10 @@ def server_env(cfg: ServerConfig, base_env: Dict[str, str]) -> Dict[str, str]:
     ``{name: value}`` (``None``: removed); pure. Every server: torch's allocator settings without
     ``expandable_segments`` (torch_memory_saver refuses to start with them, and SGLang shares memory
     between its processes by CUDA IPC, which they break; a user's setting is the trainer's, see
-    slurm/lib.sh); a server that releases its memory: :data:`MEMORY_SAVER_ENV`."""
+    slurm/lib.sh); a server that releases its memory: :data:`MEMORY_SAVER_ENV`; a server that returns
+    routing (``enable_return_routed_experts``): :data:`ROUTED_EXPERTS_DTYPE_ENV`, the narrowest dtype
+    that holds the model's expert ids (:func:`routed_experts_wire_dtype`; the caller's own setting
+    stays)."""
     out: Dict[str, Optional[str]] = {}
     for name in ALLOC_CONF_ENVS:
         if name in base_env:
@@ -266,6 +288,8 @@ def server_env(cfg: ServerConfig, base_env: Dict[str, str]) -> Dict[str, str]:
                 out[name] = kept or None
     if cfg.enable_memory_saver:
         out.update(MEMORY_SAVER_ENV)
+    if cfg.enable_return_routed_experts and ROUTED_EXPERTS_DTYPE_ENV not in base_env:
+        out[ROUTED_EXPERTS_DTYPE_ENV] = routed_experts_wire_dtype(cfg.model_path)
     return out
 
 
@@ -283,8 +307,8 @@ def server_command(cfg: ServerConfig, port: int, api_key: Optional[str] = None,
     ``cfg.device == "cpu"`` adds the CPU engine's flags (torch-native attention, PyTorch sampling,
     no CUDA graphs, sleep when idle) and env (``SGLANG_USE_CPU_ENGINE=1``, no visible GPU, ``threads_per_server``
     OMP/MKL threads); ``"cuda"`` leaves the GPU choice to the caller's ``CUDA_VISIBLE_DEVICES``.
-    The variables of :func:`server_env` (no expandable segments; a memory-saver server's settings)
-    come before ``cfg.env``, which is the caller's last word.
+    The variables of :func:`server_env` (no expandable segments; a memory-saver server's settings;
+    a routing server's wire dtype) come before ``cfg.env``, which is the caller's last word.
     """
     if not cfg.model_path:
         raise ValueError("ServerConfig.model_path is needed to launch SGLang servers")
