@@ -74,4 +74,4 @@ def test_the_fleet_gets_the_derived_request_limit(monkeypatch):
     from megatron_tepo.rollout.registry import EngineSettings
 
     attach.attach_fleet(EngineSettings(cfg.rollout, "", 0, 1, cfg.fault))
-    assert seen["request"] == 1758.4 and seen["step"] >= seen["request"]
+    assert seen["request"] == 1758.4 and seen["step"] is None  # (the fleet: waves on its slots x that)

@@ -80,3 +80,20 @@ def test_the_in_flight_bound_without_a_reported_limit_and_set_by_hand():
     finally:
         for f in fakes:
             f.close()
+
+
+def test_a_calls_time_limit_is_its_waves_on_the_fleets_slots():
+    """#50 row 3: a generate() call's deadline, where none is set, is its sequences' waves on the
+    servers' slots x a request's limit (the 32k example: 3 waves of 512 on 176 slots); set, it wins."""
+    fakes = [FakeSGLang(slots=24), FakeSGLang(slots=56)]
+    try:
+        fleet = SGLangFleet(FleetConfig(urls=[f.url for f in fakes], router="none", request_timeout=100))
+        assert fleet.slots() == 80
+        assert (fleet.call_timeout(80), fleet.call_timeout(81), fleet.call_timeout(512)) == (100.0, 200.0, 700.0)
+        fleet.close()
+        fleet = SGLangFleet(FleetConfig(urls=[fakes[0].url], router="none", request_timeout=100, step_timeout=50))
+        assert fleet.call_timeout(512) == 50.0
+        fleet.close()
+    finally:
+        for f in fakes:
+            f.close()

@@ -88,7 +88,7 @@ def attach_fleet(settings: EngineSettings) -> SGLangFleet:
     f = settings.fault
     request_s = request_limit_s(r)  # (time_limits.py: from max_new_tokens where not set)
     fleet = SGLangFleet(FleetConfig(urls=urls, api_keys=keys, request_timeout=request_s,
-                                    step_timeout=max(request_s, 600.0), router=r.router,
+                                    router=r.router,  # (a call's limit: its waves on the servers' slots)
                                     probe_timeout=f.probe_timeout_s, return_timeout=f.server_return_timeout_s,
                                     server_restarts=f.server_restarts, restart_backoff=f.restart_backoff_s,
                                     released=released_tags(r), restart_gate=os.environ.get(RESTART_GATE_ENV, ""),

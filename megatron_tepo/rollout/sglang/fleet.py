@@ -109,6 +109,7 @@ from megatron_tepo.rollout.sglang.routing import ROUTING_REQUEST, RoutingShape, 
 from megatron_tepo.rollout.sglang.server import launch_server, stop_server, wait_ready
 from megatron_tepo.rollout.sglang.versions import R3, check_version
 from megatron_tepo.rollout.sglang.weight_sync import TensorSync
+from megatron_tepo.time_limits import waves
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,9 @@ class FleetConfig:
     api_keys: Sequence[Optional[str]] = ()  # one per url (None: no key)
     server: ServerConfig = field(default_factory=ServerConfig)  # how launched servers start
     request_timeout: float = 120.0       # one HTTP request
-    step_timeout: float = 600.0          # one generate() call, retries included
+    # one generate() call, retries included; None: its waves of sequences on the servers' running-request
+    # slots x request_timeout (megatron_tepo/time_limits.py), read from the servers at the first call
+    step_timeout: Optional[float] = None
     max_attempts: int = 4                # per request, over distinct servers where possible
     health_timeout: float = 5.0          # /health while starting
     max_concurrency: int = 64            # generate(): requests (groups of n) in flight over the whole fleet
@@ -545,8 +548,11 @@ class SGLangFleet(RolloutEngine):
                   f"{self.cfg.max_attempts} attempts failed")
         raise FleetError(f"{reason}; attempts: {errors or 'none'}; servers: {self._describe_all()}")
 
-    def _run_all(self, path: str, payloads: List[dict], parse) -> List[Any]:
-        deadline = time.monotonic() + self.cfg.step_timeout
+    def _run_all(self, path: str, payloads: List[dict], parse, sequences: Optional[int] = None) -> List[Any]:
+        """Every payload (``sequences`` in all: n per payload; default one each) within one call's
+        time limit (:meth:`call_timeout`)."""
+        step_timeout = self.call_timeout(sequences or len(payloads))
+        deadline = time.monotonic() + step_timeout
         if not self.serving_servers():
             gated = [s for s in self.healthy_servers() if not s.memory_ready]
             if gated:
@@ -566,7 +572,7 @@ class SGLangFleet(RolloutEngine):
                 left = deadline - time.monotonic() + 5.0  # requests honour the deadline themselves
                 done, pending = wait(pending, timeout=max(left, 0.1), return_when=FIRST_COMPLETED)
                 if not done and time.monotonic() > deadline + 5.0:
-                    raise FleetError(f"step time-out ({self.cfg.step_timeout:.0f} s) passed with "
+                    raise FleetError(f"step time-out ({step_timeout:.0f} s) passed with "
                                      f"{len(pending)} requests unanswered; servers: {self._describe_all()}")
                 for f in done:
                     results[futs[f]] = f.result()  # raises FleetError of that request
@@ -679,7 +685,7 @@ class SGLangFleet(RolloutEngine):
                 raise RequestFailed(f"expected {sp.n} samples, got {len(outs)}")
             return [parse_generate_output(o, self.cfg.routing, "an SGLang server") for o in outs]
 
-        return self._run_all("/generate", payloads, parse)
+        return self._run_all("/generate", payloads, parse, sequences=len(payloads) * sp.n)
 
     # ------------------------------------------------------------------ interruptible generation
     interruptible = True
@@ -711,17 +717,10 @@ class SGLangFleet(RolloutEngine):
                         self._steps_running += 1  # (the monitor probes the servers that hold requests)
                 self._partial_running[id(r)] = (r, self._partial_pool.submit(self._run_partial, r, payload))
 
-    def partial_inflight(self) -> int:
-        """How many requests :meth:`submit` keeps in flight: ``FleetConfig.partial_inflight`` if set,
-        else every server's running-request slots (:func:`~.client.running_slots` of its
+    def slots(self) -> int:
+        """The fleet's running-request slots: every server's (:func:`~.client.running_slots` of its
         ``/server_info``, asked once per server; ``max_concurrency`` for one that reports none or
-        does not answer), summed, at most :data:`MAX_PARTIAL_INFLIGHT`. One request a slot keeps
-        each server's batch full; more would only queue on the servers, where an interrupt has to
-        abort them too."""
-        if self.cfg.partial_inflight is not None:
-            if self.cfg.partial_inflight < 1:
-                raise ValueError(f"FleetConfig.partial_inflight must be >= 1, got {self.cfg.partial_inflight}")
-            return self.cfg.partial_inflight
+        does not answer), summed."""
         total = 0
         for s in self.servers:
             if s.slots is None:
@@ -733,13 +732,32 @@ class SGLangFleet(RolloutEngine):
                 if s.slots is None:
                     s.slots = self.cfg.max_concurrency
             total += s.slots
+        return total
+
+    def call_timeout(self, sequences: int) -> float:
+        """One call's time limit for ``sequences`` sequences: ``FleetConfig.step_timeout`` if set, else
+        their waves on the fleet's slots x ``request_timeout`` (:func:`~megatron_tepo.time_limits.waves`)."""
+        if self.cfg.step_timeout is not None:
+            return float(self.cfg.step_timeout)
+        return waves(sequences, self.slots()) * self.cfg.request_timeout
+
+    def partial_inflight(self) -> int:
+        """How many requests :meth:`submit` keeps in flight: ``FleetConfig.partial_inflight`` if set,
+        else the fleet's running-request :meth:`slots`, at most :data:`MAX_PARTIAL_INFLIGHT`. One
+        request a slot keeps each server's batch full; more would only queue on the servers, where an
+        interrupt has to abort them too."""
+        if self.cfg.partial_inflight is not None:
+            if self.cfg.partial_inflight < 1:
+                raise ValueError(f"FleetConfig.partial_inflight must be >= 1, got {self.cfg.partial_inflight}")
+            return self.cfg.partial_inflight
+        total = self.slots()
         if total > MAX_PARTIAL_INFLIGHT:
             log.warning("SGLang fleet: %d running-request slots over %d servers; partial rollout keeps %d requests "
                         "in flight (MAX_PARTIAL_INFLIGHT)", total, len(self.servers), MAX_PARTIAL_INFLIGHT)
         return max(1, min(total, MAX_PARTIAL_INFLIGHT))
 
     def _run_partial(self, r: Request, payload: dict) -> None:
-        deadline = time.monotonic() + self.cfg.step_timeout
+        deadline = time.monotonic() + self.call_timeout(self.partial_inflight())
         try:
             seg = self._run_one("/generate", payload, deadline,
                                 lambda out: parse_generate_output(out[0] if isinstance(out, list) else out,
