@@ -35,7 +35,11 @@ A batch given to the actor is DP-local: each data-parallel rank passes
 its own rows, and all TP/PP ranks of one model replica pass the same rows
 (:meth:`split_for_data_parallel`, :meth:`select`).
 
-Left out: multi-turn masks inside the prompt, images.
+A multi-turn episode's response holds the environment's answers between the model's turns: they
+are in ``input_ids`` (the model reads them) with ``response_mask`` 0 (nothing is trained, counted or
+normalised over them).
+
+Left out: masks inside the prompt, images.
 """
 from __future__ import annotations
 
@@ -108,7 +112,8 @@ class RolloutBatch:
         for i, (p, s) in enumerate(rows):
             seq = list(p) + list(s.token_ids)
             ids[i, :len(seq)] = torch.tensor(seq)
-            mask[i, :len(s.token_ids)] = 1
+            own = getattr(s, "loss_mask", None)  # a multi-turn episode: the environment's tokens are not trained
+            mask[i, :len(s.token_ids)] = 1 if own is None else torch.tensor(own, dtype=mask.dtype)
             rollout[i, :len(s.log_probs)] = torch.tensor(s.log_probs, dtype=torch.float32)
             if versions is not None:
                 versions[i, :len(s.versions)] = torch.tensor(s.versions, dtype=torch.long)

@@ -62,7 +62,10 @@ class Sample:
     to return routing, for MoE routing replay): ``[positions, moe_layers, topk]`` integer expert
     ids the engine routed each position of prompt + response to, from the prompt's first token
     on; the last response token is never run through the model, so ``positions`` is
-    ``len(prompt) + len(token_ids) - 1``."""
+    ``len(prompt) + len(token_ids) - 1``. ``loss_mask`` (a multi-turn episode,
+    :mod:`megatron_tepo.rollout.episode`): 1 for each token the model generated (trained), 0 for
+    each the environment appended (a tool's answer and the chat template's turn boundaries around
+    it; their ``log_probs`` are 0); None: every token is the model's."""
     token_ids: List[int]
     log_probs: List[float]
     finish_reason: str
@@ -70,12 +73,15 @@ class Sample:
     routed_experts: Optional[torch.Tensor] = None
     # partial rollout: the weights version of each token (None: all the step's rollout version)
     versions: Optional[List[int]] = None
+    loss_mask: Optional[List[int]] = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.log_probs):
             raise ValueError(f"{len(self.token_ids)} tokens but {len(self.log_probs)} log-probs")
         if self.versions is not None and len(self.versions) != len(self.token_ids):
             raise ValueError(f"{len(self.token_ids)} tokens but {len(self.versions)} versions")
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.loss_mask)} loss-mask entries")
         if self.routed_experts is not None and self.routed_experts.dim() != 3:
             raise ValueError(f"routed_experts must be [positions, moe_layers, topk], got "
                              f"{tuple(self.routed_experts.shape)}")
@@ -125,20 +131,38 @@ class Request:
     log_probs: List[float] = field(default_factory=list)
     versions: List[int] = field(default_factory=list)
     interrupted: int = 0  # times a weight update cut it
+    # a multi-turn episode: 1 / 0 per token (the model's / the environment's; empty: all the
+    # model's) and its counts so far (turns, tool calls, ...: rollout/episode.py), which survive an
+    # interrupt
+    loss_mask: List[int] = field(default_factory=list)
+    episode: Dict = field(default_factory=dict)
 
     @property
     def remaining(self) -> int:
         return self.max_new_tokens - len(self.token_ids)
 
     def extend(self, segment: "Sample", version: int) -> None:
-        """Append what the engine generated under weights ``version`` since the last submit."""
+        """Append what the engine generated under weights ``version`` since the last submit (an
+        episode's segment: its turns and the environment's answers, with their loss mask and counts)."""
+        if segment.loss_mask is not None or self.loss_mask:
+            self.loss_mask = (self.loss_mask or [1] * len(self.token_ids)) + \
+                (list(segment.loss_mask) if segment.loss_mask is not None else [1] * len(segment.token_ids))
         self.token_ids += segment.token_ids
         self.log_probs += segment.log_probs
         self.versions += [version] * len(segment.token_ids)
+        for k, v in segment.meta.get("episode", {}).items():
+            self.episode[k] = self.episode.get(k, 0) + v if isinstance(v, (int, float)) else v
 
     def restart(self) -> None:
         """Drop the response so far (it is older than the staleness bound allows)."""
-        self.token_ids, self.log_probs, self.versions = [], [], []
+        self.token_ids, self.log_probs, self.versions, self.loss_mask, self.episode = [], [], [], [], {}
+
+    def to_sample(self, finish_reason: str) -> "Sample":
+        """The response so far as a :class:`Sample` (with its versions, and an episode's loss mask
+        and counts)."""
+        return Sample(list(self.token_ids), list(self.log_probs), finish_reason, versions=list(self.versions),
+                      loss_mask=list(self.loss_mask) if self.loss_mask else None,
+                      meta={"episode": dict(self.episode)} if self.episode else {})
 
 
 class RolloutEngine(abc.ABC):

@@ -160,8 +160,7 @@ class RolloutBuffer:
             with open(self.ledger, "a") as f:
                 f.write(json.dumps(line) + "\n")
         prompts = [self.task.train_prompts[g.prompt_index] for g in chosen]
-        groups = [[Sample(list(r.token_ids), list(r.log_probs), g.finish[k], versions=list(r.versions))
-                   for k, r in enumerate(g.requests)] for g in chosen]
+        groups = [[r.to_sample(g.finish[k]) for k, r in enumerate(g.requests)] for g in chosen]
         rewards = torch.cat([g.rewards for g in chosen]) if chosen else torch.zeros(0)
         for g in chosen:
             for k, v in g.counts.items():

@@ -24,9 +24,9 @@ from tests.fakes import FakePolicy
 # given one here, and is then checked to survive a checkpoint
 SAMPLE = {"token_ids": [7, 8, 9], "log_probs": [-0.25, -0.5, -1.0], "finish_reason": "length",
           "meta": {"matched_stop": 2, "error": None}, "routed_experts": torch.arange(24, dtype=torch.int8).view(4, 3, 2),
-          "versions": [3, 3, 4]}
+          "versions": [3, 3, 4], "loss_mask": [1, 0, 1]}
 REQUEST = {"prompt": [1, 2], "max_new_tokens": 9, "key": [5, 1], "token_ids": [7, 8], "log_probs": [-0.25, -0.5],
-           "versions": [3, 4], "interrupted": 2}
+           "versions": [3, 4], "interrupted": 2, "loss_mask": [1, 0], "episode": {"turns": 2, "tool_calls": 1}}
 
 
 def _equal(a, b) -> bool:
