@@ -422,11 +422,13 @@ class BubblewrapSandbox(_ProcessSandbox):
             if why and "Unknown option" in why[0]:
                 raise SandboxUnavailable(f"{where}.bwrap: {bwrap} lacks an option the sandbox uses ({why[0]}): "
                                          "bubblewrap >= 0.8 is needed (Debian 12's)")
+            as_uid = (f", or set {where}.run_as_uid to a uid this machine maps (bwrap runs as uid "
+                      f"{cfg.run_as_uid} under a root trainer)") if self._popen_kw else ""
             raise SandboxUnavailable(
                 f"{where}.kind=bubblewrap: bwrap cannot start a sandbox here ({why[0] if why else 'no output'}): "
                 "allow unprivileged user namespaces (sysctl user.max_user_namespaces > 0; "
                 "kernel.unprivileged_userns_clone=1 on Debian kernels; kernel.apparmor_restrict_unprivileged_userns=0 "
-                f"on Ubuntu 24.04), or set {where}.kind=remote")
+                f"on Ubuntu 24.04){as_uid}, or set {where}.kind=remote")
 
     def _mount_args(self, binds) -> List[str]:
         args: List[str] = []

@@ -273,10 +273,10 @@ def test_killing_its_parent(sandbox, code, stdout, error):
 
 
 def test_a_hang_with_closed_pipes_is_stopped_at_its_wall_limit(bwrap):
-    sb = make_sandbox(SandboxConfig(**{**BASE, "wall_seconds": 3.0}))
+    sb = make_sandbox(SandboxConfig(**{**BASE, "wall_seconds": 4.0}))
     r = run(sb, "import os, time\nprint('started', flush=True)\nos.close(1)\nos.close(2)\ntime.sleep(600)\n")
     assert (r.stdout, r.limit, r.exit_code) == ("started\n", "wall", None)
-    assert r.error == "Error: the code ran longer than its time limit (3 s) and was stopped."
+    assert r.error == "Error: the code ran longer than its time limit (4 s) and was stopped."
     assert r.info["leftover"] == 0
     the_trainer_goes_on(sb, r)
 

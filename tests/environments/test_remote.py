@@ -119,16 +119,14 @@ def test_the_request_and_the_answer_are_sandboxfusions(service):
                    "compile_timeout": 30.0, "memory_limit_MB": 512, "files": {}, "fetch_files": []}
 
 
-def test_tracebacks_and_the_limits_map_as_locally(service):
+def test_tracebacks_and_the_memory_limit_map_as_locally(service):
     sb = remote(service.url)
     r = sb.run("1 / 0")
     assert r.exit_code == 1 and r.limit is None and r.error == "Error: the code exited with status 1."
     assert r.stderr.rstrip().endswith("ZeroDivisionError: division by zero")
     r = sb.run("raise MemoryError")
     assert (r.limit, r.error) == ("memory", "Error: the code ran out of memory (limit 1024 MB).")
-    r = remote(service.url, wall_seconds=1.0).run("import time\nprint('sleeping', flush=True)\ntime.sleep(60)")
-    assert (r.stdout, r.limit, r.exit_code) == ("sleeping\n", "wall", None)
-    assert r.error == "Error: the code ran longer than its time limit (1 s) and was stopped."
+    # TimeLimitExceeded: test_runs_at_once_finish_while_one_hangs
 
 
 def test_gateway_timeouts_and_a_stall_are_retried(service):
@@ -182,7 +180,7 @@ def test_runs_at_once_finish_while_one_hangs(service):
     def one(i):
         if i == 0:
             started.set()
-            r = sb.run("import time; time.sleep(60)")
+            r = sb.run("import time\nprint('sleeping', flush=True)\ntime.sleep(60)")
         else:
             started.wait()
             r = sb.run(f"print({i})")
@@ -192,6 +190,8 @@ def test_runs_at_once_finish_while_one_hangs(service):
 
     with ThreadPoolExecutor(5) as pool:
         results = list(pool.map(one, range(5)))
-    assert results[0].limit == "wall"
+    hang = results[0]
+    assert (hang.stdout, hang.limit, hang.exit_code) == ("sleeping\n", "wall", None)
+    assert hang.error == "Error: the code ran longer than its time limit (3 s) and was stopped."
     assert [r.stdout for r in results[1:]] == ["1\n", "2\n", "3\n", "4\n"]
     assert order[-1] == 0
