@@ -1,12 +1,15 @@
 """The sandbox tests need Debian's bubblewrap (``bwrap``): missing, they FAIL saying how to install it
 (tools/test.sh installs it as root); MTEPO_ALLOW_NO_BWRAP=1 skips them instead (an explicit
-opt-out). Helpers: the leftover check every bad-code test makes."""
+opt-out). Helpers: the leftover check every bad-code test makes, and runs at once beside a hang."""
 import os
 import shutil
 
 import pytest
 
-from megatron_tepo.environments.processes import processes_in_pid_namespace
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from megatron_tepo.environments.processes import _children, processes_in_pid_namespace
 
 
 def require_bwrap() -> str:
@@ -26,16 +29,14 @@ def bwrap():
 
 def _children_named(name: str):
     """This process's live children whose command is ``name``."""
-    me, found = os.getpid(), []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    found = []
+    for pid in _children(os.getpid()):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == name and _state(pid) != "Z":
+                    found.append(pid)
         except OSError:
-            continue
-        comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        if comm == name and int(rest[1]) == me and rest[0] != "Z":
-            found.append(int(pid))
+            pass
     return found
 
 
@@ -57,3 +58,27 @@ def assert_nothing_left(result):
     assert processes_in_pid_namespace(ns) == []
     assert _state(pid1) != "Z"
     assert _children_named("bwrap") == []
+
+
+HANG = "import time\nprint('sleeping', flush=True)\ntime.sleep(3600)\n"
+
+
+def beside_a_hang(sb, quick: int = 4):
+    """Runs :data:`HANG` and ``quick`` runs of ``print(i * i)`` from threads at once, the quick ones
+    started once the hang's thread is: (the results, hang first; the order in which they came back)."""
+    order, lock, started = [], threading.Lock(), threading.Event()
+
+    def one(i):
+        if i == 0:
+            started.set()
+            r = sb.run(HANG)
+        else:
+            started.wait()
+            r = sb.run(f"print({i} * {i})")
+        with lock:
+            order.append(i)
+        return r
+
+    with ThreadPoolExecutor(quick + 1) as pool:
+        results = list(pool.map(one, range(quick + 1)))
+    return results, order

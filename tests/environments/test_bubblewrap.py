@@ -13,17 +13,15 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from megatron_tepo.environments import SandboxConfig, SandboxUnavailable, make_sandbox
 from megatron_tepo.environments.processes import SANDBOX_ENV, BubblewrapSandbox, processes_in_pid_namespace
-from tests.environments.conftest import assert_nothing_left
+from tests.environments.conftest import assert_nothing_left, beside_a_hang
 
 pytestmark = pytest.mark.second_lane  # about 30 s of sandboxes: the first lane has none to spare
 
@@ -285,22 +283,7 @@ def test_runs_at_once_finish_while_one_hangs_past_its_wall_limit(bwrap):
     """Five runs from five threads at once; the first sleeps past its wall limit. The other four
     come back with their output before the hang comes back with the wall-time error."""
     sb = make_sandbox(SandboxConfig(**{**BASE, "wall_seconds": 6.0, "max_concurrent": 5}))
-    order, lock = [], threading.Lock()
-    started = threading.Event()
-
-    def one(i):
-        if i == 0:
-            started.set()
-            r = sb.run("import time\nprint('sleeping', flush=True)\ntime.sleep(3600)\n")
-        else:
-            started.wait()
-            r = sb.run(f"print({i} * {i})")
-        with lock:
-            order.append(i)
-        return r
-
-    with ThreadPoolExecutor(5) as pool:
-        results = list(pool.map(one, range(5)))
+    results, order = beside_a_hang(sb)
     hang = results[0]
     assert (hang.stdout, hang.limit, hang.exit_code) == ("sleeping\n", "wall", None)
     assert hang.error == "Error: the code ran longer than its time limit (6 s) and was stopped."

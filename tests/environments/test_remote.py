@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -18,6 +17,7 @@ import pytest
 from megatron_tepo.environments import SandboxConfig, make_sandbox
 from megatron_tepo.environments.remote import RemoteSandbox
 from megatron_tepo.net import free_port
+from tests.environments.conftest import beside_a_hang
 
 pytestmark = pytest.mark.second_lane  # a few seconds of waits: the first lane has none to spare
 
@@ -175,23 +175,9 @@ def test_output_past_the_limit(service):
 
 def test_runs_at_once_finish_while_one_hangs(service):
     sb = remote(service.url, wall_seconds=3.0)
-    order, lock, started = [], threading.Lock(), threading.Event()
-
-    def one(i):
-        if i == 0:
-            started.set()
-            r = sb.run("import time\nprint('sleeping', flush=True)\ntime.sleep(60)")
-        else:
-            started.wait()
-            r = sb.run(f"print({i})")
-        with lock:
-            order.append(i)
-        return r
-
-    with ThreadPoolExecutor(5) as pool:
-        results = list(pool.map(one, range(5)))
+    results, order = beside_a_hang(sb)
     hang = results[0]
     assert (hang.stdout, hang.limit, hang.exit_code) == ("sleeping\n", "wall", None)
     assert hang.error == "Error: the code ran longer than its time limit (3 s) and was stopped."
-    assert [r.stdout for r in results[1:]] == ["1\n", "2\n", "3\n", "4\n"]
-    assert order[-1] == 0
+    assert [(r.stdout, r.error) for r in results[1:]] == [(f"{i * i}\n", None) for i in range(1, 5)]
+    assert order[-1] == 0 and sorted(order[:-1]) == [1, 2, 3, 4]
