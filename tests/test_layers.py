@@ -3,9 +3,10 @@ the top-level modules and packages of ``megatron_tepo`` import each other withou
 seams the restructuring drew hold: the models know names, not ranks (nothing of the megatron
 backend); the megatron backend knows nothing of the actor, the checkpoint tools or the trainer;
 ``checkpoint/`` and ``cli.py`` import nothing from ``actor/`` or ``trainer/``; ``launch/`` nothing of
-megatron-core's side, the actor or the trainer (the SGLang fleet's process code in ``rollout/`` it may). (``rollout/`` and
-``algorithms/`` have their own tests: tests/rollout/test_import_direction.py,
-tests/algorithms/test_import_purity.py.)"""
+megatron-core's side, the actor or the trainer (the SGLang fleet's process code in ``rollout/`` it may);
+``environments/`` (the tool sandbox) nothing else of the package. (``rollout/``, ``algorithms/`` and
+``environments/`` have their own tests: tests/rollout/test_import_direction.py,
+tests/algorithms/test_import_purity.py, tests/environments/test_import_direction.py.)"""
 from pathlib import Path
 
 from tests.source_imports import PKG, imported_modules
@@ -13,6 +14,12 @@ from tests.source_imports import PKG, imported_modules
 
 def _unit(path: Path) -> str:
     return path.relative_to(PKG).with_suffix("").parts[0]
+
+
+def _units():
+    """Every top-level module and package of ``megatron_tepo``."""
+    return {p.stem for p in PKG.glob("*.py") if p.name != "__init__.py"} | \
+        {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()}
 
 
 def _graph():
@@ -60,6 +67,8 @@ def test_the_seams_hold():
         # launch/ may import rollout/: the nemo-run launcher's steps reuse the SGLang fleet's process
         # code (its health wait and its stop of a server's process group) instead of a copy
         "launch": {"actor", "megatron", "trainer"},
+        # the tool sandbox is standard library only: the trainer's episodes call it, never the reverse
+        "environments": _units() - {"environments"},
     }
     broken = {f"{u} -> {v}": sorted(edges[u][v]) for u, bad in forbidden.items() for v in edges.get(u, {})
               if v in bad}

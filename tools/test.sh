@@ -206,9 +206,24 @@ run_lanes() {  # run_lanes <python> [pytest args...]: appends to failed
   echo "tools/test.sh: [lanes] done after $((SECONDS - start)) s" >&2
 }
 
+# Debian's bubblewrap, which the Python tool's sandbox runs tool code in (tests/environments: they FAIL
+# without it, saying so; MTEPO_ALLOW_NO_BWRAP=1 skips them instead). Installed here as root with
+# apt-get, as tools/slurm_cluster.sh installs its packages; elsewhere one line says what to run.
+bubblewrap_install() {
+  command -v bwrap >/dev/null 2>&1 && return 0
+  if ((EUID != 0)); then
+    echo "tools/test.sh: bubblewrap (bwrap) is missing and this is not root: \`sudo apt-get install -y bubblewrap\`; the sandbox tests will fail" >&2
+    return 0
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null 2>&1; } \
+    || echo "tools/test.sh: apt-get install bubblewrap failed: the sandbox tests will fail" >&2
+}
+
 failed=()
 mkdir -p "$repo/.test-logs"
 disk_report start
+bubblewrap_install
 if [ "$(free_gb "$repo")" -lt "$NEED_GB" ] || [ "$(free_gb "${TMPDIR:-/tmp}")" -lt "$NEED_GB" ]; then
   echo "tools/test.sh: warning: less than the $NEED_GB GB free that the venvs and the tests need: expect 'No space left on device'" >&2
 fi

@@ -1,0 +1,53 @@
+"""``megatron_tepo.environments`` is standard library only: it imports nothing else of the package
+(nothing of Megatron, the actor, the trainer, the engines) and no torch, and its modules import each
+other without a cycle."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.source_imports import imported_modules
+
+ENVIRONMENTS = Path(__file__).resolve().parents[2] / "megatron_tepo" / "environments"
+MODULES = ("sandbox", "settings", "processes", "remote", "choice", "python_tool")
+
+
+def test_it_imports_nothing_of_the_rest_of_the_package_and_no_torch():
+    files = sorted(ENVIRONMENTS.glob("*.py"))
+    assert {f.stem for f in files} == {"__init__", *MODULES}
+    imports = {f.name: imported_modules(f) for f in files}
+    assert "megatron_tepo.environments.sandbox" in imports["processes.py"]  # the reader sees imports
+    foreign = ("megatron", "torch", "numpy", "transformers", "requests")
+    outside = {name: sorted(m for m in mods if m.split(".")[0] in foreign
+                            or (m.startswith("megatron_tepo") and not m.startswith("megatron_tepo.environments")))
+               for name, mods in imports.items()}
+    assert {k: v for k, v in outside.items() if v} == {}
+
+
+def test_its_modules_import_each_other_without_a_cycle():
+    prefix = "megatron_tepo.environments."
+    edges = {f.stem: {m[len(prefix):] for m in imported_modules(f) if m.startswith(prefix)}
+             for f in ENVIRONMENTS.glob("*.py") if f.stem != "__init__"}
+    seen, stack = set(), []
+
+    def visit(n):
+        assert n not in stack, f"import cycle: {' -> '.join(stack + [n])}"
+        if n in seen:
+            return
+        stack.append(n)
+        for m in sorted(edges.get(n, set()) - {n}):
+            visit(m)
+        stack.pop()
+        seen.add(n)
+
+    for n in edges:
+        visit(n)
+
+
+def test_importing_it_loads_no_torch():
+    code = (f"import json, sys; import {', '.join('megatron_tepo.environments.' + m for m in MODULES)}; "
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    modules = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"megatron_tepo.environments." + m for m in MODULES} <= set(modules)
+    assert [m for m in modules if m.split(".")[0] in ("torch", "megatron", "numpy")] == []
