@@ -14,7 +14,10 @@ What it does, in order:
 
 ``--task chain`` swaps the task for examples/chain_task/chain.py (column-by-column sums of 3-7
 digits, 14-73-token responses, its own 4-layer warm-up cached under ``.cache/tiny_chain``); use it
-with ``--config examples/chain_task/sizes.yaml``.
+with ``--config examples/chain_task/sizes.yaml``. ``--task tir`` is examples/tiny_tir/tir.py:
+two-digit multiplication with a Python tool (multi-turn episodes in a chat template, the tool's
+code in the sandbox), warmed up on traces that call it (``.cache/tiny_tir``); use it with
+``--config examples/tiny_tir/config.yaml``.
 
 Deliberately left out: real math data and math-verify (the reward is exact match of the sum),
 SGLang and parallelism beyond one process. Checkpoints are written every train.save_every steps
@@ -43,7 +46,8 @@ import torch  # noqa: E402
 import addition  # noqa: E402 -- the main job's task
 
 TASKS = {"addition": Path(addition.__file__),  # the main job's task
-         "chain": REPO / "examples/chain_task/chain.py"}  # long, variable-length chains (chain.py)
+         "chain": REPO / "examples/chain_task/chain.py",  # long, variable-length chains (chain.py)
+         "tir": REPO / "examples/tiny_tir/tir.py"}  # multiplication with a Python tool (multi-turn episodes)
 
 
 def load_task(name: str):
@@ -64,8 +68,9 @@ def main(argv=None):
                     help="config file (repeatable, merged left to right; default examples/tiny_tepo/config.yaml)")
     ap.add_argument("--eval-size", type=int, default=200)
     ap.add_argument("--task", choices=sorted(TASKS), default="addition",
-                    help="addition (two-digit sums, the main job) or chain (column-by-column sums of 3-7 "
-                         "digits, 14-73-token responses: examples/chain_task)")
+                    help="addition (two-digit sums, the main job), chain (column-by-column sums of 3-7 "
+                         "digits, 14-73-token responses: examples/chain_task) or tir (two-digit products "
+                         "with a Python tool: examples/tiny_tir)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
     args = ap.parse_args(argv)
 

@@ -16,7 +16,7 @@ from megatron_tepo.layout import ParallelLayout
 
 __all__ = ["ConfigError", "RunConfig", "AlgorithmConfig", "RolloutCorrectionConfig", "AdvantageConfig",
            "RolloutConfig", "OptimConfig", "TrainConfig", "ParallelLayout", "ActorConfig", "ModelConfig",
-           "DataConfig", "RewardConfig", "FaultConfig", "WATCHDOG_BACKSTOP_S", "PG_TIMEOUT_MARGIN_S",
+           "DataConfig", "RewardConfig", "FaultConfig", "EnvironmentConfig", "WATCHDOG_BACKSTOP_S", "PG_TIMEOUT_MARGIN_S",
            "UNWATCHED_PG_TIMEOUT_S"]
 
 
@@ -346,6 +346,27 @@ class RewardConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    """Multi-turn episodes (docs/ROLLOUT.md, "Multi-turn episodes"): the environment the model talks to
+    between its turns. ``none``: every rollout is one turn (the model's response, all of it trained).
+    ``python``: the model's turns may end on a Python tool call (``format``: a fenced ```python block,
+    or Qwen3's ``<tool_call>``), run in ``sandbox``; the model reads back its output as the chat
+    template's tool turn (not trained) and goes on, until a turn calls nothing (its final answer) or a
+    limit is reached."""
+
+    name: Literal["none", "python"] = "none"
+    format: Literal["fenced", "qwen3"] = "fenced"
+    max_turns: int = 4  # model turns per episode; past it the episode ends (finish: length)
+    # a turn's tokens at most (the environment then answers it as it stands); None: the episode's budget
+    # (rollout.max_new_tokens counts every token of the episode: the model's and the environment's)
+    max_turn_tokens: Optional[int] = None
+    tool_workers: int = 8  # tool calls that run at once (the bounded pool; the engine never waits for them)
+    # the sandbox's settings (megatron_tepo/environments/settings.py:SandboxConfig: kind bubblewrap | remote |
+    # none, wall_seconds, cpu_seconds, memory_mb, processes, output_bytes, shown_bytes, ...)
+    sandbox: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
@@ -358,4 +379,5 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     notes: str = ""  # free text: where a setting comes from

@@ -40,6 +40,37 @@ def _positive(cfg: Any, prefix: str, names: List[str], allow_zero: bool = False)
             raise ConfigError(f"{prefix}.{name}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
+def sandbox_settings(cfg: RunConfig):
+    """``environment.sandbox`` as the sandbox's typed settings, checked (ConfigError naming the field)."""
+    from megatron_tepo.environments.settings import SandboxConfig
+
+    raw = dict(cfg.environment.sandbox)
+    if "ro_binds" in raw:
+        raw["ro_binds"] = tuple(raw["ro_binds"] or ())
+    try:
+        return SandboxConfig(**raw).check("environment.sandbox")
+    except TypeError as exc:
+        known = sorted(f.name for f in dataclasses.fields(SandboxConfig))
+        unknown = sorted(set(raw) - set(known))
+        raise ConfigError(f"environment.sandbox: unknown key(s) {unknown} (valid keys: {', '.join(known)})") from None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _check_environment(cfg: RunConfig) -> None:
+    e = cfg.environment
+    _positive(e, "environment", ["max_turns", "tool_workers"])
+    if e.max_turn_tokens is not None:
+        _positive(e, "environment", ["max_turn_tokens"])
+    sandbox_settings(cfg)
+    if e.name == "none":
+        return
+    if cfg.actor.routing_replay == "r3":
+        raise ConfigError(f"environment.name: {e.name!r} runs multi-turn episodes, whose tool turns the engine "
+                          f"prefills without returning their routing, which actor.routing_replay: r3 replays; use "
+                          f"r2 or off")
+
+
 def validate(cfg: RunConfig) -> None:
     """Rules spanning fields; every error names the field."""
     from megatron_tepo.algorithms import losses  # algorithms are pure torch: no heavy imports
@@ -121,6 +152,7 @@ def validate(cfg: RunConfig) -> None:
     if a.routing_replay == "r2" and cfg.algorithm.old_log_prob == "rollout":
         raise ConfigError("actor.routing_replay: r2 records the routing in the actor's old-log-prob pass, which "
                           "algorithm.old_log_prob: rollout skips; use r3 or old_log_prob: recompute")
+    _check_environment(cfg)
     _positive(cfg.reward, "reward", ["workers", "timeout_s"])
     _positive(cfg.fault, "fault", ["probe_timeout_s"])
     _positive(cfg.fault, "fault", ["server_restarts", "restart_backoff_s", "server_return_timeout_s",

@@ -5,6 +5,8 @@ format: Qwen3's ``<tool_call>{"name": "python", "arguments": {"code": ...}}</too
 runs in a sandbox, and the model reads back its stdout and stderr, cut to a budget, or an error
 message, and goes on.
 
+- :mod:`.base`: :class:`Environment`, what a user implements in one file (the answer to a model
+  turn: :class:`Reply`); :mod:`.python_env`: :class:`PythonTool`, the first one.
 - :mod:`.sandbox`: what a run gives back (:class:`ToolResult`), the :class:`Sandbox` protocol, the
   output cap and the messages the model reads.
 - :mod:`.processes`: :class:`BubblewrapSandbox` (Debian's bubblewrap: no network, a private
@@ -20,14 +22,17 @@ message, and goes on.
 
 Each run is alone: nothing carries over from one call to the next (no stateful kernel: a variable
 set in one call is gone in the next). Left out here: the episode loop, the chat template's turn
-boundaries around the tool's answer and the loss mask (the episode seam's), and any tool but Python.
+boundaries around the tool's answer and the loss mask (the episode seam's:
+:mod:`megatron_tepo.rollout.episode`), and any tool but Python.
 
 Standard library only: nothing of torch or Megatron (``tests/environments/test_import_direction.py``).
 """
+from megatron_tepo.environments.base import Environment, Reply  # noqa: F401
 from megatron_tepo.environments.sandbox import (LIMITS, OutputCap, Sandbox, SandboxUnavailable,  # noqa: F401
                                                 ToolResult)
 from megatron_tepo.environments.settings import SANDBOX_KINDS, SandboxConfig  # noqa: F401
 from megatron_tepo.environments.choice import make_sandbox  # noqa: F401
+from megatron_tepo.environments.python_env import PythonTool  # noqa: F401
 
-__all__ = ["LIMITS", "OutputCap", "Sandbox", "SandboxUnavailable", "ToolResult", "SANDBOX_KINDS", "SandboxConfig",
+__all__ = ["Environment", "Reply", "PythonTool", "LIMITS", "OutputCap", "Sandbox", "SandboxUnavailable", "ToolResult", "SANDBOX_KINDS", "SandboxConfig",
            "make_sandbox"]

@@ -226,6 +226,11 @@ class RolloutEngine(abc.ABC):
         (taking back what is held changes nothing)."""
         raise NotImplementedError(f"{type(self).__name__} cannot release its memory (rollout.colocated)")
 
+    def step_metrics(self, prompts: List[List[int]], groups: List[Group]) -> Dict[str, float]:
+        """What the engine says of a step's kept groups beyond the sampling's own counts (a multi-turn
+        engine: turns, tool calls, tokens by source, the template comparator). None here."""
+        return {}
+
     def health_metrics(self) -> Dict[str, float]:
         """What the engine survived since the last call (servers that died, restarted, were
         re-synced ...), for the step metrics; each event in exactly one call. None here."""

@@ -179,7 +179,8 @@ class Run:
         prompts, groups, rewards, stats = generate_groups(self.engine, self.task,
                                                           state.order[:cfg.rollout.prompts_per_step], cfg, state.rng)
         health = getattr(self.engine, "health_metrics", dict)()  # servers lost, restarted, re-synced since
-        return Generated(prompts, groups, rewards, {**stats, **health}, version)
+        episodes = getattr(self.engine, "step_metrics", lambda p, g: {})(prompts, groups)  # (multi-turn)
+        return Generated(prompts, groups, rewards, {**stats, **episodes, **health}, version)
 
 
 def data_parallel_coords(actor: Policy) -> tuple:

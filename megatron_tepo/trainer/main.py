@@ -59,7 +59,8 @@ def build_task(cfg: RunConfig, tokenizer, pool):
 
 def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool = True):
     """The rollout engine of ``rollout.engine`` (from the engine registry,
-    :mod:`megatron_tepo.rollout.registry`) on the driver; a
+    :mod:`megatron_tepo.rollout.registry`) on the driver, running multi-turn episodes when the run
+    config names an ``environment`` (:func:`~megatron_tepo.rollout.episode.with_environment`); a
     :class:`~megatron_tepo.trainer.driver.FollowerEngine` (weight-sync side only) on other ranks."""
     from megatron_tepo.rollout.registry import EngineSettings, engine_factory
     from megatron_tepo.trainer.driver import FollowerEngine
@@ -67,7 +68,22 @@ def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool
     factory = engine_factory(cfg.rollout.engine)
     settings = EngineSettings(cfg.rollout, model_dir, pad_token_id, cfg.train.seed, cfg.fault,
                               return_routing=cfg.actor.routing_replay == "r3")
-    return factory.build(settings) if driver else FollowerEngine(factory.follower_sync(settings))
+    if not driver:
+        return FollowerEngine(factory.follower_sync(settings))
+    engine = factory.build(settings)
+    if cfg.environment.name == "none":
+        return engine
+    from transformers import AutoTokenizer
+
+    from megatron_tepo.config.validation import sandbox_settings
+    from megatron_tepo.rollout.episode import with_environment
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:  # multi-turn episodes: the engine runs each turn, the environment answers between them
+        return with_environment(engine, cfg.environment, sandbox_settings(cfg), tokenizer, tokenizer.eos_token_id)
+    except BaseException:
+        engine.close()
+        raise
 
 
 def build_actor_and_engine(cfg: RunConfig, model_dir: str, pad_token_id: int):

@@ -37,6 +37,11 @@
   groups it trained on and which were dropped: every drawn prompt is trained once, dropped, or
   still in the buffer.
 
+With an environment (multi-turn episodes: the engine is a
+:class:`~megatron_tepo.rollout.episode.EpisodeEngine`) a request is a whole episode: the engine hands
+it back when it ends, or at a clean point when interrupted (its turns, the environment's answers
+and their loss mask kept: the snapshot holds them), and the reward reads its final turn.
+
 Left out: routing replay (an interrupted request's routing is not returned; refused in the
 config), colocated mode (the engine cannot generate while the actor holds the GPUs; refused),
 priorities among groups beyond their drawing order.
@@ -56,6 +61,7 @@ import torch
 
 from megatron_tepo.algorithms import filter_groups
 from megatron_tepo.rewards import scores_and_counts
+from megatron_tepo.rollout.episode import final_turn
 from megatron_tepo.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, Sample, SamplingParams,
                                           from_state, to_state)
 
@@ -323,7 +329,7 @@ class RolloutBuffer:
         req.extend(seg, self.version)
         self._tokens += len(seg.token_ids)
         reason = seg.finish_reason
-        if reason == FINISH_ABORT and req.token_ids:
+        if reason == FINISH_ABORT and req.token_ids and not (req.loss_mask and not req.loss_mask[-1]):
             # cut as it ended: its stop token or its last allowed token is in (an abort can answer
             # after the request's last decode step)
             if req.token_ids[-1] in self.params.stop_token_ids:
@@ -341,7 +347,8 @@ class RolloutBuffer:
     def _score(self, g: GroupState) -> None:
         """A complete group: its rewards; dropped when they are all equal (dynamic sampling)."""
         answer = self.task.train_answers[g.prompt_index]
-        scores, counts = scores_and_counts(self.task.reward_fn([r.token_ids for r in g.requests], [answer] * self.n))
+        scores, counts = scores_and_counts(self.task.reward_fn([final_turn(r.to_sample(FINISH_STOP)) for r in g.requests],
+                                                               [answer] * self.n))
         g.rewards, g.counts = torch.tensor(scores, dtype=torch.float32), counts
         self._stats["groups_generated"] += 1
         if self.cfg.rollout.dynamic_sampling and not bool(filter_groups(g.rewards, self.n).keep_groups[0]):

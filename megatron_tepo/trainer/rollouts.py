@@ -8,8 +8,11 @@ sampling, the held-out evaluation and the weight sync into the engine.
 * :func:`evaluate` -- avg@n and pass@n over held-out prompts; :func:`sync_weights` -- the actor's
   weights into the engine (collective).
 
-Left out: multi-turn rollouts and tool calls, reward models (the rewards are functions of the
-response tokens and the answer).
+A multi-turn engine (:class:`~megatron_tepo.rollout.episode.EpisodeEngine`) returns whole episodes:
+the reward reads each one's final turn (:func:`~megatron_tepo.rollout.episode.final_turn`), and the
+step's statistics add the engine's own (:meth:`~megatron_tepo.rollout.engine.RolloutEngine.step_metrics`).
+
+Left out: reward models (the rewards are functions of the final turn's tokens and the answer).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch
 from megatron_tepo.algorithms import filter_groups
 from megatron_tepo.config import RunConfig
 from megatron_tepo.rewards import RewardFn, scores_and_counts
+from megatron_tepo.rollout.episode import final_turn
 
 __all__ = ["Task", "Generated", "generate_groups", "evaluate", "sync_weights"]
 
@@ -67,7 +71,7 @@ def generate_groups(engine, task: Task, indices: List[int], cfg: RunConfig, rng:
         prompts = [task.train_prompts[i] for i in batch_idx]
         groups = engine.generate(prompts, n=r.n_samples, temperature=r.temperature, top_p=r.top_p,
                                  max_new_tokens=r.max_new_tokens, stop_token_ids=task.stop_token_ids)
-        flat = [s.token_ids for g in groups for s in g]
+        flat = [final_turn(s) for g in groups for s in g]  # (an episode's final answer: its last turn)
         answers = [task.train_answers[i] for i in batch_idx for _ in range(r.n_samples)]
         scores, counts = scores_and_counts(task.reward_fn(flat, answers))
         rewards = torch.tensor(scores, dtype=torch.float32)
@@ -99,7 +103,7 @@ def evaluate(engine, prompts, answers, reward_fn: RewardFn, stop_token_ids, *, n
     counts when it gives them (:data:`~megatron_tepo.rewards.COUNT_NAMES`)."""
     groups = engine.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                              stop_token_ids=stop_token_ids)
-    flat = [s.token_ids for g in groups for s in g]
+    flat = [final_turn(s) for g in groups for s in g]
     scores, counts = scores_and_counts(reward_fn(flat, [a for a in answers for _ in range(n)]))
     rewards = torch.tensor(scores).view(len(prompts), n)
     return {f"avg@{n}": float(rewards.mean()), f"pass@{n}": float((rewards.max(1).values > 0).float().mean()),

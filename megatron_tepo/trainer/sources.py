@@ -177,6 +177,7 @@ class Partial(RolloutSource):
         def take():
             prompts, groups, rewards, stats = self.buffer.take(step.number)
             stats = {**stats, **staleness_metrics(groups, step.number), **self.first,
+                     **getattr(run.engine, "step_metrics", lambda p, g: {})(prompts, groups),
                      **getattr(run.engine, "health_metrics", dict)()}
             self.first = {}
             versions = [v for g in groups for s in g for v in (s.versions or ())]

@@ -9,7 +9,7 @@ from pathlib import Path
 from tests.source_imports import imported_modules
 
 ENVIRONMENTS = Path(__file__).resolve().parents[2] / "megatron_tepo" / "environments"
-MODULES = ("sandbox", "settings", "processes", "remote", "choice", "python_tool")
+MODULES = ("base", "sandbox", "settings", "processes", "remote", "choice", "python_tool", "python_env")
 
 
 def test_it_imports_nothing_of_the_rest_of_the_package_and_no_torch():

@@ -252,6 +252,76 @@ def test_a_response_interrupted_by_a_weight_update_resumes_token_for_token(fleet
     assert g_seg.token_ids == fresh[0][0].token_ids and len(greedy.token_ids) == LONG
 
 
+class _Recorder:
+    """The fleet, recording the prompt of every turn it is sent and the ids it returns."""
+
+    def __init__(self, fleet):
+        self.fleet, self.sent, self.returned = fleet, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.fleet, name)
+
+    def submit(self, requests, params):
+        self.sent += [list(r.prompt) for r in requests]
+        self.fleet.submit(requests, params)
+
+    def collect(self, timeout=0.0):
+        out = self.fleet.collect(timeout)
+        self.returned += [list(s.token_ids) for _, s in out]
+        return out
+
+
+def test_a_two_turn_episode_with_its_tool_call_in_the_sandbox(fleet):
+    """#52's acceptance on real servers: a two-turn episode whose tool call runs in the bubblewrap
+    sandbox. Each turn is sent exactly the episode's ids so far and exactly the ids the server
+    returned are kept; the tool's answer is the chat template's tool turn (masked); the model's
+    tokens' log-probs equal the float32 model's within the single-turn tests' bound."""
+    import sys
+
+    from megatron_tepo.environments import Environment, Reply, SandboxConfig, make_sandbox
+    from megatron_tepo.environments.python_tool import render_result
+    from megatron_tepo.rollout.episode import EpisodeEngine, EpisodeLimits, TurnFormat
+    from tests.environments.conftest import require_bwrap
+
+    require_bwrap()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "tiny_tir"))
+    import tir
+
+    class OneCall(Environment):  # the first turn calls the tool (whatever it says), the second ends
+        name = "one-call"
+
+        def __init__(self):
+            self.sandbox = make_sandbox(SandboxConfig(wall_seconds=60, cpu_seconds=10))
+
+        def respond(self, turn, turn_index):
+            if turn_index:
+                return Reply(done=True)
+            result = self.sandbox.run("print(6 * 7)")
+            return Reply(done=False, message=render_result(result), tool_calls=1, tool_errors=not result.ok)
+
+    model = tiny_qwen3(seed=0, scale=SCALE)
+    fleet.update_weights(model.state_dict().items())
+    tok = tir.hf_tokenizer()  # (ids < 32 < the tiny model's 256: its chat template around the tool's answer)
+    fmt = TurnFormat(tok, tir.EOS)
+    recorder = _Recorder(fleet)
+    engine = EpisodeEngine(recorder, OneCall(), fmt, EpisodeLimits(max_turns=2, max_turn_tokens=6))
+    prompt = tir.prompt_ids(tok, "6*7")
+    try:
+        (group,) = engine.generate([prompt], n=1, temperature=1.0, max_new_tokens=64, stop_token_ids=[tir.EOS])
+    finally:
+        engine.env.close()
+    s = group[0]
+    answer = fmt.answer_ids("42")
+    turn1, turn2 = recorder.returned
+    assert recorder.sent == [prompt, prompt + turn1 + answer]  # token in: the ids so far, exactly
+    assert s.token_ids == turn1 + answer + turn2  # token out: exactly what the server returned
+    assert s.loss_mask == [1] * len(turn1) + [0] * len(answer) + [1] * len(turn2)
+    assert s.meta["episode"]["messages"] == ["42"] and s.meta["episode"]["tool_errors"] == 0
+    ref = hf_response_log_probs(model, prompt + s.token_ids, len(prompt))
+    own = torch.tensor(s.loss_mask, dtype=torch.bool)
+    assert _close(torch.tensor(s.log_probs)[own].tolist(), ref[own])
+
+
 # ---------------------------------------------------------------- faults (destroy the fleet: last)
 def test_server_killed_mid_step(fleet):
     victim = fleet.servers[0]
