@@ -97,3 +97,26 @@ def test_a_calls_time_limit_is_its_waves_on_the_fleets_slots():
     finally:
         for f in fakes:
             f.close()
+
+
+def test_the_turns_of_an_episode_go_to_the_server_that_holds_its_prefix():
+    """#52: requests submitted under one key (a multi-turn episode's turns; an interrupted request
+    resumed) go to the server its last request went to, while that one serves and has a free slot,
+    so its prefix cache serves the next turn's prefill; a new key goes by load. (Without it the
+    least-served server took every other turn.)"""
+    fakes = [FakeSGLang(slots=8), FakeSGLang(slots=8)]
+    fleet = SGLangFleet(FleetConfig(urls=[f.url for f in fakes], router="none", request_timeout=60, probe_interval=600))
+    try:
+        params = SamplingParams(max_new_tokens=2)
+        for key, first in (("a", 10), ("a", 10), ("a", 10), ("a", 10), ("b", 11)):  # episode a's 4 turns, then b's
+            fleet.submit([Request([first, 4, 5], 2, key=key)], params)
+            back, deadline = [], time.monotonic() + 60
+            while not back and time.monotonic() < deadline:
+                back = fleet.collect(timeout=0.5)
+            assert len(back) == 1
+        served = [[b["input_ids"][0] for b in f.bodies("/generate")] for f in fakes]
+        assert sorted(served) == [[10] * 4, [11]], served  # a kept its server; b went to the less loaded one
+    finally:
+        fleet.close()
+        for f in fakes:
+            f.close()

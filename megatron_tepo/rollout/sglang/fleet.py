@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import OrderedDict
 import os
 import secrets
 import threading
@@ -116,6 +117,8 @@ log = logging.getLogger(__name__)
 #: the most requests :meth:`SGLangFleet.submit` keeps in flight, whatever the servers' slots (one
 #: waiting thread each)
 MAX_PARTIAL_INFLIGHT = 4096
+#: the submitted requests' sessions remembered (their server, for the next turn's prefix cache)
+MAX_SESSIONS = 1 << 16
 
 
 @dataclass
@@ -188,6 +191,15 @@ def memory_tags(tags: Iterable[str]) -> frozenset:
     if unknown:
         raise ValueError(f"unknown memory tag(s) {unknown}: expected some of {MEMORY_TAGS}")
     return tags
+
+
+def _session_key(key):
+    """A submitted request's key as a session (None when it is not hashable)."""
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def parse_generate_output(out: dict, routing: Optional[RoutingShape] = None, where: str = "the server",
@@ -275,6 +287,7 @@ class SGLangFleet(RolloutEngine):
             raise
         # interruptible generation (partial rollout): the requests submitted and not yet handed back
         self._partial_cv = threading.Condition()
+        self._sessions: "OrderedDict[object, SGLangServer]" = OrderedDict()  # request key -> its last server
         self._partial_pool: Optional[ThreadPoolExecutor] = None
         self._partial_running: Dict[int, Tuple[Request, Any]] = {}
         self._partial_done: List[Tuple[Request, Sample]] = []
@@ -418,13 +431,15 @@ class SGLangFleet(RolloutEngine):
             out += f"; sglang-router {self.router.describe()}"
         return out
 
-    def _pick(self, exclude: set) -> Optional[SGLangServer]:
+    def _pick(self, exclude: set, session=None) -> Optional[SGLangServer]:
         """The server a request goes to when it does not go through the router: among the serving
         ones not in ``exclude`` (tried already; all tried: any), the least loaded, i.e. the fewest
         requests in flight per running-request slot (slots known once :meth:`submit` has read
         them; before, every server counts alike), then the fewest served. The one place that picks
-        a server: a prefix or session affinity (a multi-turn episode's turns to the server holding
-        its prefix) goes here."""
+        a server. ``session`` (a submitted request's key: every turn of a multi-turn episode has the
+        same one): the server its last request went to, while it serves and has a free slot, so
+        that its prefix cache serves the turn's prefill (what sglang-router's cache-aware policy does
+        for routed requests)."""
         with self._lock:
             serving = self.serving_servers()
             cands = [s for s in serving if s.url not in exclude]
@@ -432,7 +447,16 @@ class SGLangFleet(RolloutEngine):
                 cands = serving  # all tried: reuse a live one
             if not cands:
                 return None
-            best = min(cands, key=lambda s: (s.inflight / (s.slots or 1), s.served))
+            held = self._sessions.get(session) if session is not None else None
+            if held is not None and held in cands and held.inflight < (held.slots or self.cfg.max_concurrency):
+                best = held
+            else:
+                best = min(cands, key=lambda s: (s.inflight / (s.slots or 1), s.served))
+            if session is not None:
+                self._sessions[session] = best
+                self._sessions.move_to_end(session)
+                while len(self._sessions) > MAX_SESSIONS:
+                    self._sessions.popitem(last=False)
             best.inflight += 1
             return best
 
@@ -501,8 +525,9 @@ class SGLangFleet(RolloutEngine):
         self.router = launch_router(self.cfg.server, serving, self.cfg.router_policy, self.cfg.request_timeout)
         self._router_members = tuple((s.url, s.incarnation) for s in serving)
 
-    def _run_one(self, path: str, payload: dict, deadline: float, parse):
-        """Send one request, moving it to another server on failure, until the deadline."""
+    def _run_one(self, path: str, payload: dict, deadline: float, parse, session=None):
+        """Send one request, moving it to another server on failure, until the deadline (``session``:
+        :meth:`_pick`'s)."""
         tried: set = set()
         errors: List[str] = []
         router = self._use_router()
@@ -526,7 +551,7 @@ class SGLangFleet(RolloutEngine):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            s = self._pick(tried)
+            s = self._pick(tried, session)
             if s is None:
                 break
             tried.add(s.url)
@@ -761,7 +786,8 @@ class SGLangFleet(RolloutEngine):
         try:
             seg = self._run_one("/generate", payload, deadline,
                                 lambda out: parse_generate_output(out[0] if isinstance(out, list) else out,
-                                                                  partial=self._interrupting.is_set()))
+                                                                  partial=self._interrupting.is_set()),
+                                session=_session_key(r.key))
         except Exception as exc:  # noqa: BLE001 -- cut by an interrupt, or failed: handed back either way
             seg = Sample([], [], FINISH_ABORT, meta={} if self._interrupting.is_set() else
                          {"error": f"{type(exc).__name__}: {exc}"})
