@@ -147,3 +147,44 @@ def test_a_bad_prompt_file_fails_in_one_line_before_the_model_loads(tmp_path, mo
         command(["--model", str(tmp_path / "model"), "--file", str(prompts)])
     err = capsys.readouterr().err.strip()
     assert done.value.code == 2 and needle in err and len(err.splitlines()) == 1, err
+
+
+def test_evaluate_runs_with_the_tool(tmp_path, capsys):
+    """``--config`` with an environment section: each response is an episode whose tool call runs in
+    the sandbox, scored on its final turn; the report has the episodes' counts. A tiny model taught
+    one solved trace (a tool call, then the answer) solves its problem with one call an episode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_tepo.commands.evaluate import command
+    from tests.environments.conftest import require_bwrap
+
+    require_bwrap()
+    sys.path.insert(0, str(REPO / "examples" / "tiny_tir"))
+    import tir
+
+    tok = tir.hf_tokenizer()
+    cfg = tir.tiny_qwen3_config()
+    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 64, 128, 16
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    ids, mask = tir.tool_trace(tok, "37*45", "1665")
+    x = torch.tensor([ids])
+    labels = torch.tensor([[t if m else -100 for t, m in zip(ids, mask)]])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(60):  # (memorised: the call, then the answer)
+        opt.zero_grad()
+        model(input_ids=x, labels=labels).loss.backward()
+        opt.step()
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "37*45", "answer": "1665"}\n')
+    (tmp_path / "run.yaml").write_text("environment: {name: python, sandbox: {wall_seconds: 30}}\n")
+    common = ["--model", str(tmp_path / "m"), "--reward", "exact_match", "--file", str(tmp_path / "p.jsonl"),
+              "--max-new-tokens", "48"]
+    report = command([*common, "--config", str(tmp_path / "run.yaml")])["p"]
+    assert (report["avg@1"], report["episode_tool_calls_mean"], report["tool_errors"]) == (1.0, 1.0, 0.0)
+    assert report["episode_turns_mean"] == 2.0
+    alone = command(common)["p"]  # without the tool: one turn, the call itself is the answer
+    assert alone["avg@1"] == 0.0 and "episode_turns_mean" not in alone
+    capsys.readouterr()

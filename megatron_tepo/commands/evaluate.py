@@ -13,6 +13,10 @@ trainer's ``reward.kind: exact_match``). Prints a table and writes a JSON report
 argument or file is one line and exit status 2 (``--traceback`` for the whole story), found before
 the model loads: every prompt file is read first.
 
+``--config RUN.yaml`` with an ``environment`` section (``name: python``) gives the model its tool:
+each response is an episode (multi-turn, the tool's code in the sandbox), scored on its final turn,
+and the report adds the episodes' counts (tool calls, errors, turns).
+
 Left out: the SGLang fleet (this tool uses the embedded engine, fine for small models and CI;
 the trainer evaluates through whichever engine it runs), and LLM-judge grading.
 
@@ -80,7 +84,10 @@ def prepare_out(out: Path) -> None:
 
 
 def run(model_dir: str, benchmarks: dict, *, workers: int = 2, timeout_s: float = 5.0, seed: int = 0,
-        max_prompt_len: int | None = None, limit: int | None = None, reward: str = "math_verify") -> dict:
+        max_prompt_len: int | None = None, limit: int | None = None, reward: str = "math_verify",
+        environment=None, sandbox=None) -> dict:
+    """The report of ``benchmarks`` (``environment``: a run config's ``environment`` section, the
+    model's tool; ``sandbox``: its typed sandbox settings)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,6 +106,10 @@ def run(model_dir: str, benchmarks: dict, *, workers: int = 2, timeout_s: float 
     engine = EmbeddedEngine(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), seed=seed,
                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    if environment is not None and environment.name != "none":  # with the model's tool: multi-turn episodes
+        from megatron_tepo.rollout.episode import with_environment
+
+        engine = with_environment(engine, environment, sandbox, tok, tok.eos_token_id)
     report = {}
     with MathRewardPool(num_workers=workers, timeout_s=timeout_s) as pool:
         reward_fn = token_reward(reward, tok, pool)
@@ -140,6 +151,8 @@ def command(argv=None) -> dict:
     ap.add_argument("--reward", choices=REWARD_KINDS, default="math_verify",
                     help="math_verify: the last \\boxed{} against the answer; exact_match: the whole response")
     ap.add_argument("--out", type=Path, help="JSON report (its folder is created)")
+    ap.add_argument("--config", action="append", help="a run config whose environment section gives the model its "
+                    "tool (multi-turn episodes: environment.name python, the sandbox); repeatable, merged")
     add_traceback_flag(ap)
     args = ap.parse_args(argv)
     if bool(args.benchmarks) == bool(args.file):
@@ -160,8 +173,16 @@ def _main(args):
         spec = {k: v if (v := getattr(args, k)) is not None else default for k, default in FILE_SAMPLING.items()}
         check_top_p(spec["top_p"], "--top-p")
         benchmarks = {Path(args.file).stem: {"file": args.file, **spec}}
+    environment = sandbox = None
+    if args.config:
+        from megatron_tepo.config import load_config
+        from megatron_tepo.config.validation import sandbox_settings
+
+        cfg = load_config(args.config)
+        environment, sandbox = cfg.environment, sandbox_settings(cfg)
     report = run(args.model, benchmarks, workers=args.workers, timeout_s=args.timeout,
-                 max_prompt_len=args.max_prompt_len, limit=args.limit, reward=args.reward)
+                 max_prompt_len=args.max_prompt_len, limit=args.limit, reward=args.reward,
+                 environment=environment, sandbox=sandbox)
     for name, r in report.items():
         k = r["n"]
         print(f"{name:16s} avg@{k} {r[f'avg@{k}']:.4f}  pass@{k} {r[f'pass@{k}']:.4f}  "

@@ -2,7 +2,9 @@
 """Draw a run's training curves to PNG from its metrics JSONL (the TEPO paper's Figures 2-4).
 
 Panels: reward, response length, entropy, clip fraction, gradient norm, KL-mask fraction, and the
-four advantage/entropy-change quadrants (A>0/A<0 x entropy up/down) over steps. Several runs can
+four advantage/entropy-change quadrants (A>0/A<0 x entropy up/down) over steps; the schedule's
+(staleness, partial rollout, engine idle, throughput); multi-turn episodes' (turns and tool calls per
+episode, tool errors and time-outs, tool time, response tokens by source, the template comparator). Several runs can
 be overlaid (``--log a.jsonl --log b.jsonl --label TEPO --label GRPO``). A metric missing from a
 log is left out of that panel; a panel with no data says so.
 
@@ -33,6 +35,13 @@ PANELS = [
     ("partial rollout", ["partial_resumed", "stale_regenerated", "resumed_from_checkpoint"], "samples"),
     ("engine idle", ["engine_idle_fraction"], "fraction of the step"),
     ("throughput", ["tokens_per_s"], "trained response tokens / s"),
+    # multi-turn episodes (rollout/episode.py: environment.name other than none)
+    ("turns and tool calls", ["episode_turns_mean", "episode_tool_calls_mean"], "per episode"),
+    ("tool calls, errors and time-outs", ["tool_calls", "tool_errors", "tool_timeouts"], "calls a step"),
+    ("tool time", ["tool_seconds"], "seconds a step (summed over calls)"),
+    ("response tokens by source", ["tokens_model", "tokens_env"], "tokens a step"),
+    ("template comparator", ["template_error_rate", "template_thinking_rate", "template_retokenized_rate",
+                             "template_equal_rate"], "fraction of episodes"),
 ]
 
 
@@ -54,7 +63,8 @@ def plot(logs, labels, out, smooth=1):
     import matplotlib.pyplot as plt
 
     runs = [read_metrics(p) for p in logs]
-    fig, axes = plt.subplots(3, 4, figsize=(18, 12))
+    rows = -(-len(PANELS) // 4)
+    fig, axes = plt.subplots(rows, 4, figsize=(18, 4 * rows))
     axes = axes.ravel()
     for ax, (title, keys, unit) in zip(axes, PANELS):
         drawn = 0
@@ -64,7 +74,8 @@ def plot(logs, labels, out, smooth=1):
                 if not pts:
                     continue
                 steps, vals = zip(*pts)
-                name = label if len(keys) == 1 else f"{label} {key.replace('quad_', '').replace('staleness_', '')}"
+                short = key.replace("quad_", "").replace("staleness_", "").replace("template_", "").replace("episode_", "")
+                name = label if len(keys) == 1 else f"{label} {short}"
                 ax.plot(steps, _smooth(list(vals), smooth), label=name)
                 drawn += 1
         ax.set_title(title)

@@ -26,7 +26,7 @@ import torch
 from megatron_tepo.algorithms import filter_groups
 from megatron_tepo.config import RunConfig
 from megatron_tepo.rewards import RewardFn, scores_and_counts
-from megatron_tepo.rollout.episode import final_turn
+from megatron_tepo.rollout.episode import episode_metrics, final_turn
 
 __all__ = ["Task", "Generated", "generate_groups", "evaluate", "sync_weights"]
 
@@ -99,12 +99,15 @@ def sync_weights(actor, engine) -> float:
 
 def evaluate(engine, prompts, answers, reward_fn: RewardFn, stop_token_ids, *, n: int = 1,
              temperature: float = 1e-5, top_p: float = 1.0, max_new_tokens: int = 16) -> Dict[str, float]:
-    """avg@n (mean reward) and pass@n (any sample correct) over held-out prompts, and the reward's
-    counts when it gives them (:data:`~megatron_tepo.rewards.COUNT_NAMES`)."""
+    """avg@n (mean reward) and pass@n (any sample correct) over held-out prompts, the reward's
+    counts when it gives them (:data:`~megatron_tepo.rewards.COUNT_NAMES`), and with an environment
+    the episodes' counts (:func:`~megatron_tepo.rollout.episode.episode_metrics`: tool calls, errors,
+    turns)."""
     groups = engine.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                              stop_token_ids=stop_token_ids)
-    flat = [final_turn(s) for g in groups for s in g]
-    scores, counts = scores_and_counts(reward_fn(flat, [a for a in answers for _ in range(n)]))
+    samples = [s for g in groups for s in g]
+    scores, counts = scores_and_counts(reward_fn([final_turn(s) for s in samples],
+                                                 [a for a in answers for _ in range(n)]))
     rewards = torch.tensor(scores).view(len(prompts), n)
     return {f"avg@{n}": float(rewards.mean()), f"pass@{n}": float((rewards.max(1).values > 0).float().mean()),
-            **counts}
+            **counts, **episode_metrics(samples)}

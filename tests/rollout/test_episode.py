@@ -217,3 +217,21 @@ def test_a_failing_environment_fails_its_episode_naming_it():
 
     with pytest.raises(RuntimeError, match="environment broken: OSError: disk full"):
         _engine(env=Broken()).generate([PROMPT], n=1, max_new_tokens=64, stop_token_ids=[EOS])
+
+
+def test_every_episode_metric_is_drawn_by_the_plot_tool(tmp_path):
+    """A step's episode metrics (turns, tool calls, tokens by source, the comparator) each have a panel
+    of ``mtepo-plot-metrics``, which draws them from a metrics log."""
+    import json
+
+    from megatron_tepo.commands.plot_metrics import PANELS, plot
+
+    engine = _engine()
+    groups = engine.generate([PROMPT], n=2, max_new_tokens=64, stop_token_ids=[EOS])
+    metrics = engine.step_metrics([PROMPT], groups)
+    drawn = {k for _, keys, _ in PANELS for k in keys}
+    assert set(metrics) <= drawn, sorted(set(metrics) - drawn)
+    assert metrics["template_equal_rate"] == 1.0 and metrics["episode_tool_calls_mean"] == 1.0
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps({"step": s, **metrics}) + "\n" for s in (1, 2)))
+    assert plot([str(log)], ["tir"], tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
