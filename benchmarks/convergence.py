@@ -17,7 +17,11 @@ Tasks (``--task``):
 * ``addition`` -- the main job's two-digit sums, 2-4-token answers (examples/tiny_tepo);
 * ``chain`` -- column-by-column sums of 3-7-digit numbers, 14-73-token responses whose length
   varies within a group (examples/chain_task/chain.py says why that is where TEPO's mechanism can
-  act).
+  act);
+* ``tir`` -- two-digit products with a Python tool (examples/tiny_tir/tir.py): multi-turn episodes,
+  the tool's code in the sandbox; the model cannot multiply by itself. Its rows: TEPO and GRPO/DAPO
+  with the tool, TEPO without it; each run also reports its episodes' tool calls per episode and
+  the tool calls' success rate (no error) over its last 10 steps.
 
 ``--set KEY=VALUE`` applies to every run (the stability sweeps: ``optim.lr``,
 ``train.epochs_per_step``, ``algorithm.clip_low``/``clip_high``, ``algorithm.kl_coef``). With
@@ -58,7 +62,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from megatron_tepo.net import free_port  # noqa: E402
 
-SIZES = {"addition": "examples/tiny_tepo/sizes.yaml", "chain": "examples/chain_task/sizes.yaml"}
+SIZES = {"addition": "examples/tiny_tepo/sizes.yaml", "chain": "examples/chain_task/sizes.yaml",
+         "tir": "examples/tiny_tir/sizes.yaml"}
 OFF = ["rollout.max_staleness=1"]  # one-step-off generation
 TIS = ["algorithm.rollout_correction.rollout_is=token"]  # truncated token IS weights (cap 2)
 PARTIAL = ["rollout.partial_rollout=true"]  # partial rollout (trainer/partial.py), with a staleness bound
@@ -78,8 +83,11 @@ METHODS = {  # name: (row config, overrides)
     "GRPO/DAPO, 1 step off + TIS": ("table1_grpo_dapo.yaml", OFF + TIS),
     "TEPO, partial rollout, staleness 1": ("table1_tepo_qwen2.5_7b.yaml", PARTIAL + ["rollout.max_staleness=1"]),
     "TEPO, partial rollout, staleness 2": ("table1_tepo_qwen2.5_7b.yaml", PARTIAL + ["rollout.max_staleness=2"]),
+    # the tool-integrated task: the same warmed-up model without its Python tool (one turn: a tool call
+    # is then its final answer)
+    "TEPO, no tool": ("table1_tepo_qwen2.5_7b.yaml", ["environment.name=none"]),
 }
-DEFAULT_METHODS = {"addition": ["TEPO", "TEPO w/o KL", "GRPO/DAPO", "GSPO"],
+DEFAULT_METHODS = {"addition": ["TEPO", "TEPO w/o KL", "GRPO/DAPO", "GSPO"], "tir": ["TEPO", "GRPO/DAPO", "TEPO, no tool"],
                    "chain": ["TEPO", "TEPO w/o KL", "GRPO/DAPO", "GSPO", "TEPO, KL where A<0 and dH>0",
                              "TEPO, KL where either"]}
 
@@ -112,7 +120,11 @@ def read_run(out: Path, args, seconds: float) -> dict:
     evals = [(r["step"], r["eval_acc"]) for r in recs if "eval_acc" in r]
     reach = next((s for s, a in evals if a >= args.threshold), args.steps)
     summary = json.loads((out / "summary.json").read_text())
-    return {"steps_to_threshold": reach, "min_acc": min(a for _, a in evals),
+    last = recs[-10:]
+    calls = sum(r.get("tool_calls", 0.0) for r in last)
+    tools = {"tool_calls_per_episode": sum(r.get("episode_tool_calls_mean", 0.0) for r in last) / len(last),
+             "tool_success": (1 - sum(r.get("tool_errors", 0.0) for r in last) / calls) if calls else None}
+    return {**tools, "steps_to_threshold": reach, "min_acc": min(a for _, a in evals),
             "reached": reach < args.steps or (evals and evals[-1][1] >= args.threshold),
             "final_acc": summary["accuracy_after"], "start_acc": summary["accuracy_before"],
             "collapsed": summary["accuracy_after"] < summary["accuracy_before"],
@@ -155,10 +167,12 @@ def bootstrap_difference(a, b, n=10000, seed=0):
 
 def table(results, args):
     base = results.get("GRPO/DAPO")
+    tools = args.task == "tir"
     lines = [f"| method | mean steps to {args.threshold} (censored at {args.steps}) | reached | "
              f"mean final accuracy [min, max] | final minus GRPO/DAPO's [95% bootstrap] | mean lowest accuracy | "
-             f"collapsed (final < start) | steps ratio vs GRPO/DAPO [95% bootstrap] |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"collapsed (final < start) | steps ratio vs GRPO/DAPO [95% bootstrap] |"
+             + (" tool calls per episode | tool calls without error |" if tools else ""),
+             "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if tools else "")]
     for name, rs in results.items():
         steps = [r["steps_to_threshold"] for r in rs]
         final = [r["final_acc"] for r in rs]
@@ -174,15 +188,21 @@ def table(results, args):
                      f"{sum(final) / len(final):.3f} [{min(final):.3f}, {max(final):.3f}] | {diff} | "
                      f"{sum(r['min_acc'] for r in rs) / len(rs):.3f} | "
                      f"{sum(r['collapsed'] for r in rs)}/{len(rs)} | "
-                     f"{ratio} |")
+                     f"{ratio} |" + (_tool_cells(rs) if tools else ""))
     return lines
+
+
+def _tool_cells(rs) -> str:
+    per = [r.get("tool_calls_per_episode", 0.0) for r in rs]
+    ok = [r["tool_success"] for r in rs if r.get("tool_success") is not None]
+    return (f" {sum(per) / len(per):.2f} |" + (f" {sum(ok) / len(ok):.3f} |" if ok else " - |"))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", choices=sorted(SIZES), default="addition")
     ap.add_argument("--seeds", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=None, help="default: 120 (addition), 40 (chain)")
+    ap.add_argument("--steps", type=int, default=None, help="default: 120 (addition), 40 (chain), 60 (tir)")
     ap.add_argument("--eval-every", type=int, default=None, help="default: 10 (addition), 5 (chain)")
     ap.add_argument("--eval-size", type=int, default=200)
     ap.add_argument("--threshold", type=float, default=None, help="default: 0.75 (addition), 0.6 (chain)")
@@ -204,7 +224,7 @@ def main(argv=None):
                          "(DIR/runs/<method>-s<seed>), with the same arguments")
     args = ap.parse_args(argv)
     chain = args.task == "chain"
-    args.steps = args.steps or (40 if chain else 120)
+    args.steps = args.steps or {"chain": 40, "tir": 60}.get(args.task, 120)
     args.eval_every = args.eval_every or (5 if chain else 10)
     args.threshold = args.threshold if args.threshold is not None else (0.6 if chain else 0.75)
     args.methods = args.methods or DEFAULT_METHODS[args.task]
