@@ -15,7 +15,8 @@ step off, partial rollout) runs episodes without knowing it. An episode:
    (its ids decoded, the stop token left out) goes to ``respond`` in a bounded pool of threads
    (``tool_workers``), so the engine generates other episodes' turns while a tool runs. ``done``: the
    episode ends (finish ``stop``); else the message is appended as the ids of the chat template's
-   tool turn for that model (:class:`TurnFormat`: the boundary after the model's stop token, the
+   tool turn for that model (after the stop token the template ends a turn with, which the
+   environment writes when the turn was cut at its cap) (:class:`TurnFormat`: the boundary after the model's stop token, the
    message, the next turn's generation prompt), with loss mask 0 and log-prob 0: never by
    re-tokenising the conversation. An answer that does not fit the budget, or a turn past
    ``max_turns``, ends the episode (finish ``length``).
@@ -329,6 +330,8 @@ class EpisodeEngine(RolloutEngine):
                 self._end(ep, FINISH_STOP)
                 continue
             ids = self.fmt.answer_ids(reply.message)
+            if ep.tokens[-1:] != [self.fmt.stop_token_id]:  # a turn cut at its cap: closed for the model
+                ids = [self.fmt.stop_token_id] + ids
             if len(ids) >= ep.budget or ep.turns() >= self.limits.max_turns:
                 self._end(ep, FINISH_LENGTH)  # no room for the answer and a turn after it, or no turn left
                 continue

@@ -235,3 +235,15 @@ def test_every_episode_metric_is_drawn_by_the_plot_tool(tmp_path):
     log = tmp_path / "metrics.jsonl"
     log.write_text("".join(json.dumps({"step": s, **metrics}) + "\n" for s in (1, 2)))
     assert plot([str(log)], ["tir"], tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_turn_cut_at_its_cap_is_closed_by_the_environment_as_the_template_closes_it():
+    """A turn that ends at ``max_turn_tokens`` has no stop token of the model's: the environment's
+    answer starts with it (not trained), so the conversation is the template's (SmolLM2 once answered
+    a capped turn without it: the comparator's error)."""
+    s = _engine(max_turn_tokens=len(CALL) - 1).generate([PROMPT], n=1, max_new_tokens=64, stop_token_ids=[EOS])[0][0]
+    cut = len(CALL) - 1
+    answer = TurnFormat(TOK, EOS).answer_ids("1665")
+    assert s.token_ids[:cut] == CALL[:cut] and s.token_ids[cut:cut + 1 + len(answer)] == [EOS] + answer
+    assert s.loss_mask[cut:cut + 1 + len(answer)] == [0] * (1 + len(answer))
+    assert compare_with_template(TOK, PROMPT, s, EOS) == "equal"
