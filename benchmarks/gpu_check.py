@@ -29,8 +29,12 @@ Steps (GPU sizes; the smoke run's in brackets):
   5120: the fused LM head's training pass (forward and backward) and the materialized one's, as a
   ratio to the three GEMMs alone, and the fused head's extra peak as a share of the logits; targets:
   at most 1.3x the GEMMs (its recompute makes four: the bound is 4/3), at most 0.15x the logits
-  [256 x 2048 fp32, hidden 32, on CPU]. The actor step's ``gpu-lean`` also runs one 131072-token
-  sequence (target: it fits) [1x320].
+  [256 x 2048 fp32, hidden 32, on CPU]. Then (``lm_head.shard``) the Qwen3-14B shape at TP 4:
+  16384 tokens x 5120 on a 37984-row bf16 shard, its forward and backward timed apart and against
+  the shard's three GEMMs (target: at most 1.3x), and the peak memory of a forward and backward
+  beside the fit check's figure for the same shape (``launch/memory.py``, ``fused_head_bytes``;
+  target: at most 1x) [256 x 32, a 512-row fp32 shard, on CPU: no memory figure]. The actor
+  step's ``gpu-lean`` also runs one 131072-token sequence (target: it fits) [1x320].
 * ``disk_sync``: ``megatron_tepo.buckets.write_safetensors`` of a FlatBucket made by
   ``to_flat_bucket`` from CUDA tensors (~350 MB) [CPU, ~1.4 MB]; the file's data section must
   equal the buffer's bytes and every tensor read back must equal its source, bit for bit.
@@ -77,9 +81,10 @@ OFFLOAD_GBPS = 20  # the actor's offload and onload, each way, from / to pinned 
 SIZES = {
     False: dict(throughput="8x2048", mid="1x8448", long="1x32768", longest="1x131072", shape="qwen3-0.6b",
                 vocab=(16384, 151936, "bf16"), vocab_ref="compiled", lm_head=(16384, (1024, 5120), 151936, "bf16"),
-                sync_mb=330, repeats=2, offload_rounds=4),
+                lm_head_shard=(16384, 5120, 151936 // 4, "bf16"), sync_mb=330, repeats=2, offload_rounds=4),
     True: dict(throughput="2x128", mid="1x192", long="1x256", longest="1x320", shape="tiny",
-               vocab=(512, 2048, "fp32"), vocab_ref="plain", lm_head=(256, (32,), 2048, "fp32"), sync_mb=0.3,
+               vocab=(512, 2048, "fp32"), vocab_ref="plain", lm_head=(256, (32,), 2048, "fp32"),
+               lm_head_shard=(256, 32, 2048 // 4, "fp32"), sync_mb=0.3,
                repeats=1, offload_rounds=4),
 }
 
@@ -275,7 +280,19 @@ def step_lm_head(smoke: bool) -> dict:
         extra = fused.get("extra_peak_vs_logits")
         targets.append(_target(f"fused LM head extra memory / logits at hidden {r['hidden']} <= 0.15", extra, 0.15,
                                extra is not None and extra <= 0.15, smoke))
-    return dict(ok=all("ms" in r.get("fused", {}) for r in rows), figures=figures, targets=targets)
+    # the Qwen3-14B shape at TP 4: one rank's weight shard, the backward timed, its peak beside the fit check's figure
+    tokens, hidden, v_local, dtype = s["lm_head_shard"]
+    print(f"lm_head.shard({str(dev)!r}, {tokens}, {hidden}, {v_local}, {dtype!r}, {repeats})", flush=True)
+    sh = lm_head.shard(str(dev), tokens, hidden, v_local, dtype, repeats)
+    figures["14B shard"] = sh
+    where = f"{tokens} x {hidden}, a {v_local}-row shard"
+    targets.append(_target(f"fused LM head (train pass) / three GEMMs, {where} <= 1.3", sh["x_gemms"], 1.3,
+                           sh["x_gemms"] <= 1.3, smoke))
+    ratio = sh["peak_vs_fit_check"]
+    targets.append(_target(f"fused LM head peak memory / the fit check's figure, {where} <= 1", ratio, 1.0,
+                           ratio is not None and ratio <= 1.0, smoke))
+    return dict(ok=all("ms" in r.get("fused", {}) for r in rows) and sh["backward_ms"] > 0, figures=figures,
+                targets=targets)
 
 
 def step_disk_sync(smoke: bool) -> dict:

@@ -45,7 +45,7 @@ for f in summary.jsonl report.md tests.log actor_step.log vocab_op.log lm_head.l
 done
 
 # each step's own limit, seconds (the budget may cut it shorter)
-declare -A limit=([tests]=150 [actor_step]=240 [vocab_op]=90 [lm_head]=60 [disk_sync]=60 [ipc_handles]=60 [hf_load]=90 [main_job]=150)
+declare -A limit=([tests]=150 [actor_step]=240 [vocab_op]=90 [lm_head]=90 [disk_sync]=60 [ipc_handles]=60 [hf_load]=90 [main_job]=150)
 if [[ ${#smoke_flag[@]} -gt 0 ]]; then
   for k in "${!limit[@]}"; do limit[$k]=600; done
   budget="${GPU_CHECK_BUDGET_S:-3000}"

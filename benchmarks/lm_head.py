@@ -21,8 +21,16 @@ training pass, of the materialized one's, and of the three GEMMs alone (the forw
 ``[T, h] x [h, V]`` and the two gradients), with the fused head's extra peak. The bound with the
 recompute of each block's logits is four GEMMs, 4/3 of the three.
 
-Left out: tensor parallelism (each rank runs the same code on its shard: the per-token
-all-reduces are ``[tokens]`` vectors), Transformer Engine's and megatron-core main's fused
+``--shard V_LOCAL`` (``--device cuda``; what the GPU check runs at the Qwen3-14B shape, TP 4:
+``--tokens 16384 --hidden 5120 --shard 37984 --dtype bf16``): the fused head on one tensor-parallel
+rank's weight shard, its forward and its backward timed apart (median over ``--repeats``), the
+three GEMMs of the shard alone, and the peak memory of a forward and backward counted from before
+the hidden states exist (the hidden states, both gradients and the head's buffers; the weight
+left out) beside the fit check's figure for the same shape (``launch/memory.py``,
+``fused_head_bytes``). On CPU the times only.
+
+Left out: tensor parallelism's all-reduces (each rank runs the same code on its shard: the
+per-token all-reduces are ``[tokens]`` vectors), Transformer Engine's and megatron-core main's fused
 linear-cross-entropy (not installable here, nor in 0.19.2: see docs/BENCHMARKS.md).
 """
 from __future__ import annotations
@@ -184,6 +192,74 @@ def measure(device: str, tokens: int, hiddens, vocab: int, dtype_name: str, repe
     return rows
 
 
+def shard(device: str, tokens: int, hidden: int, vocab_local: int, dtype_name: str, repeats: int) -> dict:
+    """The fused head on a ``[vocab_local, hidden]`` weight shard (module doc, ``--shard``)."""
+    import torch
+
+    from megatron_tepo.launch.memory import fused_block_columns, fused_head_bytes
+    from megatron_tepo.ops.lm_head import lm_head_log_probs_and_entropy as head
+
+    dtype = getattr(torch, DTYPES[dtype_name])
+    cuda = device.startswith("cuda")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w = (torch.randn(vocab_local, hidden, generator=g) * hidden ** -0.5).to(device=device, dtype=dtype).requires_grad_()
+    labels = torch.randint(0, vocab_local, (tokens,), generator=g).to(device)
+    h_cpu = torch.randn(tokens, hidden, generator=g) * 0.5
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()  # the weight and the labels: not the head's
+        torch.cuda.reset_peak_memory_stats()
+    h = h_cpu.to(device=device, dtype=dtype).requires_grad_()
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def once():
+        h.grad = w.grad = None
+        sync()
+        t0 = time.perf_counter()
+        lp, ent = head(h, w, labels)
+        loss = lp.sum() + ent.sum()
+        sync()
+        t1 = time.perf_counter()
+        loss.backward()
+        sync()
+        return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+
+    once()  # warm-up (the kernels' compilation)
+    peak = None
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() - base
+    runs = [once() for _ in range(repeats)]
+
+    def gemms():  # the forward and the two gradients of the shard (the logits stand in for their gradient)
+        logits = h.detach() @ w.detach().t()
+        logits @ w.detach()
+        logits.t() @ h.detach()
+
+    gemm_ms = []
+    for i in range(repeats + 1):
+        sync()
+        t0 = time.perf_counter()
+        gemms()
+        sync()
+        if i:
+            gemm_ms.append((time.perf_counter() - t0) * 1e3)
+    elem = dtype.itemsize
+    figure = fused_head_bytes(tokens, hidden, vocab_local, elem)
+    fwd, bwd = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    bound = statistics.median(gemm_ms)
+    row = {"tokens": tokens, "hidden": hidden, "vocab_local": vocab_local, "dtype": dtype_name,
+           "block_columns": fused_block_columns(tokens, vocab_local, elem), "forward_ms": round(fwd, 3),
+           "backward_ms": round(bwd, 3), "gemms_ms": round(bound, 3), "x_gemms": round((fwd + bwd) / bound, 3),
+           "peak_bytes": peak, "fit_check_bytes": int(figure),
+           "peak_vs_fit_check": None if peak is None else round(peak / figure, 4)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--memory", action="store_true", help="the extra peak per pass, each case in a fresh process")
@@ -196,6 +272,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
     ap.add_argument("--heads", nargs="+", default=["fused", "materialized"], choices=["fused", "materialized"])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--shard", type=int, default=None, metavar="V_LOCAL",
+                    help="the fused head on a weight shard of V_LOCAL rows, fit check's figure beside (module doc)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.child:
@@ -209,6 +287,8 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"| {r['dtype']} | {r['head']} | {r['pass']} | {r['extra_peak_bytes'] / 1e6:.1f} | "
                   f"{r['extra_vs_logits']} | {r['seconds']} |")
+    elif args.shard:
+        rows = [shard(args.device, args.tokens, args.hidden[0], args.shard, args.dtype[0], args.repeats)]
     else:
         rows = measure(args.device, args.tokens, args.hidden, args.vocab, args.dtype[0], args.repeats)
     if args.json:

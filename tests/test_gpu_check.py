@@ -86,14 +86,17 @@ def test_smoke_run_records_every_cheap_step_with_figures(tmp_path):
     assert by["vocab_op"]["figures"]["auto_agrees_with_chunked"]
     head = by["lm_head"]["figures"]["hidden 32"]
     assert head["gemms_ms"] > 0 and head["fused"]["x_gemms"] > 0 and head["materialized"]["x_gemms"] > 0, head
+    shard = by["lm_head"]["figures"]["14B shard"]  # (the Qwen3-14B shape's stand-in: one TP rank's weight shard)
+    assert shard["backward_ms"] > 0 and shard["fit_check_bytes"] > 0 and shard["peak_bytes"] is None, shard
     # the targets are there, with values, and not judged in a smoke run
     targets = [t for name in CHEAP for t in by[name]["targets"]]
-    assert len(targets) == 16 and all(t["pass"] is None for t in targets)
+    assert len(targets) == 18 and all(t["pass"] is None for t in targets)
     assert sum("pinned host memory (GB/s)" in t["name"] for t in by["actor_step"]["targets"]) == 2
-    # every figure is there, but the vocab op's extra memory: CUDA's allocator statistics measure it
-    assert all(t["value"] is not None for t in targets if "extra memory" not in t["name"]), targets
+    # every figure is there, but the vocab op's and the LM head's memory: CUDA's allocator statistics measure it
+    assert all(t["value"] is not None for t in targets
+               if "extra memory" not in t["name"] and "peak memory" not in t["name"]), targets
     report = (out / "report.md").read_text()
-    assert "SMOKE" in report and report.count("n/a (smoke)") == 16 and "steps failed: none" in report
+    assert "SMOKE" in report and report.count("n/a (smoke)") == 18 and "steps failed: none" in report
     assert "steps failed: none" in proc.stdout
 
 

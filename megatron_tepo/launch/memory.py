@@ -20,7 +20,7 @@ from megatron_tepo.launch.schema import LaunchLayout
 from megatron_tepo.launch.shape import ModelShape
 
 __all__ = ["GiB", "param_counts", "total_params", "layer_activation_bytes", "logits_bytes", "lm_head_bytes",
-           "fused_block_columns", "context_tokens", "cp_attention_bytes", "ActorMemory",
+           "fused_block_columns", "fused_head_bytes", "context_tokens", "cp_attention_bytes", "ActorMemory",
            "ServerMemory", "actor_memory", "server_memory", "OFFLOAD_ORDER", "PhasePeaks", "ColocatedMemory",
            "colocated_memory", "HostMemory", "STAGING_ROUNDING"]
 
@@ -98,6 +98,9 @@ def logits_bytes(m: ModelShape, t: int, elem: int = 2) -> float:
 
 #: the fused head's vocabulary blocks (ops/lm_head.py, ``default_block_size``; a test keeps the two equal)
 _BLOCK_FRACTION, _MAX_BLOCK_BYTES, _MIN_BLOCK = 1 / 32, 256 * 2 ** 20, 128
+#: ... and the rows of a bf16 block's gradient upcast at a time where no in-place mixed-precision GEMM
+#: accumulates the hidden states' gradient (ops/lm_head.py, ``STAGING_ROWS``)
+_STAGING_ROWS = 1 / 8
 
 
 def fused_block_columns(tokens: int, vocab_local: int, elem: int) -> int:
@@ -109,17 +112,40 @@ def fused_block_columns(tokens: int, vocab_local: int, elem: int) -> int:
     return min(vocab_local, max(_MIN_BLOCK, int(cap // row) // _MIN_BLOCK * _MIN_BLOCK))
 
 
+def fused_head_bytes(tokens: int, hidden: int, vocab_local: int, elem: int = 2) -> float:
+    """Bytes the fused LM head (``ops/lm_head.py``) holds at its peak, its backward, for ``tokens``
+    scored tokens of ``hidden`` elements and a weight shard of ``vocab_local`` rows, in ``elem``-byte
+    parameters (docs/LAUNCH.md):
+
+    * two ``[tokens, B]`` blocks of ``elem`` bytes (a block's logits and their gradient, ``B``:
+      :func:`fused_block_columns`);
+    * the scored hidden states and their gradient, ``2 * elem * hidden`` a token;
+    * the weight shard's gradient, ``elem * vocab_local * hidden`` (returned by the head and held
+      until megatron's DDP adds it into ``main_grad``);
+    * below fp32 (``elem < 4``), the gradient's fp32 accumulator, ``4 * hidden`` a token, and the
+      staging of a torch whose CUDA ``addmm`` cannot add a bf16 product into it in place (before
+      2.10): the block's weights in fp32, ``4 * B * hidden`` (1/8 of the block gradient's rows, in
+      fp32, take the front of the logits block's buffer, spent by then: nothing more from 2
+      tokens on), priced always: the fit check does not know the GPU nodes' torch.
+
+    Left out: its per-token vectors (statistics, coefficients, labels: tens of bytes a token)."""
+    block = fused_block_columns(tokens, vocab_local, elem)
+    held = 2 * elem * block * tokens + 2 * elem * hidden * tokens + elem * vocab_local * hidden
+    if elem < 4:
+        rows_beyond_block = max(0, 4 * math.ceil(tokens * _STAGING_ROWS) - elem * tokens) * block
+        held += 4 * hidden * tokens + 4 * block * hidden + rows_beyond_block
+    return float(held)
+
+
 def lm_head_bytes(m: ModelShape, t: int, tokens: int, elem: int = 2, fused: bool = True) -> float:
     """Bytes of the LM head's working set on the last stage for a micro-batch of ``tokens``
     tokens (all of them taken as scored: the head runs at the response positions only, which
-    the fit check does not know). Materialized: :func:`logits_bytes` per token. Fused
-    (``actor.lm_head: fused``): two ``[tokens, block]`` blocks of the parameters' dtype (a block's
-    logits and their gradient, in its backward), and per token the scored hidden states gathered
-    and their gradient (``2 * elem * h``) and its fp32 accumulator (``4 * h``)."""
+    the fit check does not know). Materialized: :func:`logits_bytes` per token and the weight
+    shard's gradient (``elem * V/t * h``, as the fused head's). Fused (``actor.lm_head: fused``):
+    :func:`fused_head_bytes`."""
     if not fused:
-        return logits_bytes(m, t, elem) * tokens
-    block = fused_block_columns(tokens, m.vocab_size // t, elem)
-    return 2 * elem * block * tokens + (2 * elem + 4) * m.hidden_size * tokens
+        return logits_bytes(m, t, elem) * tokens + elem * (m.vocab_size // t) * m.hidden_size
+    return fused_head_bytes(tokens, m.hidden_size, m.vocab_size // t, elem)
 
 
 # --------------------------------------------------------------------------------------------

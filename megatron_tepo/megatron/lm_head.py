@@ -22,6 +22,10 @@ embedding's synchronisation across pipeline stages are unchanged); only its forw
 Context parallelism: each rank runs the head at the scored positions it holds, and
 :func:`sum_over_context` brings every rank's slots together in the batch's order.
 
+:func:`note_hidden_gradient_gemm` says once, at the actor's build, when the fused head's hidden-state
+gradient cannot be summed in place in fp32 by this torch on CUDA (torch before 2.10: it then runs
+those GEMMs in fp32, several times slower; :func:`~megatron_tepo.ops.lm_head.mixed_gemm_accumulates`).
+
 Left out: megatron's multi-token prediction (its layers call the output layer themselves; none of
 the supported families has them), MuP's logit scaling (not used), and the output layer's
 ``gradient_accumulation_fusion`` (the head returns the weight's gradient; megatron DDP adds it to
@@ -29,13 +33,33 @@ the supported families has them), MuP's logit scaling (not used), and the output
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
-__all__ = ["LM_HEADS", "hidden_output", "scored_log_probs", "sum_over_context"]
+__all__ = ["LM_HEADS", "hidden_output", "scored_log_probs", "sum_over_context", "note_hidden_gradient_gemm"]
 
 LM_HEADS = ("fused", "materialized")
+_NOTED: List[str] = []  # what this process said of the fused head's GEMMs (once)
+
+
+def note_hidden_gradient_gemm(device, bf16: bool, lm_head: str, say: bool = True) -> Optional[str]:
+    """The one line saying that the fused head (``lm_head``) of a ``bf16`` actor on ``device`` sums
+    its hidden-state gradient through fp32 GEMMs, since this torch's CUDA ``addmm`` cannot add a
+    bf16 product into an fp32 tensor in place; None where it can (or nothing of it applies).
+    Printed the first time in this process where ``say`` (the build's first rank of the last
+    pipeline stage)."""
+    from megatron_tepo.ops.lm_head import mixed_gemm_accumulates
+
+    if lm_head != "fused" or not bf16 or torch.device(device).type != "cuda" or mixed_gemm_accumulates(device):
+        return None
+    line = (f"[megatron_tepo] actor.lm_head: fused: torch {torch.__version__} cannot add a bf16 GEMM's product "
+            "into an fp32 tensor in place on CUDA (addmm with an fp32 out_dtype into it: torch >= 2.10): the "
+            "head's hidden-state gradient runs its GEMMs in fp32, several times slower")
+    if say and not _NOTED:
+        print(line, flush=True)
+        _NOTED.append(line)
+    return line
 
 
 def hidden_output(gpt) -> torch.nn.Parameter:

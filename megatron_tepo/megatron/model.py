@@ -53,7 +53,7 @@ from megatron_tepo.megatron.fast_paths import use_fused_adam
 from megatron_tepo.megatron.gpt import (build_gpt_chunk, family_spec, resolve_actor_config, routing_replay_problem,
                                         transformer_config)
 from megatron_tepo.megatron.hf_load import load_hf_checkpoint_into, load_hf_weights_into
-from megatron_tepo.megatron.lm_head import hidden_output
+from megatron_tepo.megatron.lm_head import hidden_output, note_hidden_gradient_gemm
 from megatron_tepo.megatron.offload import HostOffload
 from megatron_tepo.megatron.parallel import initialize_parallel, validate_layout_here
 from megatron_tepo.megatron.routing_replay import RoutingReplay
@@ -462,6 +462,10 @@ def build_train_model(hf_config, weights=None, layout: Optional[ParallelLayout] 
     chunk.family_cfg = family_cfg  # lets load_hf_weights_into find the mapping
     # the last stage returns its final hidden states; the actor's head scores the positions it needs
     output_weight = hidden_output(chunk) if ps.is_pipeline_last_stage() else None
+    if output_weight is not None:  # (said once, by the last stage's first rank)
+        note_hidden_gradient_gemm(device, resolved.precision == "bf16", resolved.lm_head,
+                                  say=ps.get_tensor_model_parallel_rank() == 0
+                                  and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
     if hasattr(weights, "read_rows_into"):
         load_hf_checkpoint_into([chunk], weights, family_cfg)  # this rank's slices only
     elif weights is not None:

@@ -9,29 +9,46 @@ vocabulary, ``z = logits / temperature``, with ``weight`` this tensor-parallel r
 output layer (``[V/tp, h]``, rows ``[r V/tp, (r + 1) V/tp)``; the embedding when they are tied).
 It is differentiable with respect to ``hidden`` and ``weight``.
 
-How. The shard's vocabulary is walked in blocks of ``block_size`` columns. Forward, per block: one
-GEMM gives the block's logits ``[n, block]`` in the inputs' dtype (as the output layer would), the
-vocab op's per-shard code (:func:`~megatron_tepo.ops.vocab_parallel.shard_stats`: the chunked torch
-loop, or its Triton kernel on CUDA) reduces them to three per-token numbers (log-sum-exp, entropy,
-label log-prob), which are merged into the running ones in float64
+How. The shard's vocabulary is walked in blocks of ``block_size`` columns, each block's logits
+``[n, block]`` written by one GEMM, in the inputs' dtype (as the output layer would), into a
+buffer made once for all blocks. Forward, on CUDA (``impl`` ``"triton"``, the default there): one
+kernel (:func:`~megatron_tepo.ops.vocab_triton.running_stats`) continues every row's running max,
+sum of exponentials and their weighted sum (the vocab op's online softmax, in fp32) over the
+block's columns and picks the label's logit where the block holds it; after the last block they
+give the shard's log-sum-exp, entropy and label log-prob
+(:func:`~megatron_tepo.ops.vocab_parallel.finish_stats`): the arithmetic of the vocab op's Triton
+path over the whole row. Elsewhere (the chunked torch loop: CPU, fp64) the vocab op's
+:func:`~megatron_tepo.ops.vocab_parallel.shard_stats` reduces each block to the three numbers,
+merged into the running ones in float64
 (:func:`~megatron_tepo.ops.vocab_parallel.merge_shards`, the shifted form that does not cancel; in
-float64 the merges add no rounding to the blocks' own, so the result is as close as the
-materialized path's), and the block is freed. The tensor-parallel combination is then the vocab op's own: two all-reduces of
-``[n]`` vectors for the whole call. Backward, per block: the block's logits are recomputed, the
-vocab op's gradient code writes their gradient (in the inputs' dtype), and two GEMMs give the
-block's rows of the weight's gradient (``grad.T @ hidden``, over all tokens at once: exact, as
-the output layer's own) and its share of the hidden states' gradient, accumulated in fp32. The
-hidden states' gradient is this rank's part; the caller's tensor-parallel region sums it over the
-ranks (megatron's output layer does the same).
+float64 the merges add no rounding to the blocks' own). The tensor-parallel combination is then the
+vocab op's own: two all-reduces of ``[n]`` vectors for the whole call. Backward, per block: the
+block's logits are recomputed, the vocab op's gradient code writes their gradient (in the inputs'
+dtype; on CUDA its kernel finds the label's column itself), and two GEMMs give the block's rows of
+the weight's gradient (``grad.T @ hidden``, over all tokens at once: exact, as the output layer's
+own) and its share of the hidden states' gradient, added in place into one fp32 accumulator
+(:class:`_HiddenGrad`). The hidden states' gradient is this rank's part; the caller's
+tensor-parallel region sums it over the ranks (megatron's output layer does the same).
+
+Launches (issue #50 row 6). On CUDA a block costs a handful of ops: forward its GEMM and the
+statistics kernel (with the views of the weight, 4 aten ops), backward the GEMM again, the gradient
+kernel, the weight gradient's GEMM and the hidden gradient's ``addmm`` (8); the rest (labels,
+coefficients, the statistics' last step) runs once a call. ``tests/ops/test_lm_head.py`` counts
+them on CPU with :mod:`megatron_tepo.launch_costs`, each kernel stood in by one op. The chunked
+path (CPU) launches far more a block: its loop over token chunks.
 
 Memory (``n`` tokens, ``V`` the shard's vocabulary, ``h`` hidden, ``e`` the inputs' element size):
-the forward holds one ``[n, block]`` block and the vocab op's own chunk buffers; the backward two
-blocks (the logits and their gradient), an ``[n, h]`` fp32 accumulator (none for fp32 inputs) and
-its outputs. The default block keeps one ``[n, block]`` block at most ``1/32`` of the logits'
-bytes ``n V e`` and at most 256 MiB, and at least 128 columns (:func:`default_block_size`), so the
-extra memory is at most about ``n V e / 16 + 4 n h``, against ``2 n V e`` for the logits and their
-gradient. Saved for backward: ``hidden`` and ``weight`` (by reference), the labels and two ``[n]``
-vectors.
+the forward holds one ``[n, block]`` block (and, chunked, the vocab op's two chunk buffers); the
+backward two blocks (the logits and their gradient), an ``[n, h]`` fp32 accumulator (none for fp32
+inputs: the gradient is its own), the weight's gradient it returns and, where no in-place
+mixed-precision GEMM exists (see below), two fp32 staging buffers (a block's weights ``[block, h]``
+and an eighth of its gradient's rows). All of them are made once a pass: nothing is allocated per
+block but ``[n]`` vectors (the chunked path's merges). The default block keeps one ``[n, block]``
+block at most ``1/32`` of the logits' bytes ``n V e`` and at most 256 MiB, and at least 128
+columns (:func:`default_block_size`), so the extra memory is at most about
+``n V e / 16 + 4 n h``, against ``2 n V e`` for the logits and their gradient.
+``launch/memory.py:fused_head_bytes`` prices the backward's peak for the fit check. Saved for
+backward: ``hidden`` and ``weight`` (by reference), the labels and two ``[n]`` vectors.
 
 Cost. Four GEMMs of ``n x h x V`` (the forward, its recompute in backward, and the two gradients)
 where the materialized head has three: the bound with recompute is 4/3 of theirs. The block
@@ -40,10 +57,14 @@ thousands.
 
 Numerics. Every element of a block's logits is the same dot product the full GEMM computes; the
 statistics are fp32 (fp64 for fp64 inputs, so gradcheck is tight). The hidden states' gradient
-sums the blocks' products in fp32 (on CUDA with ``torch.mm(..., out_dtype=float32)`` where this torch
-has it; on CPU, which has no mixed-dtype GEMM, a bf16 block's rows are upcast an eighth at a time,
-and so on a torch whose CUDA ``mm`` lacks ``out_dtype``), where the output
-layer's single GEMM sums them in its own accumulator: the results agree within the inputs' rounding.
+sums the blocks' products in fp32: on CUDA with ``torch.addmm(acc, g, w, out_dtype=torch.float32,
+out=acc)`` (bf16 GEMMs accumulating into ``acc``; the first block with ``beta=0``) where this torch
+has it (:func:`mixed_gemm_accumulates`: from torch 2.10; 2.8 and 2.9 take ``out_dtype`` but not an
+fp32 ``acc``), else (CPU, older torch) through the staging buffers, the block's bf16 gradient and
+weights upcast and multiplied in fp32 (exact products; on CUDA several times slower:
+:func:`~megatron_tepo.megatron.lm_head.note_hidden_gradient_gemm` says so once at the actor's
+build). The output layer's single GEMM sums the same products in its own accumulator: the results
+agree within the inputs' rounding.
 
 Left out: a single kernel that keeps a block's logits in on-chip memory (the GEMM and the
 statistics are separate launches here, the block goes through device memory once each way);
@@ -53,22 +74,27 @@ states (the caller's: :mod:`megatron_tepo.megatron.lm_head`).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import math
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron_tepo.ops.vocab_parallel import (_local_labels, _resolve_impl, _tp_info, check_label_range, check_size,
-                                              check_temperature, combine_tp, compute_dtype, default_chunk_size,
-                                              fill_logits_grad, grad_coefficients, merge_shards, shard_stats)
+from megatron_tepo.ops.vocab_parallel import (_local_labels, _resolve_impl, _tp_info, _triton, check_label_range,
+                                              check_size, check_temperature, combine_tp, compute_dtype,
+                                              default_chunk_size, fill_logits_grad, finish_stats, grad_coefficients,
+                                              merge_shards, shard_stats)
 
-__all__ = ["lm_head_log_probs_and_entropy", "default_block_size", "BLOCK_FRACTION", "MAX_BLOCK_BYTES"]
+__all__ = ["lm_head_log_probs_and_entropy", "default_block_size", "mixed_gemm_accumulates", "BLOCK_FRACTION",
+           "MAX_BLOCK_BYTES", "STAGING_ROWS"]
 
 #: one block's logits are at most this share of the whole shard's logits ...
 BLOCK_FRACTION = 1 / 32
 #: ... and at most this many bytes
 MAX_BLOCK_BYTES = 256 * 2**20
 _MIN_BLOCK = 128  # columns: below this the block GEMMs get thin
+#: without an in-place mixed-precision GEMM, a bf16 block's gradient is upcast this share of its rows at a time
+STAGING_ROWS = 1 / 8
 
 
 def default_block_size(num_tokens: int, vocab_local: int, elem: int) -> int:
@@ -90,29 +116,98 @@ def _block_labels(lbl_local: torch.Tensor, owned: torch.Tensor, v0: int, v1: int
     return local.masked_fill_(~mine, 0), mine
 
 
-_MM_OUT_DTYPE: Optional[bool] = None  # whether this torch's CUDA mm takes out_dtype (seen at first use)
+_MIXED_ADDMM: Dict[str, bool] = {}  # device type -> whether addmm accumulates a bf16 product into fp32 there
 
 
-def _mm_into_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with ``acc`` fp32 (or fp64) and ``a``, ``b`` maybe in a lower precision."""
-    global _MM_OUT_DTYPE
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-        return
-    if a.is_cuda and _MM_OUT_DTYPE is not False:
+def mixed_gemm_accumulates(device) -> bool:
+    """Whether this torch's ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` adds a
+    bf16 product into an fp32 ``acc`` in place on ``device``'s type: on CUDA from torch 2.10 (2.8
+    and 2.9 take ``out_dtype`` but want ``acc`` in the inputs' dtype, older ones lack it), on no
+    CPU so far. Tried once per device type on a ``1 x 1`` product (a host-side check: no sync)."""
+    kind = torch.device(device).type
+    if kind not in _MIXED_ADDMM:
         try:
-            acc.add_(torch.mm(a, b, out_dtype=acc.dtype))  # bf16 inputs, fp32 accumulation and output
-            _MM_OUT_DTYPE = True
-            return
-        except (TypeError, NotImplementedError, RuntimeError):
-            if _MM_OUT_DTYPE:  # (it worked before: this is another error)
-                raise
-            _MM_OUT_DTYPE = False  # an older torch: the CPU way below
-    # no mixed-dtype GEMM: the block upcast an eighth of its rows at a time
-    b = b.to(acc.dtype)
-    rows = max(1, -(-a.shape[0] // 8))
-    for i in range(0, a.shape[0], rows):
-        acc[i:i + rows].addmm_(a[i:i + rows].to(acc.dtype), b)
+            acc = torch.zeros(1, 1, dtype=torch.float32, device=device)
+            one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+            torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+            _MIXED_ADDMM[kind] = True
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MIXED_ADDMM[kind] = False
+    return _MIXED_ADDMM[kind]
+
+
+class _Blocks:
+    """The shard's vocabulary blocks ``[v0, v1)`` and ``count`` ``[n, v1 - v0]`` buffers of ``dtype``
+    for each: made once, the same memory for every block (the last, narrower one a view of their
+    front); ``flat``: the buffers themselves, the first of at least ``first_elems`` elements."""
+
+    def __init__(self, n: int, v_local: int, block: int, count: int, dtype, device, first_elems: int = 0):
+        self.v_local, self.block = v_local, block
+        self.cols = min(block, v_local)
+        self.last = v_local - (v_local - 1) // block * block  # columns of the last block
+        self.flat = [torch.empty(max(n * self.cols, first_elems if i == 0 else 0), dtype=dtype, device=device)
+                     for i in range(count)]
+        self.full = tuple(f[: n * self.cols].view(n, self.cols) for f in self.flat)
+        self.ragged = self.full if self.last == self.cols else \
+            tuple(f[: n * self.last].view(n, self.last) for f in self.flat)
+
+    def widths(self):
+        return {self.cols, self.last}
+
+    def __iter__(self):
+        for v0 in range(0, self.v_local, self.block):
+            v1 = min(v0 + self.block, self.v_local)
+            yield v0, v1, self.full if v1 - v0 == self.cols else self.ragged
+
+
+def _chunk_work(blocks: _Blocks, n: int, device, cdt) -> Tuple[Tuple[torch.Tensor, ...], Dict[int, int]]:
+    """The chunked loop's two buffers, made once for every block (``work`` of ``shard_stats`` and
+    ``fill_logits_grad``), and its rows per chunk for each block width."""
+    chunks = {w: default_chunk_size(n, w, device, cdt) for w in blocks.widths()}
+    size = max(max(1, min(n, c)) * w for w, c in chunks.items())
+    return tuple(torch.empty(size, dtype=cdt, device=device) for _ in range(2)), chunks
+
+
+class _HiddenGrad:
+    """The hidden states' gradient ``sum_b g_b @ W_b`` over the vocabulary blocks, summed in
+    ``cdt`` (fp32, fp64 for fp64 inputs) in one ``[n, h]`` accumulator, in place: ``addmm`` into it
+    (the first block overwrites it: ``beta=0``), with ``out_dtype`` for bf16/fp16 blocks where
+    :func:`mixed_gemm_accumulates`. Elsewhere (CPU; CUDA before torch 2.10) such a block's gradient
+    is upcast :data:`STAGING_ROWS` of its rows at a time and the block's weights whole, into two
+    staging buffers: the weights' made once, the rows' the front of the block's logits buffer
+    (:meth:`stage_rows_in`: the logits are spent once their gradient is written)."""
+
+    def __init__(self, n: int, h: int, block: int, dtype, cdt, device):
+        self.acc = torch.empty(n, h, dtype=cdt, device=device)
+        self.mixed = dtype != cdt
+        self.staged = self.mixed and not mixed_gemm_accumulates(device)
+        self.rows = max(1, math.ceil(n * STAGING_ROWS))
+        self.row_elems = 0  # elements of ``dtype`` the rows' staging takes (0: none)
+        if self.staged:
+            self.w32 = torch.empty(block * h, dtype=cdt, device=device)
+            self.row_elems = self.rows * block * (torch.empty((), dtype=cdt).element_size()
+                                                  // torch.empty((), dtype=dtype).element_size())
+
+    def stage_rows_in(self, flat: torch.Tensor) -> None:
+        """The rows' fp32 staging: the front of ``flat`` (at least :attr:`row_elems` elements)."""
+        if self.staged:
+            self.g32 = flat[: self.row_elems].view(self.acc.dtype)
+
+    def add(self, g: torch.Tensor, w_b: torch.Tensor, first: bool) -> None:
+        beta = 0 if first else 1
+        if not self.mixed:
+            self.acc.addmm_(g, w_b, beta=beta)
+        elif not self.staged:
+            torch.addmm(self.acc, g, w_b, beta=beta, out_dtype=self.acc.dtype, out=self.acc)
+        else:
+            cols = w_b.shape[0]
+            w32 = self.w32[: cols * w_b.shape[1]].view_as(w_b)
+            w32.copy_(w_b)
+            for i in range(0, g.shape[0], self.rows):
+                j = min(i + self.rows, g.shape[0])
+                g32 = self.g32[: (j - i) * cols].view(j - i, cols)
+                g32.copy_(g[i:j])
+                self.acc[i:j].addmm_(g32, w32, beta=beta)
 
 
 class _FusedLMHead(torch.autograd.Function):
@@ -120,19 +215,33 @@ class _FusedLMHead(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, tp_group, temperature, block, impl):
         tp_size, tp_rank = _tp_info(tp_group)
         n, v_local = hidden.shape[0], weight.shape[0]
+        dev = hidden.device
         cdt = compute_dtype(hidden.dtype)
         inv_t = 1.0 / temperature
         lbl_local, owned = _local_labels(labels, tp_rank, v_local)
-        lse = ent = logp = None
-        for v0 in range(0, v_local, block):
-            v1 = min(v0 + block, v_local)
-            x = hidden @ weight[v0:v1].t()          # this block's logits, in the inputs' dtype
-            lbl_b, mine = _block_labels(lbl_local, owned, v0, v1)
-            chunk = default_chunk_size(n, v1 - v0, hidden.device, cdt)
-            parts = tuple(t.to(torch.float64) for t in shard_stats(x, lbl_b, inv_t, impl, chunk, cdt))
-            del x
-            lse, ent, logp = parts if lse is None else merge_shards(lse, ent, logp, *parts, mine)
-        lse, ent, logp = (t.to(cdt) for t in (lse, ent, logp))
+        blocks = _Blocks(n, v_local, block, 1, hidden.dtype, dev)
+        if impl == "triton":
+            # the running statistics of every row, continued block after block by one kernel
+            kernels = _triton()
+            m = torch.full((n,), float("-inf"), dtype=cdt, device=dev)
+            s = torch.zeros(n, dtype=cdt, device=dev)
+            d = torch.zeros(n, dtype=cdt, device=dev)
+            zl = torch.empty(n, dtype=cdt, device=dev)  # z at the label (every row's lies in one block)
+            for v0, v1, (x,) in blocks:
+                torch.mm(hidden, weight[v0:v1].t(), out=x)  # this block's logits, in the inputs' dtype
+                kernels.running_stats(x, lbl_local, v0, inv_t, m, s, d, zl)
+            lse, ent, logp = finish_stats(m, s, d, zl.sub_(m))
+        else:
+            work, chunks = _chunk_work(blocks, n, dev, cdt)
+            lse = ent = logp = None
+            for v0, v1, (x,) in blocks:
+                torch.mm(hidden, weight[v0:v1].t(), out=x)
+                lbl_b, mine = _block_labels(lbl_local, owned, v0, v1)
+                parts = shard_stats(x, lbl_b, inv_t, impl, chunks[v1 - v0], cdt, work=work)
+                parts = tuple(t.to(torch.float64) for t in parts)
+                lse, ent, logp = parts if lse is None else merge_shards(lse, ent, logp, *parts, mine)
+            lse, ent, logp = (t.to(cdt) for t in (lse, ent, logp))
+        del blocks, x  # (the buffer: freed before the outputs are made)
         lse, ent, logp = combine_tp(lse, ent, logp, owned, tp_group, tp_size, cdt)
         ctx.save_for_backward(hidden, weight, labels, lse, ent)
         ctx.settings = (tp_size, tp_rank, inv_t, block, impl, cdt)
@@ -148,27 +257,38 @@ class _FusedLMHead(torch.autograd.Function):
             return None, None, None, None, None, None, None
         tp_size, tp_rank, inv_t, block, impl, cdt = ctx.settings
         n, v_local = hidden.shape[0], weight.shape[0]
+        dev = hidden.device
         lbl_local, owned = _local_labels(labels, tp_rank, v_local)
         coef_a, coef_b, onehot = grad_coefficients(g_logp, g_ent, ent, owned, inv_t, cdt)
-        acc = torch.zeros(n, hidden.shape[1], dtype=cdt, device=hidden.device) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
-        zero = torch.zeros((), dtype=cdt, device=hidden.device)
-        for v0 in range(0, v_local, block):
-            v1 = min(v0 + block, v_local)
+        acc = _HiddenGrad(n, hidden.shape[1], min(block, v_local), hidden.dtype, cdt, dev) if need_h else None
+        # a block's logits and their gradient; the logits' buffer also the hidden gradient's row staging
+        blocks = _Blocks(n, v_local, block, 2, hidden.dtype, dev, first_elems=acc.row_elems if need_h else 0)
+        if need_h:
+            acc.stage_rows_in(blocks.flat[0])
+        if impl == "triton":
+            kernels = _triton()
+        else:
+            work, chunks = _chunk_work(blocks, n, dev, cdt)
+            zero = torch.zeros((), dtype=cdt, device=dev)
+        for v0, v1, (x, g) in blocks:
             w_b = weight[v0:v1]
-            x = hidden @ w_b.t()                    # the block's logits again
-            lbl_b, mine = _block_labels(lbl_local, owned, v0, v1)
-            onehot_b = None if onehot is None else torch.where(mine, onehot, zero)
-            g = torch.empty_like(x)
-            chunk = default_chunk_size(n, v1 - v0, hidden.device, cdt)
-            fill_logits_grad(x, g, lse, coef_a, coef_b, onehot_b, lbl_b, inv_t, impl, chunk, cdt)
-            del x
+            torch.mm(hidden, w_b.t(), out=x)  # the block's logits again
+            if impl == "triton":
+                kernels.logits_grad(x, g, lse, coef_a, coef_b, onehot, lbl_local, inv_t, lbl_offset=v0)
+            else:
+                lbl_b, mine = _block_labels(lbl_local, owned, v0, v1)
+                onehot_b = None if onehot is None else torch.where(mine, onehot, zero)
+                fill_logits_grad(x, g, lse, coef_a, coef_b, onehot_b, lbl_b, inv_t, impl, chunks[v1 - v0], cdt,
+                                 work=work)
             if need_w:
                 torch.mm(g.t(), hidden, out=grad_w[v0:v1])
             if need_h:
-                _mm_into_fp32(acc, g, w_b)
-            del g
-        grad_h = None if acc is None else (acc if acc.dtype == hidden.dtype else acc.to(hidden.dtype))
+                acc.add(g, w_b, first=v0 == 0)
+        grad_h = None if acc is None else acc.acc
+        del blocks, x, g, w_b, acc  # (the buffers and the staging: freed before the hidden gradient's cast)
+        if grad_h is not None and grad_h.dtype != hidden.dtype:
+            grad_h = grad_h.to(hidden.dtype)
         return grad_h, grad_w, None, None, None, None, None
 
 
@@ -204,9 +324,10 @@ def lm_head_log_probs_and_entropy(
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() != 2:
         raise ValueError(f"hidden must be a floating-point [n, h] tensor, got "
                          f"{getattr(hidden, 'dtype', type(hidden).__name__)} {tuple(getattr(hidden, 'shape', ()))}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"weight must be [V_local, {hidden.shape[1]}] (the output layer's shard), got "
-                         f"{tuple(getattr(weight, 'shape', ()))}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[1] \
+            or weight.shape[0] == 0:
+        raise ValueError(f"weight must be [V_local, {hidden.shape[1]}] with V_local >= 1 (the output layer's "
+                         f"shard), got {tuple(getattr(weight, 'shape', ()))}")
     if weight.dtype != hidden.dtype or weight.device != hidden.device:
         raise ValueError(f"weight is {weight.dtype} on {weight.device} but hidden is {hidden.dtype} on {hidden.device}")
     if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool \

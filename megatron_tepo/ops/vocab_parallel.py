@@ -61,10 +61,12 @@ memory between forward and backward stays at the saved-vectors level).
 
 Pieces shared with the fused LM head
 ------------------------------------
-:func:`shard_stats` (one shard's log-sum-exp, entropy and label log-prob from its logits),
-:func:`merge_shards` (two parts of one vocabulary as one), :func:`combine_tp` (the two all-reduces),
-:func:`grad_coefficients` and :func:`fill_logits_grad` (the backward) are the op's own steps;
-:mod:`megatron_tepo.ops.lm_head` runs them on one vocabulary block of logits at a time.
+:func:`shard_stats` (one shard's log-sum-exp, entropy and label log-prob from its logits; its last
+step, from the local max and sums, is :func:`finish_stats`), :func:`merge_shards` (two parts of one
+vocabulary as one), :func:`combine_tp` (the two all-reduces), :func:`grad_coefficients` and
+:func:`fill_logits_grad` (the backward) are the op's own steps; :mod:`megatron_tepo.ops.lm_head`
+runs them on one vocabulary block of logits at a time, handing the chunked loop its buffers
+(``work``: made once for all blocks).
 
 GPU path (``impl``)
 -------------------
@@ -183,12 +185,31 @@ def _tp_info(tp_group) -> Tuple[int, int]:
     return world, dist.get_rank(group=tp_group)
 
 
+def _scratch(work, i: int, rows: int, cols: int, dtype: torch.dtype, dev) -> torch.Tensor:
+    """A ``[rows, cols]`` buffer: new, or the front of the caller's flat ``work[i]``."""
+    if work is None:
+        return torch.empty(rows, cols, dtype=dtype, device=dev)
+    return work[i][: rows * cols].view(rows, cols)
+
+
+def finish_stats(m: torch.Tensor, s: torch.Tensor, d: torch.Tensor, t: torch.Tensor):
+    """``L_r, H_r, (z - L_r)[label]`` from a shard's ``m = max z``, ``s = sum exp(z - m)``,
+    ``d = sum exp(z - m)(z - m)`` and ``t = (z - m)[label]`` (``[n]`` each; overwritten)."""
+    log_s = torch.log(s)
+    local_logp = t.sub_(log_s)                 # (z - m)[label] - log s
+    ent = d.div_(s).neg_().add_(log_s)         # H_r = log s - d / s
+    lse = m.add_(log_s)                        # L_r = m + log s
+    return lse, ent, local_logp
+
+
 def shard_stats(x: torch.Tensor, lbl_local: torch.Tensor, inv_t: float, impl: str, chunk: int,
-                cdt: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                cdt: torch.dtype, work=None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One shard's per-row numbers from its ``[n, V_local]`` logits ``x``: its log-sum-exp ``L_r``,
     the entropy ``H_r`` of its own softmax and ``(z - L_r)[label]`` (meaningful where the shard owns
     the label; ``lbl_local`` is clamped to 0 elsewhere), each ``[n]`` of ``cdt``. ``impl``:
-    ``"chunked"`` (``chunk`` rows at a time) or ``"triton"`` (see the module doc)."""
+    ``"chunked"`` (``chunk`` rows at a time) or ``"triton"`` (see the module doc). ``work``: two
+    flat ``cdt`` buffers of at least ``chunk * V_local`` elements for the chunked loop's two
+    buffers (None: allocated here)."""
     n, v_local = x.shape
     dev = x.device
     m = torch.empty(n, dtype=cdt, device=dev)       # local max of z
@@ -199,8 +220,8 @@ def shard_stats(x: torch.Tensor, lbl_local: torch.Tensor, inv_t: float, impl: st
         # the same four local numbers per row, one kernel over all rows (no [N, V] buffer)
         _triton().local_stats(x, lbl_local, inv_t, m, s, d, t)
     elif n > 0 and v_local > 0:
-        buf_a = torch.empty(chunk, v_local, dtype=cdt, device=dev)
-        buf_b = torch.empty(chunk, v_local, dtype=cdt, device=dev)
+        buf_a = _scratch(work, 0, chunk, v_local, cdt, dev)
+        buf_b = _scratch(work, 1, chunk, v_local, cdt, dev)
         for i in range(0, n, chunk):
             j = min(i + chunk, n)
             xc = x[i:j]
@@ -225,11 +246,7 @@ def shard_stats(x: torch.Tensor, lbl_local: torch.Tensor, inv_t: float, impl: st
         del buf_a, buf_b
     else:
         m.zero_(); s.fill_(1.0); d.zero_(); t.zero_()
-    log_s = torch.log(s)
-    local_logp = t.squeeze(1).sub_(log_s)      # (z - m)[label] - log s
-    ent = d.div_(s).neg_().add_(log_s)         # H_r = log s - d / s
-    lse = m.add_(log_s)                        # L_r = m + log s
-    return lse, ent, local_logp
+    return finish_stats(m, s, d, t.squeeze(1))
 
 
 def merge_shards(lse_a, ent_a, logp_a, lse_b, ent_b, logp_b, owned_b):
@@ -288,9 +305,10 @@ def grad_coefficients(g_logp, g_ent, ent, owned, inv_t: float, cdt: torch.dtype)
 
 
 def fill_logits_grad(x, grad, lse, coef_a, coef_b, onehot, lbl_local, inv_t: float, impl: str, chunk: int,
-                     cdt: torch.dtype) -> None:
+                     cdt: torch.dtype, work=None) -> None:
     """Write the gradient of the ``[n, V_local]`` logits ``x`` into ``grad`` (same shape, the
-    logits' dtype) from the global log-sum-exp and :func:`grad_coefficients`."""
+    logits' dtype) from the global log-sum-exp and :func:`grad_coefficients`. ``work``: as
+    :func:`shard_stats`'s, for the chunked loop's (at most) two buffers."""
     n, v_local = x.shape
     if n == 0 or v_local == 0:
         return
@@ -300,8 +318,8 @@ def fill_logits_grad(x, grad, lse, coef_a, coef_b, onehot, lbl_local, inv_t: flo
     dev = x.device
     neg_lse = lse.neg()
     direct = grad.dtype == cdt       # work in the gradient slices themselves
-    buf_p = torch.empty(chunk, v_local, dtype=cdt, device=dev) if coef_b is not None else None
-    buf_w = None if direct else torch.empty(chunk, v_local, dtype=cdt, device=dev)
+    buf_p = _scratch(work, 0, chunk, v_local, cdt, dev) if coef_b is not None else None
+    buf_w = None if direct else _scratch(work, 1, chunk, v_local, cdt, dev)
     for i in range(0, n, chunk):
         j = min(i + chunk, n)
         xc = x[i:j]

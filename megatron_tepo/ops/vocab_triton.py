@@ -14,17 +14,25 @@ backward stay in ``vocab_parallel.py`` and are shared by both paths.
   ``d_new = c (d_old + s_old (m_old - m_new)) + sum_blk e (z - m_new)`` with ``e = exp(z - m_new)``.
   Lanes past the end of the row load ``-inf`` (so ``e = 0``) and contribute ``0`` to ``d`` (their
   ``z - m`` is replaced by 0, never ``0 * -inf``); the label's logit is loaded directly.
+* :func:`running_stats` (the fused LM head's forward, ``ops/lm_head.py``): the same online update,
+  started from the ``m, s, d`` in memory (``-inf, 0, 0`` before a row's first part) and stored back,
+  over one vocabulary block that holds columns ``[offset, offset + V)`` of the rows; it writes
+  ``zl = z[label]`` where the label falls in the block. Called once a block, it walks the whole row
+  as :func:`local_stats` does; ``t = zl - m`` after the last block. (The online step is one
+  ``@triton.jit`` function both kernels call.)
 * :func:`logits_grad` (backward, one program per row): ``grad[i, v] = p (A_i + B_i log p)``
   ``(+ G_i at the local label)`` with ``log p = z - L_i`` (``L`` the global log-sum-exp), written in
   the gradient's dtype. ``HAS_B`` (an entropy gradient is present) and ``HAS_LABEL`` (a
-  log-prob gradient is present) are compile-time switches.
+  log-prob gradient is present) are compile-time switches; ``lbl_offset`` (0 for the vocab op) makes
+  the logits columns ``[offset, offset + V)`` of the rows the labels index (the fused head's blocks).
 
 Logits may be fp32, bf16 or fp16 with any row stride (the last dim must have stride 1); all
 arithmetic is fp32. ``BLOCK_V = min(MAX_BLOCK_V, next_power_of_2(V_local))`` with 8 warps for
 blocks of 2048 columns and more (fewer for smaller blocks); no autotuning. FMA contraction is
 on (``enable_fp_fusion=True``, the Triton default, passed explicitly). Nothing of size
 ``[N, V_local]`` is allocated here: the forward writes four ``[N]`` vectors, the backward writes
-into the gradient it is given.
+into the gradient it is given; no wrapper dispatches a torch op when its ``[N]`` arguments are
+contiguous and one-dimensional (the fused head calls them once a block).
 
 On CPU tensors the kernels run only under Triton's interpreter, which is selected by
 ``TRITON_INTERPRET=1`` in the environment when this module (and thus ``@triton.jit``) is first
@@ -38,11 +46,26 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRETED", "MAX_BLOCK_V", "block_v", "local_stats", "logits_grad"]
+__all__ = ["INTERPRETED", "MAX_BLOCK_V", "block_v", "local_stats", "running_stats", "logits_grad"]
 
 #: Upper bound on the columns one program handles per loop step (a power of two). Tests lower it
 #: so that small vocabularies still span several blocks.
 MAX_BLOCK_V = 4096
+
+
+@triton.jit
+def _online_step(m, s, d, z, mask):
+    """One block ``z`` of a row (masked lanes ``-inf``) into the running ``m, s, d``."""
+    m_new = tl.maximum(m, tl.max(z, axis=0))
+    c = tl.exp(m - m_new)                      # 0 on the first block (m = -inf)
+    e = tl.exp(z - m_new)                      # 0 on masked lanes
+    zm = tl.where(mask, z - m_new, 0.0)        # never -inf, so e * zm is never 0 * -inf
+    # before the first block m_old = -inf and s_old = 0: use m_old - m_new = 0 there, so
+    # s_old * (m_old - m_new) is never 0 * -inf
+    m_old = tl.where(s > 0.0, m, m_new)
+    d = c * (d + s * (m_old - m_new)) + tl.sum(e * zm, axis=0)
+    s = s * c + tl.sum(e, axis=0)
+    return m_new, s, d
 
 
 @triton.jit
@@ -58,16 +81,7 @@ def _local_stats_kernel(x_ptr, x_row_stride, lbl_ptr, m_ptr, s_ptr, d_ptr, t_ptr
         cols = start + offs
         mask = cols < V
         z = tl.load(x_row + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        c = tl.exp(m - m_new)                      # 0 on the first block (m = -inf)
-        e = tl.exp(z - m_new)                      # 0 on masked lanes
-        zm = tl.where(mask, z - m_new, 0.0)        # never -inf, so e * zm is never 0 * -inf
-        # before the first block m_old = -inf and s_old = 0: use m_old - m_new = 0 there, so
-        # s_old * (m_old - m_new) is never 0 * -inf
-        m_old = tl.where(s > 0.0, m, m_new)
-        d = c * (d + s * (m_old - m_new)) + tl.sum(e * zm, axis=0)
-        s = s * c + tl.sum(e, axis=0)
-        m = m_new
+        m, s, d = _online_step(m, s, d, z, mask)
     lbl = tl.load(lbl_ptr + row)
     t = tl.load(x_row + lbl).to(tl.float32) * inv_t - m
     tl.store(m_ptr + row, m)
@@ -77,8 +91,31 @@ def _local_stats_kernel(x_ptr, x_row_stride, lbl_ptr, m_ptr, s_ptr, d_ptr, t_ptr
 
 
 @triton.jit
+def _running_stats_kernel(x_ptr, x_row_stride, lbl_ptr, lbl_offset, m_ptr, s_ptr, d_ptr, zl_ptr, V,
+                          inv_t, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    offs = tl.arange(0, BLOCK_V)
+    m = tl.load(m_ptr + row)
+    s = tl.load(s_ptr + row)
+    d = tl.load(d_ptr + row)
+    for start in range(0, V, BLOCK_V):
+        cols = start + offs
+        mask = cols < V
+        z = tl.load(x_row + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+        m, s, d = _online_step(m, s, d, z, mask)
+    lbl = tl.load(lbl_ptr + row) - lbl_offset
+    mine = (lbl >= 0) & (lbl < V)
+    zl = tl.load(x_row + lbl, mask=mine, other=0.0).to(tl.float32) * inv_t
+    tl.store(zl_ptr + row, zl, mask=mine)
+    tl.store(m_ptr + row, m)
+    tl.store(s_ptr + row, s)
+    tl.store(d_ptr + row, d)
+
+
+@triton.jit
 def _logits_grad_kernel(x_ptr, x_row_stride, g_ptr, g_row_stride, lse_ptr, a_ptr, b_ptr, gl_ptr,
-                        lbl_ptr, V, inv_t, BLOCK_V: tl.constexpr, HAS_B: tl.constexpr,
+                        lbl_ptr, lbl_offset, V, inv_t, BLOCK_V: tl.constexpr, HAS_B: tl.constexpr,
                         HAS_LABEL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
@@ -89,7 +126,7 @@ def _logits_grad_kernel(x_ptr, x_row_stride, g_ptr, g_row_stride, lse_ptr, a_ptr
     if HAS_B:
         b = tl.load(b_ptr + row)
     if HAS_LABEL:
-        lbl = tl.load(lbl_ptr + row)
+        lbl = tl.load(lbl_ptr + row) - lbl_offset   # outside [0, V): no column of this row
         gl = tl.load(gl_ptr + row)
     for start in range(0, V, BLOCK_V):
         cols = start + offs
@@ -151,19 +188,44 @@ def local_stats(x: torch.Tensor, lbl_local: torch.Tensor, inv_t: float, m: torch
     for out in (m, s, d, t):
         if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
             raise ValueError("m, s, d, t must be contiguous fp32 tensors of N elements")
-    lbl_local = lbl_local.reshape(-1).contiguous()
+    if lbl_local.dim() != 1:
+        lbl_local = lbl_local.reshape(-1)
+    lbl_local = lbl_local.contiguous()
     blk = block_v(v)
     with _device_guard(x):
         _local_stats_kernel[(n,)](x, x.stride(0), lbl_local, m, s, d, t, v, float(inv_t),
                                   BLOCK_V=blk, num_warps=_num_warps(blk), enable_fp_fusion=True)
 
 
+def running_stats(x: torch.Tensor, lbl_local: torch.Tensor, lbl_offset: int, inv_t: float, m: torch.Tensor,
+                  s: torch.Tensor, d: torch.Tensor, zl: torch.Tensor) -> None:
+    """Continue the fp32 ``[N]`` running ``m, s, d`` (see the module doc; ``-inf, 0, 0`` before the
+    first part of a row) over ``[N, V]`` logits ``x``, columns ``[lbl_offset, lbl_offset + V)`` of
+    a longer row, and write ``zl = z[label]`` where the label (``lbl_local``, an index into the
+    whole row) falls in them. The fused LM head calls it once per vocabulary block."""
+    _check_rows(x)
+    n, v = x.shape
+    if n == 0:
+        return
+    for out in (m, s, d, zl):
+        if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
+            raise ValueError("m, s, d, zl must be contiguous fp32 tensors of N elements")
+    if lbl_local.dim() != 1 or not lbl_local.is_contiguous():
+        raise ValueError("lbl_local must be a contiguous [N] tensor")
+    blk = block_v(v)
+    with _device_guard(x):
+        _running_stats_kernel[(n,)](x, x.stride(0), lbl_local, int(lbl_offset), m, s, d, zl, v, float(inv_t),
+                                    BLOCK_V=blk, num_warps=_num_warps(blk), enable_fp_fusion=True)
+
+
 def logits_grad(x: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, coef_a: torch.Tensor,
-                coef_b, g_label, lbl_local: torch.Tensor, inv_t: float) -> None:
+                coef_b, g_label, lbl_local: torch.Tensor, inv_t: float, lbl_offset: int = 0) -> None:
     """Write ``p (A + B log p) (+ G at the label)`` into ``out`` (``[N, V]``, any dtype of x's).
 
     ``lse``, ``coef_a``, ``coef_b`` and ``g_label`` are fp32 ``[N]`` vectors; ``coef_b=None``
-    drops the ``B log p`` term and ``g_label=None`` the label term.
+    drops the ``B log p`` term and ``g_label=None`` the label term. ``lbl_offset``: ``x`` holds
+    columns ``[lbl_offset, lbl_offset + V)`` of the rows ``lbl_local`` indexes (the fused LM
+    head's vocabulary blocks; a label outside them adds nothing).
     """
     _check_rows(x)
     _check_rows(out)
@@ -178,11 +240,13 @@ def logits_grad(x: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, coef_a: t
     lse, coef_a = lse.contiguous(), coef_a.contiguous()
     coef_b = coef_b.contiguous() if has_b else None
     g_label = g_label.contiguous() if has_label else None
-    lbl_local = lbl_local.reshape(-1).contiguous()
+    if lbl_local.dim() != 1:
+        lbl_local = lbl_local.reshape(-1)
+    lbl_local = lbl_local.contiguous()
     blk = block_v(v)
     with _device_guard(x):
         _logits_grad_kernel[(n,)](
             x, x.stride(0), out, out.stride(0), lse, coef_a,
-            coef_b if has_b else coef_a, g_label if has_label else coef_a, lbl_local, v,
+            coef_b if has_b else coef_a, g_label if has_label else coef_a, lbl_local, int(lbl_offset), v,
             float(inv_t), BLOCK_V=blk, HAS_B=has_b, HAS_LABEL=has_label,
             num_warps=_num_warps(blk), enable_fp_fusion=True)

@@ -50,11 +50,12 @@ def test_tiny_actor_bytes_by_hand(tmp_path):
     assert a.tokens == 256
     assert a.activations == 2 * (512 + 744) * 256 == 643072
     # the fused LM head (the default): two blocks of 128 columns (the whole shard: the tiny vocabulary
-    # is below the least block), the gathered hidden states, their gradient and its fp32 sum
-    assert a.logits == 2 * 2 * 128 * 256 + (2 * 2 + 4) * 64 * 256 == 262144
-    assert a.total == 107264 + 214528 + 643584 + 643072 + 262144
-    spec = tiny(tmp_path, actor={"lm_head": "materialized"})
-    assert actor_memory(spec.shape(), spec.cfg, spec.launch).logits == 2 * 2 * 256 / 2 * 256 == 131072
+    # is below the least block), the gathered hidden states, their gradient and its fp32 sum, the weight
+    # shard's gradient, and the fp32 staging of the block's weights
+    assert a.logits == 2 * 2 * 128 * 256 + (2 * 2 + 4) * 64 * 256 + 2 * 128 * 64 + 4 * 128 * 64 == 311296
+    assert a.total == 107264 + 214528 + 643584 + 643072 + 311296
+    spec = tiny(tmp_path, actor={"lm_head": "materialized"})  # the logits, their gradient, the weight's
+    assert actor_memory(spec.shape(), spec.cfg, spec.launch).logits == 2 * 2 * 256 / 2 * 256 + 2 * 128 * 64 == 147456
     # distributed optimizer over DP = 4 / 2 = 2
     spec = tiny(tmp_path, optim={"use_distributed_optimizer": True})
     assert actor_memory(spec.shape(), spec.cfg, spec.launch).optimizer == 12 * 53632 / 2
@@ -80,7 +81,8 @@ def test_tiny_actor_bytes_by_hand(tmp_path):
     a = actor_memory(spec.shape(), spec.cfg, spec.launch)
     assert (a.weights, a.grads, a.optimizer) == (4 * 53632, 4 * 53632, 8 * 53632)
     assert a.activations == 2 * (1024 + (4 * 736 + 16) / 2) * 256
-    assert a.logits == 2 * 4 * 128 * 256 + (2 * 4 + 4) * 64 * 256
+    # fp32: the hidden states' gradient is its own fp32 sum (no accumulator, no staging); the weight's gradient
+    assert a.logits == 2 * 4 * 128 * 256 + 2 * 4 * 64 * 256 + 4 * 128 * 64
 
 
 def test_moved_settings_are_named(tmp_path):
@@ -145,11 +147,14 @@ def test_qwen3_14b_by_hand():
     # full recompute with SP: 40 layers x 2*5120/4 B + one layer (2*(4*5120 + 75776) + 4*40)/4 = 48,168 B
     # (75776 = (40 + 16)*128 q, k, v + 2*40*128 attention output + 48*128 q/k-norm inputs + 3*17408)
     assert a.activations == 40 * 2560 * 16384 + 48_168 * 16384 == 2_466_906_112
-    # the fused LM head: blocks of 1152 columns (1/32 of the 37984-token shard's logits, in 128s), and per
-    # token the gathered hidden states, their gradient and its fp32 sum; the logits would be 2,489,319,424
-    assert a.logits == 2 * 2 * 1152 * 16384 + (2 * 2 + 4) * 5120 * 16384 == 746_586_112
-    total = 2 * params + 4 * params + 3 * params + 2_466_906_112 + 746_586_112 + 4 * GiB
-    assert a.total == total and round(total / GiB, 1) == 37.9
+    # the fused LM head: two blocks of 1152 columns (1/32 of the 37984-row shard's logits, in 128s), per
+    # token the gathered hidden states, their gradient and its fp32 sum, the shard's weight gradient, and
+    # the fp32 staging of the block's weights (for a torch without the in-place mixed GEMM; the staged
+    # rows of its gradient take the logits block's buffer); the logits would be 2,489,319,424
+    assert a.logits == (2 * 2 * 1152 * 16384 + (2 * 2 + 4) * 5120 * 16384 + 2 * 37984 * 5120
+                        + 4 * 1152 * 5120) == 1_159_135_232
+    total = 2 * params + 4 * params + 3 * params + 2_466_906_112 + 1_159_135_232 + 4 * GiB
+    assert a.total == total and round(total / GiB, 1) == 38.3
     s = r.server
     server_params = 40 * (62_914_560 // 2 + 5120 + 256 + 3 * 5120 * 17408 // 2 + 5120) + 2 * 151936 * 5120 // 2 + 5120
     assert s.params == server_params == 7_384_366_080
@@ -202,12 +207,12 @@ def test_hf_config_path_wins(tmp_path):
 def test_cli(tmp_path, capsys):
     from tools.fit_check import cli
     assert cli(["--config", str(MODELS / "qwen3_14b.yaml"), "--gpu-mem-gib", "80"]) == 0
-    assert "total 37.9 GiB of 80 GiB: fits" in capsys.readouterr().out
+    assert "total 38.3 GiB of 80 GiB: fits" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_:
         cli(["--config", str(MODELS / "qwen3_14b.yaml"), "--gpu-mem-gib", "36"])
     assert exit_.value.code == 2  # a user error
     err = capsys.readouterr().err
-    assert "actor does not fit: 37.9 GiB > 36 GiB per GPU" in err and len(err.strip().splitlines()) == 1
+    assert "actor does not fit: 38.3 GiB > 36 GiB per GPU" in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_bad_yaml_is_one_line_naming_line_and_column(tmp_path, capsys):

@@ -157,7 +157,7 @@ def test_run_config_is_the_launch_files(rendered):
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.actor.sequence_parallel) == (4, 1, True)
     assert cfg.optim.use_distributed_optimizer and cfg.train.resume
     assert cfg.train.output_dir == str(rendered["tmp"] / "out")
-    assert "total 37.9 GiB of 80 GiB: fits" in (path.parent / "fit.log").read_text()
+    assert "total 38.3 GiB of 80 GiB: fits" in (path.parent / "fit.log").read_text()
     assert "architecture" not in path.read_text() and "launch:" not in path.read_text()
 
 
@@ -187,11 +187,11 @@ def test_the_32k_context_parallel_job(tmp_path):
     assert (cfg.parallel.tp, cfg.parallel.cp, cfg.actor.pack_sequences, cfg.rollout.max_new_tokens) == (
         4, 2, True, 32768)
     fit = (run_config.parent / "fit.log").read_text()
-    assert "dp=2 cp=2 " in fit and "total 67.0 GiB of 80 GiB: fits" in fit
+    assert "dp=2 cp=2 " in fit and "total 67.3 GiB of 80 GiB: fits" in fit
 
     res = _launch(tmp_path / "cp1", "--dryrun", f"train.output_dir={tmp_path / 'out1'}", "parallel.cp=1", launch=launch)
     assert res.returncode == 2, res.stdout + res.stderr
-    assert "fit check FAILED" in res.stderr and "actor does not fit: 95.5 GiB > 80 GiB per GPU" in res.stderr
+    assert "fit check FAILED" in res.stderr and "actor does not fit: 95.9 GiB > 80 GiB per GPU" in res.stderr
     assert "raise parallel.cp (now 1" in res.stderr
     assert not (tmp_path / "cp1" / "nemorun").exists() and not (tmp_path / "out1").exists()  # nothing rendered
 

@@ -142,7 +142,7 @@ def test_dry_run_qwen3_14b(tmp_path):
     assert "CUDA_VISIBLE_DEVICES=6\\,7" in sglang and "--tp\\ 2" in sglang and "--device\\ cuda" in sglang
     assert "--context-length\\ 10240" in sglang
     assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION" not in sglang  # (no memory saver: SGLang's defaults)
-    assert "total 37.9 GiB of 80 GiB: fits" in (logs / "fit.log").read_text()
+    assert "total 38.3 GiB of 80 GiB: fits" in (logs / "fit.log").read_text()
 
 
 def test_dry_run_qwen3_14b_32k(tmp_path):
@@ -158,7 +158,7 @@ def test_dry_run_qwen3_14b_32k(tmp_path):
         assert "--context-length\\ 34816" in sglang and "--max-running-requests\\ 44" in sglang
     fit = (logs / "fit.log").read_text()
     assert "tp=4 pp=1 ep=1 dp=2 cp=2 " in fit and "(17408 a CP rank:" in fit
-    assert "total 67.0 GiB of 80 GiB: fits" in fit
+    assert "total 67.3 GiB of 80 GiB: fits" in fit
     run = yaml.safe_load((tmp_path / "run" / "run.yaml").read_text())
     assert run["parallel"]["cp"] == 2 and run["actor"]["pack_sequences"] is True
     assert run["rollout"]["max_new_tokens"] == 32768
@@ -169,7 +169,7 @@ def test_dry_run_qwen3_14b_32k_at_cp_1_stops_naming_parallel_cp(tmp_path):
     res = subprocess.run(["bash", str(ROOT / "slurm" / "qwen3_14b_32k_tepo.sh"), "parallel.cp=1"], cwd=tmp_path,
                          env=_dry_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert res.returncode == 1 and "fit check failed (see above); nothing was started" in res.stderr
-    assert "actor does not fit: 95.5 GiB > 80 GiB per GPU" in res.stderr and "raise parallel.cp (now 1" in res.stderr
+    assert "actor does not fit: 95.9 GiB > 80 GiB per GPU" in res.stderr and "raise parallel.cp (now 1" in res.stderr
     assert "DRY-RUN: srun" not in _dry_run_output(tmp_path, res)
 
 

@@ -6,8 +6,10 @@ torch: the package said ``torch>=2.4`` while the weight sync called
 Here every versioned torch feature the package's source uses without a guard is listed with the
 torch release that introduced it, and the declared minimum must be at least each of them (and at
 least megatron-core's own torch minimum). A feature used only where the running torch has it
-(imported inside ``try``) is listed apart and must stay guarded. A new versioned feature gets a
-row here.
+(imported inside ``try``) is listed apart and must stay guarded, and one called only where a probe
+found it works (the fused LM head's in-place mixed-precision ``addmm``, torch 2.10 on CUDA; before
+it the head is slower and says so once) must stay in its one probed file. A new versioned feature
+gets a row here.
 
 SGLang: ``pyproject.toml``'s ``sglang`` extra states the supported range; the README states the
 same, and the version the CPU install and the tests use lies in it.
@@ -35,6 +37,12 @@ REQUIRED = [
 ]
 # imported only where the running torch has it: must sit inside a try
 GUARDED = ["torch.nn.attention.varlen"]
+# called only where a probe found it works: (regex, the torch that has it, what, the one file that uses it
+# and probes it inside a try)
+PROBED = [
+    (r"out_dtype\s*=", "2.10", "torch.addmm(fp32 acc, bf16, bf16, out_dtype=torch.float32, out=acc) on CUDA "
+     "(2.8 and 2.9 want acc in the inputs' dtype)", "megatron_tepo/ops/lm_head.py"),
+]
 
 
 def _pyproject():
@@ -93,6 +101,16 @@ def test_torch_features_newer_than_the_minimum_are_guarded():
             if p is None:
                 unguarded.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not unguarded, f"imports of {GUARDED} outside a try: {unguarded}"
+
+
+def test_probed_torch_features_stay_behind_their_probe():
+    for pattern, _version, what, home in PROBED:
+        users = [path.relative_to(REPO).as_posix() for path in _sources() if re.search(pattern, path.read_text())]
+        assert users == [home], f"{what}: used in {users}, probed in {home} only"
+        tree = ast.parse((REPO / home).read_text())
+        probed = [node for node in ast.walk(tree) if isinstance(node, ast.Try)
+                  and re.search(pattern, ast.unparse(node.body))]
+        assert probed, f"{home} uses {what} without trying it inside a try"
 
 
 def test_supported_sglang_range_is_stated_and_holds_the_tested_version():
