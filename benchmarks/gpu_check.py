@@ -43,6 +43,12 @@ Steps (GPU sizes; the smoke run's in brackets):
   and host memory of the build, and the actor's log-probs and entropy against the HF model's on
   the same device [a tiny Qwen3 on CPU]. ``benchmarks/actor_startup.py`` measures the TP=2 CPU
   build; it has no GPU mode, and two ranks cannot share one GPU under NCCL, so TP=1 here.
+* ``async_save``: one asynchronous save through each writer the stack has (megatron-core's own; NVRx's
+  where it imports: ``gpu_wheels.sh`` carries it in ``.gpu/nvrx``) with the trainer's allocator
+  (expandable segments on): the staging each took (NVRx: ``host_shm``, what reached its writer), the
+  checkpoint published and loaded bit for bit [the same on CPU, the choice made as on a GPU].
+* ``routing_replay``: ``tools/train.py`` on a random tiny Qwen3-MoE, 2 steps each with ``r3`` and
+  ``r2``, the engine and the actor on the GPU; targets: coverage 1.0 in every pass, r2's mismatch 0.
 * ``main_job``: ``examples/tiny_tepo/run.py`` with CUDA visible (``run.sh`` hides CUDA and
   installs a venv: neither fits here), held-out accuracy before and after [``train.steps=2``,
   ``--eval-size 16``, CPU; learning is not judged].
@@ -73,7 +79,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-STEPS = ["tests", "actor_step", "vocab_op", "lm_head", "disk_sync", "ipc_handles", "hf_load", "main_job"]
+STEPS = ["tests", "actor_step", "vocab_op", "lm_head", "disk_sync", "ipc_handles", "hf_load", "main_job",
+         "async_save", "routing_replay"]
 OLD_TOKENS_PER_S = 6200  # train_step at 8 x 2048 on the H100 before bf16/SDPA/packing (../shared/notes/gpu.md)
 OFFLOAD_GBPS = 20  # the actor's offload and onload, each way, from / to pinned host memory on an H100 (#34)
 
@@ -401,6 +408,80 @@ def step_ipc_handles(smoke: bool) -> dict:
     return dict(ok=ok, figures=figures, targets=[])
 
 
+def step_async_save(smoke: bool) -> dict:
+    """Issue #50 row 2: one asynchronous save through each writer the stack has (megatron-core's own,
+    and NVRx's where it imports: ``.gpu/nvrx`` carried), with the trainer's allocator
+    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``): which staging each took -- NVRx's must not
+    be CUDA IPC of expandable segments (``host_shm``: what reached its writer says
+    ``use_cpu_shm_for_gpu_tensors``) --, published, and loaded bit for bit by a fresh actor
+    (``tests/megatron/workers/async_staging_worker.py``, one process a writer)."""
+    import importlib.util
+
+    if not smoke:
+        _device(smoke)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    if smoke:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    writers = ["mcore"] + (["nvrx"] if importlib.util.find_spec("nvidia_resiliency_ext") else [])
+    figures, ok = {"writers": writers}, True
+    for writer in writers:
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, str(REPO / "tests/megatron/workers/async_staging_worker.py"), tmp, writer]
+            print("$", " ".join(cmd), flush=True)
+            rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
+            out = Path(tmp) / "staging.json"
+            r = json.loads(out.read_text()) if out.exists() else {"error": f"exit {rc}, no result"}
+        figures[writer] = r
+        good = rc == 0 and r.get("published") and r.get("params_equal")
+        if writer == "nvrx" and not smoke:  # expandable segments on a GPU: never CUDA IPC
+            good = good and r.get("writer", [None, None])[1] == "host_shm" and \
+                r.get("writer_kwargs") == [{"use_cpu_shm_for_gpu_tensors": True}]
+        ok = ok and bool(good)
+    print(json.dumps(figures), flush=True)
+    return dict(ok=ok, figures=figures, targets=[])
+
+
+def step_routing_replay(smoke: bool) -> dict:
+    """Issue #50's GPU check of routing replay: the main loop (``tools/train.py``, the embedded engine and
+    the actor on the device) on a random tiny Qwen3-MoE (``tools/make_tiny_model.py --moe``), 2 steps
+    each of ``r3`` (the engine's routing replayed) and ``r2`` (the actor's own, recorded in the
+    old-log-prob pass): routing coverage 1.0 in every pass, and r2's replay equal to its recording
+    (mismatch 0)."""
+    if not smoke:
+        _device(smoke)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    if smoke:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    figures, targets, ok = {}, [], True
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, str(REPO / "tools/make_tiny_model.py"), "--out", tmp, "--train-size", "200",
+                        "--eval-size", "20", "--moe"], cwd=REPO, env=env, check=True)
+        for mode in ("r3", "r2"):
+            out = Path(tmp) / f"run_{mode}"
+            cmd = [sys.executable, str(REPO / "tools/train.py"), "--config", str(REPO / "examples/tiny_tepo/config.yaml"),
+                   "reward.kind=exact_match", "rollout.prompts_per_step=8", "train.mini_batch_prompts=4",
+                   "train.steps=2", "train.export_hf=false", "rollout.dynamic_sampling=false",
+                   f"model.path={Path(tmp) / 'moe'}", f"data.train_files=[{Path(tmp) / 'train.jsonl'}]",
+                   f"train.output_dir={out}", f"actor.routing_replay={mode}"]
+            print("$", " ".join(cmd), flush=True)
+            rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
+            log = out / "metrics.jsonl"
+            rows = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+            keys = ("routing_coverage", "routing_mismatch_max", "old_routing_coverage", "drift_max")
+            figures[mode] = [{k: r[k] for k in keys if k in r} for r in rows] or {"error": f"exit {rc}"}
+            cover = [r.get("routing_coverage") for r in rows]
+            ok = ok and rc == 0 and len(rows) == 2 and all(c == 1.0 for c in cover)
+            targets.append(_target(f"{mode}: routing coverage in every pass", min(cover) if cover else None, 1.0,
+                                   bool(cover) and min(cover) == 1.0, smoke))
+            if mode == "r2":
+                worst = max((r.get("routing_mismatch_max", 1.0) for r in rows), default=None)
+                targets.append(_target("r2: the replay's routing against its recording (mismatch max)", worst, 0.0,
+                                       worst == 0.0, smoke))
+    print(json.dumps(figures), flush=True)
+    return dict(ok=ok, figures=figures, targets=targets)
+
+
 def _vm(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -493,7 +574,7 @@ def step_main_job(smoke: bool) -> dict:
 
 STEP_FNS = {"tests": step_tests, "actor_step": step_actor_step, "vocab_op": step_vocab_op, "lm_head": step_lm_head,
             "disk_sync": step_disk_sync, "ipc_handles": step_ipc_handles, "hf_load": step_hf_load,
-            "main_job": step_main_job}
+            "main_job": step_main_job, "async_save": step_async_save, "routing_replay": step_routing_replay}
 
 
 # ---------------------------------------------------------------------------------- records

@@ -13,6 +13,7 @@
 #   triton, pytest, pytest-timeout, psutil, pyyaml, pyarrow, matplotlib) are in that machine's image
 #   (../.library/device/KINDS.md lists it); math-verify is not, and the check never imports it.
 #   EXTRA_WHEELS="name==version ..." adds more; MCORE_VERSION=0.16.1 carries the oldest end instead.
+# * .gpu/nvrx/: nvidia-resiliency-ext 0.7.0's wheel unpacked (its checkpoint writer; ~2 MB).
 # * .gpu/shared/: a copy of ../shared/gpu/ (the earlier GPU measurement scripts, e.g. the HF bf16
 #   baseline of actor_gpu.py), which does not travel by itself; if it exists.
 # Leaves out: Transformer Engine, apex, SGLang (too large to carry, or CUDA builds pip cannot
@@ -35,6 +36,18 @@ done
 # shellcheck disable=SC2086  # EXTRA_WHEELS is a list of requirement strings
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" -d "$wheels" "megatron-core==${MCORE_VERSION:-0.19.2}" ${EXTRA_WHEELS:-}
+# NVRx's checkpoint writer (#50 row 2's GPU check): nvidia-resiliency-ext's wheel is tagged for glibc
+# >= 2.39; the code megatron-core calls is pure Python, so it is unpacked (as tools/test.sh does) into
+# .gpu/nvrx, which gpu_check.sh puts on PYTHONPATH
+rm -rf "$repo/.gpu/nvrx" "$repo/.gpu/nvrx.wheel"
+if "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+     --platform manylinux_2_39_x86_64 -d "$repo/.gpu/nvrx.wheel" "nvidia-resiliency-ext==${NVRX_VERSION:-0.7.0}"; then
+  "$PY" -c 'import sys, zipfile, glob; zipfile.ZipFile(glob.glob(sys.argv[1] + "/*.whl")[0]).extractall(sys.argv[2])' \
+    "$repo/.gpu/nvrx.wheel" "$repo/.gpu/nvrx"
+else
+  echo "gpu_wheels.sh: nvidia-resiliency-ext could not be fetched: the async_save step checks megatron-core's writer only" >&2
+fi
+rm -rf "$repo/.gpu/nvrx.wheel"
 if [[ -d "$repo/../shared/gpu" ]]; then
   rm -rf "$repo/.gpu/shared"
   cp -r "$repo/../shared/gpu" "$repo/.gpu/shared"

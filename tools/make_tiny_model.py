@@ -8,6 +8,7 @@ vocabulary) with a Hugging Face tokenizer and generation config, so SGLang serve
 ``tools/train.py`` load it like any checkpoint; DIR/train.jsonl and DIR/eval.jsonl hold two-digit
 addition problems (``{"prompt": "37+45=", "answer": "82"}``; score them with
 ``reward.kind: exact_match``). Used by slurm/local_cpu_tepo.sh and the multi-process trainer tests.
+``--moe`` adds DIR/moe, a random tiny Qwen3-MoE with the same tokenizer (routing replay's fixture).
 Idempotent: existing complete outputs are kept (the warm-up is cached in .cache/tiny_tepo).
 
 Left out: anything resembling real math data; this is a fixture for the launch path on CPU.
@@ -35,13 +36,45 @@ def make(out: Path, n_train: int = 5000, n_eval: int = 200) -> Path:
     return out
 
 
+def make_moe(tiny: Path, out: Path) -> Path:
+    """A random tiny Qwen3-MoE (2 layers, 8 experts, top-2) with the tiny task's tokenizer (``tiny``:
+    a :func:`make` folder): MoE routing replay's fixture (its routing tests, the GPU check)."""
+    import json
+    import shutil
+
+    import torch
+    import transformers
+
+    dense = json.loads((tiny / "model" / "config.json").read_text())
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=dense["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+        bos_token_id=dense.get("bos_token_id"), eos_token_id=dense.get("eos_token_id"),
+        pad_token_id=dense.get("pad_token_id"))
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1) if p.dim() > 1 else None
+    model.save_pretrained(out)
+    for f in (tiny / "model").iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(".safetensors"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
 def cli(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="output directory")
     ap.add_argument("--train-size", type=int, default=5000)
     ap.add_argument("--eval-size", type=int, default=200)
+    ap.add_argument("--moe", action="store_true", help="also DIR/moe: a random tiny Qwen3-MoE with the task's tokenizer")
     args = ap.parse_args(argv)
     out = make(args.out, args.train_size, args.eval_size)
+    if args.moe and not (out / "moe" / "config.json").exists():
+        make_moe(out, out / "moe")
     print(out)
 
 

@@ -5,7 +5,6 @@ both passes (``old_routing_*``: the old-log-prob pass): coverage 1.0, and the ac
 experts but for an fp32 near tie). ``r2`` runs through the same loop."""
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,28 +22,12 @@ BASE = ["--config", str(REPO / "examples/tiny_tepo/config.yaml"), "reward.kind=e
 
 
 def _moe_model(tiny: Path, out: Path) -> Path:
-    """A random tiny Qwen3-MoE (2 layers, 8 experts, top-2) with the tiny task's tokenizer."""
-    import torch
-    import transformers
+    """A random tiny Qwen3-MoE (2 layers, 8 experts, top-2) with the tiny task's tokenizer
+    (tools/make_tiny_model.py's ``make_moe``, which the GPU check runs too)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from make_tiny_model import make_moe
 
-    dense = json.loads((tiny / "model" / "config.json").read_text())
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=dense["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
-        bos_token_id=dense.get("bos_token_id"), eos_token_id=dense.get("eos_token_id"),
-        pad_token_id=dense.get("pad_token_id"))
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(cfg).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.1) if p.dim() > 1 else None
-    model.save_pretrained(out)
-    for f in (tiny / "model").iterdir():
-        if f.name not in ("config.json", "model.safetensors") and not f.name.endswith(".safetensors"):
-            shutil.copy(f, out / f.name) if f.is_file() else None
-    return out
+    return make_moe(tiny, out)
 
 
 @pytest.mark.journey  # (a whole tools/train.py run: tools/test.sh runs these beside the rest)
