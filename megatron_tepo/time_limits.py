@@ -7,7 +7,8 @@ the answers they wait for (``rollout.max_new_tokens`` at a stated floor decode r
   (``rollout.request_timeout_s``) shorter than that is refused in one line (:func:`check_request_limit`).
 * A generation call (a step's sampling round, all its samples at once): as many *waves* of requests
   as its samples need of the engine's slots (the servers' running-request limits summed), each wave
-  a request's limit.
+  a request's limit; with multi-turn episodes (an ``environment``), each wave ``max_turns`` turns,
+  each a request's limit and a tool call's wall time (``environment.sandbox.wall_seconds``).
 
 At Qwen3-14B with 32k-token answers (examples/models/qwen3_14b_32k.yaml): 120 + 32768 / 20 = 1758 s
 a request; 512 samples on 176 slots are 3 waves, 5274 s a round. Pure arithmetic: the fleet
@@ -48,9 +49,10 @@ def waves(samples: int, slots: Optional[int]) -> int:
     return max(1, math.ceil(samples / slots)) if slots else 1
 
 
-def round_limit_s(rollout, samples: int, slots: Optional[int]) -> float:
-    """One generation call's time limit: :func:`waves` x :func:`request_limit_s`."""
-    return waves(samples, slots) * request_limit_s(rollout)
+def round_limit_s(rollout, samples: int, slots: Optional[int], turns: int = 1, tool_s: float = 0.0) -> float:
+    """One generation call's time limit: :func:`waves` x ``turns`` x (:func:`request_limit_s` + ``tool_s``,
+    a tool call's wall time between two turns)."""
+    return waves(samples, slots) * turns * (request_limit_s(rollout) + (tool_s if turns > 1 else 0.0))
 
 
 def check_request_limit(rollout) -> Optional[str]:

@@ -75,3 +75,16 @@ def test_the_fleet_gets_the_derived_request_limit(monkeypatch):
 
     attach.attach_fleet(EngineSettings(cfg.rollout, "", 0, 1, cfg.fault))
     assert seen["request"] == 1758.4 and seen["step"] is None  # (the fleet: waves on its slots x that)
+
+
+def test_a_multi_turn_round_counts_its_turns_and_tool_calls():
+    """With an environment a sampling round is its waves x max_turns x (a request + a tool call's wall
+    time); the 14B tool example fits its watchdog, and a tighter one is refused naming it."""
+    r = _rollout(max_new_tokens=8192)
+    assert round_limit_s(r, 512, 512, turns=6, tool_s=30) == 6 * (600 + 30)
+    assert round_limit_s(r, 512, 512, turns=1, tool_s=30) == 600  # (one turn: no tool call between)
+    spec = load_launch(ROOT / "examples/models/qwen3_14b_tir.yaml")
+    assert "x 6 turns x (600 s + 30 s a tool call) = 3780 s" in check_fit(spec.shape(), spec.cfg, spec.launch).render()
+    spec.cfg.fault.watchdog_generate_s = 3000
+    with pytest.raises(FitError, match=r"x 600 s a request \+ 30 s a tool call, 6 turns = 3780 s"):
+        check_fit(spec.shape(), spec.cfg, spec.launch)

@@ -57,6 +57,14 @@ def sandbox_settings(cfg: RunConfig):
         raise ConfigError(str(exc)) from None
 
 
+def episode_turns(cfg: RunConfig):
+    """(the turns an episode may take, a tool call's wall time): (1, 0) without an environment (the
+    time limits of a sampling round: megatron_tepo/time_limits.py)."""
+    if cfg.environment.name == "none":
+        return 1, 0.0
+    return cfg.environment.max_turns, float(sandbox_settings(cfg).wall_seconds)
+
+
 def _check_environment(cfg: RunConfig) -> None:
     e = cfg.environment
     _positive(e, "environment", ["max_turns", "tool_workers"])

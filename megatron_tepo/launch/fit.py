@@ -14,6 +14,7 @@ import socket
 from typing import Mapping, Optional
 
 from megatron_tepo.config import RunConfig
+from megatron_tepo.config.validation import episode_turns
 from megatron_tepo.launch.memory import (TRAINER_ALLOC_CONF, GiB, HostMemory, actor_memory, colocated_memory,
                                         server_memory)
 from megatron_tepo.launch.report import FitReport
@@ -79,12 +80,15 @@ def check_time_limits(cfg: RunConfig, launch: LaunchLayout) -> None:
     r, w = cfg.rollout, cfg.fault.watchdog_generate_s
     slots = launch.servers * launch.rollout.server.max_running_requests
     samples = r.prompts_per_step * r.n_samples
-    need = round_limit_s(r, samples, slots)
+    turns, tool_s = episode_turns(cfg)
+    need = round_limit_s(r, samples, slots, turns, tool_s)
     if w and need > w:
+        per = f"{request_limit_s(r):.0f} s a request" + (f" + {tool_s:g} s a tool call, {turns} turns" if turns > 1 else "")
         raise FitError(f"fault.watchdog_generate_s: {w:g} s is shorter than one sampling round may take: "
                        f"{waves(samples, slots)} wave(s) of {samples} sequences on {slots} slots "
-                       f"({launch.servers} servers x {launch.rollout.key}.max_running_requests) x "
-                       f"{request_limit_s(r):.0f} s a request = {need:.0f} s; raise it (or 0: off), or add servers")
+                       f"({launch.servers} servers x {launch.rollout.key}.max_running_requests) x {per} = {need:.0f} s; "
+                       f"raise it (or 0: off), or add servers")
+
 
 
 def check_fit(m: ModelShape, cfg: RunConfig, launch: LaunchLayout, raise_error: bool = True) -> FitReport:

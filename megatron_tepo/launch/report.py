@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_tepo.config import RunConfig
+from megatron_tepo.config.validation import episode_turns
 from megatron_tepo.launch.memory import OFFLOAD_ORDER, GiB, ActorMemory, ColocatedMemory, ServerMemory, total_params
 from megatron_tepo.launch.schema import LaunchLayout
 from megatron_tepo.launch.shape import ModelShape
-from megatron_tepo.time_limits import MIN_REQUEST_S, PREFILL_S, needed_request_s, request_limit_s, waves
+from megatron_tepo.time_limits import MIN_REQUEST_S, PREFILL_S, needed_request_s, request_limit_s, round_limit_s, waves
 
 __all__ = ["FitReport"]
 
@@ -147,13 +148,16 @@ class FitReport:
         slots = L.servers * L.rollout.server.max_running_requests
         samples = r.prompts_per_step * r.n_samples
         request, rounds = request_limit_s(r), waves(samples, slots)
+        turns, tool_s = episode_turns(self.cfg)
         need = needed_request_s(r.max_new_tokens, r.decode_floor_tokens_per_s)
         how = ("rollout.request_timeout_s" if r.request_timeout_s is not None else
                f"{r.max_new_tokens} tokens at rollout.decode_floor_tokens_per_s {r.decode_floor_tokens_per_s:g} "
                f"+ {PREFILL_S:g} s" + (f" = {need:.0f} s, at least {MIN_REQUEST_S:g} s" if need < MIN_REQUEST_S else ""))
         w = self.cfg.fault.watchdog_generate_s
+        per = f"{rounds * request:.0f} s" if turns == 1 else \
+            f"x {turns} turns x ({request:.0f} s + {tool_s:g} s a tool call) = {round_limit_s(r, samples, slots, turns, tool_s):.0f} s"
         return (f"time limits: a request {request:.0f} s ({how}); a sampling round {rounds} wave(s) of {samples} "
-                f"sequences on {slots} slots = {rounds * request:.0f} s; fault.watchdog_generate_s "
+                f"sequences on {slots} slots {'= ' if turns == 1 else ''}{per}; fault.watchdog_generate_s "
                 + (f"{w:g} s" if w else "off"))
 
     def actor_line(self) -> str:

@@ -179,7 +179,8 @@ def test_server_misfit():
         check_fit(spec.shape(), spec.cfg, spec.launch)
 
 
-@pytest.mark.parametrize("name", ["qwen3_14b", "qwen3_14b_32k", "qwen2.5_7b", "qwen3_32b", "qwen3_30b_a3b"])
+@pytest.mark.parametrize("name", ["qwen3_14b", "qwen3_14b_32k", "qwen3_14b_tir", "qwen2.5_7b", "qwen3_32b",
+                                  "qwen3_30b_a3b"])
 def test_example_layouts_fit(name, tmp_path):
     spec = load_launch(MODELS / f"{name}.yaml")
     check_fit(spec.shape(), spec.cfg, spec.launch)

@@ -196,6 +196,22 @@ def test_the_32k_context_parallel_job(tmp_path):
     assert not (tmp_path / "cp1" / "nemorun").exists() and not (tmp_path / "out1").exists()  # nothing rendered
 
 
+def test_the_python_tool_job(tmp_path):
+    """examples/models/qwen3_14b_tir.yaml (#52) through nemo-run, as slurm/qwen3_14b_tir_tepo.sh: the 14B
+    job's nodes and servers, and the run config carries the environment (the trainer builds the tool
+    and its sandbox from it)."""
+    from megatron_tepo.config import load_config
+
+    res = _launch(tmp_path, "--dryrun", f"train.output_dir={tmp_path / 'out'}",
+                  launch=ROOT / "examples" / "models" / "qwen3_14b_tir.yaml")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    found = dict(re.findall(r"^(sbatch script|run config): (\S+)$", res.stdout, re.M))
+    assert _sbatch_flags(Path(found["sbatch script"]).read_text())["nodes"] == "4"
+    cfg = load_config(Path(found["run config"]))
+    assert (cfg.environment.name, cfg.environment.format, cfg.environment.max_turns) == ("python", "qwen3", 6)
+    assert cfg.environment.sandbox["kind"] == "bubblewrap" and cfg.rollout.max_new_tokens == 8192
+
+
 FAKE_SCONTROL = """#!/bin/bash
 # stand-in: `scontrol show hostnames LIST` prints the test's hosts
 if [[ "$1 $2" == "show hostnames" ]]; then printf '%s\\n' {hosts}; exit 0; fi

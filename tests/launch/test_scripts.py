@@ -14,7 +14,7 @@ from tests.launch.gpu_pythons import gpu_pythons
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((ROOT / "slurm").glob("*.sh"))
 MODEL_SCRIPTS = ["qwen3_14b_tepo.sh", "qwen2.5_7b_tepo.sh", "qwen3_32b_tepo.sh", "qwen3_30b_a3b_tepo.sh",
-                 "qwen3_14b_tepo_colocated.sh", "qwen3_14b_32k_tepo.sh"]
+                 "qwen3_14b_tepo_colocated.sh", "qwen3_14b_32k_tepo.sh", "qwen3_14b_tir_tepo.sh"]
 
 
 def test_all_scripts_present():
@@ -162,6 +162,18 @@ def test_dry_run_qwen3_14b_32k(tmp_path):
     run = yaml.safe_load((tmp_path / "run" / "run.yaml").read_text())
     assert run["parallel"]["cp"] == 2 and run["actor"]["pack_sequences"] is True
     assert run["rollout"]["max_new_tokens"] == 32768
+
+
+def test_dry_run_qwen3_14b_tir(tmp_path):
+    """The 14B job with a Python tool (#52): the same 4 nodes and servers as the 14B job; the run
+    config carries the environment (Qwen3's tool calls, the bubblewrap sandbox), and the fit check's
+    time limits count its turns and tool calls."""
+    logs, trainer = _dry_run_4_nodes(tmp_path, "qwen3_14b_tir_tepo.sh")
+    fit = (logs / "fit.log").read_text()
+    assert "total 38.3 GiB of 80 GiB: fits" in fit and "x 6 turns x (600 s + 30 s a tool call) = 3780 s" in fit
+    run = yaml.safe_load((tmp_path / "run" / "run.yaml").read_text())
+    assert (run["environment"]["name"], run["environment"]["format"]) == ("python", "qwen3")
+    assert run["environment"]["sandbox"]["kind"] == "bubblewrap" and run["environment"]["max_turns"] == 6
 
 
 def test_dry_run_qwen3_14b_32k_at_cp_1_stops_naming_parallel_cp(tmp_path):
