@@ -119,3 +119,81 @@ def test_sigkill_with_partial_responses_in_flight_resumes_every_prompt_once(tmp_
     held = [g["gid"] for g in final["groups"]] + [g for g, _ in final["dropped"]]  # (dropped after step 6's take)
     assert len(trained) == len(set(trained)) == 6 * 16  # no group trained twice
     assert sorted(trained + dropped + held) == list(range(final["next_gid"]))  # none lost, none counted twice
+
+
+def _tool_model(out: Path) -> Path:
+    """A tiny chat model (examples/tiny_tir) taught one solved episode: it calls the Python tool, then
+    answers; with its tokenizer (the chat template the episodes' tool turns come from)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(REPO / "examples" / "tiny_tir"))
+    import tir
+
+    tok, cfg = tir.hf_tokenizer(), tir.tiny_qwen3_config()
+    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 64, 128, 16
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    ids, mask = tir.tool_trace(tok, "37*45", "1665")
+    x, labels = torch.tensor([ids]), torch.tensor([[t if m else -100 for t, m in zip(ids, mask)]])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(60):
+        opt.zero_grad()
+        model(input_ids=x, labels=labels).loss.backward()
+        opt.step()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": tir.EOS, "pad_token_id": tir.PAD}))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.journey
+def test_sigkill_with_episodes_in_flight_resumes_every_prompt_once(tmp_path):
+    """#52: multi-turn episodes with partial rollout (each calls the Python tool in the sandbox, then
+    answers), killed with SIGKILL after step 2's checkpoint and resumed: the resumed run goes on
+    from the buffer's episodes (their turns, the tool's answers and their loss masks in the
+    checkpoint), and by the ledger every drawn prompt was trained once, dropped, or is still held."""
+    from tests.environments.conftest import require_bwrap
+
+    require_bwrap()
+    model = _tool_model(tmp_path / "model")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": "37*45", "answer": "1665"}) + "\n"
+                                                  for _ in range(64)))
+    run, port = tmp_path / "run", 25000 + os.getpid() % 5000
+    cmd = [sys.executable, str(REPO / "tools/train.py"), "--config", str(REPO / "examples/tiny_tir/sizes.yaml"),
+           f"model.path={model}", f"data.train_files=[{tmp_path / 'train.jsonl'}]", "reward.kind=exact_match",
+           f"train.output_dir={run}", "train.steps=4", "train.save_every=2", "train.export_hf=false",
+           "rollout.prompts_per_step=4", "rollout.n_samples=2", "train.mini_batch_prompts=4",
+           "rollout.dynamic_sampling=false", "rollout.partial_rollout=true", "rollout.max_staleness=4",
+           "rollout.max_inflight_groups=40", "environment.sandbox.wall_seconds=30"]
+    proc = subprocess.Popen(cmd, env=_env(port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    marker, deadline = run / "checkpoints" / "step_2" / "complete", time.time() + 400
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    import torch
+
+    saved = torch.load(run / "checkpoints" / "step_2" / "rollout_buffer.pt", weights_only=True)
+    reqs = [r for g in saved["groups"] for r in g["requests"]]
+    assert all(len(r["loss_mask"]) in (0, len(r["token_ids"])) for r in reqs)  # episodes saved whole
+    resumed = subprocess.run(cmd, env=_env(port + 1), capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    got = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    assert all(m["tool_calls"] > 0 and m["tokens_env"] > 0 for m in got)  # episodes with the tool, every step
+    assert sum(m["reward_mean"] for m in got) > 0  # (the taught answer)
+    last = {}
+    for line in (run / "checkpoints" / "rollout_ledger.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        last[entry["step"]] = entry
+    assert sorted(last) == [1, 2, 3, 4]
+    trained = [g for s in last for g, _ in last[s]["trained"]]
+    dropped = [g for s in last for g, _ in last[s]["dropped"]]
+    final = torch.load(run / "checkpoints" / "step_4" / "rollout_buffer.pt", weights_only=True)
+    held = [g["gid"] for g in final["groups"]] + [g for g, _ in final["dropped"]]
+    assert len(trained) == len(set(trained)) == 4 * 4  # no group trained twice
+    assert sorted(trained + dropped + held) == list(range(final["next_gid"]))  # none lost, none counted twice
