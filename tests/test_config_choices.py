@@ -47,7 +47,21 @@ def _packed_modes():
     return set(PACKED_MODES) | {"auto"}
 
 
+def _environments():
+    from megatron_tepo.environments.choice import ENVIRONMENTS
+
+    return set(ENVIRONMENTS) | {"none"}
+
+
+def _tool_formats():
+    from megatron_tepo.environments.python_tool import FORMATS
+
+    return set(FORMATS)
+
+
 @pytest.mark.parametrize("cls, name, registry", [
+    (C.EnvironmentConfig, "name", _environments),
+    (C.EnvironmentConfig, "format", _tool_formats),
     (C.AlgorithmConfig, "kl_estimator", lambda: set(A.KL_ESTIMATORS)),
     (C.AlgorithmConfig, "kl_mask", lambda: set(A.KL_MASKS)),
     (C.AlgorithmConfig, "agg", lambda: set(A.AGG_MODES)),

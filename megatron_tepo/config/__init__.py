@@ -19,6 +19,7 @@ exactly what ``dump_config`` writes next to the run.
 from megatron_tepo.config.schema import (WATCHDOG_BACKSTOP_S, PG_TIMEOUT_MARGIN_S, UNWATCHED_PG_TIMEOUT_S,  # noqa: F401
                                          OFFLOAD_LEVELS,
                                          ActorConfig, AdvantageConfig, AlgorithmConfig, ConfigError, DataConfig,
+                                         EnvironmentConfig,
                                          FaultConfig, ModelConfig, OptimConfig, ParallelLayout, RewardConfig,
                                          RolloutConfig, RolloutCorrectionConfig, RunConfig, TrainConfig)
 from megatron_tepo.config.yaml_io import read_yaml_file, yaml_error  # noqa: F401
@@ -30,7 +31,7 @@ from megatron_tepo.config.resume import RESUME_MAY_CHANGE, changed_settings  # n
 __all__ = [
     "ConfigError", "RunConfig", "AlgorithmConfig", "RolloutCorrectionConfig", "AdvantageConfig", "RolloutConfig",
     "OptimConfig", "TrainConfig", "ParallelLayout", "ActorConfig", "ModelConfig", "DataConfig", "RewardConfig",
-    "FaultConfig", "load_config",
+    "FaultConfig", "EnvironmentConfig", "load_config",
     "from_dict", "from_file_data", "build_section", "to_dict", "apply_overrides", "dump_config", "validate",
     "read_yaml_file",
     "RESUME_MAY_CHANGE", "changed_settings",
