@@ -49,15 +49,18 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
 
 
-def hf_tokenizer():
-    """A ``PreTrainedTokenizerFast`` with :data:`WORDS` and :data:`CHARS` and the ChatML template."""
+def hf_tokenizer(extra_words=()):
+    """A ``PreTrainedTokenizerFast`` with :data:`WORDS` and :data:`CHARS` and the ChatML template
+    (``extra_words``: more words, one token each, after them: a test's ``<think>``)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {w: i for i, w in enumerate(WORDS)}
     vocab.update({c: len(WORDS) + i for i, c in enumerate(CHARS)})
+    vocab.update({w: len(vocab) + i for i, w in enumerate(extra_words)})
     vocab.update({f"<unused{i}>": i for i in range(len(vocab), VOCAB)})
-    words = "|".join(w.replace("|", "\\|").replace("(", "\\(") for w in sorted(WORDS, key=len, reverse=True))
+    every = list(WORDS) + list(extra_words)
+    words = "|".join(w.replace("|", "\\|").replace("(", "\\(") for w in sorted(every, key=len, reverse=True))
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(words + "|[\\s\\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()

@@ -440,7 +440,7 @@ def _trimmed(text: str, end: str) -> str:
 def _without_thinking(text: str) -> str:
     import re
 
-    return re.sub(r"\s*<think>.*?</think>\s*", "", text, flags=re.S).strip()
+    return re.sub(r"<think>.*?</think>\s*", "", text, flags=re.S).strip()
 
 
 def with_environment(engine, env_cfg, sandbox, tokenizer, stop_token_id: int):

@@ -247,3 +247,26 @@ def test_a_turn_cut_at_its_cap_is_closed_by_the_environment_as_the_template_clos
     assert s.token_ids[:cut] == CALL[:cut] and s.token_ids[cut:cut + 1 + len(answer)] == [EOS] + answer
     assert s.loss_mask[cut:cut + 1 + len(answer)] == [0] * (1 + len(answer))
     assert compare_with_template(TOK, PROMPT, s, EOS) == "equal"
+
+
+def test_qwen3s_thinking_rules_are_by_design_for_the_comparator():
+    """With a template to Qwen3's rules (benchmarks/template_comparator.py's: the last assistant turn
+    always gets a <think> block, empty when the model wrote none), an episode whose ids are the
+    engine's is classed ``thinking``, not ``error``; a wrong boundary still is an error."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from template_comparator import QWEN3_RULES
+
+    tok = tir.hf_tokenizer(extra_words=("<think>", "</think>"))
+    tok.chat_template = QWEN3_RULES
+    prompt = tir.render_ids(tok, [{"role": "user", "content": "37*45"}], add_generation_prompt=True)
+    assert prompt == PROMPT  # (the same user turn and generation prompt as the ChatML template's)
+    engine = EpisodeEngine(ScriptEngine(two_turns), Scripted(), TurnFormat(tok, EOS), EpisodeLimits())
+    s = engine.generate([prompt], n=1, max_new_tokens=64, stop_token_ids=[EOS])[0][0]
+    assert compare_with_template(tok, prompt, s, EOS) == "thinking"
+    think = tok("<think>\n2 digits\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    reasoned = Sample(think + ANSWER, [0.0] * (len(think) + len(ANSWER)), "stop")  # the model's own block
+    assert compare_with_template(tok, prompt, reasoned, EOS) in ("equal", "thinking")
+    answer = TurnFormat(tok, EOS).answer_ids("1665")
+    broken = Sample(CALL + answer[1:] + ANSWER, [0.0] * (len(s.token_ids) - 1), "stop",
+                    loss_mask=[1] * len(CALL) + [0] * (len(answer) - 1) + [1] * len(ANSWER), meta=s.meta)
+    assert compare_with_template(tok, prompt, broken, EOS) == "error"
