@@ -14,6 +14,13 @@ megatron backend's (:func:`megatron_tepo.megatron.parallel.initialize_parallel`)
 Context parallelism (``cp``) splits every packed sequence over ``cp`` ranks of one model replica
 (docs/ARCHITECTURE.md, "context parallelism"): it needs packed micro-batches, and the experts of an
 MoE model are spread over the data- and context-parallel ranks together (megatron's expert grid).
+**The CP chunk rule** is written here once (megatron's and Transformer Engine's load-balanced THD
+layout): a sequence is padded to a multiple of ``2 * cp`` tokens and cut into ``2 * cp`` equal
+chunks, rank ``r`` holding chunks ``r`` and ``2 * cp - 1 - r`` (:func:`cp_padded`,
+:func:`cp_chunk`, :func:`cp_position`), and a rank's share of a micro-batch is rounded for the
+sequence-parallel split (:func:`cp_share`). The token layout (``token_layout.py``), RoPE's
+positions (``ops/rope.py``) and the fit check (``launch/memory.py``) read it from here. The
+functions take plain integers or integer tensors alike.
 
 Left out: virtual pipeline stages, expert-tensor parallelism.
 """
@@ -22,7 +29,51 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-__all__ = ["ParallelLayout", "ModelShape", "LayoutError", "validate_layout"]
+__all__ = ["ParallelLayout", "ModelShape", "LayoutError", "validate_layout", "cp_padded", "cp_chunk",
+           "cp_position", "cp_rank_tokens", "cp_segment", "cp_share"]
+
+
+# --------------------------------------------------------------------------------------------
+# The context-parallel chunk rule (module docstring): integers or integer tensors alike
+# --------------------------------------------------------------------------------------------
+def cp_padded(length, cp: int):
+    """A sequence of ``length`` tokens padded to a multiple of ``2 * cp`` (at least ``2 * cp``)."""
+    parts = 2 * cp
+    return (length + parts - 1) // parts * parts
+
+
+def cp_chunk(length, cp: int):
+    """Tokens in each of the ``2 * cp`` chunks of a sequence of ``length`` tokens."""
+    return cp_padded(length, cp) // (2 * cp)
+
+
+def cp_position(within, chunk, cp: int, rank: int):
+    """The position in its sequence of rank ``rank``'s token number ``within`` of that sequence
+    (``0 .. 2 * chunk - 1``: its chunk ``rank``, then its chunk ``2 * cp - 1 - rank``)."""
+    late = (within >= chunk) * 1
+    return within + chunk * (rank + late * (2 * cp - 2 - 2 * rank))
+
+
+def cp_rank_tokens(total_padded, cp: int):
+    """Tokens each rank holds of sequences whose padded lengths (:func:`cp_padded`) sum to
+    ``total_padded``: two chunks of each."""
+    return total_padded // cp
+
+
+def cp_segment(per_rank: int, cp: int) -> int:
+    """The length of a pad segment (a sequence of its own) that adds ``per_rank`` tokens (even) to
+    every rank's share: ``per_rank / 2`` tokens in each of its ``2 * cp`` chunks."""
+    return per_rank // 2 * 2 * cp
+
+
+def cp_share(have: int, cp: int, want: int = 0, multiple: int = 1) -> int:
+    """A rank's share after the pad segment the actor adds: at least ``want`` tokens and ``have``
+    (what the sequences need), a multiple of ``multiple`` (the sequence-parallel split of each rank's
+    tokens), and an even number above ``have`` (the pad segment adds two chunks' worth a rank)."""
+    share = max(have, want)
+    while share % multiple or (share - have) % 2:
+        share += 1
+    return share
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ returns its final hidden states, and the head runs only at the positions that sc
 slot. ``fused`` (the default) never holds their ``[tokens, V/tp]`` logits
 (:mod:`megatron_tepo.ops.lm_head`); ``materialized`` makes them and runs the vocab op.
 
-Micro-batches (:mod:`megatron_tepo.actor.micro_batch`). With ``pack_sequences`` the rows are laid
+Micro-batches (:mod:`megatron_tepo.token_layout`). With ``pack_sequences`` the rows are laid
 end to end (THD) up to ``max_tokens_per_micro_batch`` tokens, first-fit decreasing; megatron gets
 ``packed_seq_params`` (``cu_seqlens``), so RoPE positions restart in every sequence and the core
 attention (the sdpa one, or Transformer Engine's) never attends across two sequences. Without it,
@@ -57,7 +57,7 @@ as each micro-batch's side inputs; the gates of the last pass are :attr:`Megatro
 (and part of the training metrics). With ``off`` a batch's ``routed_experts`` is ignored.
 
 Context parallelism (``parallel.cp``): each micro-batch is packed, then cut for this CP rank in one
-place (:meth:`~megatron_tepo.actor.micro_batch.MicroBatch.context_shard`: its tokens, true
+place (:meth:`~megatron_tepo.token_layout.MicroBatch.context_shard`: its tokens, true
 positions, labels, side inputs and scored slots); the head scores this rank's slots, and the
 ``[b, R]`` results are summed over the CP group, so the loss sees whole rows (sequence means,
 token means over the DP batch: each token once) and is the same on every CP rank; the gradients
@@ -79,7 +79,7 @@ import torch.distributed as dist
 from megatron_tepo.algorithms import PolicyLoss
 from megatron_tepo.batch import RolloutBatch, routing_dtype
 from megatron_tepo.actor.batching import equalize_micro_batch_count, plan_micro_batches, plan_packed_micro_batches
-from megatron_tepo.actor.micro_batch import MicroBatch, build_micro_batch
+from megatron_tepo.token_layout import MicroBatch, build_micro_batch
 from megatron_tepo.layout import ParallelLayout
 from megatron_tepo.config import ActorConfig, OptimConfig
 from megatron_tepo.actor.export import export_hf_state
@@ -87,7 +87,7 @@ from megatron_tepo.checkpoint.hf_io import LazyHFCheckpoint
 from megatron_tepo.megatron.model import (TrainModel, actor_transformer_config, build_lr_scheduler, build_train_model,
                                           plan_actor)
 from megatron_tepo.megatron.lm_head import scored_log_probs, sum_over_context
-from megatron_tepo.megatron.side_inputs import positions_to_rows, scored_positions
+from megatron_tepo.token_layout import positions_to_rows, scored_positions
 
 __all__ = ["OptimConfig", "ActorConfig", "MegatronActor", "plan_actor", "actor_transformer_config", "build_lr_scheduler",
            "token_log_probs"]

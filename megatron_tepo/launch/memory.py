@@ -18,6 +18,7 @@ from megatron_tepo.config import OFFLOAD_LEVELS, RunConfig
 from megatron_tepo.cuda_alloc import expandable_in
 from megatron_tepo.launch.schema import LaunchLayout
 from megatron_tepo.launch.shape import ModelShape
+from megatron_tepo.layout import cp_padded, cp_rank_tokens, cp_share
 
 __all__ = ["GiB", "param_counts", "total_params", "layer_activation_bytes", "logits_bytes", "lm_head_bytes",
            "fused_block_columns", "fused_head_bytes", "context_tokens", "cp_attention_bytes", "ActorMemory",
@@ -160,9 +161,7 @@ def context_tokens(tokens: int, cp: int, multiple: int = 1) -> int:
     rank), which is left out. ``cp == 1``: ``tokens``, unchanged."""
     if cp == 1:
         return tokens
-    step = multiple * (1 if multiple % 2 == 0 else 2)
-    share = -(-tokens // (2 * cp)) * 2
-    return -(-share // step) * step
+    return cp_share(cp_rank_tokens(cp_padded(tokens, cp), cp), cp, multiple=multiple)
 
 
 def cp_attention_bytes(m: ModelShape, t: int, rank_tokens: int, cp: int, seq: int, elem: int = 2,

@@ -28,7 +28,7 @@ micro-batch (cached on ``packed_seq_params``).
 
 Context parallelism without Transformer Engine (``parallel.cp > 1``):
 :func:`context_parallel_attention` (packed sequences split by
-:func:`~megatron_tepo.megatron.side_inputs.context_split`): the keys and values all-gathered over
+:func:`~megatron_tepo.token_layout.context_split`): the keys and values all-gathered over
 the CP group, each sequence's two local chunks attending to the keys at or before their true
 positions (one SDPA call per sequence with that mask: no flash or varlen kernel here, so it is the
 CPU's and the bisecting GPU's path; Transformer Engine's ring attention is the GPU's). The layer
@@ -41,12 +41,14 @@ right-padded or packed, so causal attention never lets a real token see padding)
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
 __all__ = ["SDPACoreAttention", "packed_attention", "context_parallel_attention", "varlen_attn_fn",
@@ -82,9 +84,25 @@ def _compiled_flex():
     return torch.compile(flex_attention_fns()[0], dynamic=True)
 
 
+@dataclasses.dataclass
+class PackedInputs(PackedSeqParams):
+    """megatron's ``PackedSeqParams`` (what its layers and Transformer Engine read of a packed
+    micro-batch) with what this package's attention reads of it besides: with context parallelism
+    every rank's split of the micro-batch and the context-parallel group (``splits``,
+    ``split_group``: :class:`~megatron_tepo.token_layout.ContextSplit`), and ``cache``, the values
+    computed once per micro-batch and shared by every layer (its host boundaries, masks).
+    :meth:`~megatron_tepo.megatron.model.TrainModel.inputs` makes one per micro-batch."""
+    splits: Optional[list] = None
+    split_group: Optional[object] = None
+    cache: Dict[str, object] = dataclasses.field(default_factory=dict)
+
+
 def _cached(packed_seq_params, key: str, make):
-    """A per-micro-batch value, kept on the ``packed_seq_params`` object all layers share."""
-    cache = packed_seq_params.__dict__.setdefault("_tepo_cache", {})
+    """A per-micro-batch value, kept in the :class:`PackedInputs` all layers share (computed anew
+    for a plain ``PackedSeqParams``)."""
+    cache = getattr(packed_seq_params, "cache", None)
+    if cache is None:
+        return make()
     if key not in cache:
         cache[key] = make()
     return cache[key]
@@ -194,12 +212,12 @@ class SDPACoreAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by the sdpa core attention")
         if self.cp_size > 1:
-            split = packed_seq_params.__dict__.get("_tepo_cache", {}).get("cp") if packed_seq_params else None
-            if split is None:
+            splits = getattr(packed_seq_params, "splits", None)
+            if splits is None:
                 raise NotImplementedError("parallel.cp > 1: the sdpa core attention needs packed sequences split "
                                           "over the context-parallel ranks (actor.pack_sequences: true)")
-            splits, group = split
-            out = context_parallel_attention(query, key, value, splits, self.softmax_scale, group)
+            out = context_parallel_attention(query, key, value, splits, self.softmax_scale,
+                                             packed_seq_params.split_group)
             return out.reshape(out.shape[0], -1)  # [t_r, h*d]
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu = packed_seq_params.cu_seqlens_q
@@ -243,7 +261,7 @@ class _GatherTokens(torch.autograd.Function):
 def context_parallel_attention(q, k, v, splits, scale: float, group) -> torch.Tensor:
     """Causal attention of this context-parallel rank's tokens ``[t_r, heads, d]`` of packed
     sequences, laid out by ``splits[rank]`` (``splits``: every rank's
-    :class:`~megatron_tepo.megatron.side_inputs.ContextSplit`, the same sequences): the keys and
+    :class:`~megatron_tepo.token_layout.ContextSplit`, the same sequences): the keys and
     values of every rank are all-gathered (their gradients come back summed), each sequence's keys
     put back in their true order, and each local query attends to the keys at or before its true
     position (one SDPA call per sequence with that mask). Output ``[t_r, heads, d]``."""

@@ -108,7 +108,7 @@ def scored_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
 
     ``hidden``: the model's output ``[.., h]`` (one row per flat position); ``labels``: ``[N]``, the
     token each position scores; ``scored``: ``(positions, slots)`` of the valid slots
-    (:meth:`~megatron_tepo.actor.micro_batch.MicroBatch.scored_index`)."""
+    (:meth:`~megatron_tepo.token_layout.MicroBatch.scored_index`)."""
     from megatron_tepo.ops.lm_head import lm_head_log_probs_and_entropy
     from megatron_tepo.ops.vocab_parallel import vocab_parallel_log_probs_and_entropy
 

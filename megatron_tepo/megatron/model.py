@@ -27,7 +27,7 @@ bit-identical: :mod:`.offload`). Its ``model`` / ``optimizer`` / ``scheduler`` /
 megatron's own objects, which the checkpoints and the weight export read.
 
 Context parallelism (``parallel.cp``): :meth:`TrainModel.inputs` takes a micro-batch already cut
-for this rank (:meth:`~megatron_tepo.actor.micro_batch.MicroBatch.context_shard`) and hands megatron
+for this rank (:meth:`~megatron_tepo.token_layout.MicroBatch.context_shard`) and hands megatron
 the whole micro-batch's padded boundaries with every rank's split; megatron's DDP reduces the
 gradients over the data- x context-parallel ranks.
 
@@ -193,29 +193,28 @@ class TrainModel:
     # ------------------------------------------------------------------ the schedule
     def inputs(self, mb) -> Dict[str, Any]:
         """megatron's forward inputs for micro-batch ``mb`` (``input_ids`` / ``position_ids``, and
-        ``cu_seqlens`` / ``max_seqlen`` when packed: :class:`~megatron_tepo.actor.micro_batch.MicroBatch`)."""
+        ``cu_seqlens`` / ``max_seqlen`` when packed: :class:`~megatron_tepo.token_layout.MicroBatch`)."""
         d = self.device
         inputs: Dict[str, Any] = dict(input_ids=mb.input_ids.to(d), position_ids=mb.position_ids.to(d),
                                       attention_mask=None)
         if mb.cp_splits is not None:  # this rank's share of the micro-batch (MicroBatch.context_shard)
-            from megatron.core.packed_seq_params import PackedSeqParams
+            from megatron_tepo.megatron.attention import PackedInputs
 
             # the whole micro-batch's padded boundaries: RoPE (megatron's, the fast path's) and
             # Transformer Engine's ring attention find this rank's chunks from them; the sdpa
-            # attention takes every rank's split and the group from the cache
+            # attention takes every rank's split and the group
             cu = mb.cp_cu_seqlens.to(d) if self.settings.attention == "te" else mb.cp_cu_seqlens
-            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-                                     cu_seqlens_kv_padded=cu, max_seqlen_q=mb.cp_max_seqlen,
-                                     max_seqlen_kv=mb.cp_max_seqlen)
-            params.__dict__["_tepo_cache"] = {"cp": (mb.cp_splits, self.cp_group)}
-            inputs["packed_seq_params"] = params
+            inputs["packed_seq_params"] = PackedInputs(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                max_seqlen_q=mb.cp_max_seqlen, max_seqlen_kv=mb.cp_max_seqlen, splits=mb.cp_splits,
+                split_group=self.cp_group)
         elif mb.cu_seqlens is not None:
-            from megatron.core.packed_seq_params import PackedSeqParams
+            from megatron_tepo.megatron.attention import PackedInputs
 
             # the sdpa attention splits on the host (CPU boundaries: no device sync per layer);
             # Transformer Engine's kernels read them on the device
             cu = mb.cu_seqlens.to(d) if self.settings.attention == "te" else mb.cu_seqlens
-            inputs["packed_seq_params"] = PackedSeqParams(
+            inputs["packed_seq_params"] = PackedInputs(
                 qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                 max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
         elif self.settings.attention == "unfused":  # megatron's local attention wants the mask itself

@@ -16,7 +16,7 @@ models in one process never share that list. Per micro-batch (:meth:`RoutingRepl
 called by :meth:`~megatron_tepo.megatron.model.TrainModel.run` just before the model's forward):
 
 * replay: each layer's slot gets the micro-batch's experts for that layer (its
-  :class:`~megatron_tepo.megatron.side_inputs.SideInputs`, in the router's token order; positions
+  :class:`~megatron_tepo.token_layout.SideInputs`, in the router's token order; positions
   nothing scores and that carry no routing get experts ``0..k-1``, which changes no output) and
   ``REPLAY_FORWARD``; megatron gathers the router's *current* scores at the given experts, so the
   probabilities still come from the router's logits and the router keeps its gradient. After the
@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tepo.batch import routing_dtype
-from megatron_tepo.megatron.side_inputs import SideInputs
+from megatron_tepo.token_layout import SideInputs
 
 __all__ = ["REPLAY_MODES", "RoutingReplay", "replay_slot_class"]
 

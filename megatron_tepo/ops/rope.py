@@ -17,9 +17,9 @@ for q and k, in every layer; 0.16.1 gathers the angles per sequence and then rot
 
 Context parallelism (``cp_size > 1``): ``cu_seqlens`` are the whole micro-batch's, every sequence
 padded to a multiple of ``2 * cp_size`` tokens, and this rank holds chunks ``cp_rank`` and
-``2 * cp_size - 1 - cp_rank`` of each (megatron's and Transformer Engine's load-balanced layout,
-:func:`~megatron_tepo.megatron.side_inputs.context_split`): :func:`context_positions` gives each
-local token its true position, the tables follow from it.
+``2 * cp_size - 1 - cp_rank`` of each (the CP chunk rule of ``megatron_tepo/layout.py``: megatron's
+and Transformer Engine's load-balanced layout): :func:`context_positions` gives each local token its
+true position, the tables follow from it.
 
 Left out (the caller keeps megatron's own path for them): interleaved rotary layouts and MLA's
 channel shuffle. Transformer Engine's fused THD kernel replaces all of
@@ -30,6 +30,8 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
+
+from megatron_tepo.layout import cp_chunk, cp_position, cp_rank_tokens
 
 __all__ = ["packed_positions", "context_positions", "packed_rope_tables", "apply_packed_rope"]
 
@@ -49,12 +51,10 @@ def context_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, tota
     ``cp_rank``'s ``total`` tokens (module docstring; ``cu_seqlens`` the whole micro-batch's padded
     boundaries), on ``device`` without a host sync."""
     cu = cu_seqlens.to(device=device, dtype=torch.long, non_blocking=True)
-    local = cu // cp_size  # this rank's share of each sequence starts here
+    local = cp_rank_tokens(cu, cp_size)  # this rank's share of each sequence starts here
     tokens = torch.arange(total, device=device)
     seq = torch.searchsorted(local[1:].contiguous(), tokens, right=True).clamp_(max=cu.numel() - 2)
-    within = tokens - local[seq]
-    chunk = (cu[seq + 1] - cu[seq]) // (2 * cp_size)
-    return torch.where(within < chunk, cp_rank * chunk + within, (2 * cp_size - 1 - cp_rank) * chunk + within - chunk)
+    return cp_position(tokens - local[seq], cp_chunk(cu[seq + 1] - cu[seq], cp_size), cp_size, cp_rank)
 
 
 def packed_rope_tables(cu_seqlens: torch.Tensor, freqs: torch.Tensor, total: int, dtype: torch.dtype,

@@ -23,7 +23,7 @@ def test_rank_share_is_the_actors(tokens, cp, multiple):
     """A CP rank's share of one packed sequence of ``tokens`` tokens is what the actor gives it
     (``MicroBatch.with_context_tokens`` then ``context_tokens``: 2 x cp chunks, two a rank, padded for
     the sequence-parallel split)."""
-    from megatron_tepo.actor.micro_batch import build_micro_batch
+    from megatron_tepo.token_layout import build_micro_batch
     from megatron_tepo.batch import RolloutBatch
 
     ids = torch.arange(10, 10 + tokens + 1).unsqueeze(0)  # one row: 1 prompt token + `tokens` response tokens

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tepo.actor.batching import plan_packed_micro_batches
-from megatron_tepo.actor.micro_batch import build_micro_batch
+from megatron_tepo.token_layout import build_micro_batch
 from megatron_tepo.config import ActorConfig
 from tests.megatron.helpers import make_batch, tiny_hf_config
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_tepo.actor.micro_batch import build_micro_batch
-from megatron_tepo.megatron.side_inputs import SideInputs, positions_to_rows
+from megatron_tepo.token_layout import build_micro_batch
+from megatron_tepo.token_layout import SideInputs, positions_to_rows
 from tests.megatron.helpers import make_batch, tiny_hf_config
 
 LAYERS, TOPK, EXPERTS = 3, 2, 8
@@ -135,7 +135,7 @@ def test_the_context_split_gives_every_padded_token_to_one_rank_in_balanced_chun
     """Each sequence padded to a multiple of 2N and cut in 2N chunks; rank r holds chunks r and
     2N - 1 - r of every sequence, with their true positions; the ranks' tokens cover the padded
     layout once, and every rank holds as many tokens. Sequences shorter than 2N tokens included."""
-    from megatron_tepo.megatron.side_inputs import context_split
+    from megatron_tepo.token_layout import context_split
 
     lens = torch.tensor([7, 1, 12, 3])
     splits = [context_split(lens, size, r) for r in range(size)]
@@ -161,7 +161,7 @@ def test_the_context_split_cuts_every_field_in_one_place_and_keeps_labels_across
     """``take`` slices any per-token field of the packed layout (a pad segment after the
     sequences is ignored); labels taken before the split keep, at a chunk's last token, the next
     chunk's first token, which another rank holds."""
-    from megatron_tepo.megatron.side_inputs import context_split
+    from megatron_tepo.token_layout import context_split
 
     lens = torch.tensor([8, 5])
     ids = torch.arange(100, 113)  # the two sequences' tokens end to end

@@ -94,7 +94,7 @@ def test_context_parallel_ranks_rotate_at_their_true_positions(cp, dtype):
     """Context parallelism (#44): each rank holds chunks r and 2 cp - 1 - r of every sequence (the
     whole micro-batch's padded boundaries in ``cu``); the fast path equals megatron's own
     per-sequence CP path bit for bit, and both equal rotating each token at its true position."""
-    from megatron_tepo.megatron.side_inputs import context_split
+    from megatron_tepo.token_layout import context_split
 
     lengths = [4 * cp, 2 * cp, 6 * cp]  # padded already: multiples of 2 cp
     _, cu, freqs, _ = _case(lengths, dtype=dtype)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 from megatron_tepo.megatron.attention import context_parallel_attention, packed_attention  # noqa: E402
-from megatron_tepo.megatron.side_inputs import context_split  # noqa: E402
+from megatron_tepo.token_layout import context_split  # noqa: E402
 from tests.dist_utils import write_result  # noqa: E402
 
 

@@ -1,7 +1,10 @@
-"""One micro-batch as the model sees it: packed (THD) or padded rows, and where each response
-slot is scored. Pure torch; the actor turns it into megatron's inputs.
+"""The token layout of one micro-batch, in one place: how the rows of a
+:class:`~megatron_tepo.batch.RolloutBatch` become the tokens megatron's layers see (packed or
+padded), where each response slot is scored, the per-token side inputs laid out in that order, and
+each context-parallel rank's share. Pure torch: nothing of megatron-core is imported; the actor
+builds these, the train model (:mod:`megatron_tepo.megatron.model`) hands them to megatron.
 
-:func:`build_micro_batch` takes rows of a :class:`~megatron_tepo.batch.RolloutBatch`:
+**A micro-batch** (:class:`MicroBatch`, :func:`build_micro_batch`):
 
 * packed (``actor.pack_sequences``): ``input_ids`` is ``[1, T]``, the rows' tokens (prompt and
   response up to the last real response token) laid end to end with no padding; ``cu_seqlens``
@@ -19,17 +22,29 @@ none is scored), and ``score_index[i, j]`` is the flat position whose output sco
 positions only (never at prompt or padding positions) and its results land in ``[b, R]``;
 packing changes where a token sits, never what it is scored against.
 
-Per-position fields of the rows (``routed_experts``: :data:`~megatron_tepo.batch.PER_POSITION_FIELDS`)
-become the micro-batch's :class:`~megatron_tepo.megatron.side_inputs.SideInputs` (``side``), laid
-out in megatron's token order for this micro-batch's final shape (pad segments and dummy rows
-included) by :func:`~megatron_tepo.megatron.side_inputs.lay_out_positions`; without them ``side``
-is None and nothing else is built.
+**Token order and side inputs.** megatron's layers work on ``[s, b, h]`` activations and flatten
+them sequence-major wherever they work per token (the MoE router's ``[s * b, experts]`` logits): a
+padded micro-batch ``[b, S]`` has row ``r``'s position ``s`` at ``n = s * b + r``; a packed one
+(``[1, T]``, THD) has its tokens in the packed order. A :class:`SideInputs` tensor (the per-token
+inputs of one forward besides ids and positions: the MoE routing replay's experts,
+:mod:`megatron_tepo.megatron.routing_replay`) is ``[N, ...]`` in that order, laid out from the rows'
+per-position fields (:data:`~megatron_tepo.batch.PER_POSITION_FIELDS`) by :func:`lay_out_positions`
+for the micro-batch's final shape (pad segments and dummy rows included); without them ``side`` is
+None and nothing else is built. Sequence parallelism splits the ``s`` dimension over the TP ranks, a
+contiguous range of ``n`` for each (:meth:`SideInputs.shard`).
 
-Context parallelism: :meth:`MicroBatch.context_shard` cuts a packed micro-batch for one CP rank
-(:func:`~megatron_tepo.megatron.side_inputs.context_split`): everything per token in one place,
-the labels and scored positions taken in the whole layout first; :meth:`MicroBatch.with_context_tokens`
-pads it first where each rank's share must be a multiple of the sequence-parallel split or match
-another rank's.
+**Context parallelism.** The split follows the CP chunk rule (``megatron_tepo/layout.py``: a
+sequence padded to a multiple of ``2 * cp`` tokens, cut into ``2 * cp`` chunks, rank ``r`` holding
+chunks ``r`` and ``2 * cp - 1 - r``): :func:`context_split` gives one rank's tokens of every
+sequence with their true positions; :meth:`ContextSplit.take` slices any per-token field of the
+packed layout with it, so :meth:`MicroBatch.context_shard` cuts the ids, positions, labels (taken in
+the whole layout first, so a chunk's last token keeps the next chunk's first as its label), side
+inputs and scored slots in one place; :meth:`ContextSplit.put` takes every rank's part back (the
+routing a recording pass chose); :meth:`MicroBatch.with_context_tokens` pads first where each
+rank's share must be a multiple of the sequence-parallel split or match another rank's.
+
+Left out: pipeline stages need no slicing (every stage sees every token; a per-layer field is read
+by the layers the stage holds).
 """
 from __future__ import annotations
 
@@ -40,11 +55,197 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from megatron_tepo.batch import PER_TOKEN_FIELDS, RolloutBatch
-from megatron_tepo.megatron.side_inputs import SideInputs, context_split, lay_out_positions, scored_positions
+from megatron_tepo.layout import cp_chunk, cp_padded, cp_position, cp_rank_tokens, cp_segment, cp_share
 
-__all__ = ["MicroBatch", "build_micro_batch", "empty_rows"]
+__all__ = ["MicroBatch", "build_micro_batch", "empty_rows", "SideInputs", "ContextSplit", "context_split",
+           "lay_out_positions", "positions_to_rows", "scored_positions"]
 
 
+# --------------------------------------------------------------------------------------------
+# Side inputs and the context-parallel split
+# --------------------------------------------------------------------------------------------
+@dataclass
+class SideInputs:
+    """One micro-batch's per-token side inputs, each ``[N, ...]`` in megatron's token order (module
+    docstring). ``routed_experts``: the experts each token is routed to in each MoE layer of the
+    model (``[N, moe_layers, topk]``, -1 where none is given); ``scored``: ``[N]`` bool, the
+    positions whose output scores a response or prompt token (every real position but the last
+    of its sequence): the routing replay must cover these."""
+
+    routed_experts: Optional[torch.Tensor] = None
+    scored: Optional[torch.Tensor] = None
+
+    @property
+    def num_tokens(self) -> int:
+        for value in dataclasses.astuple(self):
+            if value is not None:
+                return int(value.shape[0])
+        return 0
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "SideInputs":
+        def move(t):
+            if t is None or t.device == device:
+                return t
+            return (t.pin_memory() if non_blocking else t).to(device, non_blocking=non_blocking)
+
+        return SideInputs(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+    def shard(self, rank: int, size: int) -> "SideInputs":
+        """The tokens of sequence-parallel rank ``rank`` of ``size`` (a contiguous ``N / size``)."""
+        if size == 1:
+            return self
+        n = self.num_tokens
+        if n % size:
+            raise ValueError(f"side inputs: {n} tokens do not split over {size} sequence-parallel ranks")
+        part = n // size
+        return SideInputs(**{f.name: (None if getattr(self, f.name) is None
+                                      else getattr(self, f.name)[rank * part:(rank + 1) * part])
+                             for f in dataclasses.fields(self)})
+
+
+def lay_out_positions(field: torch.Tensor, *, packed: bool, seq_lens: torch.Tensor, rows: int, length: int,
+                      fill=-1) -> torch.Tensor:
+    """A per-position field of a micro-batch's rows (``[b, L, ...]``, position ``p`` of row ``i`` at
+    ``[i, p]``) as ``[N, ...]`` in megatron's token order.
+
+    ``packed``: the rows' first ``seq_lens[i]`` positions end to end, then ``fill`` up to
+    ``length`` tokens (the micro-batch's pad segment). Padded: rows right-padded (or cut) to
+    ``length`` columns, ``fill`` rows up to ``rows``, flattened sequence-major."""
+    b, width = field.shape[:2]
+    rest = tuple(field.shape[2:])
+    if packed:
+        keep = torch.arange(width)[None] < seq_lens[:, None]
+        flat = field[keep]
+        if flat.shape[0] > length:
+            raise ValueError(f"side inputs: {flat.shape[0]} packed tokens exceed the micro-batch's {length}")
+        out = field.new_full((length,) + rest, fill)
+        out[:flat.shape[0]] = flat
+        return out
+    if b > rows:
+        raise ValueError(f"side inputs: {b} rows exceed the micro-batch's {rows}")
+    grid = field.new_full((rows, length) + rest, fill)
+    cols = min(width, length)
+    grid[:b, :cols] = field[:, :cols]
+    return grid.transpose(0, 1).reshape((length * rows,) + rest)
+
+
+def positions_to_rows(flat: torch.Tensor, *, packed: bool, seq_lens: torch.Tensor, rows: int, length: int,
+                      width: int, fill=-1) -> torch.Tensor:
+    """The inverse of :func:`lay_out_positions`: ``[N, ...]`` in token order back to the
+    ``len(seq_lens)`` real rows, ``[b, width, ...]`` (``fill`` past each row's tokens)."""
+    b = int(seq_lens.shape[0])
+    rest = tuple(flat.shape[1:])
+    out = flat.new_full((b, width) + rest, fill)
+    if packed:
+        keep = torch.arange(width)[None] < seq_lens[:, None]
+        out[keep] = flat[:int(keep.sum())]
+        return out
+    grid = flat.reshape((length, rows) + rest).transpose(0, 1)[:b]
+    cols = min(width, length)
+    out[:, :cols] = grid[:, :cols]
+    keep = torch.arange(width)[None] < seq_lens[:, None]
+    out[~keep] = fill
+    return out
+
+
+def scored_positions(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """``[b, width]`` bool: the positions whose output scores the next token (all but the last of
+    each sequence)."""
+    return torch.arange(width)[None] < (seq_lens[:, None] - 1)
+
+
+@dataclass(frozen=True)
+class ContextSplit:
+    """Context-parallel rank ``rank`` of ``size``'s share of a packed micro-batch: every sequence
+    padded to a multiple of ``2 * size`` tokens and cut into ``2 * size`` equal chunks, this rank
+    holding chunks ``rank`` and ``2 * size - 1 - rank`` (an early and a late one: under causal
+    attention every rank then has about the same work). ``index``: this rank's tokens, in order,
+    as positions of the padded packed layout (the sequences' padded lengths end to end);
+    ``positions``: each one's position in its own sequence (RoPE); ``cu_seqlens``: where each
+    sequence's two chunks start in this rank's tokens; ``padded_lens``: each sequence's padded
+    length. A token's label is the next token of the whole sequence, so labels (and which
+    positions score a response token) are taken before the split: the last token of a chunk is
+    scored against the first of the next chunk, whichever rank holds that."""
+
+    size: int
+    rank: int
+    seq_lens: torch.Tensor
+    padded_lens: torch.Tensor
+    index: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+    def _real_in_padded(self) -> torch.Tensor:
+        """``[T]``: where each real token of the packed layout sits in the padded one."""
+        starts = torch.cat([self.padded_lens.new_zeros(1), self.padded_lens.cumsum(0)[:-1]])
+        return torch.repeat_interleave(starts, self.seq_lens) + _ranks_within(self.seq_lens)
+
+    def take(self, field: torch.Tensor, fill=0) -> torch.Tensor:
+        """This rank's part of a per-token field ``[T, ...]`` of the packed layout (the sequences'
+        real tokens end to end, then anything: a pad segment is ignored): padded per sequence with
+        ``fill``, then cut."""
+        total = int(self.seq_lens.sum())
+        if field.shape[0] < total:
+            raise ValueError(f"context split: the field has {field.shape[0]} tokens, the sequences {total}")
+        where = self._real_in_padded()
+        padded = field.new_full((int(self.padded_lens.sum()),) + tuple(field.shape[1:]), fill)
+        padded[where] = field[:total]
+        return padded[self.index]
+
+    def put(self, parts, splits) -> torch.Tensor:
+        """The inverse of :meth:`take` over the whole group: every rank's ``[t_r, ...]`` (``parts``,
+        in rank order, each rank's split in ``splits``) back to ``[T, ...]``, the sequences' real
+        tokens end to end (the padding dropped)."""
+        first = parts[0]
+        padded = first.new_empty((int(self.padded_lens.sum()),) + tuple(first.shape[1:]))
+        for split, part in zip(splits, parts):
+            padded[split.index] = part
+        where = self._real_in_padded()
+        return padded[where]
+
+
+    def locate(self, positions: torch.Tensor) -> torch.Tensor:
+        """Positions of real tokens in the packed layout -> their index among this rank's tokens,
+        -1 where another rank holds them."""
+        positions = torch.as_tensor(positions, dtype=torch.long)
+        seq_ends = self.seq_lens.cumsum(0)
+        seq = torch.searchsorted(seq_ends, positions, right=True)
+        pad_starts = torch.cat([self.padded_lens.new_zeros(1), self.padded_lens.cumsum(0)[:-1]])
+        padded_pos = pad_starts[seq] + positions - (seq_ends[seq] - self.seq_lens[seq])
+        local_of = torch.full((int(self.padded_lens.sum()),), -1, dtype=torch.long)
+        local_of[self.index] = torch.arange(self.index.numel())
+        return local_of[padded_pos]
+
+
+def _ranks_within(lens: torch.Tensor) -> torch.Tensor:
+    """``[0 .. l_0 - 1, 0 .. l_1 - 1, ...]``: each token's position in its sequence."""
+    total = int(lens.sum())
+    starts = torch.cat([lens.new_zeros(1), lens.cumsum(0)[:-1]])
+    return torch.arange(total) - torch.repeat_interleave(starts, lens, output_size=total)
+
+
+def context_split(seq_lens: torch.Tensor, size: int, rank: int) -> ContextSplit:
+    """The load-balanced split of packed sequences of ``seq_lens`` tokens for context-parallel rank
+    ``rank`` of ``size`` (:class:`ContextSplit`). A sequence shorter than ``2 * size`` tokens is
+    padded to ``2 * size``: each chunk then holds one token, some of them padding."""
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"context split: rank {rank} of {size}")
+    seq_lens = torch.as_tensor(seq_lens, dtype=torch.long)
+    if seq_lens.dim() != 1 or bool((seq_lens < 1).any()):
+        raise ValueError(f"context split: sequence lengths must be >= 1, got {seq_lens.tolist()}")
+    padded, chunk = cp_padded(seq_lens, size), cp_chunk(seq_lens, size)
+    starts = torch.cat([padded.new_zeros(1), padded.cumsum(0)[:-1]])
+    local = 2 * chunk  # this rank's tokens of each sequence: chunk `rank`, then chunk `2 size - 1 - rank`
+    total = int(local.sum())
+    seq_of = torch.repeat_interleave(torch.arange(len(seq_lens)), local, output_size=total)
+    pos = cp_position(_ranks_within(local), chunk[seq_of], size, rank)  # 0 .. 2 c - 1 in each sequence
+    return ContextSplit(size=size, rank=rank, seq_lens=seq_lens, padded_lens=padded, index=starts[seq_of] + pos,
+                        positions=pos, cu_seqlens=torch.cat([local.new_zeros(1), local.cumsum(0)]).to(torch.int32))
+
+
+# --------------------------------------------------------------------------------------------
+# The micro-batch
+# --------------------------------------------------------------------------------------------
 @dataclass
 class MicroBatch:
     rows: List[int]  # rows of the DP-local batch (scatter results back here); [] for a dummy
@@ -128,25 +329,23 @@ class MicroBatch:
         """How many tokens each of ``size`` context-parallel ranks holds of this packed micro-batch
         (every sequence padded to a multiple of ``2 * size``)."""
         lens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
-        return int(((lens + 2 * size - 1) // (2 * size) * (2 * size)).sum()) // size
+        return int(cp_rank_tokens(cp_padded(lens, size).sum(), size))
 
     def with_context_tokens(self, size: int, tokens: int = 0, multiple: int = 1) -> "MicroBatch":
         """This packed micro-batch with a pad segment (a sequence of its own) so that each of
         ``size`` context-parallel ranks holds at least ``tokens``, a multiple of ``multiple`` (the
         sequence-parallel split of each rank's tokens), and no more than that needs."""
         have = self.context_tokens(size)
-        want = max(have, tokens)
-        while want % multiple or (want - have) % 2:
-            want += 1
+        want = cp_share(have, size, tokens, multiple)
         if want == have:
             return self
-        extra = (want - have) // 2 * 2 * size  # a segment of 2 * size * k tokens: k per chunk, 2k per rank
+        extra = cp_segment(want - have, size)
         return _with_side(_with_pad_segment(self, extra))
 
     def context_shard(self, size: int, rank: int) -> "MicroBatch":
         """Context-parallel rank ``rank`` of ``size``'s part of this packed micro-batch: every
         sequence (the pad segment too) split by
-        :func:`~megatron_tepo.megatron.side_inputs.context_split`, and with it, in one place, the
+        :func:`context_split`, and with it, in one place, the
         token ids, their true positions, the labels (taken in the whole layout first, so a chunk's
         last token keeps the next chunk's first as its label), the side inputs and the scored
         positions: this rank scores the valid slots whose scoring position it holds
@@ -182,7 +381,7 @@ class MicroBatch:
 
     def side_layout(self) -> dict:
         """How this micro-batch lays out per-position fields: the keyword arguments of
-        :func:`~megatron_tepo.megatron.side_inputs.lay_out_positions` (and of its inverse); for a
+        :func:`lay_out_positions` (and of its inverse); for a
         context-parallel shard, those of the whole micro-batch."""
         length = int(self.cp_splits[0].seq_lens.sum()) if self.cp_splits is not None else self.shape[1]
         return dict(packed=self.packed, seq_lens=self.data.seq_lens(), rows=self.shape[0], length=length)
