@@ -22,9 +22,9 @@ once) x ``request_timeout``. Weight updates and cache flushes go to every server
 over the healthy set when that set changed (:meth:`Dispatch._follow_healthy`).
 
 Owns: ``router``, ``_router_members``, ``_routed`` (the fleet has a router), ``routed`` (requests
-answered through it) and ``_sessions`` (a submitted request's key -> its last server). Uses of the
-other parts: ``_probe``, ``_mark_failed``, ``_drop_unreachable`` and ``_step_running``
-(``supervision.py``).
+answered through it) and ``_sessions`` (a submitted request's key -> its last server). Uses,
+beside the fleet's ``cfg``, ``servers`` and ``_lock``: ``_probe``, ``_mark_failed``,
+``_drop_unreachable`` and ``_step_running`` (``supervision.py``).
 
 Left out: the router's process (``router.py``) and the decision to have one (``fleet.py``'s
 ``use_router``); one server's HTTP calls (``client.py``); what a request carries (the fleet's

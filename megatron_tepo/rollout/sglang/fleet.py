@@ -25,8 +25,9 @@ refuses one older than routing needs (``versions.py``: 0.5.7), or started withou
 ``--enable-return-routed-experts``.
 
 :class:`SGLangFleet` is one object, the trainer's engine, made of four parts with one job each
-over the one list of servers (``servers``) and the settings (``cfg``); each part's module is its
-spec and says which attributes it owns and what it uses of the others:
+over the one list of servers (``servers``), the settings (``cfg``) and one lock for their counters
+(``_lock``), which are the fleet's own; each part's module is its spec and says which attributes it
+owns and what it uses of the others:
 
 * ``dispatch.py`` -- the server lists (alive, healthy, serving); a call's requests through the
   router, or to the server ``_pick`` chooses, moved to another server when one fails (connection

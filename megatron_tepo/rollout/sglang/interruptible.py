@@ -4,7 +4,8 @@
 
 Each sample is one request (``prompt + token_ids``, its remaining tokens), sent as ``generate``'s
 are (``dispatch.py``: through the router where there is one, retried elsewhere), the request's key
-its session (a multi-turn episode's turns go to the server that holds its prefix). As many are in
+its session (without the router, a multi-turn episode's next turn goes to the server of its last,
+which holds its prefix, while that server has a free slot). As many are in
 flight as the servers have running-request slots (each server's ``/server_info``, read at the
 first submit: 0.5.23's effective limit per DP rank, else its ``--max-running-requests``, else
 ``FleetConfig.max_concurrency``), summed over the fleet and bounded by
@@ -14,8 +15,8 @@ every server until all have answered, each with its tokens so far and their log-
 update refuses to run while any is generating.
 
 Owns: ``_partial_cv``, ``_partial_pool``, ``_partial_running``, ``_partial_done`` and
-``_interrupting``. Uses of the other parts: ``_run_one``, ``call_timeout``, ``slots`` and
-``alive_servers`` (``dispatch.py``), ``_step_running`` (``supervision.py``).
+``_interrupting``. Uses, beside the fleet's ``cfg`` and ``servers``: ``_run_one``, ``call_timeout``,
+``slots`` and ``alive_servers`` (``dispatch.py``), ``_step_running`` (``supervision.py``).
 
 Left out: the groups in flight, the staleness bound and a request's resumption (the driver's
 rollout buffer, ``trainer/partial.py``; ``engine.Request``); routing replay, which interrupted

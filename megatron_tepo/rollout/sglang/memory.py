@@ -22,8 +22,9 @@ released before the trainer started: ``FleetConfig.released``.
 
 Owns: ``_released`` (what the fleet has released), ``_colocated`` (set from the first release, or
 by ``FleetConfig.released``; supervision reads it to defer restarts to a weight sync) and
-``_memory_lock`` (one alignment at a time). Uses of the other parts: ``alive_servers`` and
-``_describe_all`` (``dispatch.py``), ``_join_restarts`` and ``_probe_round`` (``supervision.py``).
+``_memory_lock`` (one alignment at a time). Uses, beside the fleet's ``cfg`` and ``servers``:
+``alive_servers`` and ``_describe_all`` (``dispatch.py``), ``_join_restarts`` and ``_probe_round``
+(``supervision.py``).
 
 Left out: when the phases release and resume (the trainer's colocated step, ``trainer/step.py``); restarts deferred to
 a weight sync and the restart gate (``supervision.py``).

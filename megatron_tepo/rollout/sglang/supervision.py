@@ -30,8 +30,9 @@ give the GPU back to the actor.
 Owns: ``_closing`` (set by the fleet's ``close``), ``_counts``, ``_restarters``, ``_deferred``,
 ``_steps_running`` (counted through :meth:`Supervision._step_running` by the calls that hold
 requests), ``_probe_round`` (held by a monitor round, and by the fleet's weight sync and memory
-calls), ``_waited_for`` and ``_monitor``. Uses of the other parts: the server lists
-(``dispatch.py``), and colocated mode's ``_colocated`` and ``_align`` (``memory.py``).
+calls), ``_waited_for`` and ``_monitor``. Uses, beside the fleet's ``cfg``, ``servers`` and
+``_lock``: the server lists (``dispatch.py``), and colocated mode's ``_colocated`` and ``_align``
+(``memory.py``).
 
 Left out: the state table (``health.py``), the probe itself (``client.py``), starting and stopping
 a process (``server.py``), choosing a server and moving requests (``dispatch.py``), the push
