@@ -79,6 +79,7 @@ def test_release_and_resume_send_only_what_changes_and_gate_serving(fakes):
 
 
 def test_the_router_is_not_used_while_a_member_is_gated(fakes, monkeypatch):
+    import megatron_tepo.rollout.sglang.dispatch as dispatch_mod
     import megatron_tepo.rollout.sglang.fleet as fleet_mod
     from megatron_tepo.rollout.sglang.client import SGLangServer
 
@@ -89,7 +90,7 @@ def test_the_router_is_not_used_while_a_member_is_gated(fakes, monkeypatch):
         return SGLangServer(routers[-1].url)
 
     monkeypatch.setattr(fleet_mod, "use_router", lambda cfg, n: True)
-    monkeypatch.setattr(fleet_mod, "launch_router", fake_launch_router)
+    monkeypatch.setattr(dispatch_mod, "launch_router", fake_launch_router)
     fleet = _fleet(fakes)
     try:
         assert fleet._use_router() is fleet.router

@@ -185,7 +185,9 @@ def test_fleet_config_from_the_fault_section():
 def test_router_stands_only_in_front_of_the_healthy_servers(two_fakes, monkeypatch):
     """With sglang-router: from a server's death the router is bypassed; a returned server goes
     behind a rebuilt router only after the weight sync reached it."""
+    import megatron_tepo.rollout.sglang.dispatch as dispatch_mod
     import megatron_tepo.rollout.sglang.fleet as fleet_mod
+    import megatron_tepo.rollout.sglang.supervision as supervision_mod
     from megatron_tepo.rollout.sglang.client import SGLangServer
 
     a, b = two_fakes
@@ -198,8 +200,9 @@ def test_router_stands_only_in_front_of_the_healthy_servers(two_fakes, monkeypat
         return SGLangServer(front.url)
 
     monkeypatch.setattr(fleet_mod, "use_router", lambda cfg, n: True)
-    monkeypatch.setattr(fleet_mod, "launch_router", fake_launch_router)
-    monkeypatch.setattr(fleet_mod, "stop_server", lambda s: events.append(("stop", s.url)))
+    monkeypatch.setattr(dispatch_mod, "launch_router", fake_launch_router)
+    for mod in (fleet_mod, dispatch_mod, supervision_mod):  # (the fleet's parts that stop a server)
+        monkeypatch.setattr(mod, "stop_server", lambda s: events.append(("stop", s.url)))
     port = int(b.url.rsplit(":", 1)[1])
     fleet = _fleet(two_fakes)
     back = None

@@ -12,9 +12,12 @@
 * ``versions.py`` -- which SGLang release each version-bound setting needs, and the refusal.
 * ``launch.py`` -- what ``server_command``'s command line runs inside the SGLang venv (SGLang's own launch with
   the API key taken from the environment); it imports nothing of this package.
-* ``fleet.py`` -- dispatch: a step's requests spread over the servers (or through the router),
-  retried elsewhere on failure; colocated mode's memory release and resume; the
-  :class:`~megatron_tepo.rollout.engine.RolloutEngine`.
+* ``fleet.py`` -- the :class:`~megatron_tepo.rollout.engine.RolloutEngine` (``SGLangFleet``): its
+  servers launched or attached, its settings, and its parts, one job each:
+  ``dispatch.py`` (a step's requests spread over the servers, or through the router, retried
+  elsewhere on failure), ``supervision.py`` (the servers' health: probes, restarts, what a weight
+  sync gathers first), ``interruptible.py`` (partial rollout's submit, collect and interrupt) and
+  ``memory.py`` (colocated mode's memory release and resume).
 * ``weight_sync/`` -- the actor's weights pushed to every server, one module per mode
   (``distributed``, ``tensor``, ``disk``, ``ipc``) over a shared base.
 * ``attach.py`` -- the engine a run config asks for (``rollout.engine: sglang``, registered with

@@ -6,7 +6,7 @@ released. The errors of a call (:class:`RequestFailed`) and of
 the fleet (:class:`FleetError`).
 
 Left out: how the process is started and stopped (``server.py``), spreading requests over several
-servers and retrying them (``fleet.py``).
+servers and retrying them (``dispatch.py``, a part of the fleet).
 """
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ Only ``healthy`` serves. A server is never ``healthy`` after a restart or a retu
 sync in between: the table has no path from ``dead``/``restarting``/``stale`` to ``healthy``
 except ``synced``.
 
-Left out: probing, restarting and syncing (the fleet, ``fleet.py``, does them and reports the
-events here).
+Left out: probing, restarting and syncing (the fleet's supervision, ``supervision.py``, does them
+and reports the events here).
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 (:func:`router_installed`), its command line (:func:`router_command`) and its process on loopback
 (:func:`launch_router`, which waits until it has registered every server).
 
-Left out: when the fleet uses it and rebuilds it (``fleet.py``); one server's process
-(``server.py``) and HTTP calls (``client.py``), which the router's process reuses.
+Left out: whether the fleet has one (``fleet.py``), when it uses it and rebuilds it
+(``dispatch.py``); one server's process (``server.py``) and HTTP calls (``client.py``), which the
+router's process reuses.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ group. :func:`spawn` and :func:`log_tail` are shared with sglang-router's proces
 the foreground on a rollout node; the Slurm launchers and users run it by this name).
 
 Left out: the options and SGLang's flags (``options.py``), the HTTP calls (``client.py``), the
-router (``router.py``), spreading requests over the servers and retrying them (``fleet.py``),
+router (``router.py``), spreading requests over the servers and retrying them (``dispatch.py``),
 weight updates (``weight_sync/``), and what runs inside the server process (``launch.py``).
 """
 from __future__ import annotations
