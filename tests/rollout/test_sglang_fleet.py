@@ -311,8 +311,9 @@ def test_a_two_turn_episode_with_its_tool_call_in_the_sandbox(fleet):
     finally:
         engine.env.close()
     s = group[0]
-    answer = fmt.answer_ids("42")
     turn1, turn2 = recorder.returned
+    # the environment's ids: the tool's answer, after the end-of-turn token when turn 1 was cut at its cap
+    answer = ([] if turn1[-1:] == [tir.EOS] else [tir.EOS]) + fmt.answer_ids("42")
     assert recorder.sent == [prompt, prompt + turn1 + answer]  # token in: the ids so far, exactly
     assert s.token_ids == turn1 + answer + turn2  # token out: exactly what the server returned
     assert s.loss_mask == [1] * len(turn1) + [0] * len(answer) + [1] * len(turn2)
