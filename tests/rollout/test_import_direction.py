@@ -13,7 +13,8 @@ ROLLOUT = Path(__file__).resolve().parents[2] / "megatron_tepo" / "rollout"
 FORBIDDEN = ("megatron_tepo.models", "megatron_tepo.megatron", "megatron_tepo.actor", "megatron_tepo.trainer",
              "megatron_tepo.checkpoint", "megatron.")
 # every module of the package (the check imports them all)
-MODULES = ("engine", "registry", "embedded", "sglang.server", "sglang.launch", "sglang.fleet",
+MODULES = ("engine", "registry", "embedded", "sglang.server", "sglang.launch", "sglang.fleet", "sglang.dispatch",
+           "sglang.supervision", "sglang.interruptible", "sglang.memory",
            "sglang.attach", "sglang.weight_sync", "sglang.weight_sync.base", "sglang.weight_sync.distributed",
            "sglang.weight_sync.tensor", "sglang.weight_sync.disk")
 
