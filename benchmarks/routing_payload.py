@@ -35,7 +35,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_tepo.rollout.sglang.routing import WIRE_DTYPES, RoutingShape, decode_routed_experts  # noqa: E402
+from megatron_tepo.rollout.sglang.routing import WIRE_DTYPES, decode_routed_experts  # noqa: E402
+from megatron_tepo.routing import RoutingShape  # noqa: E402
 
 
 def answer(ids: np.ndarray, wire: str, legacy: bool) -> str:

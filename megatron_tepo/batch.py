@@ -25,7 +25,8 @@ Layout of :class:`RolloutBatch` (``B`` sequences, ``L`` padded tokens, ``R`` res
                                      MoE layers, the ``k`` experts the rollout engine routed it to;
                                      -1 where no routing is known (padding, a sequence's last
                                      token, which the engine never ran). The smallest signed
-                                     integer dtype that holds the expert ids (:func:`routing_dtype`)
+                                     integer dtype that holds the expert ids (the routing contract's
+                                     dtype: :class:`megatron_tepo.routing.RoutingShape`)
 
 Response slot ``j`` of row ``b`` is the token ``input_ids[b, p_b + j]``; its log-prob is read from
 the model's logits at position ``p_b + j - 1``. Slots past the end of ``input_ids`` or with
@@ -55,17 +56,6 @@ PER_TOKEN_FIELDS = ("response_mask", "advantages", "old_log_probs", "old_entropy
                     "rollout_log_probs", "policy_versions")
 #: fields with one entry per position of ``input_ids`` (``[B, L, ...]``); -1 is their "unknown"
 PER_POSITION_FIELDS = ("routed_experts",)
-
-
-def routing_dtype(num_experts: int) -> torch.dtype:
-    """The smallest signed integer dtype holding expert ids ``0 .. num_experts - 1`` and -1:
-    int8 up to 128 experts (Qwen3-30B-A3B: 48 layers x top-8 x 1 byte = 384 bytes a token)."""
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    for dtype in (torch.int8, torch.int16, torch.int32):
-        if num_experts - 1 <= torch.iinfo(dtype).max:
-            return dtype
-    return torch.int64
 
 
 @dataclass

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_tepo.batch import RolloutBatch, routing_dtype
+from megatron_tepo.batch import RolloutBatch
+from megatron_tepo.routing import routing_dtype
 from megatron_tepo.config import ConfigError, load_config
 from megatron_tepo.rollout.engine import Sample
 

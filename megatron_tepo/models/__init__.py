@@ -23,9 +23,13 @@ uses :func:`megatron_to_hf` directly; both name experts by global index.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Iterator, Mapping, Tuple, Union
+import json
+from pathlib import Path
+from typing import Dict, Iterable, Iterator, Mapping, Optional, Tuple, Union
 
 import torch
+
+from megatron_tepo.routing import RoutingShape
 
 from . import llama, qwen2, qwen3, qwen3_moe
 from .common import (FamilySpec, GPTFamilyConfig, LayerMapping, MoEConfig, convert_hf_to_megatron,
@@ -34,7 +38,7 @@ from .common import (FamilySpec, GPTFamilyConfig, LayerMapping, MoEConfig, conve
 FAMILIES: Dict[str, FamilySpec] = {m.SPEC.name: m.SPEC for m in (llama, qwen2, qwen3, qwen3_moe)}
 
 __all__ = ["FAMILIES", "FamilySpec", "GPTFamilyConfig", "MoEConfig", "resolve_family", "family_config_from_hf",
-           "layer_mapping", "hf_to_megatron", "megatron_to_hf"]
+           "layer_mapping", "hf_to_megatron", "megatron_to_hf", "routing_shape_of"]
 
 
 def _field(hf_config, name):
@@ -62,6 +66,19 @@ def family_config_from_hf(hf_config, spec: str) -> GPTFamilyConfig:
     tensors; the actor derives it from its resolved ``actor.attention``:
     :func:`megatron_tepo.megatron.gpt.family_spec`)."""
     return resolve_family(hf_config).from_hf_config(hf_config, spec=spec)
+
+
+def routing_shape_of(model_dir: str) -> Optional[RoutingShape]:
+    """The MoE routing contract of the HF checkpoint in ``model_dir`` as its family's config says
+    (:meth:`GPTFamilyConfig.routing_shape`; None for a dense model): what the trainer hands the
+    rollout engine (``EngineSettings.routing``) for ``actor.routing_replay: r3``. An unreadable
+    ``config.json``: ValueError naming it."""
+    path = Path(model_dir) / "config.json"
+    try:
+        hf_config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read the model's config ({type(exc).__name__}: {exc})") from None
+    return family_config_from_hf(hf_config, spec="local").routing_shape()
 
 
 def layer_mapping(cfg: GPTFamilyConfig) -> LayerMapping:

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_tepo.layout import ModelShape
+from megatron_tepo.routing import RoutingShape
 
 SPECS = ("local", "te")
 
@@ -136,6 +137,14 @@ class GPTFamilyConfig:
     def num_experts(self) -> int:
         """Routed experts per layer; 0 for a dense model."""
         return self.moe.num_experts if self.moe is not None else 0
+
+    def routing_shape(self) -> Optional[RoutingShape]:
+        """The MoE routing contract (:mod:`megatron_tepo.routing`): which decoder layers route, their
+        top-k and expert count -- every layer (a family with dense layers in its MoE stack refuses
+        them in its config); None for a dense model. The engines and the actor's replay read it."""
+        if self.moe is None:
+            return None
+        return RoutingShape(self.num_layers, tuple(range(self.num_layers)), self.moe.router_topk, self.moe.num_experts)
 
     def as_dict(self) -> Dict[str, Any]:
         """Plain JSON-able fields (``moe`` a dict or None): what checkpoint sidecars record."""

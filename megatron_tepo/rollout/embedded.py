@@ -15,12 +15,14 @@ Colocated mode (``rollout.colocated``): :meth:`EmbeddedEngine.release_memory` fr
 memory (their content is gone until the next weight update; generating before it is an error) and
 the KV cache, which lives only inside one :meth:`EmbeddedEngine.generate` call, is only marked.
 
-MoE routing (``return_routing=True``, for ``actor.routing_replay: r3``): forward hooks on the
+MoE routing (``routing``: the routing contract's :class:`~megatron_tepo.routing.RoutingShape`, for
+``actor.routing_replay: r3``; the trainer reads it from the model family's config): forward hooks on the
 model's routers (the ``*TopKRouter`` modules of transformers' MoE families, whose output ends with
 the top-k expert ids) record, in every forward of the generation (the prefill and each decode
 step), the experts each position went to in each MoE layer; each :class:`Sample` then carries
-``routed_experts`` ``[prompt + response - 1, moe_layers, topk]`` (the last token is never run).
-Off by default: no hook is registered. A model without such routers refuses it. An MoE model's
+``routed_experts`` ``[prompt + response - 1, moe_layers, topk]`` (the last token is never run) in
+the shape's dtype. Off by default: no hook is registered. A model without such routers, or whose
+routers are not the shape's (another count of MoE layers or of experts), refuses it. An MoE model's
 weight update arrives with one tensor per expert (the checkpoint names); transformers >= 5 keeps
 the experts fused in memory (``mlp.experts.gate_up_proj`` / ``down_proj``), and
 :meth:`EmbeddedEngine.update_weights` writes each expert's slice there.
@@ -35,11 +37,11 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from megatron_tepo.batch import routing_dtype
 from megatron_tepo.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Group, Request,
                                           RolloutEngine, Sample, SamplingParams, gathered_tensors, make_params,
                                           validate_prompts)
 from megatron_tepo.rollout.registry import EngineSettings, register_engine
+from megatron_tepo.routing import RoutingShape
 
 
 def sampling_log_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -73,7 +75,8 @@ class EmbeddedEngine(RolloutEngine):
 
     def __init__(self, model: Union[torch.nn.Module, str], *, seed: int = 0,
                  dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu",
-                 max_batch_size: int = 64, pad_token_id: int = 0, return_routing: bool = False):
+                 max_batch_size: int = 64, pad_token_id: int = 0,
+                 routing: Optional[RoutingShape] = None):
         if isinstance(model, str):
             from transformers import AutoModelForCausalLM
 
@@ -91,8 +94,10 @@ class EmbeddedEngine(RolloutEngine):
         self._released: set = set()  # colocated mode: the memory tags released
         self._weights_stale = False  # weights taken back, not yet updated: nothing to generate with
         self._routing: Optional[List[List[torch.Tensor]]] = None  # per forward, per MoE layer: [b * t, k]
-        self._hooks: list = []  # the routers' hooks (return_routing), removed by close()
-        self._num_experts = _record_routing(self.model, self, self._hooks) if return_routing else None
+        self._hooks: list = []  # the routers' hooks (routing), removed by close()
+        self.routing = routing
+        if routing is not None:
+            _record_routing(self.model, self, self._hooks, routing)
         # interruptible generation (submit / collect / interrupt): one worker thread, started at
         # the first submit, generates the queued requests batch after batch
         self._cv = threading.Condition()
@@ -137,7 +142,7 @@ class EmbeddedEngine(RolloutEngine):
         budget = budget.to(self.device)
         lengths = torch.zeros(b, dtype=torch.long, device=self.device)  # tokens each row generated
         cache, step_ids = None, ids
-        self._routing = [] if self._num_experts is not None else None
+        self._routing = [] if self.routing is not None else None
         for step in range(int(budget.max())):
             if step and stop_event is not None and stop_event.is_set():  # (every row gets its first token)
                 break
@@ -179,7 +184,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def submit(self, requests: Sequence[Request], params: SamplingParams) -> None:
         self._check_serving()
-        if self._num_experts is not None:
+        if self.routing is not None:
             raise ValueError("EmbeddedEngine.submit: routing is not returned for interrupted requests "
                              "(rollout.partial_rollout with actor.routing_replay: r3)")
         validate_prompts([r.prompt for r in requests], self.vocab_size)
@@ -259,8 +264,7 @@ class EmbeddedEngine(RolloutEngine):
         per_forward = [torch.stack([ids.reshape(b, -1, ids.shape[-1]) for ids in layers], dim=2)
                        for layers in self._routing]
         self._routing = None
-        dtype = routing_dtype(self._num_experts)
-        return torch.cat(per_forward, dim=1).to(device="cpu", dtype=dtype)
+        return torch.cat(per_forward, dim=1).to(device="cpu", dtype=self.routing.dtype)
 
     def _record(self, layer: int, indices: torch.Tensor) -> None:
         """A router hook's report: layer ``layer``'s top-k ids of the forward running now."""
@@ -381,13 +385,19 @@ def _fused_expert_slice(name: str, params: dict):
     return None
 
 
-def _record_routing(model: torch.nn.Module, engine: "EmbeddedEngine", handles: list) -> int:
-    """Hook every MoE router of ``model`` (modules named ``*TopKRouter``, in layer order) to report
-    its top-k ids to ``engine`` (the hooks' handles appended to ``handles``); returns the expert count."""
+def _record_routing(model: torch.nn.Module, engine: "EmbeddedEngine", handles: list, shape: RoutingShape) -> None:
+    """Hook every MoE router of ``model`` (modules named ``*TopKRouter``, in layer order: router
+    ``j`` is the shape's MoE layer ``j``) to report its top-k ids to ``engine`` (the hooks' handles
+    appended to ``handles``). Routers that are not the shape's: ValueError naming both."""
     routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
     if not routers:
         raise ValueError(f"return_routing: {type(model).__name__} has no MoE router (a *TopKRouter module) "
                          f"to record; routing replay needs an MoE model")
+    experts = {getattr(r, "num_experts", None) for r in routers}
+    if len(routers) != shape.num_moe_layers or experts != {shape.num_experts}:
+        raise ValueError(f"return_routing: {type(model).__name__} has {len(routers)} MoE routers of "
+                         f"{sorted(experts, key=str)} experts, the model family's routing shape says "
+                         f"{shape.num_moe_layers} MoE layers of {shape.num_experts}")
 
     def hook_for(layer: int):
         def hook(module, args, output):
@@ -399,10 +409,6 @@ def _record_routing(model: torch.nn.Module, engine: "EmbeddedEngine", handles: l
 
     for layer, router in enumerate(routers):
         handles.append(router.register_forward_hook(hook_for(layer)))
-    experts = getattr(routers[0], "num_experts", None)
-    if experts is None:
-        raise ValueError(f"return_routing: {type(routers[0]).__name__} has no num_experts")
-    return int(experts)
 
 
 def _check_tags(tags: Sequence[str]) -> None:
@@ -413,7 +419,7 @@ def _check_tags(tags: Sequence[str]) -> None:
 
 def _from_settings(settings: EngineSettings) -> EmbeddedEngine:
     return EmbeddedEngine(settings.model_dir, dtype=torch.float32, seed=settings.seed,
-                          pad_token_id=settings.pad_token_id, return_routing=settings.return_routing)
+                          pad_token_id=settings.pad_token_id, routing=settings.routing)
 
 
 register_engine("embedded", _from_settings)

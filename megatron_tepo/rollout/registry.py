@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from megatron_tepo.config import FaultConfig, RolloutConfig
 from megatron_tepo.rollout.engine import RolloutEngine
+from megatron_tepo.routing import RoutingShape
 
 # the engines of this package: name -> the module that registers it (imported on first use)
 ENGINE_MODULES = {"embedded": "megatron_tepo.rollout.embedded", "sglang": "megatron_tepo.rollout.sglang.attach"}
@@ -30,15 +31,20 @@ ENGINE_MODULES = {"embedded": "megatron_tepo.rollout.embedded", "sglang": "megat
 class EngineSettings:
     """What a factory builds an engine from: the run's ``rollout`` section, the HF checkpoint the
     actor starts from, the tokenizer's pad id, the run's seed, and its ``fault`` section (how
-    long to wait for servers, how often to restart them), and whether the samples carry their
-    MoE routing (``return_routing``)."""
+    long to wait for servers, how often to restart them), and the MoE routing the samples carry
+    (``routing``, the routing contract: the model family's :class:`~megatron_tepo.routing.RoutingShape`,
+    which the trainer reads from the family config; None: no routing returned)."""
     rollout: RolloutConfig
     model_dir: str
     pad_token_id: int
     seed: int
     fault: FaultConfig = field(default_factory=FaultConfig)
-    # return each sample's routed experts (Sample.routed_experts): actor.routing_replay r3
-    return_routing: bool = False
+    # return each sample's routed experts (Sample.routed_experts) in this shape: actor.routing_replay r3
+    routing: Optional[RoutingShape] = None
+
+    @property
+    def return_routing(self) -> bool:
+        return self.routing is not None
 
 
 def _no_sync(settings: EngineSettings) -> None:

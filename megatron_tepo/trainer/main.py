@@ -66,8 +66,14 @@ def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool
     from megatron_tepo.trainer.driver import FollowerEngine
 
     factory = engine_factory(cfg.rollout.engine)
-    settings = EngineSettings(cfg.rollout, model_dir, pad_token_id, cfg.train.seed, cfg.fault,
-                              return_routing=cfg.actor.routing_replay == "r3")
+    routing = None
+    if cfg.actor.routing_replay == "r3":  # the routing contract: the model family's config says it
+        from megatron_tepo.models import routing_shape_of
+
+        routing = routing_shape_of(model_dir)
+        if routing is None:
+            raise ValueError(f"actor.routing_replay: r3: {model_dir} is a dense model, with no routing to replay")
+    settings = EngineSettings(cfg.rollout, model_dir, pad_token_id, cfg.train.seed, cfg.fault, routing=routing)
     if not driver:
         return FollowerEngine(factory.follower_sync(settings))
     engine = factory.build(settings)

@@ -1,4 +1,4 @@
-"""The embedded engine returns each sample's MoE routing (``return_routing``, for
+"""The embedded engine returns each sample's MoE routing (its ``routing`` shape, for
 ``actor.routing_replay: r3``): the experts its HF model's routers chose for every prompt and
 response position but the last, through left padding, the prefill and the KV-cached decode steps --
 the same experts a plain forward of the whole sequence chooses."""
@@ -7,11 +7,13 @@ import torch
 
 from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.rollout.embedded import EmbeddedEngine
+from megatron_tepo.routing import RoutingShape
 from tests.megatron.helpers import make_hf_model, tiny_hf_config
 from tests.rollout.helpers import tiny_qwen3
 
 PROMPTS = [[5, 17, 33], [9], [100, 101, 102, 103, 104, 7]]
 LAYERS, TOPK = 3, 2
+SHAPE = RoutingShape(LAYERS, tuple(range(LAYERS)), TOPK, 8)  # (the family config's: models/)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def _whole_sequence_routing(model, seq):
 
 def test_samples_carry_the_routing_of_every_position_but_the_last(moe):
     hooks = [len(layer.mlp.gate._forward_hooks) for layer in moe.model.layers]
-    eng = EmbeddedEngine(moe, seed=1, return_routing=True)
+    eng = EmbeddedEngine(moe, seed=1, routing=SHAPE)
     groups = eng.generate(PROMPTS, n=2, temperature=1.0, max_new_tokens=6, stop_token_ids=[3, 4, 5, 6])
     eng.close()  # its hooks go with it
     assert [len(layer.mlp.gate._forward_hooks) for layer in moe.model.layers] == hooks
@@ -65,7 +67,11 @@ def test_no_routing_no_hooks_and_a_dense_model_refuses_it(moe):
     assert [len(layer.mlp.gate._forward_hooks) for layer in moe.model.layers] == hooks
     assert all(s.routed_experts is None for g in eng.generate(PROMPTS, n=1, max_new_tokens=2) for s in g)
     with pytest.raises(ValueError, match="^return_routing: .* has no MoE router"):
-        EmbeddedEngine(tiny_qwen3(seed=0), return_routing=True)
+        EmbeddedEngine(tiny_qwen3(seed=0), routing=SHAPE)
+    with pytest.raises(ValueError, match="^return_routing: .* has 3 MoE routers of \\[8\\] experts, the model "
+                                         "family's routing shape says 2 MoE layers of 8"):
+        EmbeddedEngine(moe, routing=RoutingShape(LAYERS, (0, 2), TOPK, 8))
+    assert [len(layer.mlp.gate._forward_hooks) for layer in moe.model.layers] == hooks  # (none left behind)
 
 
 def test_an_moe_weight_update_fills_the_fused_experts(moe):

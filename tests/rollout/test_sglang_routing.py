@@ -20,22 +20,39 @@ import torch
 from megatron_tepo.rollout.sglang.client import FleetError
 from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet, use_router
 from megatron_tepo.rollout.sglang.options import ROUTED_EXPERTS_DTYPE_ENV, ServerConfig, server_command
-from megatron_tepo.rollout.sglang.routing import RoutingShape, decode_routed_experts, routing_shape_of
+from megatron_tepo.models import routing_shape_of
+from megatron_tepo.rollout.sglang.routing import decode_routed_experts
+from megatron_tepo.routing import RoutingShape
 from tests.rollout.fake_sglang import FakeSGLang, routed_experts_b64, routed_experts_ids
 
 
 def _config(tmp_path, **kw):
     cfg = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
-           "mlp_only_layers": [1], "decoder_sparse_step": 1, **kw}
+           "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "max_position_embeddings": 512,
+           "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False, "mlp_only_layers": [],
+           "decoder_sparse_step": 1, **kw}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return str(tmp_path)
 
 
-def test_the_routing_shape_is_the_models_moe_layers(tmp_path):
-    assert routing_shape_of(_config(tmp_path)) == RoutingShape(4, (0, 2, 3), 2, 8)
-    assert routing_shape_of(_config(tmp_path, mlp_only_layers=[], decoder_sparse_step=2)).moe_layers == (1, 3)
-    with pytest.raises(ValueError, match="config.json: no num_experts / num_experts_per_tok: a dense model"):
-        routing_shape_of(_config(tmp_path, num_experts=None, num_experts_per_tok=None))
+def test_the_routing_shape_is_the_model_familys(tmp_path):
+    """#51 item 4: the routing contract has one maker, the model family's config; no engine reads a
+    config.json of its own (the SGLang side once parsed mlp_only_layers / decoder_sparse_step, which the
+    family refuses)."""
+    assert routing_shape_of(_config(tmp_path)) == RoutingShape(4, (0, 1, 2, 3), 2, 8)
+    with pytest.raises(NotImplementedError, match="mlp_only_layers"):  # (dense layers in the stack: refused)
+        routing_shape_of(_config(tmp_path, mlp_only_layers=[1]))
+    with pytest.raises(NotImplementedError, match="decoder_sparse_step"):
+        routing_shape_of(_config(tmp_path, decoder_sparse_step=2))
+    dense = {k: v for k, v in json.loads((tmp_path / "config.json").read_text()).items()
+             if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
+    (tmp_path / "config.json").write_text(json.dumps({**dense, "model_type": "qwen3"}))
+    assert routing_shape_of(str(tmp_path)) is None
+    with pytest.raises(ValueError, match="config.json: cannot read the model's config"):
+        routing_shape_of(str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match=r"moe_layers=\(0, 4\) must be increasing layer indices in \[0, 4\)"):
+        RoutingShape(4, (0, 4), 2, 8)
 
 
 def test_sglangs_encoding_decodes_to_the_moe_layers_ids():

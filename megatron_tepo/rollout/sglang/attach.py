@@ -27,7 +27,6 @@ from megatron_tepo.time_limits import request_limit_s
 from megatron_tepo.rollout.registry import EngineSettings, register_engine
 from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet, memory_tags
 from megatron_tepo.rollout.sglang.options import API_KEY_ENV, RELEASED_ENV, RESTART_GATE_ENV
-from megatron_tepo.rollout.sglang.routing import routing_shape_of
 from megatron_tepo.rollout.sglang.weight_sync import SYNC_MODES, WeightSync, make_weight_sync
 
 URLS_ENV = "TEPO_SGLANG_URLS"
@@ -92,7 +91,7 @@ def attach_fleet(settings: EngineSettings) -> SGLangFleet:
                                     probe_timeout=f.probe_timeout_s, return_timeout=f.server_return_timeout_s,
                                     server_restarts=f.server_restarts, restart_backoff=f.restart_backoff_s,
                                     released=released_tags(r), restart_gate=os.environ.get(RESTART_GATE_ENV, ""),
-                                    routing=routing_shape_of(settings.model_dir) if settings.return_routing else None))
+                                    routing=settings.routing))
     fleet.weight_sync = weight_sync(r, fleet, urls, True, f)
     return fleet
 

@@ -43,8 +43,9 @@ from megatron_tepo.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STO
 from megatron_tepo.rollout.sglang.client import FleetError, RequestFailed, SGLangServer, running_slots
 from megatron_tepo.rollout.sglang.health import State
 from megatron_tepo.rollout.sglang.router import launch_router
-from megatron_tepo.rollout.sglang.routing import RoutingShape, decode_routed_experts
+from megatron_tepo.rollout.sglang.routing import decode_routed_experts
 from megatron_tepo.rollout.sglang.server import stop_server
+from megatron_tepo.routing import RoutingShape
 from megatron_tepo.time_limits import waves
 
 log = logging.getLogger(__name__)

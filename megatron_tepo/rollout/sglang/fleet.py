@@ -81,11 +81,12 @@ from megatron_tepo.rollout.sglang.interruptible import MAX_PARTIAL_INFLIGHT, Int
 from megatron_tepo.rollout.sglang.memory import ColocatedMemory, memory_tags
 from megatron_tepo.rollout.sglang.options import ServerConfig
 from megatron_tepo.rollout.sglang.router import ROUTER_POLICIES, router_installed
-from megatron_tepo.rollout.sglang.routing import ROUTING_REQUEST, RoutingShape
+from megatron_tepo.rollout.sglang.routing import ROUTING_REQUEST
 from megatron_tepo.rollout.sglang.server import launch_server, stop_server, wait_ready
 from megatron_tepo.rollout.sglang.supervision import Supervision
 from megatron_tepo.rollout.sglang.versions import R3, check_version
 from megatron_tepo.rollout.sglang.weight_sync import TensorSync
+from megatron_tepo.routing import RoutingShape
 
 # the parts' public names, imported from here by attach.py and the tests
 __all__ = ["FleetConfig", "SGLangFleet", "use_router", "memory_tags", "parse_generate_output", "MAX_PARTIAL_INFLIGHT"]

@@ -1,7 +1,9 @@
-"""MoE routing from SGLang servers (``actor.routing_replay: r3``): which layers route and how many
-experts each token takes (:class:`RoutingShape`, read from the model's HF ``config.json``), the
-request field that asks for them, and their decoding from a ``/generate`` answer into
-``Sample.routed_experts`` (:func:`decode_routed_experts`) in the wire dtype the answer names.
+"""MoE routing from SGLang servers (``actor.routing_replay: r3``): the request field that asks for
+it, and its decoding from a ``/generate`` answer into ``Sample.routed_experts``
+(:func:`decode_routed_experts`) in the wire dtype the answer names. Which layers route, how many
+experts each token takes and the ids' dtype are the routing contract's
+(:class:`megatron_tepo.routing.RoutingShape`, made by the model family's config and handed to the
+fleet by the trainer through ``EngineSettings.routing``): nothing here reads a ``config.json``.
 
 What SGLang returns (read in 0.5.7 and 0.5.23: ``srt/state_capturer/routed_experts.py``,
 ``srt/managers/tokenizer_manager.py``): a server started with ``--enable-return-routed-experts``
@@ -28,15 +30,14 @@ Left out: a server without the flag answers without the field, which is an error
 from __future__ import annotations
 
 import base64
-import json
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional
 
 import numpy as np
 import torch
 
-__all__ = ["RoutingShape", "routing_shape_of", "decode_routed_experts", "ROUTING_REQUEST", "WIRE_DTYPES"]
+from megatron_tepo.routing import RoutingShape
+
+__all__ = ["decode_routed_experts", "ROUTING_REQUEST", "WIRE_DTYPES"]
 
 #: what a ``/generate`` payload adds to ask for its routing
 ROUTING_REQUEST = {"return_routed_experts": True, "routed_experts_start_len": 0}
@@ -44,39 +45,10 @@ ROUTING_REQUEST = {"return_routed_experts": True, "routed_experts_start_len": 0}
 WIRE_DTYPES = {"int32": np.dtype("<i4"), "uint16": np.dtype("<u2"), "uint8": np.dtype("u1")}
 
 
-@dataclass(frozen=True)
-class RoutingShape:
-    """``num_layers``: the model's layers (SGLang captures every one); ``moe_layers``: those that
-    route, in order (the layer axis of ``Sample.routed_experts``); ``topk``: experts per token;
-    ``num_experts``: for the ids' range check."""
-    num_layers: int
-    moe_layers: Tuple[int, ...]
-    topk: int
-    num_experts: int
-
-
-def routing_shape_of(model_dir: str) -> RoutingShape:
-    """The routing of the HF checkpoint in ``model_dir`` (its ``config.json``: ``num_hidden_layers``,
-    ``num_experts_per_tok``, ``num_experts``, and which layers are MoE: ``mlp_only_layers`` and
-    ``decoder_sparse_step``, as transformers' Qwen3-MoE decides). A dense model is an error."""
-    path = Path(model_dir) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: cannot read the model's config ({type(exc).__name__}: {exc})") from None
-    experts, topk = cfg.get("num_experts") or cfg.get("num_local_experts"), cfg.get("num_experts_per_tok")
-    if not experts or not topk:
-        raise ValueError(f"{path}: no num_experts / num_experts_per_tok: a dense model has no routing to return")
-    layers = int(cfg["num_hidden_layers"])
-    dense, step = set(cfg.get("mlp_only_layers") or ()), int(cfg.get("decoder_sparse_step") or 1)
-    moe = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
-    return RoutingShape(layers, moe, int(topk), int(experts))
-
-
 def decode_routed_experts(meta: dict, positions: int, shape: RoutingShape, where: str) -> torch.Tensor:
     """``meta_info["routed_experts"]`` as ``[positions, len(moe_layers), topk]`` expert ids, read in
-    the dtype ``meta_info["routed_experts_dtype"]`` names (absent: int32), in the smallest integer
-    type that holds the expert count (int8 up to 128 experts, else int16). Missing, of an unknown
+    the dtype ``meta_info["routed_experts_dtype"]`` names (absent: int32), in the contract's dtype
+    (:attr:`RoutingShape.dtype`: int8 up to 128 experts, else int16). Missing, of an unknown
     dtype or of another size, or ids out of range: ValueError naming ``where`` (the server)."""
     raw: Optional[str] = meta.get("routed_experts")
     if raw is None:
@@ -99,4 +71,4 @@ def decode_routed_experts(meta: dict, positions: int, shape: RoutingShape, where
     picked = ids.reshape(positions, shape.num_layers, shape.topk)[:, list(shape.moe_layers)]
     if picked.size and (int(picked.min()) < 0 or int(picked.max()) >= shape.num_experts):
         raise ValueError(f"{where} returned expert ids outside [0, {shape.num_experts})")
-    return torch.from_numpy(picked.astype(np.int8 if shape.num_experts <= 128 else np.int16))
+    return torch.from_numpy(picked.astype(torch.empty(0, dtype=shape.dtype).numpy().dtype))
