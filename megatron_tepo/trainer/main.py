@@ -183,7 +183,7 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
             dump_config(cfg, tmp / RUN_CONFIG)
             write_conversion_sidecars(tmp, cfg.model.path, actor.family_cfg,
                                       next(actor.model[0].parameters()).dtype,
-                                      cfg.parallel)
+                                      cfg.parallel, model_builder=actor.settings.model_builder)
 
         def report(line: str) -> None:
             print(f"[train] {line}", flush=True)
