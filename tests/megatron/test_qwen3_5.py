@@ -10,9 +10,11 @@ packed sequences of several lengths.
 * Under torchrun (gloo, 2 ranks; workers/equivalence_worker.py, workers/routing_replay_worker.py):
   log-probs and entropy within 1e-5, every gradient within 1e-4 of its tensor's largest entry, the
   loss within 1e-6, the parameters after one AdamW step within 5e-5 -- at TP 1 (DP 2) and TP 2
-  (packed against padded and full recompute against none, within 5e-6), PP 2 with tied embeddings, CP 2 (megatron's
-  Gated DeltaNet context parallelism, against the same start at CP 1); and Qwen3.5-MoE at EP 2 with
-  routing replay r3, equal to transformers with its routers forced to the same experts.
+  (packed against padded and full recompute against none, within 5e-6), PP 2 with tied
+  embeddings, CP 2 (megatron's Gated DeltaNet context parallelism, against the same start at CP
+  1); Qwen3.5-MoE at TP 2 with
+  sequence parallelism, and at EP 2 with routing replay r3, equal to transformers with its routers
+  forced to the same experts.
 """
 import json
 from pathlib import Path
@@ -193,6 +195,10 @@ def test_qwen3_5_matches_hf_at_tp1_tp2_pp2_cp2(tmp_path):
          "recompute_check": True},
         {"family": "qwen3_5", "tie": True, "tp": 1, "pp": 2, "loss": {"name": "grpo"}},
         {"family": "qwen3_5", "tie": False, "tp": 1, "pp": 1, "cp": 2, "loss": {"name": "grpo"}, "cp_check": True},
+        # the MoE at TP 2 (megatron's MoE layer needs sequence parallelism there): the Gated DeltaNet
+        # on sequence-parallel input, the experts and the gated shared expert split over the ranks
+        {"family": "qwen3_5_moe", "tie": False, "tp": 2, "pp": 1, "loss": {"name": "grpo"},
+         "actor": {"precision": "fp32", "attention": "sdpa", "pack_sequences": True, "sequence_parallel": True}},
     ]
     per_rank = [r["cases"] for r in torchrun(EQUIVALENCE, 2, json.dumps(cases), tmp_path=tmp_path, timeout=560)]
     _check(per_rank)
