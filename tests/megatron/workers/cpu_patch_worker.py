@@ -140,7 +140,15 @@ def probe_grad_sync():
 
 def probe_gdn_forward():
     """megatron's Gated DeltaNet on two packed sequences, forward and backward (what a Qwen3.5
-    layer of the actor does)."""
+    layer of the actor does); nothing to run on a megatron-core without its Gated DeltaNet package
+    (0.16.1 - 0.18: the actor builds no Gated DeltaNet there)."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("megatron.core.ssm.gated_delta_net.gdn") is None:
+            return
+    except ImportError:  # (0.16.1 - 0.18: gated_delta_net is a module, not the package)
+        return
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
