@@ -28,8 +28,9 @@ the converters and routing replay see the same names on either builder. Megatron
 ``sharded_state_dict`` keys (the torch_dist checkpoints) are the stack's: a checkpoint is loaded
 by the builder that wrote it (its marker and sidecar record it).
 
-Without ``actor.fusions`` the ``torch.compile``-d helpers of megatron's Gated DeltaNet and gated
-attention (``jit_fuser``) run eagerly (:func:`eager_fusers`): a CPU run compiles nothing.
+Without ``actor.fusions`` the ``torch.compile``-d helpers of megatron's Gated DeltaNet and of its
+attention's output gate (``jit_fuser``; gated attention only) run eagerly (:func:`eager_fusers`):
+a CPU run compiles nothing.
 
 Left out: Mamba, MLA and DSA layers, multi-token prediction, virtual pipeline stages, megatron's
 Transformer Engine ``hybrid_stack_spec`` as such (the same modules come from the GPT TE spec, so
@@ -55,16 +56,13 @@ SUBLAYERS = 2
 
 def mixer_symbol(family_cfg: GPTFamilyConfig, layer: int) -> str:
     """``G`` for a Gated DeltaNet layer, ``*`` for attention."""
-    kinds = getattr(family_cfg, "layer_types", None)
-    return "G" if kinds and kinds[layer] == "linear_attention" else "*"
+    return "G" if family_cfg.is_linear(layer) else "*"
 
 
 def mlp_symbol(family_cfg: GPTFamilyConfig, layer: int) -> str:
-    """``E`` for an MoE layer, ``-`` for a dense MLP."""
-    if family_cfg.moe is None:
-        return "-"
-    dense = getattr(family_cfg.moe, "dense_layers", ()) or ()
-    return "-" if layer in dense else "E"
+    """``E`` for an MoE layer (every layer of an MoE family: :class:`~megatron_tepo.models.MoEConfig`),
+    ``-`` for a dense MLP."""
+    return "E" if family_cfg.moe is not None else "-"
 
 
 def layer_pattern(family_cfg: GPTFamilyConfig, pp: int = 1) -> str:
@@ -179,7 +177,8 @@ def hybrid_stack_spec(family_cfg: GPTFamilyConfig, actor: ActorConfig, *, moe_gr
               sequence_parallel=sequence_parallel)
     fused = actor.fusions == "on"
     attention_layer, mlp_layer = _split(layer_spec(dataclasses.replace(family_cfg, moe=None), actor.attention, **kw))
-    if not fused and attention_layer.submodules.self_attention.module is SelfAttention:
+    if (not fused and family_cfg.attention_output_gate
+            and attention_layer.submodules.self_attention.module is SelfAttention):
         attention_layer.submodules.self_attention.module = eager_fusers()[SelfAttention]
     moe_layer = None
     if family_cfg.moe is not None:

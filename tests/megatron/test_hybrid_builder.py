@@ -91,7 +91,8 @@ def test_the_stack_layers_are_named_by_their_hf_layers():
 def test_the_hybrid_spec_is_the_gpt_spec_cut_in_two():
     """The attention sublayer keeps the GPT layer's input norm and attention (the sdpa core
     attention, the QK norms), the MLP sublayer its pre-MLP norm and MLP; without fusions the
-    output gate runs eagerly; without Transformer Engine the final norm is the local one."""
+    output gate of gated attention and the Gated DeltaNet's helpers run eagerly; without
+    Transformer Engine the final norm is the local one."""
     import dataclasses
 
     from megatron_tepo.config import ActorConfig
@@ -111,7 +112,12 @@ def test_the_hybrid_spec_is_the_gpt_spec_cut_in_two():
     assert att.input_layernorm is gpt.input_layernorm and att.self_attention.submodules.core_attention.module is \
         SDPACoreAttention
     assert att.self_attention.submodules.q_layernorm is gpt.self_attention.submodules.q_layernorm
-    assert att.self_attention.module in eager_fusers().values()
+    from megatron.core.transformer.attention import SelfAttention
+
+    assert att.self_attention.module is SelfAttention  # (no output gate: megatron's own class)
+    gated = hybrid_stack_spec(family_config_from_hf(tiny_hf_config("qwen3_5"), spec="local"), actor)
+    assert gated.submodules.attention_layer.submodules.self_attention.module is eager_fusers()[SelfAttention]
+    assert gated.submodules.gdn_layer.submodules.self_attention.module in eager_fusers().values()
 
     def kind(m):  # a ModuleSpec's module, or the function a partial calls
         return getattr(m, "module", None) or getattr(m, "func", None)
