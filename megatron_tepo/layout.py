@@ -104,7 +104,8 @@ class ModelShape:
     """The model's sizes, under their Hugging Face names: the one shape type. The layout rules read it
     here, the fit check's memory arithmetic reads it (docs/LAUNCH.md's letters: ``h`` hidden_size,
     ``F`` intermediate_size, ``nh`` num_attention_heads, ``ng`` num_key_value_heads, ``d`` head_dim,
-    ``V`` vocab_size, ``E`` num_experts, ``k`` num_experts_per_tok, ``Fm`` moe_intermediate_size), and
+    ``V`` vocab_size, ``E`` num_experts, ``k`` num_experts_per_tok, ``Fm`` moe_intermediate_size; the
+    Gated DeltaNet layers' key and value heads, which TP x CP must divide), and
     the family config makes it from any HF config the families know (``GPTFamilyConfig.dims()``).
     ``hidden_size``, ``head_dim`` and ``tie_word_embeddings`` only matter to the memory arithmetic."""
 
@@ -122,6 +123,8 @@ class ModelShape:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     family: str = ""
+    linear_num_key_heads: int = 0  # Gated DeltaNet layers (Qwen3.5); 0: none
+    linear_num_value_heads: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -169,6 +172,10 @@ def validate_layout(layout: ParallelLayout, model: Optional[ModelShape], world_s
         if value % tp:
             note = " (the actor does not pad the vocabulary)" if name == "vocab_size" else ""
             errors.append(f"{f}tp={tp} does not divide {name}={value}{note}")
+    for name in ("linear_num_key_heads", "linear_num_value_heads"):  # split over TP x CP ranks
+        value = getattr(model, name) if model is not None else 0
+        if value % (tp * cp):
+            errors.append(f"{f}tp x {f}cp = {tp * cp} does not divide {name}={value} (Gated DeltaNet heads)")
     if model is not None and model.num_hidden_layers % pp:
         errors.append(f"{f}pp={pp} does not divide num_hidden_layers={model.num_hidden_layers}")
     if world_size is not None and world_size % layout.model_parallel:

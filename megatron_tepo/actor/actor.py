@@ -524,7 +524,7 @@ class MegatronActor:
         from megatron_tepo.checkpoint import write_conversion_sidecars
 
         write_conversion_sidecars(directory, source_model, self.family_cfg, next(self.model[0].parameters()).dtype,
-                                  self.layout)
+                                  self.layout, model_builder=self.settings.model_builder)
 
     def export_hf(self, directory, source_model: str):
         """Collective: the live policy as an HF model folder (:func:`~megatron_tepo.checkpoint.export_actor_to_hf`);

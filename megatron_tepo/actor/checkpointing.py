@@ -16,7 +16,9 @@ directory to ``<directory>`` and fsyncs the parent. A crash at any point leaves 
 :func:`load_actor_checkpoint` refuses any directory without the marker.
 
 The model tensors use megatron's sharded keys, so the model part is loadable at another TP/PP
-(``load_actor_checkpoint(..., model_only=True)``, or ``checkpoint.load_checkpoint_into``).
+(``load_actor_checkpoint(..., model_only=True)``, or ``checkpoint.load_checkpoint_into``) -- by
+the same model builder only (``actor.model_builder``: a ``HybridModel``'s keys are not a
+``GPTModel``'s); the marker's layout records it, and a mismatch is refused naming the setting.
 A full load (optimizer, scheduler, RNG) requires the layout and precision it was saved at (a bf16
 actor's optimizer holds fp32 main parameters that an fp32 one does not). The distributed
 optimizer is saved with ``distrib_optim_sharding_type = "dp_reshardable"``.
@@ -114,6 +116,7 @@ def actor_layout(actor) -> Dict[str, Any]:
         "dp": ps.get_data_parallel_world_size(),
         "distributed_optimizer": bool(actor.optim_cfg.use_distributed_optimizer),
         "precision": actor.settings.precision,
+        "model_builder": actor.settings.model_builder,
     }
 
 
@@ -494,6 +497,13 @@ def load_actor_checkpoint(actor, directory: PathLike, model_only: bool = False) 
     try:
         info = read_marker(d)
         info["layout"].setdefault("precision", "fp32")  # (written before bf16 existed)
+        info["layout"].setdefault("model_builder", "gpt")  # (written when every model was a GPTModel)
+        saved_builder, builder = info["layout"]["model_builder"], actor.settings.model_builder
+        if saved_builder != builder:  # megatron's sharded keys differ between the two models
+            raise CheckpointError(
+                f"{d} was written by a {saved_builder} model and this actor builds a {builder} one "
+                f"(actor.model_builder): their parameters are stored under other names; resume with "
+                f"actor.model_builder: {saved_builder}")
         if not model_only and info["layout"] != actor_layout(actor):
             raise CheckpointError(
                 f"{d} was saved at layout {info['layout']}, this actor is {actor_layout(actor)}: a full "

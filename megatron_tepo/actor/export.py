@@ -28,8 +28,9 @@ from megatron_tepo.buckets import BucketHandoff, BucketStream, ExportBuffers, Fl
 from megatron_tepo.cuda_alloc import no_expandable_segments
 from megatron_tepo.models import GPTFamilyConfig, layer_mapping
 from megatron_tepo.models.common import MegatronToHFLayout
-from megatron_tepo.megatron.sharding import (expert_indices, group_for, is_expert_param, layer_offsets, local_tensor,
-                                           parallel_groups, to_global_name, tp_partition, unwrap_model)
+from megatron_tepo.megatron.sharding import (gated_split, expert_indices, group_for, is_expert_param, layer_offsets,
+                                           local_tensor, parallel_groups, shard_pieces, to_global_name, tp_partition,
+                                           unwrap_model)
 
 EXPORT_BUCKET_BYTES = 64 << 20
 
@@ -91,7 +92,7 @@ class _Item:
     chunk: int
     local: torch.Tensor  # this rank's shard (param.shape), source dtype
     wire: torch.dtype
-    part: Optional[Tuple[int, int]]  # (dim, stride) when split over a group of size > 1
+    part: Optional[Tuple[int, object]]  # (dim, stride or sections: sharding.Split) when split over a group of size > 1
     group: object
     size: int
     full_shape: Tuple[int, ...]
@@ -197,8 +198,7 @@ def _write_item(out: torch.Tensor, it: _Item, shards: List[torch.Tensor], layout
     ``shards[owner]`` (the others may be meta tensors of the right shape; -1: none), for ranks
     that fill a shared bucket together; the names and offsets are recorded all the same."""
     dim, stride = it.part if it.part is not None and len(shards) > 1 else (0, 1)
-    c = shards[0].shape[dim] // stride
-    pieces = [s.narrow(dim, j * c, c) for j in range(stride) for s in shards] if stride > 1 else list(shards)
+    pieces = shard_pieces(shards, dim, stride) if stride != 1 else list(shards)
     mine = [owner is None or i % len(shards) == owner for i in range(len(pieces))]
     off = offsets[-1] + math.prod(shapes[-1]) * dtypes[-1].itemsize if offsets else 0
     for hf_name, ranges in layout:
@@ -360,7 +360,7 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
             expert = is_expert_param(param)
             group = group_for(param, groups)
             size = dist.get_world_size(group)
-            part = tp_partition(param, bool(getattr(layout_fn, "gated", lambda n: False)(gname))) if size > 1 else None
+            part = tp_partition(param, gated_split(getattr(layout_fn, "gated", None), gname)) if size > 1 else None
             full = list(param.shape)
             if part is not None:
                 full[part[0]] *= size

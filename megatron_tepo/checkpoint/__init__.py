@@ -16,11 +16,11 @@ weight sync); this package streams tensors between files and models:
 
 It imports nothing from ``actor/`` or ``trainer/`` (tests/test_layers.py).
 """
-from .common import build_gpt_model, ensure_process_group, load_checkpoint_into
+from .common import build_gpt_model, build_model, ensure_process_group, load_checkpoint_into
 from .hf_to_megatron import check_hf_input, convert_hf_to_megatron
 from .megatron_to_hf import convert_megatron_to_hf, export_actor_to_hf
 from .sidecars import read_checkpoint_info, read_family_config, write_conversion_sidecars
 
-__all__ = ["convert_hf_to_megatron", "convert_megatron_to_hf", "build_gpt_model",
+__all__ = ["convert_hf_to_megatron", "convert_megatron_to_hf", "build_model", "build_gpt_model",
            "load_checkpoint_into", "read_checkpoint_info", "read_family_config", "check_hf_input",
            "ensure_process_group", "export_actor_to_hf", "write_conversion_sidecars"]

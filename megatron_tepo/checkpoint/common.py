@@ -1,14 +1,16 @@
 """What HF -> Megatron (:mod:`.hf_to_megatron`) and Megatron -> HF (:mod:`.megatron_to_hf`)
 conversion share: the process group they run in, the rank-agreeing error handling of a collective
-step, the guarded output directory, progress lines, and this rank's ``GPTModel`` stage.
+step, the guarded output directory, progress lines, and this rank's model stage.
 
 * :func:`ensure_process_group` -- torchrun's world, or a 1-process gloo world.
 * :func:`agree` -- run a step on every rank; an error anywhere is raised on every rank (naming it).
 * :func:`check_out_dir` / :func:`tmp_dir_for` / :func:`finalize_dir` -- output is written to
   ``<out>.tmp-<pid>`` and renamed to ``<out>`` when complete; an existing ``<out>`` is refused
   unless ``force``.
-* :func:`build_gpt_model` / :func:`load_checkpoint_into` -- this rank's stage of the model (on
-  :mod:`megatron_tepo.megatron.gpt`) and a converted checkpoint loaded into it (the tests use it).
+* :func:`build_model` / :func:`load_checkpoint_into` -- this rank's stage of the model (on
+  :mod:`megatron_tepo.megatron.gpt`: megatron's ``HybridModel`` or ``GPTModel``, as
+  ``model_builder`` resolves; a checkpoint's keys are its builder's, so the exporter builds what
+  the sidecar records) and a converted checkpoint loaded into it (the tests use it).
 * :func:`read_config_json`, :func:`log_progress`, :func:`trim_heap`.
 
 Left out: anything of one direction only, and the HF <-> Megatron mapping itself (that is
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from megatron_tepo.megatron.parallel import raise_if_any_rank_failed, single_process_env
 
 __all__ = ["ensure_process_group", "agree", "check_out_dir", "finalize_dir", "tmp_dir_for", "read_config_json",
-           "log_progress", "trim_heap", "build_gpt_model", "load_checkpoint_into"]
+           "log_progress", "trim_heap", "build_model", "build_gpt_model", "load_checkpoint_into"]
 
 
 def log_progress(msg: str, progress: bool = True) -> None:
@@ -106,22 +108,34 @@ def trim_heap() -> None:
 _MALLOC_TRIM = None
 
 
-def build_gpt_model(family_cfg, params_dtype: torch.dtype = torch.float32, initialize: bool = True):
-    """This rank's pipeline stage of the ``GPTModel`` for ``family_cfg``, with the actor's CPU-safe
-    runtime flags. Needs megatron's ``parallel_state`` initialised (TP/PP read from it).
+def build_model(family_cfg, params_dtype: torch.dtype = torch.float32, initialize: bool = True,
+                model_builder: str = "auto"):
+    """This rank's pipeline stage of the model for ``family_cfg`` (``model_builder``: ``auto``,
+    ``hybrid`` or ``gpt``, as ``actor.model_builder``), with the actor's CPU-safe runtime flags.
+    Needs megatron's ``parallel_state`` initialised (TP/PP read from it).
     ``initialize=False`` skips megatron's init -- and with it the ``tensor_model_parallel`` /
     ``partition_dim`` / ``partition_stride`` attributes that ``megatron.sharding`` places by, so it
     is only right at TP=1 or when loading through ``sharded_state_dict`` (which does not use
     them); it is what the meta-device export model uses."""
     from megatron.core import parallel_state as ps
 
-    from megatron_tepo.megatron.gpt import build_gpt_chunk, transformer_config
+    import dataclasses
 
+    from megatron_tepo.megatron.gpt import FP32_ACTOR, build_chunk, resolve_model_builder, transformer_config
+
+    actor = dataclasses.replace(FP32_ACTOR, model_builder=resolve_model_builder(model_builder))
     config = transformer_config(
         family_cfg, tp=ps.get_tensor_model_parallel_world_size(),
         pp=ps.get_pipeline_model_parallel_world_size(), ep=ps.get_expert_model_parallel_world_size(),
-        params_dtype=params_dtype, initialize=initialize)
-    return build_gpt_chunk(config, family_cfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+        actor=actor, params_dtype=params_dtype, initialize=initialize)
+    model = build_chunk(config, family_cfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage(), actor=actor)
+    model.model_builder = actor.model_builder  # what the sidecar records
+    return model
+
+
+def build_gpt_model(family_cfg, params_dtype: torch.dtype = torch.float32, initialize: bool = True):
+    """:func:`build_model` of a ``GPTModel`` (the name callers used before the hybrid builder)."""
+    return build_model(family_cfg, params_dtype, initialize, model_builder="gpt")
 
 
 def load_checkpoint_into(model: torch.nn.Module, megatron_dir) -> None:

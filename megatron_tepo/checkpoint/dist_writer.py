@@ -24,7 +24,10 @@ only when the writer reaches that piece.
   ``dist_checkpointing.load`` at any TP/PP/EP.
 * :class:`ShardSource` -- maps every ``ShardedTensor`` of the skeleton to its parameter (by
   storage) and so to the parameter's global Megatron name and the region of the full tensor it
-  covers (``global_offset`` minus the prepended layer/expert axes, ``local_shape``); pulls full
+  covers (``global_offset`` minus the prepended layer/expert axes, ``local_shape``; a parameter
+  that megatron saves as several checkpoint tensors, sections of its dim 0 with their own global
+  shapes -- a Gated DeltaNet's ``in_proj`` and ``conv1d`` -- by each section's place in the full
+  tensor); pulls full
   tensors from a ``(global name, full tensor)`` stream (the HF mapping) until the asked one
   arrives, keeps only those this rank still has to write, and drops each as soon as its last
   piece is written. Written in layer order, that is at most about one layer.
@@ -64,6 +67,34 @@ def _held_bytes(t) -> int:
     return t.numel() * t.element_size() if held is None else held
 
 
+def _local_row(st, param) -> int:
+    """The first row (dim 0) of ``param``'s local data that checkpoint tensor ``st`` views."""
+    return (st.data.storage_offset() - param.storage_offset()) // max(param.stride(0), 1)
+
+
+def _sections_of(entries) -> Dict[str, Tuple[Dict[int, int], int]]:
+    """Parameters whose checkpoint tensors are sections of dim 0 with their own global shapes
+    (megatron's ``_split_tensor_factory``: a Gated DeltaNet's ``in_proj`` as query, key, value,
+    z, beta, alpha; its ``conv1d`` as query, key, value): global name -> ({local first row of a
+    section: its first row in the full tensor}, the full tensor's rows). The sections follow each
+    other in the full tensor in the order they do in the rank's shard."""
+    by_name: Dict[str, list] = {}
+    for st, _, name, param in entries:
+        by_name.setdefault(name, []).append((st, param))
+    out = {}
+    for name, sts in by_name.items():
+        shapes = {tuple(st.global_shape[st.prepend_axis_num:]) for st, _ in sts}
+        if len(shapes) == 1:
+            continue
+        rows = sorted({(_local_row(st, p), int(st.global_shape[st.prepend_axis_num])) for st, p in sts})
+        starts, at = {}, 0
+        for local, size in rows:
+            starts[local] = at
+            at += size
+        out[name] = (starts, at)
+    return out
+
+
 class ShardSource:
     """The data of every main-replica ``ShardedTensor`` of one rank, produced on demand.
 
@@ -81,13 +112,14 @@ class ShardSource:
                  on_release: Optional[Callable[[], None]] = None):
         from megatron.core.dist_checkpointing.mapping import is_main_replica
 
-        by_storage: Dict[int, Tuple[int, str]] = {}
+        by_storage: Dict[int, Tuple[int, str, torch.Tensor]] = {}
         for pos, (name, param) in enumerate(named_params):
-            by_storage[param.untyped_storage().data_ptr()] = (pos, name)
+            by_storage[param.untyped_storage().data_ptr()] = (pos, name, param)
         self.regions: Dict[Tuple[str, tuple], Tuple[str, tuple, torch.Size]] = {}
         self.order: Dict[Tuple[str, tuple], tuple] = {}
         self.pending: Counter = Counter()  # global name -> pieces still to write on this rank
         self.expected_shape: Dict[str, tuple] = {}
+        mine = []  # (st, pos, name, param) of the main replicas
         for st in sharded_tensors:
             if st.flattened_range is not None:
                 raise ValueError(f"{st.key!r}: flattened ShardedTensors are not supported here")
@@ -95,18 +127,25 @@ class ShardSource:
             if hit is None:
                 raise ValueError(f"checkpoint tensor {st.key!r} (offset {st.global_offset}) is not a "
                                  f"view of any parameter of the model")
-            pos, name = hit
+            pos, name, param = hit
             if tied and name == TIED_OUTPUT:
                 name = EMBEDDING
             if not is_main_replica(st.replica_id):
                 continue  # written by the rank holding the main replica
+            mine.append((st, pos, name, param))
+        sections = _sections_of(mine)
+        for st, pos, name, param in mine:
             k = st.prepend_axis_num
+            offset = [int(o) for o in st.global_offset[k:]]
             full_shape = tuple(st.global_shape[k:])
+            if name in sections:  # one of several checkpoint tensors cut from the parameter's dim 0
+                starts, full_rows = sections[name]
+                offset[0] += starts[_local_row(st, param)]
+                full_shape = (full_rows, *full_shape[1:])
             if self.expected_shape.setdefault(name, full_shape) != full_shape:
                 raise ValueError(f"{name!r}: checkpoint tensors disagree on its full shape "
                                  f"({self.expected_shape[name]} vs {full_shape} for {st.key!r})")
-            index = tuple(slice(int(o), int(o) + int(s))
-                          for o, s in zip(st.global_offset[k:], st.local_shape))
+            index = tuple(slice(o, o + int(s)) for o, s in zip(offset, st.local_shape))
             key = (st.key, tuple(int(o) for o in st.global_offset))
             if key in self.regions:
                 raise ValueError(f"checkpoint tensor {st.key!r} offset {st.global_offset} appears twice")

@@ -10,7 +10,8 @@ files into a checkpoint, streaming, and guards the output directory.
      (else the error names the architecture), layout valid (TP dividing heads etc., named), every
      HF tensor present with the shape ``config.json`` implies and none unexpected (named) -- from
      safetensors headers only;
-  2. each rank builds its pipeline stage of the ``GPTModel`` as a skeleton (no init: its
+  2. each rank builds its pipeline stage of the model (``HybridModel`` or ``GPTModel``, as the
+     actor would: ``model_builder``) as a skeleton (no init: its
      ``torch.empty`` storage is never touched, so not resident) only for megatron's own
      ``sharded_state_dict()``: the key, global shape/offset, local shape and replica id of every
      piece it saves (TP splits, fused QKV rows, the gate/up halves of ``linear_fc1``, stacked
@@ -70,7 +71,7 @@ from megatron_tepo.megatron.sharding import expert_indices, layer_offsets, load_
 from megatron_tepo.models import family_config_from_hf, hf_to_megatron, layer_mapping
 from megatron_tepo.models.common import MegatronToHFLayout
 
-from .common import (agree, build_gpt_model, check_out_dir, ensure_process_group, finalize_dir, log_progress,
+from .common import (agree, build_model, check_out_dir, ensure_process_group, finalize_dir, log_progress,
                      read_config_json, tmp_dir_for, trim_heap)
 from .hf_io import LazyHFCheckpoint, check_hf_tensors, hf_layer_index, load_hf_config, streaming_order
 from .sidecars import write_conversion_sidecars
@@ -213,14 +214,18 @@ def _params_dtype(ckpt: LazyHFCheckpoint) -> torch.dtype:
 
 
 def convert_hf_to_megatron(hf_dir, out_dir, tp: int = 1, pp: int = 1, ep: int = 1, force: bool = False,
-                           progress: bool = True, streaming: bool = True) -> Path:
+                           progress: bool = True, streaming: bool = True, model_builder: str = "auto") -> Path:
     """Write ``hf_dir`` (safetensors) as a megatron-core torch_dist checkpoint at ``out_dir``.
 
     Collective over the default process group, whose size must be ``tp*pp*ep`` (a 1-process gloo
     group is started when none exists). See the module docstring. ``streaming=False`` is the
     whole-model reference path (fill an initialised model, megatron's own
     ``dist_checkpointing.save``): same checkpoint, ~2.3x the rank's share of the model in
-    memory; the tests compare the two."""
+    memory; the tests compare the two. ``model_builder`` (as ``actor.model_builder``; ``auto``:
+    what the actor builds on this megatron-core) lays out the checkpoint's keys; the sidecar
+    records it."""
+    from megatron_tepo.megatron.gpt import resolve_model_builder
+
     ensure_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(out_dir).absolute()
@@ -233,6 +238,7 @@ def convert_hf_to_megatron(hf_dir, out_dir, tp: int = 1, pp: int = 1, ep: int = 
         return check_hf_input(hf_dir, tp=tp, pp=pp, ep=ep, world_size=world)
 
     family_cfg, _, ckpt = agree(validate)
+    builder = agree(resolve_model_builder, model_builder)
     tmp_holder = [str(tmp_dir_for(out)) if rank == 0 else None]
     if world > 1:
         dist.broadcast_object_list(tmp_holder, src=0)
@@ -249,11 +255,11 @@ def convert_hf_to_megatron(hf_dir, out_dir, tp: int = 1, pp: int = 1, ep: int = 
                      f"tp={tp} pp={pp} ep={ep}, dtype {dtype_name(params_dtype)}"
                      f"{'' if streaming else ', whole-model reference path'} -> {out}", progress)
         save = _save_streaming if streaming else _save_from_filled_model
-        save(tmp, family_cfg, ckpt, params_dtype, progress)
+        save(tmp, family_cfg, ckpt, params_dtype, progress, builder)
         ckpt.close()
         if rank == 0:
             agree(write_conversion_sidecars, tmp, hf_dir, family_cfg, params_dtype,
-                  ParallelLayout(tp=tp, pp=pp, ep=ep), ckpt)
+                  ParallelLayout(tp=tp, pp=pp, ep=ep), ckpt, model_builder=builder)
         else:
             agree(lambda: None)
         if world > 1:
@@ -286,7 +292,8 @@ def _stage_reads(model, family_cfg, ckpt: LazyHFCheckpoint, tied_output_read: bo
 last_import_stats: dict = {}  # this rank's last streaming import: bytes written, most full-tensor bytes held
 
 
-def _save_streaming(tmp: Path, family_cfg, ckpt: LazyHFCheckpoint, params_dtype, progress: bool) -> None:
+def _save_streaming(tmp: Path, family_cfg, ckpt: LazyHFCheckpoint, params_dtype, progress: bool,
+                    builder: str) -> None:
     """The rank's skeleton model gives the checkpoint's structure; the HF tensors stream through
     the mapping into :class:`~.dist_writer.StreamingTorchDistSave`, piece by piece in layer
     order (module docstring)."""
@@ -299,7 +306,7 @@ def _save_streaming(tmp: Path, family_cfg, ckpt: LazyHFCheckpoint, params_dtype,
     from .dist_writer import ShardSource, StreamingTorchDistSave
 
     t0 = time.time()
-    model = agree(build_gpt_model, family_cfg, params_dtype, initialize=False)
+    model = agree(build_model, family_cfg, params_dtype, initialize=False, model_builder=builder)
     # The last stage's tied output_layer copy is a non-main replica of the embedding (the first
     # stage writes it), so that stage never needs the HF embedding's data.
     needed = _stage_reads(model, family_cfg, ckpt, tied_output_read=False)
@@ -325,13 +332,14 @@ def _save_streaming(tmp: Path, family_cfg, ckpt: LazyHFCheckpoint, params_dtype,
                  f"MiB written, at most {source.peak_cached_bytes / 2**20:.0f} MiB of full tensors held)", progress)
 
 
-def _save_from_filled_model(tmp: Path, family_cfg, ckpt: LazyHFCheckpoint, params_dtype, progress: bool) -> None:
+def _save_from_filled_model(tmp: Path, family_cfg, ckpt: LazyHFCheckpoint, params_dtype, progress: bool,
+                            builder: str) -> None:
     """Reference path: fill the rank's initialised stage through ``models``' TP/PP placement
     (``load_megatron_state_into``), then megatron-core's own ``dist_checkpointing.save``."""
     from megatron.core import dist_checkpointing
 
     t0 = time.time()
-    model = agree(build_gpt_model, family_cfg, params_dtype)
+    model = agree(build_model, family_cfg, params_dtype, model_builder=builder)
     needed = _stage_reads(model, family_cfg, ckpt, tied_output_read=True)
     stats = {"read": 0}
     gated = MegatronToHFLayout(family_cfg, layer_mapping(family_cfg)).gated

@@ -40,10 +40,10 @@ from megatron_tepo.layout import ParallelLayout
 from megatron_tepo.megatron.parallel import initialize_parallel, raise_if_any_rank_failed
 from megatron_tepo.models import megatron_to_hf
 
-from .common import build_gpt_model, check_out_dir, ensure_process_group, finalize_dir, log_progress, tmp_dir_for
+from .common import build_model, check_out_dir, ensure_process_group, finalize_dir, log_progress, tmp_dir_for
 from .dcp_reader import params_streamed
 from .hf_io import LazyHFCheckpoint, ShardedSafetensorsWriter, copy_side_files, hf_layer_index
-from .sidecars import HF_SOURCE, hf_tensor_table, read_checkpoint_info, read_family_config
+from .sidecars import HF_SOURCE, hf_tensor_table, model_builder_of, read_checkpoint_info, read_family_config
 
 __all__ = ["HFDirWriter", "convert_megatron_to_hf", "export_actor_to_hf"]
 
@@ -115,7 +115,7 @@ def convert_megatron_to_hf(megatron_dir, out_dir, force: bool = False,
     writer = HFDirWriter(out, info["hf_tensors"], src / HF_SOURCE, family_cfg.tie_word_embeddings, force,
                          max_shard_bytes)
     try:
-        model = build_gpt_model(family_cfg, params_dtype, initialize=False)
+        model = build_model(family_cfg, params_dtype, initialize=False, model_builder=model_builder_of(info))
         log_progress(f"streaming {src} (saved at {info['saved_layout']}) at tp=1 pp=1 ep=1", progress)
         current = None
         for name, tensor in megatron_to_hf(params_streamed(model, src), family_cfg):

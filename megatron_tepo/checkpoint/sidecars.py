@@ -8,7 +8,9 @@ checkpoints, read by the Megatron -> HF exporter.
   ``family_config``: the whole :class:`~megatron_tepo.models.GPTFamilyConfig`
   (:meth:`~megatron_tepo.models.GPTFamilyConfig.as_dict`), its ``moe`` an object with the
   experts' sizes and router settings or null for a dense model; ``spec`` (the layer spec that
-  names the norm tensors); ``params_dtype``; ``saved_layout`` (tp/pp/ep/cp);
+  names the norm tensors); ``model_builder`` (``hybrid`` / ``gpt``: the megatron model whose
+  ``sharded_state_dict`` keys the torch_dist files use; absent in files written before it was
+  recorded, which were all ``gpt``: :func:`model_builder_of`); ``params_dtype``; ``saved_layout`` (tp/pp/ep/cp);
   ``megatron_core_version``; ``hf_tensors``: the source's HF tensor names with their dtype and
   shape (what the export must give back).
 
@@ -37,9 +39,10 @@ from .hf_io import LazyHFCheckpoint, copy_side_files
 INFO_NAME = "megatron_tepo_checkpoint.json"
 HF_SOURCE = "hf_source"
 FORMAT = "megatron_tepo/hf-dist-ckpt/1"
+BUILDERS = ("hybrid", "gpt")
 
 __all__ = ["INFO_NAME", "HF_SOURCE", "FORMAT", "hf_tensor_table", "write_conversion_sidecars",
-           "read_checkpoint_info", "read_family_config"]
+           "read_checkpoint_info", "read_family_config", "model_builder_of"]
 
 
 def hf_tensor_table(ckpt: LazyHFCheckpoint) -> Dict[str, dict]:
@@ -48,10 +51,14 @@ def hf_tensor_table(ckpt: LazyHFCheckpoint) -> Dict[str, dict]:
 
 
 def write_conversion_sidecars(directory, hf_dir, family_cfg: GPTFamilyConfig, params_dtype,
-                              layout: ParallelLayout, ckpt: Optional[LazyHFCheckpoint] = None) -> None:
+                              layout: ParallelLayout, ckpt: Optional[LazyHFCheckpoint] = None, *,
+                              model_builder: str) -> None:
     """Write ``hf_source/`` (from ``hf_dir``) and ``megatron_tepo_checkpoint.json`` (module
     docstring) into ``directory``: what makes it convertible back to HF by
-    :func:`~.megatron_to_hf.convert_megatron_to_hf`. ``ckpt``: ``hf_dir`` already open."""
+    :func:`~.megatron_to_hf.convert_megatron_to_hf`. ``ckpt``: ``hf_dir`` already open;
+    ``model_builder``: the (resolved) builder whose model wrote the torch_dist files."""
+    if model_builder not in BUILDERS:
+        raise ValueError(f"model_builder: {model_builder!r} must be one of {list(BUILDERS)} (resolved)")
     import megatron.core
 
     directory = Path(directory)
@@ -62,6 +69,7 @@ def write_conversion_sidecars(directory, hf_dir, family_cfg: GPTFamilyConfig, pa
         "family": family_cfg.family,
         "family_config": family_cfg.as_dict(),
         "spec": family_cfg.spec,
+        "model_builder": model_builder,
         "params_dtype": dtype_name(params_dtype),
         "saved_layout": layout.as_dict(),
         "megatron_core_version": getattr(megatron.core, "__version__", "?"),
@@ -93,3 +101,13 @@ def read_family_config(megatron_dir, info: Optional[dict] = None) -> GPTFamilyCo
     if isinstance(stored, dict) and "moe" in stored:
         return GPTFamilyConfig.from_dict(stored)
     return family_config_from_hf(read_config_json(Path(megatron_dir) / HF_SOURCE), spec=info.get("spec", "local"))
+
+
+def model_builder_of(info: dict) -> str:
+    """The builder whose model wrote a checkpoint (its :func:`read_checkpoint_info`): the recorded
+    ``model_builder``, or ``gpt`` for a file written before it was recorded (every model then was
+    a ``GPTModel``). An unknown value is a ValueError naming it."""
+    builder = info.get("model_builder", "gpt")
+    if builder not in BUILDERS:
+        raise ValueError(f"{INFO_NAME}: model_builder {builder!r} is not one of {list(BUILDERS)}")
+    return builder

@@ -294,6 +294,13 @@ class ActorConfig:
       vocabulary blocks, never holding the ``[tokens, V/tp]`` logits or their gradient
       (ops/lm_head.py); ``materialized`` -- those positions' logits, then the vocab op (for
       bisecting).
+    * ``model_builder``: which megatron-core model the actor builds (megatron/model.py says it once
+      in the log). ``hybrid`` -- ``HybridModel`` (megatron-core >= 0.18; its stack holds each HF
+      decoder layer as a token-mixer layer and an MLP layer, megatron/hybrid.py; needed by
+      Gated DeltaNet models such as Qwen3.5); ``gpt`` -- ``GPTModel`` (deprecated from
+      megatron-core 0.19 on); ``auto`` -- hybrid wherever megatron-core has it, gpt on the oldest
+      stack. Both compute the same thing bit for bit for the GPT-shaped families; a checkpoint is
+      resumed by the builder that wrote it.
     """
 
     precision: Literal["bf16", "fp32"] = "bf16"
@@ -312,6 +319,7 @@ class ActorConfig:
     offload: Literal["auto", "none", "optimizer", "optimizer_grads", "all"] = "auto"
     routing_replay: Literal["off", "r2", "r3"] = "off"
     lm_head: Literal["fused", "materialized"] = "fused"
+    model_builder: Literal["auto", "hybrid", "gpt"] = "auto"
 
     def offload_parts(self, colocated: bool) -> tuple:
         """The parts of the actor that ``offload`` moves (``auto`` decided by ``colocated``)."""

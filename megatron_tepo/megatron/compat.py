@@ -20,7 +20,7 @@ from packaging.version import Version
 
 __all__ = ["SUPPORTED", "mcore_version", "check_supported", "LEGACY_COMMON_FILE", "common_state_in_dcp",
            "dist_ckpt_common_files", "save_strategy_base", "adopt_current_lr_in_saved_groups",
-           "whole_layer_cuda_graph_kwargs", "async_save_kwargs"]
+           "whole_layer_cuda_graph_kwargs", "async_save_kwargs", "hybrid_model_available"]
 
 #: the megatron-core versions this package is tested with (keep in step with pyproject.toml)
 SUPPORTED = SpecifierSet(">=0.16.1,<0.20")
@@ -139,3 +139,17 @@ def async_save_kwargs(save_fn=None) -> dict:
     if "async_strategy" in inspect.signature(save_fn).parameters:
         kwargs["async_strategy"] = "mcore"
     return kwargs
+
+
+# ------------------------------------------------------------------ model builders
+@functools.lru_cache(maxsize=None)
+def hybrid_model_available() -> bool:
+    """Whether this megatron-core has ``HybridModel`` (``megatron.core.models.hybrid``: 0.18 on;
+    0.16.1 and 0.17 have only ``MambaModel``, which knows no Gated DeltaNet layer). The actor's
+    ``model_builder: auto`` takes it wherever it is (megatron_tepo/megatron/gpt.py)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.core.models.hybrid.hybrid_model") is not None
+    except ModuleNotFoundError:
+        return False

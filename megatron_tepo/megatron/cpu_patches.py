@@ -1,7 +1,9 @@
-"""Run-time work-arounds that let megatron-core 0.16.1 - 0.19.x run without CUDA or without Transformer Engine.
+"""Run-time work-arounds that let megatron-core 0.16.1 - 0.19.x run without CUDA, without Transformer
+Engine, or without flash-linear-attention.
 
-megatron-core hard-codes CUDA in many places that no config flag reaches, and one of its MoE
-functions assumes Transformer Engine. This module is THE one place that papers over them. Each
+megatron-core hard-codes CUDA in many places that no config flag reaches, one of its MoE
+functions assumes Transformer Engine, and its Gated DeltaNet needs flash-linear-attention's GPU
+kernels. This module is THE one place that papers over them. Each
 work-around is a small named function (see :data:`PATCHES`) whose docstring names the
 megatron-core file/function it serves, and each is applied on exactly the condition that makes it
 necessary (:data:`CONDITIONS`), and only on the megatron-core versions whose code needs it
@@ -12,6 +14,9 @@ necessary (:data:`CONDITIONS`), and only on the megatron-core versions whose cod
   * ``no_te`` (Transformer Engine does not import) -- patch 7 (``moe_router_gemm``): the NameError
     it prevents comes from the absence of TE, on a GPU as on a CPU. It binds a name only where
     megatron did not, so it can never shadow TE's kernel.
+  * ``no_gdn_kernels`` (flash-linear-attention does not import, or there is no CUDA for its Triton
+    kernels) -- patch 9 (``gdn_kernels``): megatron's Gated DeltaNet on the pure-torch stand-in of
+    :mod:`.gated_delta_rule`; where ``fla`` runs, its kernels are never replaced.
 
 :func:`apply_cpu_patches` evaluates each condition through :data:`CONDITION_PROBES` (tests
 monkeypatch :func:`cuda_available` / :func:`te_available`). Every patch records what it
@@ -29,6 +34,9 @@ Scope of the lies told:
   * ``moe_router_gemm`` only binds a name megatron forgot to define without Transformer Engine.
   * ``torch.cuda.current_stream()`` returns a no-op stream only inside
     ``distributed/param_and_grad_buffer.py`` (its module-global ``torch`` is a proxy).
+  * ``gdn_kernels`` binds, in megatron's Gated DeltaNet modules only, the three flash-linear-attention
+    functions they call to :mod:`.gated_delta_rule`'s, and says ``HAVE_FLA`` there (the module
+    refuses to build otherwise).
 
 Versions: the supported range is :data:`megatron_tepo.megatron.compat.SUPPORTED` (tested at both
 ends, 0.16.1 and 0.19.x). :data:`TARGETS` names, per patch, the megatron functions it serves and the
@@ -51,7 +59,8 @@ from typing import Callable, Dict, Iterable, List, Tuple
 import torch
 
 __all__ = ["PATCHES", "CONDITIONS", "CONDITION_PROBES", "VERSIONS", "TARGETS", "apply_cpu_patches",
-           "revert_cpu_patches", "applied_patches", "cuda_available", "te_available", "version_applies"]
+           "revert_cpu_patches", "applied_patches", "cuda_available", "te_available", "fla_available",
+           "version_applies"]
 
 # (owner object, attribute name, original value) for every replaced attribute, per patch.
 _UNDO: Dict[str, List[Tuple[object, str, object]]] = {}
@@ -369,6 +378,29 @@ def patch_grad_sync_stream() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# 9. Gated DeltaNet kernels without flash-linear-attention (megatron-core >= 0.19)
+# --------------------------------------------------------------------------------------------
+def patch_gdn_kernels() -> None:
+    """flash-linear-attention's functions -> :mod:`.gated_delta_rule`'s, inside
+    ``ssm/gated_delta_net/`` only.
+
+    ``gdn.py``: ``GatedDeltaNet.forward`` calls ``causal_conv1d`` and ``_setup_variant_attrs``
+    takes ``chunk_gated_delta_rule`` (both ``None`` without ``fla``); ``common.py``:
+    ``_GDNBase.__init__`` raises ImportError unless ``HAVE_FLA``, and
+    ``_prepare_input_for_gated_delta_rule`` calls ``l2norm``. flash-linear-attention's kernels are
+    Triton: GPU only.
+    """
+    from megatron.core.ssm.gated_delta_net import common, gdn
+
+    from megatron_tepo.megatron import gated_delta_rule as torch_gdn
+
+    _replace("gdn_kernels", common, "HAVE_FLA", True)
+    _replace("gdn_kernels", common, "l2norm", torch_gdn.l2norm)
+    _replace("gdn_kernels", gdn, "causal_conv1d", torch_gdn.causal_conv1d)
+    _replace("gdn_kernels", gdn, "chunk_gated_delta_rule", torch_gdn.chunk_gated_delta_rule)
+
+
+# --------------------------------------------------------------------------------------------
 def cuda_available() -> bool:
     """The ``no_cuda`` probe's input (a function so tests can monkeypatch it)."""
     return torch.cuda.is_available()
@@ -381,10 +413,18 @@ def te_available() -> bool:
     return probe()
 
 
+def fla_available() -> bool:
+    """flash-linear-attention (``fla``) is installed (its kernels also need CUDA)."""
+    import importlib.util
+
+    return importlib.util.find_spec("fla") is not None
+
+
 #: condition name -> "is the work-around needed here?"
 CONDITION_PROBES: Dict[str, Callable[[], bool]] = {
     "no_cuda": lambda: not cuda_available(),
     "no_te": lambda: not te_available(),
+    "no_gdn_kernels": lambda: not (cuda_available() and fla_available()),
 }
 
 PATCHES: Dict[str, Callable[[], None]] = {
@@ -396,6 +436,7 @@ PATCHES: Dict[str, Callable[[], None]] = {
     "tied_embedding_setup": patch_tied_embedding_setup,
     "moe_router_gemm": patch_moe_router_gemm,
     "grad_sync_stream": patch_grad_sync_stream,
+    "gdn_kernels": patch_gdn_kernels,
 }
 
 #: patch -> the condition (a key of :data:`CONDITION_PROBES`) under which it is applied
@@ -408,6 +449,7 @@ CONDITIONS: Dict[str, str] = {
     "tied_embedding_setup": "no_cuda",
     "moe_router_gemm": "no_te",
     "grad_sync_stream": "no_cuda",
+    "gdn_kernels": "no_gdn_kernels",
 }
 
 #: patch -> (the megatron-core versions it applies to, why). Both ends of the supported range
@@ -429,6 +471,8 @@ VERSIONS: Dict[str, Tuple[str, str]] = {
                         "Transformer Engine is missing"),
     "grad_sync_stream": (">=0.19", "0.19.0 added torch.cuda.current_stream() at the top of "
                          "start_grad_sync (CUDA-graph wgrad events)"),
+    "gdn_kernels": (">=0.19", "the Gated DeltaNet package (ssm/gated_delta_net/gdn.py, common.py) of 0.19; "
+                    "0.18 kept it in one module, 0.16.1 / 0.17 have no HybridModel to build it in"),
 }
 
 #: patch -> the megatron functions it serves and the construct each must still contain (checked
@@ -469,6 +513,13 @@ TARGETS: Dict[str, List[Tuple[str, str, str]]] = {
     "grad_sync_stream": [
         ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.start_grad_sync",
          "torch.cuda.current_stream()")],
+    "gdn_kernels": [
+        ("megatron.core.ssm.gated_delta_net.gdn", "GatedDeltaNet.forward", "causal_conv1d("),
+        ("megatron.core.ssm.gated_delta_net.gdn", "GatedDeltaNet._setup_variant_attrs",
+         "self.gated_delta_rule = chunk_gated_delta_rule"),
+        ("megatron.core.ssm.gated_delta_net.common", "_GDNBase.__init__", "if not HAVE_FLA:"),
+        ("megatron.core.ssm.gated_delta_net.common", "_GDNBase._prepare_input_for_gated_delta_rule", "l2norm("),
+    ],
 }
 
 

@@ -7,7 +7,10 @@ actor and the checkpoint converter both use it.
   when Transformer Engine imports, else ``sdpa``; ``fusions: auto`` -> on with CUDA, off on CPU;
   ``gradient_accumulation_fusion: auto`` -> on with TE and apex's ``fused_weight_gradient_mlp_cuda``;
   ``moe_grouped_gemm: auto`` -> on with TE; ``packed_attention: auto`` -> ``varlen`` on CUDA in
-  bf16 (``flex`` in fp32; ``loop`` where torch has neither), ``loop`` on CPU.
+  bf16 (``flex`` in fp32; ``loop`` where torch has neither), ``loop`` on CPU;
+  ``model_builder: auto`` -> ``hybrid`` (megatron's ``HybridModel``, :mod:`.hybrid`) where this
+  megatron-core has it (:func:`~megatron_tepo.megatron.compat.hybrid_model_available`), else
+  ``gpt`` (``GPTModel``: megatron-core 0.16.1).
 * :func:`transformer_config`: precision (``bf16``: ``bf16=True`` with bf16 parameters and
   pipeline tensors), activation recompute (``full``: megatron's ``uniform`` method over blocks of
   ``recompute_num_layers`` layers; ``selective``: the core attention), sequence parallelism and
@@ -16,10 +19,15 @@ actor and the checkpoint converter both use it.
   of this machine (:func:`moe_token_dispatcher`), grouped GEMM, no permute fusion, and
   ``moe_enable_routing_replay`` when ``actor.routing_replay`` is on (a dense family refuses it:
   :func:`routing_replay_problem`).
-* :func:`build_gpt_chunk`: a stage of ``GPTModel`` on the layer spec of :mod:`.spec` for the
-  resolved attention (te: Transformer Engine's spec; sdpa: the local spec whose backend answers
-  :class:`~megatron_tepo.megatron.attention.SDPACoreAttention` for the core attention; unfused:
-  the local spec as megatron ships it).
+* :func:`build_chunk`: the one construction function -- a stage of the model the resolved
+  ``actor.model_builder`` names: :func:`build_gpt_chunk`, a ``GPTModel`` on the layer spec of
+  :mod:`.spec` for the resolved attention (te: Transformer Engine's spec; sdpa: the local spec
+  whose backend answers :class:`~megatron_tepo.megatron.attention.SDPACoreAttention` for the core
+  attention; unfused: the local spec as megatron ships it), or
+  :func:`~megatron_tepo.megatron.hybrid.build_hybrid_chunk`, a ``HybridModel`` on the same layer
+  spec cut into its attention and MLP halves. For the hybrid stack ``TransformerConfig.num_layers``
+  counts the stack's layers (two per HF layer) and ``recompute_num_layers`` is scaled with it, so
+  ``actor.recompute_num_layers`` counts HF layers on either builder.
 
 ``auto`` is decided once, by :func:`resolve_actor_config` (the actor's plan); the builders here
 refuse a config that still holds one.
@@ -61,15 +69,32 @@ from megatron_tepo.megatron.compat import whole_layer_cuda_graph_kwargs
 from megatron_tepo.models import GPTFamilyConfig
 from megatron_tepo.megatron.spec import block_spec, family_spec_name, layer_spec, te_available
 
-__all__ = ["resolve_actor_config", "family_spec", "transformer_config", "build_gpt_chunk", "FP32_ACTOR",
-           "moe_token_dispatcher"]
+__all__ = ["resolve_actor_config", "resolve_model_builder", "family_spec", "transformer_config", "build_chunk",
+           "build_gpt_chunk", "FP32_ACTOR", "moe_token_dispatcher"]
 
 #: Settings whose ``auto`` values :func:`resolve_actor_config` decides (once: the actor's plan).
-AUTO_FIELDS = ("attention", "fusions", "gradient_accumulation_fusion", "moe_grouped_gemm", "packed_attention")
+AUTO_FIELDS = ("attention", "fusions", "gradient_accumulation_fusion", "moe_grouped_gemm", "packed_attention",
+               "model_builder")
 #: What the checkpoint converter and other non-training builders use: fp32, no recompute, nothing
 #: that needs Transformer Engine or CUDA.
 FP32_ACTOR = ActorConfig(precision="fp32", attention="unfused", pack_sequences=False, fusions="off",
-                         gradient_accumulation_fusion="off", moe_grouped_gemm="off", packed_attention="loop")
+                         gradient_accumulation_fusion="off", moe_grouped_gemm="off", packed_attention="loop",
+                         model_builder="gpt")
+
+
+def resolve_model_builder(builder: str = "auto") -> str:
+    """``actor.model_builder`` made concrete: ``auto`` -> ``hybrid`` where megatron-core has
+    ``HybridModel``, else ``gpt``; ``hybrid`` where it has none is a ValueError naming the setting."""
+    from megatron_tepo.megatron.compat import hybrid_model_available, mcore_version
+
+    if builder == "auto":
+        return "hybrid" if hybrid_model_available() else "gpt"
+    if builder == "hybrid" and not hybrid_model_available():
+        raise ValueError(f"actor.model_builder: hybrid needs megatron-core's HybridModel (megatron-core >= 0.18), "
+                         f"and this is megatron-core {mcore_version()}; use gpt or auto")
+    if builder not in ("hybrid", "gpt"):
+        raise ValueError(f"actor.model_builder: {builder!r} must be auto, hybrid or gpt")
+    return builder
 
 
 def resolve_actor_config(actor: ActorConfig, cuda: Optional[bool] = None,
@@ -113,7 +138,8 @@ def resolve_actor_config(actor: ActorConfig, cuda: Optional[bool] = None,
     if packed == "flex" and not flex_available():
         raise ValueError("actor.packed_attention: flex needs torch.nn.attention.flex_attention; use loop or auto")
     return dataclasses.replace(actor, attention=attention, fusions=fusions, gradient_accumulation_fusion=gaf,
-                               moe_grouped_gemm=grouped, packed_attention=packed)
+                               moe_grouped_gemm=grouped, packed_attention=packed,
+                               model_builder=resolve_model_builder(actor.model_builder))
 
 
 def grad_accum_fusion_available() -> bool:
@@ -157,6 +183,23 @@ def routing_replay_problem(family_cfg: GPTFamilyConfig, actor: ActorConfig) -> s
     return ""
 
 
+def builder_problem(family_cfg: GPTFamilyConfig, actor: ActorConfig) -> str:
+    """Why the resolved ``actor.model_builder`` cannot build ``family_cfg``, or "": a model with
+    Gated DeltaNet layers, gated attention or zero-centred norms (Qwen3.5) is a ``HybridModel``
+    only (the local GPT spec has none of them)."""
+    needs = [what for what, has in (("Gated DeltaNet layers", family_cfg.linear_attention is not None),
+                                    ("gated attention", family_cfg.attention_output_gate),
+                                    ("zero-centred norms", family_cfg.zero_centered_norms)) if has]
+    if needs and actor.model_builder != "hybrid":
+        from megatron_tepo.megatron.compat import hybrid_model_available, mcore_version
+
+        where = ("set actor.model_builder: hybrid (or auto)" if hybrid_model_available()
+                 else f"megatron-core {mcore_version()} has no HybridModel: install megatron-core >= 0.19")
+        return (f"actor.model_builder: {family_cfg.family} ({', '.join(needs)}) is built as megatron's HybridModel, "
+                f"not a {actor.model_builder} model; {where}")
+    return ""
+
+
 def require_resolved(actor: ActorConfig) -> ActorConfig:
     """``actor`` itself when no setting is left ``auto``; a ValueError naming them otherwise."""
     left = [f"actor.{name}" for name in AUTO_FIELDS if getattr(actor, name) == "auto"]
@@ -188,6 +231,12 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
 
     require_resolved(actor)
     kw = family_cfg.transformer_config_kwargs()  # with the MoE sizes and router settings
+    per = 1
+    if actor.model_builder == "hybrid":  # each HF layer is two layers of the stack (megatron/hybrid.py)
+        from megatron_tepo.megatron.hybrid import SUBLAYERS
+
+        per = SUBLAYERS
+        kw["num_layers"] = family_cfg.num_layers * per
     if actor.routing_replay != "off":
         if family_cfg.moe is None:
             raise ValueError(routing_replay_problem(family_cfg, actor))
@@ -204,7 +253,7 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
     fused = actor.fusions == "on"
     if actor.recompute == "full":
         kw.update(recompute_granularity="full", recompute_method="uniform",
-                  recompute_num_layers=actor.recompute_num_layers)
+                  recompute_num_layers=actor.recompute_num_layers * per)  # (counted in HF layers)
     elif actor.recompute == "selective":
         kw.update(recompute_granularity="selective")
     return TransformerConfig(
@@ -233,6 +282,18 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
     )
 
 
+def build_chunk(config, family_cfg: GPTFamilyConfig, pre_process: bool, post_process: bool,
+                actor: ActorConfig = FP32_ACTOR):
+    """This stage's model from the builder ``actor.model_builder`` names (resolved): the one
+    construction function the actor and the converters call."""
+    require_resolved(actor)
+    if actor.model_builder == "hybrid":
+        from megatron_tepo.megatron.hybrid import build_hybrid_chunk
+
+        return build_hybrid_chunk(config, family_cfg, pre_process, post_process, actor)
+    return build_gpt_chunk(config, family_cfg, pre_process, post_process, actor)
+
+
 def build_gpt_chunk(config, family_cfg: GPTFamilyConfig, pre_process: bool, post_process: bool,
                     actor: ActorConfig = FP32_ACTOR):
     """The ``GPTModel`` of one pipeline stage, its layers from :func:`~megatron_tepo.megatron.spec.layer_spec`
@@ -240,6 +301,9 @@ def build_gpt_chunk(config, family_cfg: GPTFamilyConfig, pre_process: bool, post
     from megatron.core.models.gpt import GPTModel
 
     require_resolved(actor)
+    problem = builder_problem(family_cfg, dataclasses.replace(actor, model_builder="gpt"))
+    if problem:
+        raise ValueError(problem)
     spec = layer_spec(family_cfg, actor.attention, packed_attention=actor.packed_attention,
                       moe_grouped_gemm=bool(getattr(config, "moe_grouped_gemm", False)),
                       sequence_parallel=bool(config.sequence_parallel))

@@ -7,9 +7,10 @@ and the run's ``actor`` / ``optim`` settings into a :class:`TrainModel`, in this
    and the layout checked, before any process group starts;
 2. the process groups (:func:`~megatron_tepo.megatron.parallel.initialize_parallel`, their time-out);
 3. the ``TransformerConfig`` (:func:`actor_transformer_config`) and the stage's model from the one
-   construction function, :func:`~megatron_tepo.megatron.gpt.build_gpt_chunk` (a ``HybridModel``
-   builder would be a second function beside it); HF weights loaded into it, each rank reading
-   its own slices; ``Float16Module`` in bf16;
+   construction function, :func:`~megatron_tepo.megatron.gpt.build_chunk`: megatron's
+   ``HybridModel`` (:mod:`.hybrid`) or ``GPTModel`` (:func:`~megatron_tepo.megatron.gpt.build_gpt_chunk`),
+   as ``actor.model_builder`` resolves (said once in the log: :func:`announce_builder`); HF weights
+   loaded into it, each rank reading its own slices; ``Float16Module`` in bf16;
 4. megatron's DDP (gradients reduced in fp32, summed: see ``actor/actor.py`` on exact gradients),
    megatron's optimizer (torch's fused AdamW where megatron falls back to torch,
    :mod:`.fast_paths`) and its LR schedule (:func:`build_lr_scheduler`).
@@ -50,8 +51,8 @@ from megatron_tepo.config import OFFLOAD_LEVELS, ActorConfig, OptimConfig
 from megatron_tepo.config.validation import packing_problem
 from megatron_tepo.layout import ParallelLayout
 from megatron_tepo.megatron.fast_paths import use_fused_adam
-from megatron_tepo.megatron.gpt import (build_gpt_chunk, family_spec, resolve_actor_config, routing_replay_problem,
-                                        transformer_config)
+from megatron_tepo.megatron.gpt import (build_chunk, builder_problem, family_spec, resolve_actor_config,
+                                        routing_replay_problem, transformer_config)
 from megatron_tepo.megatron.hf_load import load_hf_checkpoint_into, load_hf_weights_into
 from megatron_tepo.megatron.lm_head import hidden_output, note_hidden_gradient_gemm
 from megatron_tepo.megatron.offload import HostOffload
@@ -64,7 +65,28 @@ from megatron_tepo.models import GPTFamilyConfig, family_config_from_hf
 OFFLOAD_PARTS = OFFLOAD_LEVELS["all"]
 
 __all__ = ["TrainModel", "OFFLOAD_PARTS", "build_train_model", "plan_actor", "actor_transformer_config", "build_lr_scheduler",
-           "load_hf_config"]
+           "load_hf_config", "announce_builder"]
+
+#: what each ``actor.model_builder`` builds, as the log says it
+BUILDER_NAMES = {"hybrid": "megatron-core's HybridModel", "gpt": "megatron-core's GPTModel"}
+_ANNOUNCED: List[str] = []  # the builder this process said it uses (once)
+
+
+def announce_builder(requested: str, resolved: str) -> None:
+    """Say once per process (global rank 0) which model the actor builds, and why."""
+    from megatron_tepo.megatron.compat import mcore_version
+
+    if _ANNOUNCED:
+        return
+    _ANNOUNCED.append(resolved)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if requested == "auto":
+        why = (f"megatron-core {mcore_version()} has HybridModel" if resolved == "hybrid"
+               else f"megatron-core {mcore_version()} has no HybridModel")
+    else:
+        why = f"actor.model_builder: {requested}"
+    print(f"[megatron_tepo] model: {BUILDER_NAMES[resolved]} ({why})", flush=True)
 
 
 def load_hf_config(hf_config):
@@ -108,7 +130,7 @@ def plan_actor(hf_config, layout: ParallelLayout, actor_config: Optional[ActorCo
     if problem:
         raise ValueError(problem)
     family_cfg = family_config_from_hf(hf_config, spec=family_spec(resolved))
-    problem = routing_replay_problem(family_cfg, resolved)
+    problem = routing_replay_problem(family_cfg, resolved) or builder_problem(family_cfg, resolved)
     if problem:
         from megatron_tepo.config import ConfigError
 
@@ -270,10 +292,13 @@ class TrainModel:
 
     def _finalize_grads(self, model, num_tokens=None, pg_collection=None, force_all_reduce=False):
         """megatron's finalize_model_grads without its division by the token count (the losses
-        carry the whole mini-batch's normaliser already)."""
+        carry the whole mini-batch's normaliser already); then the sum over the TP ranks of the
+        gradients each of them holds a part of (``tp_partial_grad``: the Gated DeltaNet's output
+        norm, :class:`~megatron_tepo.megatron.hybrid.GatedOutputNorm`)."""
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        sum_partial_grads_over_tp(model, self.tp_group)
 
     # ------------------------------------------------------------------ gradients and the step
     def zero_grads(self) -> None:
@@ -403,6 +428,30 @@ class TrainModel:
         self._gather_owed = False
 
 
+def sum_partial_grads_over_tp(model, tp_group) -> int:
+    """All-reduce (sum) over ``tp_group`` the gradients of the parameters marked ``tp_partial_grad``
+    (each TP rank computed its own part of the gradient of a replicated parameter); one collective
+    for all of them. Returns how many; a no-op at TP 1."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return 0
+    grads = []
+    for chunk in model:
+        for p in chunk.parameters():
+            if getattr(p, "tp_partial_grad", False) and p.requires_grad:
+                g = getattr(p, "main_grad", None)
+                g = p.grad if g is None else g
+                if g is not None:
+                    grads.append(g)
+    if grads:
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        flat = _flatten_dense_tensors([g.data for g in grads])
+        dist.all_reduce(flat, group=tp_group)
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.data.copy_(synced)
+    return len(grads)
+
+
 def ddp_config(optim: OptimConfig, settings: ActorConfig):
     """megatron's ``DistributedDataParallelConfig`` from ``optim`` and ``actor`` settings:
     ``overlap_grad_reduce`` as set; ``overlap_param_gather`` only with the distributed optimizer
@@ -456,8 +505,10 @@ def build_train_model(hf_config, weights=None, layout: Optional[ParallelLayout] 
     # with weights, no random init: the parameters stay untouched torch.empty until loaded
     config = actor_transformer_config(family_cfg, layout, resolved, initialize=weights is None,
                                       on_gpu=device.type == "cuda")
-    chunk = build_gpt_chunk(config, family_cfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage(),
-                            actor=resolved).to(device)
+    announce_builder(settings.get("model_builder", (actor_config or ActorConfig()).model_builder),
+                     resolved.model_builder)
+    chunk = build_chunk(config, family_cfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage(),
+                        actor=resolved).to(device)
     chunk.family_cfg = family_cfg  # lets load_hf_weights_into find the mapping
     # the last stage returns its final hidden states; the actor's head scores the positions it needs
     output_weight = hidden_output(chunk) if ps.is_pipeline_last_stage() else None
@@ -478,7 +529,7 @@ def build_train_model(hf_config, weights=None, layout: Optional[ParallelLayout] 
     if resolved.routing_replay != "off":  # megatron built a RouterReplay per router; the actor drives them
         sp = resolved.sequence_parallel
         replay = RoutingReplay.attach([chunk], config, device, sp_rank=ps.get_tensor_model_parallel_rank() if sp else 0,
-                                      sp_size=layout.tp if sp else 1)
+                                      sp_size=layout.tp if sp else 1, num_layers=family_cfg.num_layers)
     ddp = DistributedDataParallel(config, ddp_config(optim, resolved), chunk)
     if ddp.ddp_config.overlap_grad_reduce:
         # the schedule runs every micro-batch but the last under no_sync: the bucket reductions

@@ -37,7 +37,9 @@ routing -- raises.
 
 Left out: megatron's fused router (``moe_router_fusion``, Transformer Engine) bypasses
 ``RouterReplay`` and is refused with replay; CUDA-graphed routers; dense layers inside an MoE
-stack (the families refuse them, so MoE layer ``i`` is transformer layer ``i``).
+stack (the families refuse them, so MoE layer ``i`` is HF decoder layer ``i``: the router's
+``layer_number`` translated by :func:`~megatron_tepo.megatron.sharding.hf_layer_of`, which a
+``HybridModel``'s two stack layers per HF layer need).
 """
 from __future__ import annotations
 
@@ -117,14 +119,18 @@ class RoutingReplay:
         self._fill = None
 
     @classmethod
-    def attach(cls, chunks, config, device: torch.device, sp_rank: int = 0, sp_size: int = 1) -> "RoutingReplay":
+    def attach(cls, chunks, config, device: torch.device, sp_rank: int = 0, sp_size: int = 1,
+               num_layers: Optional[int] = None) -> "RoutingReplay":
         """Swap the ``RouterReplay`` of every router in ``chunks`` (built with
         ``moe_enable_routing_replay``) for a ``ReplaySlot``; the model's MoE layers are its
-        ``config.num_layers`` transformer layers."""
+        ``num_layers`` HF decoder layers (default ``config.num_layers``: a ``GPTModel``'s)."""
+        from megatron_tepo.megatron.sharding import hf_layer_of
+
         if getattr(config, "moe_router_fusion", False):
             raise ValueError("actor.routing_replay: megatron's fused router (moe_router_fusion) bypasses "
                              "RouterReplay; turn one of them off")
-        stats = torch.zeros(config.num_layers, 3, dtype=torch.float64, device=device)
+        num_layers = config.num_layers if num_layers is None else num_layers
+        stats = torch.zeros(num_layers, 3, dtype=torch.float64, device=device)
         slots = []
         for chunk in chunks:
             for module in chunk.modules():
@@ -132,7 +138,7 @@ class RoutingReplay:
                 if old is None:
                     continue
                 _forget(old)
-                layer = int(module.layer_number) - 1
+                layer = hf_layer_of(chunk, module.layer_number)
                 slot = replay_slot_class()(stats, layer)
                 slot.layer_number = module.layer_number
                 module.router_replay = slot
@@ -140,7 +146,7 @@ class RoutingReplay:
         if not slots:
             raise ValueError("actor.routing_replay: the model has no MoE router that megatron built with "
                              "moe_enable_routing_replay")
-        return cls(sorted(slots, key=lambda s: s[0]), config.num_layers, config.moe_router_topk,
+        return cls(sorted(slots, key=lambda s: s[0]), num_layers, config.moe_router_topk,
                    config.num_moe_experts, stats, sp_rank, sp_size)
 
     # ------------------------------------------------------------------ one run of the schedule

@@ -6,6 +6,12 @@ set by ``ColumnParallelLinear`` / ``RowParallelLinear`` / ``VocabParallelEmbeddi
 pipeline placement from each layer's global ``layer_number`` (so ``decoder.layers.{j}`` of a stage
 is global layer ``layer_number - 1``).
 
+Global names are the GPT names of the HF layers whatever the builder: a ``HybridModel``
+(:mod:`.hybrid`) holds HF layer ``i`` as stack layers ``2i`` (token mixer) and ``2i + 1`` (MLP),
+whose parameters' suffixes do not overlap, so its stack layer ``k`` is named ``decoder.layers.{k // 2}``
+(its decoder's ``sublayers_per_hf_layer``), and its ``decoder.final_norm`` is
+``decoder.final_layernorm`` (:func:`to_global_name`).
+
 * :func:`shard_tensor` / :func:`unshard_tensors` -- the stride-aware split used by megatron's
   ``_initialize_affine_weight_cpu`` and its inverse.
 * :func:`global_named_parameters` -- a chunk's parameters under *global* Megatron names.
@@ -31,7 +37,7 @@ Left out: virtual pipeline stages beyond plain chunk lists, FSDP/DTensor paramet
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -40,40 +46,89 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 # TEGroupedMLP (``moe_grouped_gemm`` with TE): one GroupedLinear per fc, expert i's weight is ``weight{i}``
 _GROUPED = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+HYBRID_FINAL_NORM, GPT_FINAL_NORM = "decoder.final_norm.", "decoder.final_layernorm."
 TIED_OUTPUT = "output_layer.weight"
 EMBEDDING = "embedding.word_embeddings.weight"
 
 
-def tp_partition(param: torch.Tensor, gated: bool = False) -> Optional[Tuple[int, int]]:
-    """``(partition_dim, partition_stride)`` of a TP-split parameter, None for a replicated one.
-    ``gated``: the tensor is a SwiGLU ``linear_fc1`` (``[gate; up]``, as the family's mapping
-    says: :meth:`~megatron_tepo.models.common.MegatronToHFLayout.gated`), which every rank holds
-    as ``[gate_r; up_r]`` -- stride 2, whatever its ``partition_stride`` says: megatron-core resets
-    that to 1 on Transformer Engine's expert layers (``_set_expert_parameter_attributes``)."""
+#: how a TP-split dimension is cut: an int ``stride`` (that many equal sections, each split over the
+#: ranks: 1 plain, 2 a SwiGLU ``[gate; up]``) or a tuple of the full sections' sizes (each split over
+#: the ranks: a Gated DeltaNet's fused ``in_proj`` / ``conv1d``, whose sections are unequal)
+Split = Union[int, Tuple[int, ...]]
+
+
+def tp_partition(param: torch.Tensor, gated: Union[bool, Tuple[int, ...]] = False) -> Optional[Tuple[int, Split]]:
+    """``(partition_dim, split)`` of a TP-split parameter, None for a replicated one; ``split`` its
+    ``partition_stride`` unless ``gated`` says otherwise (the family's mapping:
+    :meth:`~megatron_tepo.models.common.MegatronToHFLayout.gated`): True for a SwiGLU
+    ``linear_fc1`` (``[gate; up]``), which every rank holds as ``[gate_r; up_r]`` -- stride 2,
+    whatever its ``partition_stride`` says: megatron-core resets that to 1 on Transformer Engine's
+    expert layers (``_set_expert_parameter_attributes``); a tuple of section sizes for a tensor
+    whose every rank holds its share of each section (a Gated DeltaNet's ``in_proj`` / ``conv1d``)."""
     if not getattr(param, "tensor_model_parallel", False):
         return None
     dim = int(param.partition_dim)
-    return dim, (2 if gated and dim == 0 else int(getattr(param, "partition_stride", 1)))
+    if isinstance(gated, tuple) and dim == 0:
+        return dim, gated
+    return dim, (2 if gated is True and dim == 0 else int(getattr(param, "partition_stride", 1)))
 
 
-def _is_gated(gated: Optional[Callable[[str], bool]], name: str) -> bool:
-    return bool(gated(name)) if gated is not None else False
+def gated_split(gated: Optional[Callable[[str], object]], name: str) -> Union[bool, Tuple[int, ...]]:
+    """What ``gated(name)`` says (see :func:`tp_partition`); False without a ``gated``."""
+    if gated is None:
+        return False
+    said = gated(name)
+    return tuple(said) if isinstance(said, (tuple, list)) else bool(said)
 
 
-def shard_tensor(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
-    """This rank's shard: split ``dim`` into ``size*stride`` chunks, take chunks rank, rank+size, ..."""
-    if full.shape[dim] % (size * stride):
-        raise ValueError(f"dim {dim} of shape {tuple(full.shape)} is not divisible by "
-                         f"tp_size*stride={size}*{stride}")
-    chunk = full.shape[dim] // (size * stride)
-    pieces = torch.split(full, chunk, dim=dim)[rank::size]
-    return torch.cat(pieces, dim=dim)
+def full_sections(length: int, split: Split) -> List[int]:
+    """The sizes of the full sections of a dimension of ``length`` cut by ``split``."""
+    if isinstance(split, int):
+        if split < 1 or length % split:
+            raise ValueError(f"a dimension of {length} does not split into {split} equal sections")
+        return [length // split] * split
+    if sum(split) != length:
+        raise ValueError(f"sections {list(split)} do not add up to the dimension's {length}")
+    return list(split)
 
 
-def unshard_tensors(shards: List[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+def _check_divisible(shape, dim: int, split: Split, size: int) -> List[int]:
+    try:
+        sections = full_sections(int(shape[dim]), split)
+    except ValueError as e:
+        raise ValueError(f"dim {dim} of shape {tuple(shape)}: {e}") from None
+    if any(n % size for n in sections):
+        what = f"tp_size*stride={size}*{split}" if isinstance(split, int) else f"tp_size={size} in every section {sections}"
+        raise ValueError(f"dim {dim} of shape {tuple(shape)} is not divisible by {what}")
+    return sections
+
+
+def shard_tensor(full: torch.Tensor, dim: int, stride: Split, rank: int, size: int) -> torch.Tensor:
+    """This rank's shard: every section of ``dim`` (``stride``: :data:`Split`) split into ``size``
+    chunks, this rank's chunk of each in order (for an int stride: chunks rank, rank+size, ... of
+    ``size*stride``)."""
+    sections = _check_divisible(full.shape, dim, stride, size)
+    pieces, at = [], 0
+    for n in sections:
+        c = n // size
+        pieces.append(full.narrow(dim, at + rank * c, c))
+        at += n
+    return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0].contiguous()
+
+
+def shard_pieces(shards: List[torch.Tensor], dim: int, stride: Split) -> List[torch.Tensor]:
+    """Every rank's shard cut into its sections, in the full tensor's order (section by section,
+    rank by rank): what :func:`unshard_tensors` concatenates (piece ``i`` is rank ``i % size``'s)."""
+    size = len(shards)
+    local = ([shards[0].shape[dim] // stride] * stride if isinstance(stride, int)
+             else [n // size for n in stride])
+    per_rank = [torch.split(s, local, dim=dim) for s in shards]
+    return [per_rank[r][j] for j in range(len(local)) for r in range(size)]
+
+
+def unshard_tensors(shards: List[torch.Tensor], dim: int, stride: Split) -> torch.Tensor:
     """Inverse of :func:`shard_tensor` given every rank's shard in rank order."""
-    per_rank = [torch.chunk(s, stride, dim=dim) for s in shards]
-    return torch.cat([per_rank[r][s] for s in range(stride) for r in range(len(shards))], dim=dim)
+    return torch.cat(shard_pieces(shards, dim, stride), dim=dim)
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -84,11 +139,20 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def layer_offsets(model: torch.nn.Module) -> Dict[int, int]:
-    """Local decoder-layer index -> global layer index, from each layer's ``layer_number``."""
+    """Local decoder-layer index -> global (HF) layer index, from each layer's ``layer_number``
+    (a hybrid stack's ``sublayers_per_hf_layer`` layers share one HF layer)."""
     decoder = getattr(unwrap_model(model), "decoder", None)
     if decoder is None:
         return {}
-    return {j: int(layer.layer_number) - 1 for j, layer in enumerate(decoder.layers)}
+    per = int(getattr(decoder, "sublayers_per_hf_layer", 1))
+    return {j: (int(layer.layer_number) - 1) // per for j, layer in enumerate(decoder.layers)}
+
+
+def hf_layer_of(model: torch.nn.Module, layer_number: int) -> int:
+    """The HF layer index of megatron's 1-based ``layer_number`` (of a module inside ``model``)."""
+    decoder = getattr(unwrap_model(model), "decoder", None)
+    per = int(getattr(decoder, "sublayers_per_hf_layer", 1)) if decoder is not None else 1
+    return (int(layer_number) - 1) // per
 
 
 def expert_indices(model: torch.nn.Module) -> Dict[int, List[int]]:
@@ -102,9 +166,12 @@ def expert_indices(model: torch.nn.Module) -> Dict[int, List[int]]:
 
 def to_global_name(local_name: str, offsets: Dict[int, int],
                    experts: Optional[Dict[int, List[int]]] = None) -> str:
-    """Local -> global layer index (pipeline stage offset) and expert index (expert parallelism)."""
+    """Local -> global layer index (pipeline stage offset) and expert index (expert parallelism);
+    a hybrid stack's final norm by its GPT name."""
     m = _LAYER.match(local_name)
     if m is None:
+        if local_name.startswith(HYBRID_FINAL_NORM):
+            return GPT_FINAL_NORM + local_name[len(HYBRID_FINAL_NORM):]
         return local_name
     j, rest = int(m.group(1)), m.group(2)
     g = _GROUPED.match(rest)
@@ -177,7 +244,7 @@ def load_megatron_state_into(model_chunks: List[torch.nn.Module],
         given.add(name)
         for gname, param in targets.get(name, []):
             group = group_for(param, groups)
-            local = _local_shard(full, param, group, _is_gated(gated, gname))
+            local = _local_shard(full, param, group, gated_split(gated, gname))
             if local.shape != param.shape:
                 raise ValueError(f"{gname!r}: full tensor {tuple(full.shape)} gives shard "
                                  f"{tuple(local.shape)} on TP rank {dist.get_rank(group)}/"
@@ -213,20 +280,21 @@ def _shard_reads(full_shape, part, rank: int, size: int, sources):
             segments.append((a, b, hf, at))
             at += b - a
     dim, stride = part if (part is not None and size > 1) else (None, 1)
-    if dim is not None and full_shape[dim] % (size * stride):
-        raise ValueError(f"dim {dim} of shape {tuple(full_shape)} is not divisible by "
-                         f"tp_size*stride={size}*{stride}")
-    if dim == 0:
-        c = rows // (size * stride)
-        blocks = [(i * c, (rank + i * size) * c, c) for i in range(stride)]
-    else:
-        blocks = [(0, 0, rows)]
-    columns = None
-    if dim is not None and dim != 0:
-        if dim != 1 or len(full_shape) != 2:
-            raise ValueError(f"a shard split on dim {dim} of shape {tuple(full_shape)} is not supported")
-        c = int(full_shape[1]) // (size * stride)
-        columns = [(i * c, (rank + i * size) * c, c) for i in range(stride)]
+    if dim is not None:
+        sections = _check_divisible(full_shape, dim, stride, size)
+    if dim is not None and dim != 0 and (dim != 1 or len(full_shape) != 2):
+        raise ValueError(f"a shard split on dim {dim} of shape {tuple(full_shape)} is not supported")
+
+    def blocks_of():  # (local start, full start, length) of this rank's share of each section
+        out, local, at = [], 0, 0
+        for n in sections:
+            c = n // size
+            out.append((local, at + rank * c, c))
+            local, at = local + c, at + n
+        return out
+
+    blocks = blocks_of() if dim == 0 else [(0, 0, rows)]
+    columns = blocks_of() if dim is not None and dim != 0 else None
     reads = []
     for local, first, n in blocks:
         for a, b, hf, hf_at in segments:
@@ -290,7 +358,7 @@ def load_checkpoint_slices_into(model_chunks: List[torch.nn.Module], ckpt, sourc
     for chunk in model_chunks:
         for gname, param in global_named_parameters(chunk):
             key = EMBEDDING if (tied_embeddings and gname == TIED_OUTPUT) else gname
-            part, group = tp_partition(param, _is_gated(gated, key)), group_for(param, groups)
+            part, group = tp_partition(param, gated_split(gated, key)), group_for(param, groups)
             size = dist.get_world_size(group)
             full_shape = list(param.shape)
             if part is not None and size > 1:
@@ -402,7 +470,7 @@ def gather_full_tensors(model_chunks: List[torch.nn.Module], what: str = "param"
     for chunk in model_chunks:
         for gname, param in global_named_parameters(chunk):
             local = local_tensor(param, what, gname)
-            part = tp_partition(param, _is_gated(gated, gname))
+            part = tp_partition(param, gated_split(gated, gname))
             group = group_for(param, groups)
             size = dist.get_world_size(group)
             if part is None or size == 1:

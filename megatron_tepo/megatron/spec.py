@@ -17,6 +17,9 @@ norm as megatron's ``WrappedTorchNorm`` makes it but with its parameters marked
 sequence parallelism): ``finalize_model_grads`` then sums their gradients over the TP ranks, each of
 which normalised its own share of the tokens. That is what runs TP > 1 MoE layers (megatron's
 ``MoELayer`` needs sequence parallelism with TP) on CPU; on a GPU the ``te`` spec's norms do it.
+The same class makes the zero-centred RMSNorm of a family whose norms store ``w - 1``
+(:class:`ZeroCenteredRMSNorm`, ``layernorm_zero_centered_gamma``: Qwen3.5; megatron's
+``WrappedTorchNorm`` refuses it too, Transformer Engine's norms have it).
 
 :func:`layer_spec` builds a fresh spec per call: nothing is changed after the model is built.
 Left out: inference / kitchen / MLA specs.
@@ -27,7 +30,7 @@ import importlib.util
 from megatron_tepo.models.common import GPTFamilyConfig
 
 __all__ = ["ATTENTIONS", "te_available", "family_spec_name", "layer_spec", "block_spec", "sdpa_core_attention",
-           "SequenceParallelTorchNorm"]
+           "SequenceParallelTorchNorm", "ZeroCenteredRMSNorm"]
 
 #: the actor's attention implementations (``actor.attention`` once ``auto`` is resolved)
 ATTENTIONS = ("te", "sdpa", "unfused")
@@ -63,22 +66,61 @@ def sdpa_core_attention(packed_attention: str = "loop"):
     return ModuleSpec(module=SDPACoreAttention, params={"packed_attention": packed_attention})
 
 
+class ZeroCenteredRMSNorm:
+    """RMSNorm whose weight is stored as ``w - 1`` (zeros at init): ``rms_norm(x) * (1 + w)``, in fp32,
+    returned in ``x``'s dtype -- HF's ``Qwen3_5RMSNorm``, Transformer Engine's ``zero_centered_gamma``
+    (made on first use: a ``torch.nn.Module``)."""
+
+    def __new__(cls, hidden_size: int, eps: float = 1e-6):
+        return _zero_centered_class()(hidden_size, eps)
+
+
+def _zero_centered_class():
+    global _ZERO_CENTERED
+    if _ZERO_CENTERED is None:
+        import torch
+
+        class _ZeroCenteredRMSNorm(torch.nn.Module):
+            def __init__(self, hidden_size: int, eps: float):
+                super().__init__()
+                self.hidden_size, self.eps = hidden_size, eps
+                self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+
+            def forward(self, x):
+                y = torch.nn.functional.rms_norm(x.float(), (self.hidden_size,), eps=self.eps)
+                return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+        _ZeroCenteredRMSNorm.__name__ = _ZeroCenteredRMSNorm.__qualname__ = "ZeroCenteredRMSNorm"
+        _ZeroCenteredRMSNorm.__module__ = __name__
+        _ZERO_CENTERED = _ZeroCenteredRMSNorm
+    return _ZERO_CENTERED
+
+
+_ZERO_CENTERED = None
+
+
 class SequenceParallelTorchNorm:
     """torch's ``RMSNorm`` / ``LayerNorm`` (``config.normalization``), as megatron's
     ``WrappedTorchNorm`` builds it, also under sequence parallelism: then its parameters carry
-    ``sequence_parallel = True`` (the module docstring says why)."""
+    ``sequence_parallel = True`` (the module docstring says why); a :class:`ZeroCenteredRMSNorm`
+    with ``config.layernorm_zero_centered_gamma``."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                 zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
         import torch
 
-        if config.layernorm_zero_centered_gamma or config.persist_layer_norm or config.memory_efficient_layer_norm:
-            raise ValueError("SequenceParallelTorchNorm: zero-centred gamma, persistent and memory-efficient "
-                             "norms are Transformer Engine's / apex's")
+        if config.persist_layer_norm or config.memory_efficient_layer_norm:
+            raise ValueError("SequenceParallelTorchNorm: persistent and memory-efficient norms are Transformer "
+                             "Engine's / apex's")
         kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
         if config.normalization not in kinds:
             raise ValueError(f"SequenceParallelTorchNorm: normalization {config.normalization!r} is not one of {list(kinds)}")
-        norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
+        if config.layernorm_zero_centered_gamma:
+            if config.normalization != "RMSNorm":
+                raise ValueError("SequenceParallelTorchNorm: a zero-centred LayerNorm is Transformer Engine's")
+            norm = ZeroCenteredRMSNorm(hidden_size, eps)
+        else:
+            norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
         if config.sequence_parallel:
             for p in norm.parameters():
                 p.sequence_parallel = True
@@ -91,7 +133,8 @@ def block_spec(layer, config):
     with a :class:`SequenceParallelTorchNorm` as the final norm."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    if not config.sequence_parallel or getattr(layer.submodules, "input_layernorm", None) is not SequenceParallelTorchNorm:
+    if getattr(layer.submodules, "input_layernorm", None) is not SequenceParallelTorchNorm or not (
+            config.sequence_parallel or config.layernorm_zero_centered_gamma):
         return layer
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
                                       layer_norm=SequenceParallelTorchNorm)
@@ -115,7 +158,7 @@ def layer_spec(cfg: GPTFamilyConfig, attention: str, *, packed_attention: str = 
                                           **cfg.layer_spec_kwargs())
     if attention == "sdpa":  # the slot megatron's local spec fills with DotProductAttention
         spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention(packed_attention)
-    if sequence_parallel:  # every slot that holds megatron's torch norm (QK-norms where the family has them)
+    if sequence_parallel or cfg.zero_centered_norms:  # every slot that holds megatron's torch norm (QK-norms too)
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
         for owner, name in ((spec.submodules, "input_layernorm"), (spec.submodules, "pre_mlp_layernorm"),

@@ -1,7 +1,8 @@
 """Model families for the Megatron actor: THE single source of truth for HF <-> Megatron.
 
-One folder per family (``llama/``, ``qwen2/``, ``qwen3/``, ``qwen3_moe/``), each exporting its
-:class:`~.common.FamilySpec` as ``SPEC``: the HF ``model_type`` / ``architectures`` it answers to,
+One folder per family (``llama/``, ``qwen2/``, ``qwen3/``, ``qwen3_moe/``, ``qwen3_5/`` with both
+Qwen3.5 families, dense and MoE), each exporting its :class:`~.common.FamilySpec` as ``SPEC``
+(``qwen3_5/`` also ``MOE_SPEC``): the HF ``model_type`` / ``architectures`` it answers to,
 its HF config translation (``from_hf_config`` -> :class:`GPTFamilyConfig`, MoE sizes and router
 settings typed in its ``moe`` field, :class:`MoEConfig`) and its per-layer name table
 (``layer_mapping``); shared GPT code in :mod:`.common`. What megatron's layer spec and
@@ -31,14 +32,15 @@ import torch
 
 from megatron_tepo.routing import RoutingShape
 
-from . import llama, qwen2, qwen3, qwen3_moe
-from .common import (FamilySpec, GPTFamilyConfig, LayerMapping, MoEConfig, convert_hf_to_megatron,
-                     convert_megatron_to_hf)
+from . import llama, qwen2, qwen3, qwen3_5, qwen3_moe
+from .common import (FamilySpec, GPTFamilyConfig, LayerMapping, LinearAttentionConfig, MoEConfig,
+                     convert_hf_to_megatron, convert_megatron_to_hf)
 
-FAMILIES: Dict[str, FamilySpec] = {m.SPEC.name: m.SPEC for m in (llama, qwen2, qwen3, qwen3_moe)}
+FAMILIES: Dict[str, FamilySpec] = {s.name: s for s in (llama.SPEC, qwen2.SPEC, qwen3.SPEC, qwen3_moe.SPEC,
+                                                       qwen3_5.SPEC, qwen3_5.MOE_SPEC)}
 
-__all__ = ["FAMILIES", "FamilySpec", "GPTFamilyConfig", "MoEConfig", "resolve_family", "family_config_from_hf",
-           "layer_mapping", "hf_to_megatron", "megatron_to_hf", "routing_shape_of"]
+__all__ = ["FAMILIES", "FamilySpec", "GPTFamilyConfig", "MoEConfig", "LinearAttentionConfig", "resolve_family",
+           "family_config_from_hf", "layer_mapping", "hf_to_megatron", "megatron_to_hf", "routing_shape_of"]
 
 
 def _field(hf_config, name):

@@ -56,9 +56,13 @@ class MoEConfig:
 
     ``router_pre_softmax=False`` is megatron's ``topk -> softmax``: softmax over the chosen k
     (HF ``norm_topk_prob=True``); True is softmax over all experts, then top-k without
-    renormalising. Left out: shared experts, capacity factors (token dropping), load-balancing and
-    z-losses (:meth:`transformer_config_kwargs` turns them off: RL fine-tuning), grouped-GEMM and
-    dispatcher choices (runtime: :func:`megatron_tepo.megatron.gpt.transformer_config`).
+    renormalising. ``shared_expert_ffn_hidden_size`` > 0: a shared expert (a SwiGLU MLP every token
+    goes through) of that size beside the routed ones, its output scaled by ``sigmoid`` of a
+    one-output linear of the input when ``shared_expert_gate`` (Qwen3.5-MoE; megatron's
+    ``moe_shared_expert_gate``). Every decoder layer is an MoE layer (a family with dense layers in
+    its MoE stack is refused by its config). Left out: capacity factors (token dropping),
+    load-balancing and z-losses (:meth:`transformer_config_kwargs` turns them off: RL fine-tuning),
+    grouped-GEMM and dispatcher choices (runtime: :func:`megatron_tepo.megatron.gpt.transformer_config`).
     """
 
     num_experts: int
@@ -66,10 +70,16 @@ class MoEConfig:
     ffn_hidden_size: int  # each expert's intermediate size (HF ``moe_intermediate_size``)
     router_pre_softmax: bool = False
     router_score_function: str = "softmax"
+    shared_expert_ffn_hidden_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False
 
     def __post_init__(self):
         bad = [f"{name}={getattr(self, name)!r}" for name in ("num_experts", "router_topk", "ffn_hidden_size")
                if not isinstance(getattr(self, name), int) or getattr(self, name) < 1]
+        if not isinstance(self.shared_expert_ffn_hidden_size, int) or self.shared_expert_ffn_hidden_size < 0:
+            bad.append(f"shared_expert_ffn_hidden_size={self.shared_expert_ffn_hidden_size!r}")
+        if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
+            bad.append("shared_expert_gate=True without a shared expert")
         if bad:
             raise ValueError(f"MoEConfig: {', '.join(bad)} must be integers >= 1")
         if self.router_topk > self.num_experts:
@@ -80,7 +90,7 @@ class MoEConfig:
 
     def transformer_config_kwargs(self) -> Dict[str, Any]:
         """The MoE fields of ``megatron.core.transformer.TransformerConfig``."""
-        return dict(
+        kw = dict(
             num_moe_experts=self.num_experts,
             moe_router_topk=self.router_topk,
             moe_ffn_hidden_size=self.ffn_hidden_size,
@@ -89,6 +99,57 @@ class MoEConfig:
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
         )
+        if self.shared_expert_ffn_hidden_size:
+            kw.update(moe_shared_expert_intermediate_size=self.shared_expert_ffn_hidden_size,
+                      moe_shared_expert_gate=self.shared_expert_gate)
+        return kw
+
+
+#: HF ``layer_types`` of a hybrid model's decoder layers: Gated DeltaNet, softmax attention
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers' sizes (HF ``linear_*``; megatron's ``linear_*`` fields): key and
+    value heads (every key head serves ``num_value_heads / num_key_heads`` value heads), their
+    sizes, and the short causal convolution's width."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+
+    def __post_init__(self):
+        bad = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+               if not isinstance(getattr(self, f.name), int) or getattr(self, f.name) < 1]
+        if bad:
+            raise ValueError(f"LinearAttentionConfig: {', '.join(bad)} must be integers >= 1")
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"LinearAttentionConfig: num_value_heads={self.num_value_heads} is not a multiple of "
+                             f"num_key_heads={self.num_key_heads}")
+
+    @property
+    def qk_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    def in_proj_sections(self) -> Tuple[int, ...]:
+        """The rows of megatron's fused ``in_proj``: query, key, value, output gate (z), beta, alpha."""
+        return (self.qk_dim, self.qk_dim, self.v_dim, self.v_dim, self.num_value_heads, self.num_value_heads)
+
+    def conv_sections(self) -> Tuple[int, ...]:
+        """The channels of the convolution: query, key, value."""
+        return (self.qk_dim, self.qk_dim, self.v_dim)
+
+    def transformer_config_kwargs(self) -> Dict[str, Any]:
+        return dict(linear_conv_kernel_dim=self.conv_kernel, linear_key_head_dim=self.key_head_dim,
+                    linear_value_head_dim=self.value_head_dim, linear_num_key_heads=self.num_key_heads,
+                    linear_num_value_heads=self.num_value_heads)
 
 
 @dataclass(frozen=True)
@@ -114,6 +175,12 @@ class GPTFamilyConfig:
     seq_len_interpolation_factor: Optional[float] = None  # "linear" rope scaling
     spec: str = "local"  # "local" (megatron modules) or "te" (Transformer Engine fused norms)
     moe: Optional[MoEConfig] = None  # routed experts in every layer; None: dense
+    # hybrid models (Qwen3.5): each layer's LAYER_TYPES entry (None: softmax attention everywhere)
+    layer_types: Optional[Tuple[str, ...]] = None
+    linear_attention: Optional[LinearAttentionConfig] = None  # the Gated DeltaNet layers' sizes
+    attention_output_gate: bool = False  # sigmoid gate on the attention output (q_proj's second half)
+    rotary_percent: float = 1.0  # RoPE on the first rotary_percent of each head (HF partial_rotary_factor)
+    zero_centered_norms: bool = False  # RMSNorm weights stored as w - 1 (HF (1 + weight); megatron's 1p)
 
     def dims(self) -> ModelShape:
         """The model's shape, the one type the layout rules (:func:`megatron_tepo.layout.validate_layout`)
@@ -125,13 +192,28 @@ class GPTFamilyConfig:
                           hidden_size=self.hidden_size, head_dim=self.head_dim,
                           tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.qkv_bias,
                           qk_norm=self.qk_layernorm, num_experts_per_tok=moe.router_topk if moe else 0,
-                          moe_intermediate_size=moe.ffn_hidden_size if moe else 0, family=self.family)
+                          moe_intermediate_size=moe.ffn_hidden_size if moe else 0, family=self.family,
+                          linear_num_key_heads=self.linear_attention.num_key_heads if self.linear_attention else 0,
+                          linear_num_value_heads=self.linear_attention.num_value_heads if self.linear_attention else 0)
 
     def __post_init__(self):
         if self.spec not in SPECS:
             raise ValueError(f"spec must be one of {SPECS}, got {self.spec!r}")
         if self.moe is not None and not isinstance(self.moe, MoEConfig):
             raise TypeError(f"moe must be a MoEConfig or None, got {type(self.moe).__name__}")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad or len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types: {len(self.layer_types)} entries of {list(LAYER_TYPES)} for "
+                                 f"{self.num_layers} layers (unknown: {bad})")
+            if "linear_attention" in self.layer_types and self.linear_attention is None:
+                raise ValueError("layer_types has linear_attention layers but no linear_attention sizes")
+        if self.linear_attention is not None and not isinstance(self.linear_attention, LinearAttentionConfig):
+            raise TypeError(f"linear_attention must be a LinearAttentionConfig or None, "
+                            f"got {type(self.linear_attention).__name__}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
 
     @property
     def num_experts(self) -> int:
@@ -157,8 +239,13 @@ class GPTFamilyConfig:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"family config has unknown field(s) {unknown}")
-        moe = d.get("moe")
-        return cls(**{**d, "moe": MoEConfig(**moe) if moe is not None else None})
+        moe, linear = d.get("moe"), d.get("linear_attention")
+        return cls(**{**d, "moe": MoEConfig(**moe) if moe is not None else None,
+                      "linear_attention": LinearAttentionConfig(**linear) if linear is not None else None})
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether HF decoder layer ``layer`` is a Gated DeltaNet layer."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
 
     @property
     def queries_per_group(self) -> int:
@@ -188,6 +275,9 @@ class GPTFamilyConfig:
             attention_dropout=0.0,
             attention_softmax_in_fp32=True,
             **(self.moe.transformer_config_kwargs() if self.moe is not None else {}),
+            **(dict(layernorm_zero_centered_gamma=True) if self.zero_centered_norms else {}),
+            **(dict(attention_output_gate=True) if self.attention_output_gate else {}),
+            **(self.linear_attention.transformer_config_kwargs() if self.linear_attention is not None else {}),
         )
 
     def layer_spec_kwargs(self) -> Dict[str, Any]:
@@ -201,7 +291,7 @@ class GPTFamilyConfig:
             vocab_size=self.vocab_size,
             max_sequence_length=self.max_position_embeddings,
             position_embedding_type="rope",
-            rotary_percent=1.0,
+            rotary_percent=self.rotary_percent,
             rotary_base=int(self.rotary_base) if float(self.rotary_base).is_integer() else self.rotary_base,
             share_embeddings_and_output_weights=self.tie_word_embeddings,
         )
@@ -310,6 +400,32 @@ def split_qkv(qkv: torch.Tensor, num_attention_heads: int, num_query_groups: int
             v.reshape(-1, *rest).contiguous())
 
 
+def fuse_gated_qkv(q_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int,
+                   head_dim: int) -> torch.Tensor:
+    """HF gated attention (``q_proj`` holds each head's query then its output gate, ``[nh * 2d, ...]``;
+    ``k_proj`` / ``v_proj``) -> Megatron ``linear_qkv`` with ``attention_output_gate``: per query
+    group, its queries, their gates, its key, its value."""
+    rest = q_gate.shape[1:]
+    heads = q_gate.reshape(-1, 2, head_dim, *rest)
+    q = heads[:, 0].reshape(num_query_groups, -1, *rest)
+    gate = heads[:, 1].reshape(num_query_groups, -1, *rest)
+    kg = k.reshape(num_query_groups, head_dim, *rest)
+    vg = v.reshape(num_query_groups, head_dim, *rest)
+    return torch.cat([q, gate, kg, vg], dim=1).reshape(-1, *rest)
+
+
+def split_gated_qkv(qkv: torch.Tensor, num_attention_heads: int, num_query_groups: int,
+                    head_dim: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_gated_qkv`: ``(q_proj, k_proj, v_proj)``."""
+    rest = qkv.shape[1:]
+    qpg = num_attention_heads // num_query_groups
+    grouped = qkv.reshape(num_query_groups, (2 * qpg + 2) * head_dim, *rest)
+    q, gate, k, v = torch.split(grouped, [qpg * head_dim, qpg * head_dim, head_dim, head_dim], dim=1)
+    q_gate = torch.stack([q.reshape(-1, head_dim, *rest), gate.reshape(-1, head_dim, *rest)], dim=1)
+    return (q_gate.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(),
+            v.reshape(-1, *rest).contiguous())
+
+
 def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """HF gate_proj/up_proj -> Megatron ``linear_fc1`` = ``[gate; up]`` (TP shards it with stride 2)."""
     return torch.cat([gate, up], dim=0)
@@ -324,9 +440,17 @@ def split_gate_up(fc1: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------
 # Name tables
 # ---------------------------------------------------------------------------------------------
+#: how the HF tensors of a :class:`FusedGroup` make its Megatron tensor: ``qkv`` (per query group:
+#: its queries, key, value), ``qgkv`` (the same with each query head's output gate after the group's
+#: queries; HF's ``q_proj`` holds each head's query then its gate: gated attention), ``gate_up``
+#: (``[gate; up]``), ``gdn_in_proj`` (a Gated DeltaNet's ``in_proj_qkv``, ``in_proj_z``,
+#: ``in_proj_b``, ``in_proj_a`` one after the other: megatron's ``in_proj``)
+FUSED_KINDS = ("qkv", "qgkv", "gate_up", "gdn_in_proj")
+
+
 @dataclass(frozen=True)
 class FusedGroup:
-    """Several HF tensors of one layer that form one Megatron tensor (``kind``: qkv | gate_up)."""
+    """Several HF tensors of one layer that form one Megatron tensor (``kind``: :data:`FUSED_KINDS`)."""
 
     megatron: str
     hf: Tuple[str, ...]
@@ -335,10 +459,25 @@ class FusedGroup:
 
 @dataclass(frozen=True)
 class LayerMapping:
-    """Per-layer suffixes (after ``model.layers.{i}.`` / ``decoder.layers.{i}.``)."""
+    """Per-layer suffixes (after ``model.layers.{i}.`` / ``decoder.layers.{i}.``).
+
+    ``tp_sections``: Megatron suffix -> the sizes of the sections of dim 0 that tensor parallelism
+    splits one by one (a Gated DeltaNet's ``in_proj`` and ``conv1d``: every TP rank holds its share
+    of each of query, key, value, ...); ``by_layer``: a model whose layers differ (Qwen3.5's Gated
+    DeltaNet and attention layers) gives one table per layer (:meth:`for_layer`), the table's own
+    ``renames`` / ``fused`` then unused."""
 
     renames: Dict[str, str]  # hf suffix -> megatron suffix (one-to-one)
     fused: Tuple[FusedGroup, ...]
+    tp_sections: Dict[str, Tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    by_layer: Optional[Tuple["LayerMapping", ...]] = None
+
+    def for_layer(self, layer: int) -> "LayerMapping":
+        """The table of decoder layer ``layer``."""
+        return self.by_layer[layer] if self.by_layer is not None else self
+
+    def hf_suffixes(self) -> list:
+        return list(self.renames) + [h for g in self.fused for h in g.hf]
 
 
 @dataclass(frozen=True)
@@ -408,24 +547,37 @@ _MG_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 def expected_hf_names(cfg: GPTFamilyConfig, mapping: LayerMapping) -> list:
     names = list(global_renames(cfg))
-    suffixes = list(mapping.renames) + [h for g in mapping.fused for h in g.hf]
-    names += [f"model.layers.{i}.{s}" for i in range(cfg.num_layers) for s in suffixes]
+    names += [f"model.layers.{i}.{s}" for i in range(cfg.num_layers) for s in mapping.for_layer(i).hf_suffixes()]
     return names
+
+
+def _gdn_in_proj_sizes(cfg: GPTFamilyConfig) -> list:
+    """Rows of HF's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``."""
+    la = cfg.linear_attention
+    return [2 * la.qk_dim + la.v_dim, la.v_dim, la.num_value_heads, la.num_value_heads]
 
 
 def _fuse(group: FusedGroup, parts, cfg: GPTFamilyConfig) -> torch.Tensor:
     if group.kind == "qkv":
         return fuse_qkv(*parts, cfg.num_query_groups, cfg.head_dim)
+    if group.kind == "qgkv":
+        return fuse_gated_qkv(*parts, cfg.num_query_groups, cfg.head_dim)
     if group.kind == "gate_up":
         return fuse_gate_up(*parts)
+    if group.kind == "gdn_in_proj":
+        return torch.cat(parts, dim=0)
     raise ValueError(f"unknown fused kind {group.kind!r}")
 
 
 def _split(group: FusedGroup, tensor: torch.Tensor, cfg: GPTFamilyConfig):
     if group.kind == "qkv":
         return split_qkv(tensor, cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim)
+    if group.kind == "qgkv":
+        return split_gated_qkv(tensor, cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim)
     if group.kind == "gate_up":
         return split_gate_up(tensor)
+    if group.kind == "gdn_in_proj":
+        return tuple(t.contiguous() for t in torch.split(tensor, _gdn_in_proj_sizes(cfg), dim=0))
     raise ValueError(f"unknown fused kind {group.kind!r}")
 
 
@@ -439,7 +591,7 @@ def convert_hf_to_megatron(hf_state_iter: Iterable[Tuple[str, torch.Tensor]], cf
     ``state_dict()`` of a tied HF model reports it) is accepted as an alias and dropped.
     """
     top = global_renames(cfg)
-    piece_of = {h: (g, j) for g in mapping.fused for j, h in enumerate(g.hf)}
+    pieces_of: Dict[int, dict] = {}  # id(layer table) -> {hf suffix: (group, index)}
     seen: set = set()
     pending: Dict[Tuple[int, str], list] = {}
     tied_alias = embedding = None
@@ -456,14 +608,19 @@ def convert_hf_to_megatron(hf_state_iter: Iterable[Tuple[str, torch.Tensor]], cf
             yield top[name], tensor
             continue
         m = _HF_LAYER.match(name)
-        if m is None or int(m.group(1)) >= cfg.num_layers or (
-                m.group(2) not in mapping.renames and m.group(2) not in piece_of):
+        table = mapping.for_layer(int(m.group(1))) if m is not None and int(m.group(1)) < cfg.num_layers else None
+        piece_of = None
+        if table is not None:
+            piece_of = pieces_of.get(id(table))
+            if piece_of is None:
+                piece_of = pieces_of[id(table)] = {h: (g, j) for g in table.fused for j, h in enumerate(g.hf)}
+        if table is None or (m.group(2) not in table.renames and m.group(2) not in piece_of):
             raise ValueError(f"HF tensor {name!r} has no Megatron counterpart in the {cfg.family} "
                              f"mapping (spec={cfg.spec})")
         layer, suffix = int(m.group(1)), m.group(2)
         prefix = f"decoder.layers.{layer}."
-        if suffix in mapping.renames:
-            yield prefix + mapping.renames[suffix], tensor
+        if suffix in table.renames:
+            yield prefix + table.renames[suffix], tensor
             continue
         group, j = piece_of[suffix]
         parts = pending.setdefault((layer, group.megatron), [None] * len(group.hf))
@@ -488,8 +645,7 @@ def convert_megatron_to_hf(megatron_iter: Iterable[Tuple[str, torch.Tensor]], cf
     Unknown names raise ValueError naming them.
     """
     top = {v: k for k, v in global_renames(cfg).items()}
-    renames = {v: k for k, v in mapping.renames.items()}
-    fused = {g.megatron: g for g in mapping.fused}
+    tables = _InverseTables(mapping)
     for name, tensor in megatron_iter:
         if name in top:
             yield top[name], tensor
@@ -497,6 +653,7 @@ def convert_megatron_to_hf(megatron_iter: Iterable[Tuple[str, torch.Tensor]], cf
         if cfg.tie_word_embeddings and name == "output_layer.weight":
             continue
         m = _MG_LAYER.match(name)
+        renames, fused = tables.of(int(m.group(1)), cfg) if m is not None else ({}, {})
         if m is None or (m.group(2) not in renames and m.group(2) not in fused):
             raise ValueError(f"Megatron tensor {name!r} has no HF counterpart in the {cfg.family} "
                              f"mapping (spec={cfg.spec})")
@@ -508,6 +665,27 @@ def convert_megatron_to_hf(megatron_iter: Iterable[Tuple[str, torch.Tensor]], cf
         group = fused[suffix]
         for hf_suffix, part in zip(group.hf, _split(group, tensor, cfg)):
             yield prefix + hf_suffix, part
+
+
+class _InverseTables:
+    """Megatron suffix -> HF suffix (renames) and -> group (fused), per layer table (made once each)."""
+
+    def __init__(self, mapping: LayerMapping):
+        self.mapping, self._made = mapping, {}
+
+    def of(self, layer: int, cfg: GPTFamilyConfig):
+        if layer >= cfg.num_layers:
+            return {}, {}
+        table = self.mapping.for_layer(layer)
+        got = self._made.get(id(table))
+        if got is None:
+            got = self._made[id(table)] = ({v: k for k, v in table.renames.items()}, {g.megatron: g for g in table.fused})
+        return got
+
+    def sections(self, layer: int, suffix: str, cfg: GPTFamilyConfig):
+        if layer >= cfg.num_layers:
+            return None
+        return self.mapping.for_layer(layer).tp_sections.get(suffix)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,7 +713,7 @@ def fused_row_ranges(group: FusedGroup, rows: int, cfg: GPTFamilyConfig) -> Tupl
     """For each HF tensor of a fused group, the rows of the full Megatron tensor it is made of, as
     dim-0 ranges in order. Derived by running :func:`_split` -- the very function
     :func:`convert_megatron_to_hf` uses -- on a row-index column, so the two cannot disagree."""
-    key = (group.kind, rows, cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim)
+    key = (group.kind, rows, cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim, cfg.linear_attention)
     if key not in _RANGES_CACHE:
         parts = _split(group, torch.arange(rows).reshape(rows, 1), cfg)
         _RANGES_CACHE[key] = tuple(_runs(p) for p in parts)
@@ -556,14 +734,22 @@ class MegatronToHFLayout:
     def __init__(self, cfg: GPTFamilyConfig, mapping: LayerMapping):
         self.cfg = cfg
         self.top = {v: k for k, v in global_renames(cfg).items()}
-        self.renames = {v: k for k, v in mapping.renames.items()}
-        self.fused = {g.megatron: g for g in mapping.fused}
+        self.tables = _InverseTables(mapping)
 
-    def gated(self, name: str) -> bool:
-        """Whether Megatron tensor ``name`` is a SwiGLU ``linear_fc1`` (a ``gate_up`` group of the
-        mapping: ``[gate; up]``, which tensor parallelism splits with stride 2)."""
+    def gated(self, name: str):
+        """How tensor parallelism splits dim 0 of Megatron tensor ``name``, where the table says:
+        True for a SwiGLU ``linear_fc1`` (a ``gate_up`` group: ``[gate; up]``, which tensor
+        parallelism splits with stride 2), the sections of a ``tp_sections`` entry (a Gated
+        DeltaNet's ``in_proj`` / ``conv1d``), False otherwise
+        (:func:`megatron_tepo.megatron.sharding.tp_partition`)."""
         m = _MG_LAYER.match(name)
-        group = self.fused.get(m.group(2)) if m is not None else None
+        if m is None:
+            return False
+        layer, suffix = int(m.group(1)), m.group(2)
+        sections = self.tables.sections(layer, suffix, self.cfg)
+        if sections is not None:
+            return tuple(sections)
+        group = self.tables.of(layer, self.cfg)[1].get(suffix)
         return group is not None and group.kind == "gate_up"
 
     def __call__(self, name: str, shape) -> list:
@@ -573,12 +759,13 @@ class MegatronToHFLayout:
         if cfg.tie_word_embeddings and name == "output_layer.weight":
             return []
         m = _MG_LAYER.match(name)
-        if m is None or (m.group(2) not in self.renames and m.group(2) not in self.fused):
+        renames, fused = self.tables.of(int(m.group(1)), cfg) if m is not None else ({}, {})
+        if m is None or (m.group(2) not in renames and m.group(2) not in fused):
             raise ValueError(f"Megatron tensor {name!r} has no HF counterpart in the {cfg.family} "
                              f"mapping (spec={cfg.spec})")
         prefix, suffix = f"model.layers.{m.group(1)}.", m.group(2)
-        if suffix in self.renames:
-            return [(prefix + self.renames[suffix], None)]
-        group = self.fused[suffix]
+        if suffix in renames:
+            return [(prefix + renames[suffix], None)]
+        group = fused[suffix]
         ranges = fused_row_ranges(group, int(shape[0]), cfg)
         return [(prefix + h, r) for h, r in zip(group.hf, ranges)]

@@ -59,12 +59,12 @@ def compare_logits(ckpt, hf_dir, tp: int, pp: int, ep: int = 1) -> dict:
 
     from megatron_tepo.layout import ParallelLayout
     from megatron_tepo.megatron.parallel import initialize_parallel
-    from megatron_tepo.checkpoint import build_gpt_model, load_checkpoint_into
+    from megatron_tepo.checkpoint import build_model, load_checkpoint_into
     from megatron_tepo.models import family_config_from_hf
 
     fc = family_config_from_hf(json.loads((Path(hf_dir) / "config.json").read_text()), spec="local")
     initialize_parallel(ParallelLayout(tp=tp, pp=pp, ep=ep), fc, backend="gloo", sequence_parallel=tp > 1)  # (as the converter)
-    model = build_gpt_model(fc, torch.float32)
+    model = build_model(fc, torch.float32)
     load_checkpoint_into(model, ckpt)
     ids = input_ids(fc.vocab_size)
     got = megatron_logits(model, ids)

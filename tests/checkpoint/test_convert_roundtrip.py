@@ -107,3 +107,34 @@ def test_qwen3_moe_ep2_and_ep1(tmp_path):
         assert r["export_of_ep2"]["n"] == 4 * (4 + 2 + 2 + 1 + 4 * 3) + 2 + v.endswith("untied"), r
         for k in ("logits_ep1", "logits_ep2_ckpt_at_ep1"):
             assert r[k]["has_logits"] and r[k]["max_abs_diff"] < 1e-5, (v, k, r[k])
+
+
+QWEN3_5_VARIANTS = [("qwen3_5", False), ("qwen3_5_moe", False)]
+
+
+def _gdn_available():
+    from packaging.version import Version
+
+    from megatron_tepo.megatron.compat import hybrid_model_available, mcore_version
+
+    return hybrid_model_available() and mcore_version() >= Version("0.19")
+
+
+@pytest.mark.skipif(not _gdn_available(), reason="Qwen3.5 needs megatron-core >= 0.19 (HybridModel, Gated DeltaNet)")
+def test_qwen3_5_tp2_and_ep2_logits_and_roundtrip(tmp_path):
+    """Qwen3.5 dense and MoE (3 Gated DeltaNet + 1 gated attention layer; the MoE with 4 experts
+    and a gated shared expert), untied: converted at TP=2 (each rank its share of every section of
+    the Gated DeltaNet's fused in_proj and conv1d, of each query group's queries, gates, key and
+    value) and the MoE at EP=2, each loaded at its layout with the HF logits (1e-5), each exported
+    by the one-process exporter (TP=1, EP=1: resharded) bit for bit."""
+    names = _build(tmp_path, QWEN3_5_VARIANTS)
+    moe = variant_id("qwen3_5_moe", False)
+    for args, where in (((("2", "1", names)), "tp2"), ((("1", "1", moe, "--ep", "2")), "ep2")):
+        results = torchrun(WORKER, 2, "import", str(tmp_path), *args[:3], "--logits", *args[3:],
+                           tmp_path=tmp_path / where)
+        for r in results:  # (TP=2: both ranks gather full logits; EP=2: data-parallel over tokens)
+            for v, d in r.items():
+                assert d["has_logits"] and d["max_abs_diff"] < 1e-5, (where, v, d)
+    for suffix, which in (("tp2pp1", names), ("tp1pp1ep2", moe)):
+        (res,) = torchrun(WORKER, 1, "export", str(tmp_path), suffix, which, tmp_path=tmp_path / f"exp-{suffix}")
+        _assert_bitwise(res)

@@ -22,7 +22,8 @@ def _sidecars(tmp_path, family: str, spec: str = "local"):
     fam = family_config_from_hf(json.loads((hf / "config.json").read_text()), spec=spec)
     out = tmp_path / "ckpt"
     out.mkdir()
-    write_conversion_sidecars(out, hf, fam, torch.float32, ParallelLayout(ep=2 if fam.moe else 1))
+    write_conversion_sidecars(out, hf, fam, torch.float32, ParallelLayout(ep=2 if fam.moe else 1),
+                              model_builder="hybrid")
     return out, fam
 
 
@@ -32,7 +33,8 @@ def test_the_sidecar_records_the_whole_family_config(tmp_path, family):
     stored = read_checkpoint_info(out)["family_config"]
     if family == "qwen3_moe":
         assert stored["moe"] == {"num_experts": 4, "router_topk": 2, "ffn_hidden_size": 32,
-                                 "router_pre_softmax": False, "router_score_function": "softmax"}
+                                 "router_pre_softmax": False, "router_score_function": "softmax",
+                                 "shared_expert_ffn_hidden_size": 0, "shared_expert_gate": False}
     else:
         assert stored["moe"] is None
     assert "extra" not in stored
@@ -62,3 +64,19 @@ def test_a_sidecar_with_an_unknown_field_is_refused(tmp_path):
     (out / INFO).write_text(json.dumps(info))
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['sliding_window'\]"):
         read_family_config(out)
+
+
+def test_the_sidecar_records_the_model_builder(tmp_path):
+    """The torch_dist keys are the writing model's: the sidecar says which (the exporter builds the
+    same); a file from before it was recorded was written by a GPTModel; anything else is refused."""
+    from megatron_tepo.checkpoint.sidecars import model_builder_of
+
+    out, fam = _sidecars(tmp_path, "qwen3")
+    info = read_checkpoint_info(out)
+    assert info["model_builder"] == "hybrid" and model_builder_of(info) == "hybrid"
+    del info["model_builder"]
+    assert model_builder_of(info) == "gpt"
+    with pytest.raises(ValueError, match="model_builder 'mamba'"):
+        model_builder_of(dict(info, model_builder="mamba"))
+    with pytest.raises(ValueError, match="model_builder"):
+        write_conversion_sidecars(out, tmp_path / "hf", fam, torch.float32, ParallelLayout(), model_builder="auto")

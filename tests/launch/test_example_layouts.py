@@ -77,9 +77,10 @@ def test_layout_settings_reach_the_transformer_config(path, tmp_path):
     assert tc.sequence_parallel == a.sequence_parallel
     assert (tc.tensor_model_parallel_size, tc.pipeline_model_parallel_size, tc.expert_model_parallel_size,
             tc.context_parallel_size) == (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp)
-    if a.recompute == "full":
+    if a.recompute == "full":  # (counted in HF layers: a hybrid stack has two layers per HF layer)
+        per = 2 if settings.model_builder == "hybrid" else 1
         assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == (
-            "full", "uniform", a.recompute_num_layers)
+            "full", "uniform", a.recompute_num_layers * per)
     else:
         assert tc.recompute_granularity == (None if a.recompute == "none" else "selective")
     assert tc.bias_activation_fusion == (settings.fusions == "on")

@@ -37,16 +37,28 @@ def tiny_hf_config(family: str, tie: bool = False, **overrides):
     elif family == "llama":
         kw.update(rope_theta=5e5)
         cls = transformers.LlamaConfig
+    elif family in ("qwen3_5", "qwen3_5_moe"):
+        # 3 Gated DeltaNet layers + 1 gated attention layer; head_dim != hidden / heads, RoPE on a
+        # quarter of each head, 2 key heads for 4 value heads in the Gated DeltaNet
+        kw.update(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_conv_kernel_dim=4)
+        cls = transformers.Qwen3_5TextConfig
+        if family == "qwen3_5_moe":
+            kw.pop("intermediate_size")
+            kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+            cls = transformers.Qwen3_5MoeTextConfig
     else:
         raise ValueError(family)
     kw.update(overrides)
     cfg = cls(**kw)
-    cfg.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
+    cfg.architectures = [cls.__name__.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
     return cfg
 
 
 def make_hf_model(hf_config, seed: int = 0):
-    """Random init with randomised norm weights and biases (so a wrong mapping shows)."""
+    """Random init with randomised norm weights and biases (so a wrong mapping shows): a norm's
+    weight around its init (1, or 0 for the zero-centred norms of Qwen3.5, which scale by 1 + w)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -54,8 +66,8 @@ def make_hf_model(hf_config, seed: int = 0):
                                                          dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            if name.endswith("norm.weight"):  # around the init: 1, or 0 for a zero-centred norm (1 + w)
+                p.copy_((0.0 if bool((p == 0).all()) else 1.0) + 0.2 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.2 * torch.randn_like(p))
             else:

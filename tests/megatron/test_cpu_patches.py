@@ -33,6 +33,7 @@ EXPECTED_FAILURE = {
         "probe_tied_embeddings_pp2": "language_module.py:setup_embeddings_and_output_layer"},
     "moe_router_gemm": {"probe_moe_router": "moe_utils.py:forward"},
     "grad_sync_stream": {"probe_grad_sync": "param_and_grad_buffer.py:start_grad_sync"},
+    "gdn_kernels": {"probe_gdn_forward": "common.py:__init__"},
 }
 
 
@@ -75,11 +76,12 @@ def test_each_patch_is_necessary_and_all_suffice(tmp_path):
 
 
 # ---------------------------------------------------------------- each patch on its own condition
-def _applied_under(monkeypatch, cuda: bool, te: bool):
+def _applied_under(monkeypatch, cuda: bool, te: bool, fla: bool = True):
     from megatron_tepo.megatron import cpu_patches
 
     monkeypatch.setattr(cpu_patches, "cuda_available", lambda: cuda)
     monkeypatch.setattr(cpu_patches, "te_available", lambda: te)
+    monkeypatch.setattr(cpu_patches, "fla_available", lambda: fla)
     cpu_patches.revert_cpu_patches()
     try:
         return cpu_patches.apply_cpu_patches()
@@ -106,13 +108,23 @@ def test_moe_router_patch_follows_te_not_cuda(monkeypatch):
     assert _applied_under(monkeypatch, cuda=True, te=False) == _in_range(["moe_router_gemm"])
 
 
+def test_gdn_kernels_patch_follows_flash_linear_attention_and_cuda(monkeypatch):
+    """flash-linear-attention's kernels run where it is installed and there is CUDA; anywhere else
+    (a CPU, or a GPU without ``fla``) megatron's Gated DeltaNet runs on the torch stand-in."""
+    gdn = _in_range(["gdn_kernels"])
+    assert _applied_under(monkeypatch, cuda=True, te=True, fla=True) == []
+    assert _applied_under(monkeypatch, cuda=True, te=True, fla=False) == gdn
+    assert "gdn_kernels" in _applied_under(monkeypatch, cuda=False, te=True, fla=True) or not gdn
+
+
 def test_cuda_patches_follow_cuda(monkeypatch):
     cuda = _in_range(ALL_CUDA_PATCHES)
+    gdn = _in_range(["gdn_kernels"])  # (no CUDA: no flash-linear-attention kernels either)
     assert set(CUDA_PATCHES) <= set(cuda)  # the version-free ones apply on every version
     order = list(PATCHES)
-    assert _applied_under(monkeypatch, cuda=False, te=True) == cuda
+    assert _applied_under(monkeypatch, cuda=False, te=True) == cuda + gdn
     assert _applied_under(monkeypatch, cuda=False, te=False) == sorted(
-        cuda + _in_range(["moe_router_gemm"]), key=order.index)
+        cuda + _in_range(["moe_router_gemm"]) + gdn, key=order.index)
     assert _applied_under(monkeypatch, cuda=True, te=True) == []
 
 
@@ -124,6 +136,7 @@ def test_every_patch_names_its_condition():
         assert condition in cpu_patches.CONDITION_PROBES, name
     assert {n for n, c in cpu_patches.CONDITIONS.items() if c == "no_cuda"} == set(ALL_CUDA_PATCHES)
     assert cpu_patches.CONDITIONS["moe_router_gemm"] == "no_te"
+    assert cpu_patches.CONDITIONS["gdn_kernels"] == "no_gdn_kernels"
 
 
 def test_moe_router_patch_is_a_no_op_when_megatron_bound_the_name(monkeypatch):
@@ -157,8 +170,8 @@ def test_every_patch_names_its_versions_and_targets():
 
 
 @pytest.mark.parametrize("version, dropped", [
-    ("0.16.1", {"grad_sync_stream"}),
-    ("0.17.0", {"grad_sync_stream", "moe_router_gemm"}),
+    ("0.16.1", {"grad_sync_stream", "gdn_kernels"}),
+    ("0.17.0", {"grad_sync_stream", "moe_router_gemm", "gdn_kernels"}),
     ("0.19.2", {"moe_router_gemm"}),
 ])
 def test_version_ranges_at_both_ends(version, dropped):

@@ -1,4 +1,4 @@
-"""Packed and padded micro-batches (actor/micro_batch.py), the packing plan, the sdpa core
+"""Packed and padded micro-batches (token_layout.py), the packing plan, the sdpa core
 attention on packed input, and the actor's settings checked before any process group starts."""
 import pytest
 import torch

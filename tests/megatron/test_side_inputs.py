@@ -1,4 +1,4 @@
-"""The per-micro-batch side inputs (megatron/side_inputs.py) and the routing field they carry
+"""The per-micro-batch side inputs (token_layout.py: SideInputs) and the routing field they carry
 (``RolloutBatch.routed_experts``): laid out in megatron's token order for packed and padded
 micro-batches (pad segments and dummy rows included), inverted back to rows, split for sequence
 parallelism; the actor's routing-replay settings checked before any process group; nothing of it

@@ -116,7 +116,7 @@ def test_bad_value_names_the_field():
 
 def test_auto_is_decided_once_before_anything_is_built():
     fam = family_config_from_hf(tiny_hf_config("qwen3"), spec="local")
-    with pytest.raises(ValueError, match=r"actor.attention, .*actor.packed_attention: still 'auto'"):
+    with pytest.raises(ValueError, match=r"actor.attention, .*actor.packed_attention, actor.model_builder: still 'auto'"):
         gpt.transformer_config(fam, tp=1, pp=1, actor=ActorConfig(precision="fp32"))
     assert gpt.require_resolved(gpt.FP32_ACTOR) is gpt.FP32_ACTOR
 

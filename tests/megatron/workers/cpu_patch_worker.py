@@ -138,6 +138,35 @@ def probe_grad_sync():
     ddp.finish_grad_sync()
 
 
+def probe_gdn_forward():
+    """megatron's Gated DeltaNet on two packed sequences, forward and backward (what a Qwen3.5
+    layer of the actor does); nothing to run on a megatron-core without its Gated DeltaNet package
+    (0.16.1 - 0.18: the actor builds no Gated DeltaNet there)."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("megatron.core.ssm.gated_delta_net.gdn") is None:
+            return
+    except ImportError:  # (0.16.1 - 0.18: gated_delta_net is a module, not the package)
+        return
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from megatron_tepo.megatron.hybrid import GatedOutputNorm
+
+    config = tiny_config(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                         linear_num_key_heads=2, linear_num_value_heads=4, activation_func=torch.nn.functional.silu)
+    gdn = GatedDeltaNet(config, GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=GatedOutputNorm,
+                                                        out_proj=RowParallelLinear),
+                        layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
+    out, _ = gdn(torch.randn(8, 1, 32), attention_mask=None, packed_seq_params=params)
+    out.sum().backward()
+
+
 PROBES = {
     "current_device": [probe_gpt_forward],
     "rng_tracker": [probe_rng_seed],
@@ -147,6 +176,7 @@ PROBES = {
     "tied_embedding_setup": [probe_tied_embeddings_pp2],
     "moe_router_gemm": [probe_moe_router],
     "grad_sync_stream": [probe_grad_sync],
+    "gdn_kernels": [probe_gdn_forward],
 }
 
 

@@ -102,7 +102,7 @@ def _moe_tp2(cfg):
 
     from megatron_tepo.config import ActorConfig
     from megatron_tepo.megatron import apply_cpu_patches
-    from megatron_tepo.megatron.gpt import build_gpt_chunk, family_spec, resolve_actor_config, transformer_config
+    from megatron_tepo.megatron.gpt import build_chunk, family_spec, resolve_actor_config, transformer_config
     from megatron_tepo.models import family_config_from_hf
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -113,7 +113,7 @@ def _moe_tp2(cfg):
     settings = resolve_actor_config(ActorConfig(precision="fp32", attention="sdpa"))
     family_cfg = family_config_from_hf(cfg, spec=family_spec(settings))
     config = transformer_config(family_cfg, tp=2, pp=1, actor=settings, initialize=False)
-    chunk = build_gpt_chunk(config, family_cfg, True, True, actor=settings)
+    chunk = build_chunk(config, family_cfg, True, True, actor=settings)
     return SimpleNamespace(model=[chunk], family_cfg=family_cfg, tp_group=ps.get_tensor_model_parallel_group())
 
 

@@ -1,8 +1,9 @@
 """torchrun worker: MoE routing replay (``actor.routing_replay``) on a tiny Qwen3-MoE.
 
-argv[1]: JSON list of cases ``{"mode": "r3"|"r2", "tp", "ep", "pack", "recompute"}`` (TP > 1: with
-sequence parallelism, as megatron's MoE layer needs). Every rank
-builds the same HF model (8 experts, top-2, 3 layers) and the same batch; the actor gets its DP
+argv[1]: JSON list of cases ``{"mode": "r3"|"r2", "tp", "ep", "pack", "recompute", "family"}`` (TP > 1:
+with sequence parallelism, as megatron's MoE layer needs; ``family``: ``qwen3_moe`` (default, 3
+layers) or ``qwen3_5_moe`` (4 layers: 3 Gated DeltaNet + 1 gated attention, a shared expert)). Every
+rank builds the same HF model (8 experts, top-2) and the same batch; the actor gets its DP
 share. Forward hooks on the actor's megatron routers record the ``routing_map`` of every router
 call (forward and recompute); the worker compares it, position by position, with the experts that
 had to be replayed, placed in megatron's token order by its own arithmetic (not the actor's).
@@ -33,11 +34,15 @@ OPT = dict(lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-6, weight_decay
 LOSS = {"name": "grpo"}
 
 
-def random_routing(batch, seed):
-    """``[B, L, LAYERS, TOPK]`` int8: distinct random experts at every real position, -1 beyond."""
+#: layers of each family's tiny model
+FAMILY_LAYERS = {"qwen3_moe": LAYERS, "qwen3_5_moe": 4}
+
+
+def random_routing(batch, seed, layers=LAYERS):
+    """``[B, L, layers, TOPK]`` int8: distinct random experts at every real position, -1 beyond."""
     g = torch.Generator().manual_seed(seed)
     b, length = batch.input_ids.shape
-    routed = torch.rand(b, length, LAYERS, EXPERTS, generator=g).argsort(-1)[..., :TOPK].to(torch.int8)
+    routed = torch.rand(b, length, layers, EXPERTS, generator=g).argsort(-1)[..., :TOPK].to(torch.int8)
     real = torch.arange(length)[None] < batch.seq_lens()[:, None]
     routed[~real] = -1
     return routed
@@ -64,12 +69,15 @@ def forced_hf_routers(model, routed):
 
 
 def megatron_routers(actor):
-    """{MoE layer index: router module} of this rank's stage."""
+    """{MoE layer index: router module} of this rank's stage (the HF layer of the router's
+    ``layer_number``: a HybridModel has two stack layers per HF layer)."""
+    from megatron_tepo.megatron.sharding import hf_layer_of
+
     out = {}
     for chunk in actor.model:
         for m in chunk.modules():
             if getattr(m, "router_replay", None) is not None:
-                out[int(m.layer_number) - 1] = m
+                out[hf_layer_of(chunk, m.layer_number)] = m
     return out
 
 
@@ -159,7 +167,9 @@ def run_case(case):
     from megatron_tepo.megatron.sharding import gather_full_tensors
 
     torch.manual_seed(0)
-    hf_cfg = tiny_hf_config("qwen3_moe", num_experts=EXPERTS, num_experts_per_tok=TOPK, num_hidden_layers=LAYERS)
+    family = case.get("family", "qwen3_moe")
+    layers = FAMILY_LAYERS[family]
+    hf_cfg = tiny_hf_config(family, num_experts=EXPERTS, num_experts_per_tok=TOPK, num_hidden_layers=layers)
     model = make_hf_model(hf_cfg, seed=0)
     batch = make_batch(seed=1)
     layout = ParallelLayout(tp=case["tp"], ep=case.get("ep", 1), cp=case.get("cp", 1))
@@ -170,7 +180,7 @@ def run_case(case):
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     sp = (ps.get_tensor_model_parallel_rank(), case["tp"])
     rows = slice(dp_rank, None, dp)
-    out = {"case": case, "dp": dp, "cp_rank": ps.get_context_parallel_rank()}
+    out = {"case": case, "dp": dp, "cp_rank": ps.get_context_parallel_rank(), "layers": layers}
 
     seen_mbs = []
     build = actor._micro_batches
@@ -185,7 +195,7 @@ def run_case(case):
     hook_routers(actor, calls)
 
     if case["mode"] == "r3":
-        batch.routed_experts = random_routing(batch, seed=2)
+        batch.routed_experts = random_routing(batch, seed=2, layers=layers)
     local = batch.split_for_data_parallel(dp_rank, dp)
 
     # --- the old-log-prob pass

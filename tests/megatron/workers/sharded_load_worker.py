@@ -195,7 +195,7 @@ def attrs_case(case):
     from megatron_tepo.actor.actor import actor_transformer_config, plan_actor
     from megatron_tepo.layout import ParallelLayout
     from megatron_tepo.megatron.parallel import initialize_parallel
-    from megatron_tepo.megatron.gpt import build_gpt_chunk
+    from megatron_tepo.megatron.gpt import build_chunk
 
     hf_cfg = tiny_hf_config(case["family"], tie=case["tie"])
     layout = ParallelLayout(tp=case["tp"], pp=case["pp"], ep=case.get("ep", 1))
@@ -205,8 +205,8 @@ def attrs_case(case):
     for init in (True, False):
         cfg = actor_transformer_config(family_cfg, layout, settings)
         cfg.perform_initialization = init
-        chunk = build_gpt_chunk(cfg, family_cfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage(),
-                                actor=settings)
+        chunk = build_chunk(cfg, family_cfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage(),
+                            actor=settings)
         got[init] = {n: [getattr(p, a, None) for a in ATTRS] for n, p in chunk.named_parameters()}
     diff = {n: {"init": got[True][n], "no_init": got[False].get(n)} for n in got[True]
             if got[True][n] != got[False].get(n)}
