@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tepo.algorithms import PolicyLoss
-from megatron_tepo.batch import RolloutBatch, routing_dtype
+from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.actor.batching import equalize_micro_batch_count, plan_micro_batches, plan_packed_micro_batches
 from megatron_tepo.token_layout import MicroBatch, build_micro_batch
 from megatron_tepo.layout import ParallelLayout
@@ -259,7 +259,7 @@ class MegatronActor:
         layers = torch.tensor([layer for layer, _ in replay.slots])
         width = batch.input_ids.shape[1]
         out = torch.full((batch.batch_size, width, replay.num_layers, replay.topk), -1,
-                         dtype=routing_dtype(replay.num_experts))
+                         dtype=replay.shape.dtype)
         for mb, recorded in zip(mbs, replay.recorded):
             if replay.sp_size > 1:  # each TP rank routed its share of the tokens
                 parts = [torch.empty_like(recorded) for _ in range(replay.sp_size)]

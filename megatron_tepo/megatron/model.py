@@ -528,8 +528,9 @@ def build_train_model(hf_config, weights=None, layout: Optional[ParallelLayout] 
     replay = None
     if resolved.routing_replay != "off":  # megatron built a RouterReplay per router; the actor drives them
         sp = resolved.sequence_parallel
-        replay = RoutingReplay.attach([chunk], config, device, sp_rank=ps.get_tensor_model_parallel_rank() if sp else 0,
-                                      sp_size=layout.tp if sp else 1, num_layers=family_cfg.num_layers)
+        replay = RoutingReplay.attach([chunk], config, family_cfg.routing_shape(), device,
+                                      sp_rank=ps.get_tensor_model_parallel_rank() if sp else 0,
+                                      sp_size=layout.tp if sp else 1)
     ddp = DistributedDataParallel(config, ddp_config(optim, resolved), chunk)
     if ddp.ddp_config.overlap_grad_reduce:
         # the schedule runs every micro-batch but the last under no_sync: the bucket reductions

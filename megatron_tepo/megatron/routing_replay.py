@@ -35,11 +35,14 @@ sums them over every rank (one all-reduce) into ``routing_mismatch_mean`` / ``ro
 that had to be); coverage under 1.0 -- a router that never asked its slot, a layer without
 routing -- raises.
 
+The MoE layers, the top-k, the expert count and the ids' dtype are the routing contract's
+(:class:`megatron_tepo.routing.RoutingShape`, from the family config): a router's ``layer_number``
+is translated to its HF decoder layer (:func:`~megatron_tepo.megatron.sharding.hf_layer_of`, which a
+``HybridModel``'s two stack layers per HF layer need), then to its place among the shape's MoE layers.
+
 Left out: megatron's fused router (``moe_router_fusion``, Transformer Engine) bypasses
 ``RouterReplay`` and is refused with replay; CUDA-graphed routers; dense layers inside an MoE
-stack (the families refuse them, so MoE layer ``i`` is HF decoder layer ``i``: the router's
-``layer_number`` translated by :func:`~megatron_tepo.megatron.sharding.hf_layer_of`, which a
-``HybridModel``'s two stack layers per HF layer need).
+stack (the families refuse them, so today MoE layer ``i`` is HF decoder layer ``i``).
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_tepo.batch import routing_dtype
+from megatron_tepo.routing import RoutingShape
 from megatron_tepo.token_layout import SideInputs
 
 __all__ = ["REPLAY_MODES", "RoutingReplay", "replay_slot_class"]
@@ -107,10 +110,11 @@ class RoutingReplay:
     """The routing replay of one rank's model chunks (module docstring). Made by :meth:`attach`
     only when ``actor.routing_replay`` is not ``off``."""
 
-    def __init__(self, slots: List[Tuple[int, object]], num_layers: int, topk: int, num_experts: int,
-                 stats: torch.Tensor, sp_rank: int = 0, sp_size: int = 1):
+    def __init__(self, slots: List[Tuple[int, object]], shape: RoutingShape, stats: torch.Tensor,
+                 sp_rank: int = 0, sp_size: int = 1):
         self.slots = slots  # (MoE layer index in the whole model, slot) for this stage's layers
-        self.num_layers, self.topk, self.num_experts = num_layers, topk, num_experts
+        self.shape = shape  # the routing contract (the family config's): its MoE layers, top-k, experts, dtype
+        self.num_layers, self.topk, self.num_experts = shape.num_moe_layers, shape.topk, shape.num_experts
         self.stats = stats  # [num_layers, 3] float64 on the device
         self.sp_rank, self.sp_size = sp_rank, sp_size
         self.action: Optional[str] = None
@@ -119,18 +123,24 @@ class RoutingReplay:
         self._fill = None
 
     @classmethod
-    def attach(cls, chunks, config, device: torch.device, sp_rank: int = 0, sp_size: int = 1,
-               num_layers: Optional[int] = None) -> "RoutingReplay":
+    def attach(cls, chunks, config, shape: RoutingShape, device: torch.device, sp_rank: int = 0,
+               sp_size: int = 1) -> "RoutingReplay":
         """Swap the ``RouterReplay`` of every router in ``chunks`` (built with
-        ``moe_enable_routing_replay``) for a ``ReplaySlot``; the model's MoE layers are its
-        ``num_layers`` HF decoder layers (default ``config.num_layers``: a ``GPTModel``'s)."""
+        ``moe_enable_routing_replay``) for a ``ReplaySlot``; the model's MoE layers, top-k and experts
+        are the routing contract's (``shape``: the family config's
+        :meth:`~megatron_tepo.models.common.GPTFamilyConfig.routing_shape`), which megatron's config
+        must agree with."""
         from megatron_tepo.megatron.sharding import hf_layer_of
 
         if getattr(config, "moe_router_fusion", False):
             raise ValueError("actor.routing_replay: megatron's fused router (moe_router_fusion) bypasses "
                              "RouterReplay; turn one of them off")
-        num_layers = config.num_layers if num_layers is None else num_layers
-        stats = torch.zeros(num_layers, 3, dtype=torch.float64, device=device)
+        if (config.moe_router_topk, config.num_moe_experts) != (shape.topk, shape.num_experts):
+            raise ValueError(f"actor.routing_replay: megatron's routers take top-{config.moe_router_topk} of "
+                             f"{config.num_moe_experts} experts, the family config's routing top-{shape.topk} of "
+                             f"{shape.num_experts}")
+        index = {layer: i for i, layer in enumerate(shape.moe_layers)}  # HF decoder layer -> MoE layer
+        stats = torch.zeros(shape.num_moe_layers, 3, dtype=torch.float64, device=device)
         slots = []
         for chunk in chunks:
             for module in chunk.modules():
@@ -138,7 +148,11 @@ class RoutingReplay:
                 if old is None:
                     continue
                 _forget(old)
-                layer = hf_layer_of(chunk, module.layer_number)
+                hf_layer = hf_layer_of(chunk, module.layer_number)
+                if hf_layer not in index:
+                    raise ValueError(f"actor.routing_replay: decoder layer {hf_layer} routes, but the family "
+                                     f"config's MoE layers are {shape.moe_layers}")
+                layer = index[hf_layer]
                 slot = replay_slot_class()(stats, layer)
                 slot.layer_number = module.layer_number
                 module.router_replay = slot
@@ -146,8 +160,7 @@ class RoutingReplay:
         if not slots:
             raise ValueError("actor.routing_replay: the model has no MoE router that megatron built with "
                              "moe_enable_routing_replay")
-        return cls(sorted(slots, key=lambda s: s[0]), num_layers, config.moe_router_topk,
-                   config.num_moe_experts, stats, sp_rank, sp_size)
+        return cls(sorted(slots, key=lambda s: s[0]), shape, stats, sp_rank, sp_size)
 
     # ------------------------------------------------------------------ one run of the schedule
     def start(self, action: str, recomputes: bool = False) -> None:
@@ -191,9 +204,9 @@ class RoutingReplay:
     def after_forward(self) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        if self.action == "record":  # kept in the batch's routing dtype (one byte an id up to 128 experts)
+        if self.action == "record":  # kept in the contract's dtype (one byte an id up to 128 experts)
             self.recorded.append(torch.stack([slot.get_recorded_indices() for _, slot in self.slots], dim=1)
-                                 .to(routing_dtype(self.num_experts)))
+                                 .to(self.shape.dtype))
             for _, slot in self.slots:
                 slot.clear_router_replay_action()
                 slot.recorded_topk_idx = None
