@@ -125,6 +125,16 @@ class ModelShape:
     family: str = ""
     linear_num_key_heads: int = 0  # Gated DeltaNet layers (Qwen3.5); 0: none
     linear_num_value_heads: int = 0
+    # the fit check's prices of a hybrid (Qwen3.5): how many of the layers are Gated DeltaNet layers
+    # (spread evenly over the stack: every fourth is attention), their head sizes and convolution
+    # width, the attention's output gate (q_proj twice as wide), the MoE's shared expert
+    linear_layers: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    attention_output_gate: bool = False
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
 
     @property
     def is_moe(self) -> bool:

@@ -19,6 +19,7 @@ from megatron_tepo.cuda_alloc import expandable_in
 from megatron_tepo.launch.schema import LaunchLayout
 from megatron_tepo.launch.shape import ModelShape
 from megatron_tepo.layout import cp_padded, cp_rank_tokens, cp_share
+from megatron_tepo.routing import routing_dtype
 
 __all__ = ["GiB", "param_counts", "total_params", "layer_activation_bytes", "logits_bytes", "lm_head_bytes",
            "fused_block_columns", "fused_head_bytes", "context_tokens", "cp_attention_bytes", "ActorMemory",
@@ -31,29 +32,65 @@ GiB = 2 ** 30
 # --------------------------------------------------------------------------------------------
 # Parameters
 # --------------------------------------------------------------------------------------------
-def _layer_params(m: ModelShape, t: int, e: int) -> Tuple[int, int]:
-    """(non-expert, expert) parameters of one layer on one GPU; exact integer division."""
+def _attention_params(m: ModelShape, t: int) -> int:
+    """A softmax-attention mixer's parameters on one GPU, its input norm included (``q_proj`` twice as
+    wide with the output gate: each head's query and gate)."""
     h, d = m.hidden_size, m.head_dim
-    attn = (h * m.num_attention_heads * d + 2 * h * m.num_key_value_heads * d + m.num_attention_heads * d * h) // t + h
+    q = (2 if m.attention_output_gate else 1) * m.num_attention_heads * d
+    attn = (h * q + 2 * h * m.num_key_value_heads * d + m.num_attention_heads * d * h) // t + h
     if m.attention_bias:
         attn += (m.num_attention_heads + 2 * m.num_key_value_heads) * d // t
     if m.qk_norm:
         attn += 2 * d
+    return attn
+
+
+def _linear_dims(m: ModelShape) -> Tuple[int, int, int]:
+    """A Gated DeltaNet layer's (query/key width, value width, value heads)."""
+    return (m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads * m.linear_value_head_dim,
+            m.linear_num_value_heads)
+
+
+def _linear_attention_params(m: ModelShape, t: int) -> int:
+    """A Gated DeltaNet mixer's parameters on one GPU (megatron's ``GatedDeltaNet``): ``in_proj``
+    (query, key, value, output gate, beta, alpha), the causal convolution over query, key and value,
+    ``A_log`` and ``dt_bias`` per value head, the output norm (one value head wide) and ``out_proj``,
+    all but the norms split by TP; its input norm."""
+    h = m.hidden_size
+    qk, v, nv = _linear_dims(m)
+    return (h * (2 * qk + 2 * v + 2 * nv) + (2 * qk + v) * m.linear_conv_kernel + 2 * nv + v * h) // t \
+        + m.linear_value_head_dim + h
+
+
+def _mlp_params(m: ModelShape, t: int, e: int) -> Tuple[int, int]:
+    """(non-expert, expert) parameters of one layer's MLP on one GPU, its input norm included: the
+    router and a shared expert (and its gate) beside the routed experts of an MoE layer."""
+    h = m.hidden_size
     if m.is_moe:
-        return attn + h * m.num_experts + h, (m.num_experts // e) * 3 * h * m.moe_intermediate_size // t
-    return attn + 3 * h * m.intermediate_size // t + h, 0
+        shared = 3 * h * m.shared_expert_intermediate_size // t + (h if m.shared_expert_gate else 0)
+        return h * m.num_experts + h + shared, (m.num_experts // e) * 3 * h * m.moe_intermediate_size // t
+    return 3 * h * m.intermediate_size // t + h, 0
+
+
+def _stage_linear_layers(m: ModelShape, n: int) -> int:
+    """The Gated DeltaNet layers among a pipeline stage's ``n`` layers (spread evenly: Qwen3.5's every
+    fourth layer is attention, so a stage of a multiple of 4 layers holds exactly its share)."""
+    return m.linear_layers * n // m.num_hidden_layers if m.linear_layers else 0
 
 
 def param_counts(m: ModelShape, t: int = 1, p: int = 1, e: int = 1) -> Dict[str, Tuple[int, int]]:
     """(non-expert, expert) parameters on one GPU of the first and of the last pipeline stage;
-    ``t=p=e=1`` gives the whole model (``"first"`` == ``"last"``)."""
-    dense, expert = _layer_params(m, t, e)
+    ``t=p=e=1`` gives the whole model (``"first"`` == ``"last"``). A hybrid's Gated DeltaNet layers
+    are priced as such (:func:`_stage_linear_layers` of each stage's)."""
+    mlp, expert = _mlp_params(m, t, e)
     n = m.num_hidden_layers // p
+    lin = _stage_linear_layers(m, n)
+    layers = (n - lin) * _attention_params(m, t) + (lin * _linear_attention_params(m, t) if lin else 0) + n * mlp
     emb = m.vocab_size * m.hidden_size // t
-    first = n * dense + emb
-    last = n * dense + m.hidden_size + (emb if (not m.tie_word_embeddings or p > 1) else 0)
+    first = layers + emb
+    last = layers + m.hidden_size + (emb if (not m.tie_word_embeddings or p > 1) else 0)
     if p == 1:
-        first = last = n * dense + emb + m.hidden_size + (0 if m.tie_word_embeddings else emb)
+        first = last = layers + emb + m.hidden_size + (0 if m.tie_word_embeddings else emb)
     return {"first": (first, n * expert), "last": (last, n * expert)}
 
 
@@ -69,25 +106,43 @@ def layer_activation_bytes(m: ModelShape, t: int, sp: bool, elem: int = 2, fused
                            unfused_seq: int = 0, selective: bool = False) -> float:
     """Bytes per token of one layer kept for backward (docs/LAUNCH.md): ``elem`` bytes per
     activation element, ``fused`` SwiGLU, ``unfused_seq`` the padded row length when the
-    attention materialises its scores (0: flash-style), ``selective`` core-attention recompute."""
+    attention materialises its scores (0: flash-style), ``selective`` core-attention recompute. A
+    hybrid's layers are averaged: its Gated DeltaNet layers' share at their own price."""
     h, d = m.hidden_size, m.head_dim
     whole = 4 * h  # two norm inputs + two linear inputs
     sharded = (m.num_attention_heads + 2 * m.num_key_value_heads) * d + (1 if selective else 2) * m.num_attention_heads * d
+    if m.attention_output_gate:  # the gate's half of linear_qkv's output and the gated core output
+        sharded += 2 * m.num_attention_heads * d
     if m.qk_norm:
         sharded += (m.num_attention_heads + m.num_key_value_heads) * d
     extra_bytes_sharded = 0 if selective else 4 * m.num_attention_heads
     if unfused_seq and not selective:
         extra_bytes_sharded += (4 + (elem if elem < 4 else 0)) * m.num_attention_heads * unfused_seq
+    if m.linear_layers:  # Gated DeltaNet layers in place of that many attention mixers
+        share = m.linear_layers / m.num_hidden_layers
+        sharded_lin, extra_lin = _linear_attention_activations(m)
+        sharded = (1 - share) * sharded + share * sharded_lin
+        extra_bytes_sharded = (1 - share) * extra_bytes_sharded + share * extra_lin
     extra_bytes_whole = 0
     if m.is_moe:
         whole += m.num_experts_per_tok * h  # dispatched tokens (not split by TP)
-        sharded += m.num_experts_per_tok * 3 * m.moe_intermediate_size
+        sharded += m.num_experts_per_tok * 3 * m.moe_intermediate_size + 3 * m.shared_expert_intermediate_size
         extra_bytes_whole = 4 * m.num_experts + 4 * m.num_experts_per_tok
     else:
         sharded += (3 if fused else 4) * m.intermediate_size
     if sp:
         return (elem * (whole + sharded) + extra_bytes_sharded + extra_bytes_whole) / t
     return elem * whole + extra_bytes_whole + (elem * sharded + extra_bytes_sharded) / t
+
+
+def _linear_attention_activations(m: ModelShape) -> Tuple[int, int]:
+    """A Gated DeltaNet mixer's activations kept per token, split by TP: (elements in the
+    activations' dtype, extra bytes): ``in_proj``'s output (query, key, value, gate, beta, alpha), the
+    convolution's output (query, key, value), the scan's output and the gated norm's; beta and the
+    decay in fp32. The scan's chunk states (one ``key x value`` matrix per value head every 64 tokens)
+    are recomputed in its backward (flash-linear-attention), not kept."""
+    qk, v, nv = _linear_dims(m)
+    return (2 * qk + 2 * v + 2 * nv) + (2 * qk + v) + 2 * v, 8 * nv
 
 
 def logits_bytes(m: ModelShape, t: int, elem: int = 2) -> float:
@@ -235,10 +290,18 @@ class ServerMemory:
     kv_cache: float
     budget: float
     servers: int
+    # a hybrid's Gated DeltaNet layers: each running request's recurrent state (the convolution's last
+    # inputs and the scan's key x value matrices, every such layer) instead of a KV cache
+    state_bytes_per_request: int = 0
+    state_requests: int = 0
+
+    @property
+    def state(self) -> float:
+        return float(self.state_bytes_per_request * self.state_requests)
 
     @property
     def total(self) -> float:
-        return self.weights + self.kv_cache
+        return self.weights + self.kv_cache + self.state
 
 
 def _precision_bytes(precision: str) -> Tuple[int, int, int]:
@@ -279,7 +342,10 @@ def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout,
     fused = act.fusions == "on" or (act.fusions == "auto" and launch.device == "cuda")
     unfused_seq = min(s, longest) if act.attention == "unfused" else 0
     per_layer = layer_activation_bytes(m, t, sp, elem, fused, unfused_seq, act.recompute == "selective")
-    gather = cp_attention_bytes(m, t, r, cp, min(s, longest), elem, te=act.attention == "te")  # one layer's
+    # one attention layer's (a hybrid's Gated DeltaNet layers take megatron's own CP path, an all-to-all
+    # of their heads: priced as the layer's activations at the rank's tokens)
+    gather = cp_attention_bytes(m, t, r, cp, min(s, longest), elem, te=act.attention == "te") \
+        * (1 - m.linear_layers / m.num_hidden_layers)
     if act.recompute == "full":
         kept = elem * m.hidden_size / t if sp else elem * m.hidden_size
         working = per_layer * r * min(act.recompute_num_layers, n)  # one block re-run at a time
@@ -294,7 +360,7 @@ def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout,
     replay = m.is_moe and act.routing_replay != "off"
     step_rows = cfg.rollout.prompts_per_step * cfg.rollout.n_samples
     routing_host = (step_rows * longest * m.num_hidden_layers * m.num_experts_per_tok
-                    * (1 if m.num_experts <= 128 else 2)) if replay else 0.0
+                    * routing_dtype(m.num_experts).itemsize) if replay else 0.0  # (the routing contract's dtype)
     best = None
     for stage, in_flight, has_logits in (("first", p, p == 1), ("last", 1, True)):
         dense, expert = counts[stage]
@@ -320,12 +386,27 @@ def server_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> Server
     server = launch.rollout.server
     ts = server.tp
     dense, expert = param_counts(m, ts, 1, 1)["first"]
-    kv_per_token = 2 * m.num_hidden_layers * math.ceil(m.num_key_value_heads / ts) * m.head_dim * 2
+    attention_layers = m.num_hidden_layers - m.linear_layers  # (a hybrid's others keep no KV cache)
+    kv_per_token = 2 * attention_layers * math.ceil(m.num_key_value_heads / ts) * m.head_dim * 2
     kv_tokens = server.max_running_requests * (cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens)
     return ServerMemory(params=dense + expert, weights=2 * (dense + expert), kv_bytes_per_token=kv_per_token,
                         kv_tokens=kv_tokens, kv_cache=float(kv_per_token * kv_tokens),
                         budget=server.mem_fraction_static * launch.gpu_mem_gib * GiB,
-                        servers=launch.servers)
+                        servers=launch.servers, state_bytes_per_request=linear_state_bytes(m, ts),
+                        state_requests=server.max_running_requests if m.linear_layers else 0)
+
+
+def linear_state_bytes(m: ModelShape, ts: int) -> int:
+    """One request's recurrent state on one GPU of a TP-``ts`` server, over a hybrid's Gated DeltaNet
+    layers: the convolution's last ``kernel - 1`` inputs (query, key, value) in bf16 and each value
+    head's ``key_head_dim x value_head_dim`` matrix in fp32 (Qwen3.5's ``mamba_ssm_dtype``); 0
+    without such layers."""
+    if not m.linear_layers:
+        return 0
+    qk, v, nv = _linear_dims(m)
+    conv = 2 * math.ceil((2 * qk + v) / ts) * (m.linear_conv_kernel - 1)
+    ssm = 4 * math.ceil(nv / ts) * m.linear_key_head_dim * m.linear_value_head_dim
+    return m.linear_layers * (conv + ssm)
 
 
 # --------------------------------------------------------------------------------------------
@@ -385,7 +466,7 @@ class ColocatedMemory:
     server_released: float  # what a released server keeps (inside the pool while it serves)
     buckets: float  # the weight sync's buffers on one GPU
     actor_reserve: float  # launch.reserve_gib: the trainer's CUDA context, NCCL, fragmentation
-    seq_bytes: float  # the KV cache of one sequence of max_prompt_len + max_new_tokens tokens, per GPU
+    seq_bytes: float  # the KV cache (and a hybrid's recurrent state) of one sequence of max_prompt_len + max_new_tokens tokens, per GPU
     levels: Dict[str, PhasePeaks]
     level: str  # in use: actor.offload, or the least that fits (auto; "all" when none does)
     least: Optional[str]  # the least level that fits (None: none does)
@@ -424,7 +505,7 @@ def colocated_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout,
     s = server_memory(m, cfg, launch)
     gpu = launch.gpu_mem_gib * GiB
     released, reserve = launch.server_released_gib * GiB, launch.server_reserve_gib * GiB
-    fraction = math.ceil((s.weights + s.kv_cache + released) / gpu / FRACTION_STEP - 1e-9) * FRACTION_STEP
+    fraction = math.ceil((s.weights + s.kv_cache + s.state + released) / gpu / FRACTION_STEP - 1e-9) * FRACTION_STEP
     fraction = round(fraction, 6)
     pool = fraction * gpu
     buckets = 3 * cfg.rollout.sync_bucket_mb * 2 ** 20
@@ -449,7 +530,7 @@ def colocated_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout,
     least = next((lv for lv in OFFLOAD_ORDER if levels[lv].fits), None)
     asked = cfg.actor.offload
     level = asked if asked != "auto" else (least or "all")
-    seq = s.kv_bytes_per_token * (cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens)
+    seq = s.kv_bytes_per_token * (cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens) + s.state_bytes_per_request
     return ColocatedMemory(server=s, fraction=fraction, pool=pool, server_reserve=reserve, server_released=released,
                            buckets=buckets, actor_reserve=a.reserve, seq_bytes=seq, levels=levels, level=level,
                            least=least, gpu=gpu, host=host)

@@ -19,6 +19,12 @@ from megatron_tepo.time_limits import MIN_REQUEST_S, PREFILL_S, needed_request_s
 __all__ = ["FitReport"]
 
 
+def _state(s: ServerMemory) -> str:
+    """A hybrid server's recurrent state beside its KV cache ("" without Gated DeltaNet layers)."""
+    return (f" + recurrent state {_gib(s.state)} ({s.state_requests:,} requests x {s.state_bytes_per_request:,} B)"
+            if s.state_requests else "")
+
+
 def _gib(x: float) -> str:
     return f"{x / GiB:.1f} GiB"
 
@@ -136,7 +142,7 @@ class FitReport:
             f"{server.max_running_requests} running requests each ({s.servers * server.max_running_requests} "
             f"concurrent; a step has {cfg.rollout.prompts_per_step * cfg.rollout.n_samples} sequences)",
             f"  per GPU: weights {_gib(s.weights)} + KV cache {_gib(s.kv_cache)} "
-            f"({s.kv_tokens:,} tokens x {s.kv_bytes_per_token:,} B) = {_gib(s.total)} of {_gib(s.budget)} "
+            f"({s.kv_tokens:,} tokens x {s.kv_bytes_per_token:,} B){_state(s)} = {_gib(s.total)} of {_gib(s.budget)} "
             f"(mem_fraction_static {server.mem_fraction_static:g}): {'fits' if self.server_fits else 'DOES NOT FIT'}",
             self.limits_line(),
         ]
@@ -187,7 +193,7 @@ class FitReport:
             f"requests each ({s.servers * server.max_running_requests} concurrent; a step has "
             f"{cfg.rollout.prompts_per_step * cfg.rollout.n_samples} sequences)",
             f"  per GPU: weights {_gib(s.weights)} + KV cache {_gib(s.kv_cache)} ({s.kv_tokens:,} tokens x "
-            f"{s.kv_bytes_per_token:,} B) + kept when released {_gib(c.server_released)} -> mem_fraction_static "
+            f"{s.kv_bytes_per_token:,} B){_state(s)} + kept when released {_gib(c.server_released)} -> mem_fraction_static "
             f"{c.fraction:.2f} (derived: {_gib(c.pool)}); graphs and activations {_gib(c.server_reserve)}",
             f"offload: {c.level}" + (" (the least that fits)" if c.level == c.least else
                                      f" (actor.offload; the least that fits: {c.least})" if c.least else

@@ -193,8 +193,20 @@ class GPTFamilyConfig:
                           tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.qkv_bias,
                           qk_norm=self.qk_layernorm, num_experts_per_tok=moe.router_topk if moe else 0,
                           moe_intermediate_size=moe.ffn_hidden_size if moe else 0, family=self.family,
-                          linear_num_key_heads=self.linear_attention.num_key_heads if self.linear_attention else 0,
-                          linear_num_value_heads=self.linear_attention.num_value_heads if self.linear_attention else 0)
+                          **self._hybrid_dims())
+
+    def _hybrid_dims(self) -> Dict[str, Any]:
+        """:class:`ModelShape`'s Gated DeltaNet, output-gate and shared-expert fields (0 / False without)."""
+        la, moe = self.linear_attention, self.moe
+        out: Dict[str, Any] = dict(attention_output_gate=self.attention_output_gate,
+                                   shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size if moe else 0,
+                                   shared_expert_gate=bool(moe and moe.shared_expert_gate))
+        if la is not None:
+            out.update(linear_num_key_heads=la.num_key_heads, linear_num_value_heads=la.num_value_heads,
+                       linear_layers=sum(self.is_linear(i) for i in range(self.num_layers)),
+                       linear_key_head_dim=la.key_head_dim, linear_value_head_dim=la.value_head_dim,
+                       linear_conv_kernel=la.conv_kernel)
+        return out
 
     def __post_init__(self):
         if self.spec not in SPECS:

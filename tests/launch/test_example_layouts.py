@@ -32,7 +32,14 @@ WORKER = Path(__file__).parent / "layout_worker.py"
 
 
 def scaled_architecture(arch: dict, tp: int, pp: int, ep: int) -> dict:
-    """The file's HF config with small sizes that keep its layout valid."""
+    """The file's HF config with small sizes that keep its layout valid (a conditional-generation
+    config's ``text_config``: a hybrid's 4 layers a stage, one of them attention, its Gated DeltaNet
+    heads divisible by TP)."""
+    if "text_config" in arch:
+        text = dict(scaled_architecture(arch["text_config"], tp, pp, ep), num_hidden_layers=4 * pp,
+                    linear_num_key_heads=tp, linear_num_value_heads=2 * tp, linear_key_head_dim=8,
+                    linear_value_head_dim=8)
+        return dict(arch, text_config=text)
     heads = 2 * tp
     out = dict(arch, hidden_size=64, intermediate_size=32 * tp, num_hidden_layers=2 * pp, num_attention_heads=heads,
                num_key_value_heads=tp, vocab_size=256, max_position_embeddings=256)
@@ -55,7 +62,7 @@ def _run_config(path: Path, tmp_path: Path):
 
 def test_every_example_is_covered():
     assert {f.stem for f in FILES} >= {"qwen3_14b", "qwen3_14b_32k", "qwen2.5_7b", "qwen3_32b", "qwen3_30b_a3b",
-                                       "tiny_cpu"}
+                                       "qwen3.5_27b", "qwen3.5_35b_a3b", "tiny_cpu"}
 
 
 @pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])

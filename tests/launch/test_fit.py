@@ -180,7 +180,7 @@ def test_server_misfit():
 
 
 @pytest.mark.parametrize("name", ["qwen3_14b", "qwen3_14b_32k", "qwen3_14b_tir", "qwen2.5_7b", "qwen3_32b",
-                                  "qwen3_30b_a3b"])
+                                  "qwen3_30b_a3b", "qwen3.5_27b", "qwen3.5_35b_a3b"])
 def test_example_layouts_fit(name, tmp_path):
     spec = load_launch(MODELS / f"{name}.yaml")
     check_fit(spec.shape(), spec.cfg, spec.launch)
@@ -195,6 +195,16 @@ def test_published_sizes():
            for n in ("qwen3_14b", "qwen2.5_7b", "qwen3_32b", "qwen3_30b_a3b")}
     assert got == {"qwen3_14b": 14_768_307_200, "qwen2.5_7b": 7_615_616_512,
                    "qwen3_32b": 32_762_123_264, "qwen3_30b_a3b": 30_532_122_624}
+
+
+def test_published_hybrid_sizes():
+    """#53: the Qwen3.5 files' text models (the model cards' 27B and 35B count the vision tower and the
+    MTP layer too), their Gated DeltaNet layers priced as such: 48 of 64 and 30 of 40."""
+    shapes = {n: load_launch(MODELS / f"{n}.yaml").shape() for n in ("qwen3.5_27b", "qwen3.5_35b_a3b")}
+    assert {n: (s.linear_layers, s.num_hidden_layers) for n, s in shapes.items()} == {
+        "qwen3.5_27b": (48, 64), "qwen3.5_35b_a3b": (30, 40)}
+    assert {n: total_params(s) for n, s in shapes.items()} == {"qwen3.5_27b": 26_895_998_464,
+                                                               "qwen3.5_35b_a3b": 34_660_610_688}
 
 
 def test_hf_config_path_wins(tmp_path):

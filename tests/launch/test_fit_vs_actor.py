@@ -1,7 +1,8 @@
 """The fit check prices what the actor really allocates (see fit_worker.py): per rank, the bytes of
 the parameters, of megatron DDP's gradient buffers and of the optimizer's own tensors after one
 step agree with ``launch.memory.actor_memory`` within 10%, in bf16 and fp32, at TP=2 (plain optimizer,
-untied embeddings) and at DP=2 (distributed optimizer, tied embeddings)."""
+untied embeddings) and at DP=2 (distributed optimizer, tied embeddings), and for a Qwen3.5 (Gated DeltaNet
+layers, gated attention) at TP=2."""
 import json
 from pathlib import Path
 
@@ -17,6 +18,7 @@ WORKER = Path(__file__).parent / "fit_worker.py"
 def test_fit_check_bytes_equal_the_actor_allocations(tmp_path):
     cases = [dict(family="qwen3", tie=False, tp=2, dist_opt=False, precision=p) for p in ("bf16", "fp32")]
     cases += [dict(family="qwen2", tie=True, tp=1, dist_opt=True, precision=p) for p in ("bf16", "fp32")]
+    cases += [dict(family="qwen3_5", tie=False, tp=2, dist_opt=False, precision="bf16")]  # (#53: a hybrid)
     per_rank = torchrun(WORKER, 2, json.dumps(cases), tmp_path=tmp_path, timeout=380)
     for rank, result in enumerate(per_rank):
         for c in result["cases"]:

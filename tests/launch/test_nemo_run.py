@@ -212,6 +212,22 @@ def test_the_python_tool_job(tmp_path):
     assert cfg.environment.sandbox["kind"] == "bubblewrap" and cfg.rollout.max_new_tokens == 8192
 
 
+@pytest.mark.parametrize("name, tp, ep", [("qwen3.5_27b", 4, 1), ("qwen3.5_35b_a3b", 2, 8)])
+def test_the_qwen3_5_jobs(tmp_path, name, tp, ep):
+    """examples/models/qwen3.5_*.yaml (#53) through nemo-run, as slurm/qwen3.5_*_tepo.sh: 4 nodes, the
+    fit check passed (its recurrent state priced), the run config the file's layout."""
+    from megatron_tepo.config import load_config
+
+    res = _launch(tmp_path, "--dryrun", f"train.output_dir={tmp_path / 'out'}",
+                  launch=ROOT / "examples" / "models" / f"{name}.yaml")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    found = dict(re.findall(r"^(sbatch script|run config): (\S+)$", res.stdout, re.M))
+    assert _sbatch_flags(Path(found["sbatch script"]).read_text())["nodes"] == "4"
+    cfg = load_config(Path(found["run config"]))
+    assert (cfg.parallel.tp, cfg.parallel.ep, cfg.actor.model_builder) == (tp, ep, "auto")
+    assert " + recurrent state " in res.stdout + res.stderr
+
+
 FAKE_SCONTROL = """#!/bin/bash
 # stand-in: `scontrol show hostnames LIST` prints the test's hosts
 if [[ "$1 $2" == "show hostnames" ]]; then printf '%s\\n' {hosts}; exit 0; fi

@@ -14,7 +14,8 @@ from tests.launch.gpu_pythons import gpu_pythons
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((ROOT / "slurm").glob("*.sh"))
 MODEL_SCRIPTS = ["qwen3_14b_tepo.sh", "qwen2.5_7b_tepo.sh", "qwen3_32b_tepo.sh", "qwen3_30b_a3b_tepo.sh",
-                 "qwen3_14b_tepo_colocated.sh", "qwen3_14b_32k_tepo.sh", "qwen3_14b_tir_tepo.sh"]
+                 "qwen3_14b_tepo_colocated.sh", "qwen3_14b_32k_tepo.sh", "qwen3_14b_tir_tepo.sh",
+                 "qwen3.5_27b_tepo.sh", "qwen3.5_35b_a3b_tepo.sh"]
 
 
 def test_all_scripts_present():
@@ -174,6 +175,21 @@ def test_dry_run_qwen3_14b_tir(tmp_path):
     run = yaml.safe_load((tmp_path / "run" / "run.yaml").read_text())
     assert (run["environment"]["name"], run["environment"]["format"]) == ("python", "qwen3")
     assert run["environment"]["sandbox"]["kind"] == "bubblewrap" and run["environment"]["max_turns"] == 6
+
+
+@pytest.mark.parametrize("script, servers, tp", [("qwen3.5_27b_tepo.sh", 2, 4), ("qwen3.5_35b_a3b_tepo.sh", 4, 2)])
+def test_dry_run_qwen3_5(tmp_path, script, servers, tp):
+    """The Qwen3.5 jobs (#53): the same 4 nodes as the 14B job, each rollout node's servers at the
+    file's TP, the fit check pricing the Gated DeltaNet layers' recurrent state beside the attention
+    layers' KV cache, and the run config the actor builds a HybridModel from (model_builder auto)."""
+    logs, _ = _dry_run_4_nodes(tmp_path, script)
+    for host in ("n3", "n4"):
+        sglang = (logs / f"sglang.{host}.srun.log").read_text()
+        assert sglang.count("megatron_tepo.rollout.sglang.server") == servers and f"--tp\\ {tp}" in sglang
+    fit = (logs / "fit.log").read_text()
+    assert ": fits" in fit and "DOES NOT FIT" not in fit and " + recurrent state " in fit
+    run = yaml.safe_load((tmp_path / "run" / "run.yaml").read_text())
+    assert run["actor"].get("model_builder", "auto") == "auto" and run["parallel"]["tp"] == tp
 
 
 def test_dry_run_qwen3_14b_32k_at_cp_1_stops_naming_parallel_cp(tmp_path):
