@@ -1,11 +1,28 @@
 """megatron_tepo: TEPO and its baselines on a Megatron-core actor with SGLang rollouts.
 
-Subpackages (dependencies point one way, top to bottom):
-- ``algorithms``: losses, advantages, aggregation, KL estimators. Pure PyTorch.
-- ``ops``: the vocab-parallel log-prob/entropy kernel (torch.distributed only).
-- ``models``: per model family, HF config -> Megatron config and the HF <-> Megatron weight mapping.
-- ``megatron``: megatron-core glue, including the CPU work-arounds (applied only without CUDA).
-- ``actor``: the Megatron actor (old log-probs, train step) composing the above.
+Subpackages and modules, from the top floor down (imports point down; docs/ARCHITECTURE.md draws
+the rooms and tests/test_layers.py holds the seams):
+- ``commands``, ``cli``: the ``mtepo-*`` commands (train, convert, evaluate, plot, fit check).
+- ``trainer``: the RL loop (``train()``: a step's phases), its policy protocol and rollout sources.
+- ``launch``: the launch file, the fit check, the Slurm and nemo-run job steps.
+- ``actor``: the Megatron actor: the RL verbs (log-probs, train step), export, checkpoints.
+- ``checkpoint``: HF and Megatron checkpoint files, the converters, the checkpoint store.
+- ``megatron``: megatron-core's one home: the model stack (GPTModel, HybridModel), parallel state,
+  sharding, the train model, routing replay, CPU stand-ins (applied only without CUDA).
+- ``rollout``: the rollout engines (embedded, the SGLang fleet) and multi-turn episodes; nothing of
+  Megatron.
+- ``environments``: what a multi-turn episode talks to (the Python tool and its sandbox); standard
+  library only.
+- ``models``: per model family, HF config -> the family config and the HF <-> Megatron weight mapping.
+- ``config``: the typed run config and its checks.
+- ``algorithms``: losses, advantages, aggregation, KL estimators, the drift check. Pure PyTorch.
+- ``rewards``, ``data``: the math reward (math-verify, in a process pool) and the prompt files.
+- ``ops``: the vocab-parallel log-prob/entropy kernels, the fused LM head, RoPE of packed sequences.
+- contracts and rules: ``batch`` (the batch every phase reads), ``buckets`` (the weight stream
+  between actor and engines), ``token_layout`` (a micro-batch's tokens and side inputs), ``routing``
+  (the MoE routing contract), ``layout`` (the parallel layout's rules, the CP chunk rule),
+  ``time_limits`` (the rollout's time limits), ``dtypes``, ``net``, ``metrics``, ``launch_costs``,
+  ``cuda_alloc``, ``cache_dir``, ``children`` (subprocesses that die with their parent).
 """
 __version__ = "0.1.0"
 
