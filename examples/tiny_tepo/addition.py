@@ -1,5 +1,6 @@
 """The tiny task shared by the main job (run.py) and tools/make_tiny_model.py: two-digit addition
-("37+45=" -> "82") with a character vocabulary, a tiny Qwen3, and its cached supervised warm-up.
+("37+45=" -> "82") with a character vocabulary, a tiny Qwen3 (or, ``model="qwen3_5"``, a tiny
+Qwen3.5: three Gated DeltaNet layers and one gated-attention layer), and its cached supervised warm-up.
 
 ``save_hf_model`` writes the warmed-up model as a self-contained Hugging Face directory (weights,
 config, generation config and a ``PreTrainedTokenizerFast`` whose ids equal :func:`encode`), which
@@ -58,16 +59,40 @@ def tiny_qwen3_config():
                        tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
 
 
-def warm_up(cache_dir: Path, steps=300, batch=64, lr=3e-3, seed=0) -> Path:
+def tiny_qwen3_5_config():
+    """The same sizes as :func:`tiny_qwen3_config` in Qwen3.5's hybrid shape: 4 layers, every fourth
+    gated attention (RoPE on a quarter of each head), the others Gated DeltaNet (2 key heads, 4 value
+    heads of 32)."""
+    from transformers import Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                            linear_value_head_dim=32, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+                            bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    return cfg
+
+
+#: the tiny models the warm-up can make (``run.py --model``)
+MODELS = {"qwen3": tiny_qwen3_config, "qwen3_5": tiny_qwen3_5_config}
+
+
+def warm_up(cache_dir: Path, steps=300, batch=64, lr=3e-3, seed=0, model: str = "qwen3") -> Path:
     """Supervised warm-up on addition (cached by its settings)."""
-    key = hashlib.sha1(json.dumps([steps, batch, lr, seed, VOCAB, CHARS, "v1"]).encode()).hexdigest()[:10]
+    if model not in MODELS:
+        raise ValueError(f"--model {model!r}: choose from {sorted(MODELS)}")
+    key = hashlib.sha1(json.dumps([steps, batch, lr, seed, VOCAB, CHARS, "v1"] + ([model] if model != "qwen3" else []))
+                       .encode()).hexdigest()[:10]
     out = cache_dir / f"sft-{key}"
+    arch = model
 
     def train(tmp: Path) -> None:  # (once per cache entry, whichever process comes first)
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(tiny_qwen3_config())
+        model = AutoModelForCausalLM.from_config(MODELS[arch]())
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         rng = random.Random(seed)
         t = time.time()

@@ -17,7 +17,9 @@ digits, 14-73-token responses, its own 4-layer warm-up cached under ``.cache/tin
 with ``--config examples/chain_task/sizes.yaml``. ``--task tir`` is examples/tiny_tir/tir.py:
 two-digit multiplication with a Python tool (multi-turn episodes in a chat template, the tool's
 code in the sandbox), warmed up on traces that call it (``.cache/tiny_tir``); use it with
-``--config examples/tiny_tir/config.yaml``.
+``--config examples/tiny_tir/config.yaml``. ``--model qwen3_5`` swaps the addition task's tiny Qwen3 for a
+tiny Qwen3.5 (three Gated DeltaNet layers and one gated-attention layer: the actor on megatron-core's
+HybridModel, the embedded engine on transformers' Qwen3.5), warmed up the same way.
 
 Deliberately left out: real math data and math-verify (the reward is exact match of the sum),
 SGLang and parallelism beyond one process. Checkpoints are written every train.save_every steps
@@ -71,6 +73,8 @@ def main(argv=None):
                     help="addition (two-digit sums, the main job), chain (column-by-column sums of 3-7 "
                          "digits, 14-73-token responses: examples/chain_task) or tir (two-digit products "
                          "with a Python tool: examples/tiny_tir)")
+    ap.add_argument("--model", choices=["qwen3", "qwen3_5"], default="qwen3",
+                    help="the addition task's tiny model: qwen3 (the main job) or qwen3_5 (a Gated DeltaNet hybrid)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
     args = ap.parse_args(argv)
 
@@ -85,7 +89,10 @@ def main(argv=None):
     dump_config(cfg, out / "config.yaml")
     task_mod = load_task(args.task)
     EOS, PAD, problems, reward_fn = task_mod.EOS, task_mod.PAD, task_mod.problems, task_mod.reward_fn  # noqa: N806
-    sft_dir = task_mod.warm_up(REPO / ".cache" / ("tiny_tepo" if args.task == "addition" else f"tiny_{args.task}"))
+    if args.model != "qwen3" and args.task != "addition":
+        ap.error(f"--model {args.model}: only the addition task has it")
+    cache = REPO / ".cache" / ("tiny_tepo" if args.task == "addition" else f"tiny_{args.task}")
+    sft_dir = task_mod.warm_up(cache, model=args.model) if args.model != "qwen3" else task_mod.warm_up(cache)
 
     from megatron_tepo.metrics import MetricsLogger
     from megatron_tepo.trainer import Task, evaluate, train
