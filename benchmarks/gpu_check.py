@@ -49,6 +49,17 @@ Steps (GPU sizes; the smoke run's in brackets):
   checkpoint published and loaded bit for bit [the same on CPU, the choice made as on a GPU].
 * ``routing_replay``: ``tools/train.py`` on a random tiny Qwen3-MoE, 2 steps each with ``r3`` and
   ``r2``, the engine and the actor on the GPU; targets: coverage 1.0 in every pass, r2's mismatch 0.
+* ``qwen3_5``: Qwen3.5 (#53) on the device, with flash-linear-attention's Triton kernels where ``fla``
+  imports (``gpu_wheels.sh`` carries fla-core, a pure-Python wheel of ~1.1 MB, and einops): (1) its
+  ``chunk_gated_delta_rule`` and ``causal_conv1d`` against the actor's torch stand-in
+  (``megatron/gated_delta_rule.py``) on the same packed sequences (3 of 1024, 2048 and 96 tokens, 16
+  heads of 128), outputs and every input's gradient, and each one's forward + backward time; (2) a
+  small Qwen3.5 (hidden 1024, 8 layers: 6 Gated DeltaNet + 2 gated attention, heads 8 of 256, 8 / 16
+  Gated DeltaNet heads of 128) built by ``MegatronActor`` on megatron-core's HybridModel, fp32,
+  packed: its log-probs and entropy against transformers' model on the same device, and which GDN
+  kernels the actor ran; (3) bf16 train steps at 8x2048 of that Qwen3.5 and of the same-size dense
+  Qwen3 (every layer attention), median seconds and their ratio [a tiny Qwen3.5 on CPU against the
+  stand-in and transformers' torch path; 2x64].
 * ``main_job``: ``examples/tiny_tepo/run.py`` with CUDA visible (``run.sh`` hides CUDA and
   installs a venv: neither fits here), held-out accuracy before and after [``train.steps=2``,
   ``--eval-size 16``, CPU; learning is not judged].
@@ -80,7 +91,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 STEPS = ["tests", "actor_step", "vocab_op", "lm_head", "disk_sync", "ipc_handles", "hf_load", "main_job",
-         "async_save", "routing_replay"]
+         "async_save", "routing_replay", "qwen3_5"]
 OLD_TOKENS_PER_S = 6200  # train_step at 8 x 2048 on the H100 before bf16/SDPA/packing (../shared/notes/gpu.md)
 OFFLOAD_GBPS = 20  # the actor's offload and onload, each way, from / to pinned host memory on an H100 (#34)
 
@@ -572,9 +583,193 @@ def step_main_job(smoke: bool) -> dict:
     return dict(ok=rc == 0 and after is not None and (smoke or learns), figures=figures, targets=targets)
 
 
+def _rel(a, b) -> float:
+    """max |a - b| over max |b| (0 when both are 0)."""
+    den = float(b.abs().max())
+    return float((a.float() - b.float()).abs().max()) / den if den else float((a - b).abs().max())
+
+
+def _gdn_kernels(dev, smoke: bool) -> dict:
+    """flash-linear-attention's kernels (transformers' torch path on CPU) against the stand-in: outputs,
+    gradients, and forward + backward seconds on packed sequences."""
+    import importlib.util
+
+    import torch
+    import torch.nn.functional as F
+
+    from megatron_tepo.megatron import gated_delta_rule as ours
+
+    lens = [64, 40, 8] if smoke else [1024, 2048, 96]
+    heads, dk, dv = (4, 16, 16) if smoke else (16, 128, 128)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    total = sum(lens)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dev)
+
+    q, k = ours.l2norm(rnd(1, total, heads, dk)), ours.l2norm(rnd(1, total, heads, dk))
+    v = rnd(1, total, heads, dv)
+    gate, beta = -F.softplus(rnd(1, total, heads)), torch.sigmoid(rnd(1, total, heads))
+    x, w = rnd(1, total, 3 * heads * dk), rnd(3 * heads * dk, 4) * 0.3
+    grad_o, grad_y = rnd(1, total, heads, dv), rnd(1, total, 3 * heads * dk)
+    if dev.type == "cuda" and importlib.util.find_spec("fla") is not None:
+        from fla.modules.convolution import causal_conv1d as ref_conv
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as ref_rule
+        name, ref_cu = "flash-linear-attention", cu.to(dev).long()
+    else:  # transformers' torch path, one sequence at a time (the stand-in's reference in the CPU tests)
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_mod
+
+        def ref_rule(q, k, v, g, beta, cu_seqlens, **_):
+            outs = []
+            for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+                o, _ = hf_mod.torch_chunk_gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
+                                                           use_qk_l2norm_in_kernel=False)
+                outs.append(o)
+            return torch.cat(outs, 1), None
+
+        def ref_conv(x, weight, activation, cu_seqlens, **_):
+            outs = []
+            for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+                y = F.conv1d(x[:, a:b].transpose(1, 2), weight.unsqueeze(1), padding=weight.shape[-1] - 1,
+                             groups=weight.shape[0])[..., : b - a]
+                outs.append(F.silu(y).transpose(1, 2))
+            return torch.cat(outs, 1), None
+
+        name, ref_cu = "transformers' torch path", cu
+
+    def run(rule, conv, cu_seqlens):
+        ins = [t.clone().requires_grad_() for t in (q, k, v, gate, beta, x, w)]
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        o, _ = rule(*ins[:5], cu_seqlens=cu_seqlens)
+        y, _ = conv(ins[5], weight=ins[6], activation="silu", cu_seqlens=cu_seqlens)
+        ((o.float() * grad_o).sum() + (y.float() * grad_y).sum()).backward()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return [o.detach(), y.detach()] + [t.grad for t in ins], time.perf_counter() - t0
+
+    run(ref_rule, ref_conv, ref_cu)  # (warm-up: Triton compiles)
+    run(ours.chunk_gated_delta_rule, ours.causal_conv1d, cu.to(dev))
+    ref, ref_s = run(ref_rule, ref_conv, ref_cu)
+    mine, mine_s = run(ours.chunk_gated_delta_rule, ours.causal_conv1d, cu.to(dev))
+    names = ["o", "y", "dq", "dk", "dv", "dg", "dbeta", "dx", "dw"]
+    return {"reference": name, "sequences": lens, "heads": heads, "rel_err": {n: _rel(a, b) for n, a, b in
+                                                                              zip(names, mine, ref)},
+            "reference_fwd_bwd_s": round(ref_s, 4), "stand_in_fwd_bwd_s": round(mine_s, 4)}
+
+
+def step_qwen3_5(smoke: bool) -> dict:
+    """Issue #53's GPU check: Qwen3.5's Gated DeltaNet kernels, the actor on HybridModel against
+    transformers, and the step time beside the same-size dense Qwen3 (module docstring)."""
+    import torch
+    import transformers
+
+    from megatron_tepo.actor import MegatronActor, RolloutBatch
+    from megatron_tepo.algorithms import PolicyLoss
+    from megatron_tepo.megatron.cpu_patches import applied_patches
+    from megatron_tepo.megatron.parallel import single_process_env
+
+    dev = _device(smoke)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    figures, targets = {}, []
+    kern = _gdn_kernels(dev, smoke)
+    figures["kernels"] = kern
+    worst = max(kern["rel_err"].values())
+    tol_k = 2e-3
+    targets.append(_target(f"stand-in vs {kern['reference']}: outputs and gradients (max relative error)",
+                           worst, tol_k, worst <= tol_k, smoke))
+    size = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=32, vocab_size=256, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                 linear_value_head_dim=16) if smoke else
+            dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                 head_dim=256, vocab_size=32768, linear_num_key_heads=8, linear_num_value_heads=16,
+                 linear_key_head_dim=128, linear_value_head_dim=128))
+    common = dict(max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    cfg = transformers.Qwen3_5TextConfig(**size, **common, linear_conv_kernel_dim=4,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                                          "partial_rotary_factor": 0.25})
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    dense = transformers.Qwen3Config(**{k: v for k, v in size.items() if not k.startswith("linear_")}, **common,
+                                     rope_theta=1e7)
+    dense.architectures = ["Qwen3ForCausalLM"]
+    single_process_env()
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # (zero-centred norms start at 0: move them, so a wrong norm shows)
+        for n, p in hf.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    # (2) log-probs and entropy of packed sequences of several lengths against transformers
+    lens = [40, 64, 17] if smoke else [700, 2048, 300]
+    prompt, width = 8, max(lens)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (len(lens), width), generator=g)
+    mask = torch.zeros(len(lens), width - prompt)
+    for i, n in enumerate(lens):
+        mask[i, : n - prompt] = 1
+        ids[i, n:] = 0
+    batch = RolloutBatch(input_ids=ids, prompt_lens=torch.full((len(lens),), prompt), response_mask=mask)
+    actor = MegatronActor(cfg, hf_weights={n: t.detach().clone() for n, t in hf.state_dict().items()},
+                          precision="fp32", attention="sdpa", pack_sequences=True)
+    figures["gdn_kernels_in_the_actor"] = "torch stand-in" if "gdn_kernels" in applied_patches() else "flash-linear-attention"
+    lp, ent = actor.compute_log_probs(batch)
+    hf = hf.to(dev).eval()
+    lp_diff = ent_diff = 0.0
+    with torch.no_grad():
+        for i, n in enumerate(lens):  # one sequence at a time: no padding inside transformers' forward
+            logp = torch.log_softmax(hf(input_ids=ids[i:i + 1, :n].to(dev)).logits.float(), -1)[0]
+            pos = torch.arange(prompt, n, device=dev)
+            rows = logp[pos - 1]
+            ref_lp = rows.gather(-1, ids[i, prompt:n].to(dev)[:, None]).squeeze(-1)
+            ref_ent = -(rows.exp() * rows).sum(-1)
+            lp_diff = max(lp_diff, float((lp[i, : n - prompt].to(dev) - ref_lp).abs().max()))
+            ent_diff = max(ent_diff, float((ent[i, : n - prompt].to(dev) - ref_ent).abs().max()))
+    tol = 2e-3
+    figures.update(lengths=lens, max_abs_diff_log_probs=lp_diff, max_abs_diff_entropy=ent_diff, tolerance=tol)
+    targets.append(_target("actor (HybridModel) vs transformers: log-probs and entropy, fp32", max(lp_diff, ent_diff),
+                           tol, max(lp_diff, ent_diff) <= tol, smoke))
+    del actor, hf
+    # (3) bf16 train steps: Qwen3.5 against the same-size dense Qwen3
+    b, length = (2, 64) if smoke else (8, 2048)
+    tb = RolloutBatch(input_ids=torch.randint(0, cfg.vocab_size, (b, length), generator=g),
+                      prompt_lens=torch.full((b,), length // 8), response_mask=torch.ones(b, length - length // 8))
+    tb.old_log_probs = torch.full(tb.response_mask.shape, -3.0)
+    tb.advantages = torch.randn(tb.response_mask.shape, generator=g)
+    loss = PolicyLoss.of("grpo")
+    times = {}
+    for label, model_cfg in (("qwen3_5", cfg), ("qwen3_dense", dense)):
+        torch.manual_seed(0)
+        a = MegatronActor(model_cfg, precision="bf16", attention="sdpa", pack_sequences=True,
+                          max_tokens_per_micro_batch=b * length)
+        runs = []
+        for i in range(1 + (1 if smoke else 3)):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            a.train_step(tb, loss)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            runs.append(time.perf_counter() - t0)
+        times[label] = sorted(runs[1:])[len(runs[1:]) // 2]
+        del a
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    figures["train_step_s"] = {k: round(v, 4) for k, v in times.items()}
+    figures["train_step_ratio_vs_dense"] = round(times["qwen3_5"] / times["qwen3_dense"], 3)
+    figures["batch"] = f"{b}x{length}"
+    print(json.dumps(figures), flush=True)
+    ok = worst <= tol_k and max(lp_diff, ent_diff) <= tol
+    return dict(ok=ok, figures=figures, targets=targets)
+
+
 STEP_FNS = {"tests": step_tests, "actor_step": step_actor_step, "vocab_op": step_vocab_op, "lm_head": step_lm_head,
             "disk_sync": step_disk_sync, "ipc_handles": step_ipc_handles, "hf_load": step_hf_load,
-            "main_job": step_main_job, "async_save": step_async_save, "routing_replay": step_routing_replay}
+            "main_job": step_main_job, "async_save": step_async_save, "routing_replay": step_routing_replay,
+            "qwen3_5": step_qwen3_5}
 
 
 # ---------------------------------------------------------------------------------- records

@@ -12,14 +12,16 @@
 #    limit (and the whole check under GPU_CHECK_BUDGET_S, default 540 s): tests, actor_step,
 #    vocab_op, lm_head, disk_sync, ipc_handles (the export buffer opened by CUDA IPC from a second process,
 #    with the trainer's expandable segments on), hf_load, main_job, async_save (a save through each writer with
-#    expandable segments on: the staging it took), routing_replay (r3 and r2 on a tiny Qwen3-MoE). NVRx's
+#    expandable segments on: the staging it took), routing_replay (r3 and r2 on a tiny Qwen3-MoE), qwen3_5
+#    (flash-linear-attention's Gated DeltaNet kernels against the actor's stand-in, a small Qwen3.5 on
+#    HybridModel against transformers, its train step beside the same-size dense Qwen3). NVRx's
 #    checkpoint code, unpacked by gpu_wheels.sh in .gpu/nvrx, goes on PYTHONPATH. Each step's output goes to OUT/<step>.log and one JSON
 #    line to OUT/summary.jsonl; a failing step does not stop the next.
 # 3. Prints the figures and the targets (PASS / MISS) and writes them to OUT/report.md.
 # Exits 0 when every step ran and passed its own checks, 1 otherwise (a target's MISS alone does not
 # fail the check: it is a measurement).
 #
-# Environment: OUT (default outputs/gpu_check; at most 12 files land there: the ten step logs,
+# Environment: OUT (default outputs/gpu_check; at most 13 files land there: the eleven step logs,
 # summary.jsonl, report.md), PYTHON (default python3), GPU_CHECK_STEPS (comma list, default all),
 # GPU_CHECK_SMOKE=1 (the CPU smoke version: tiny shapes, CUDA hidden, targets not judged; what the
 # test suite runs), GPU_CHECK_WHEELS (default .gpu/wheels), GPU_CHECK_SITE (default /tmp/site),
@@ -38,16 +40,16 @@ if [[ "${GPU_CHECK_SMOKE:-0}" == "1" ]]; then
   smoke_flag=(--smoke)
   export CUDA_VISIBLE_DEVICES=""
 fi
-steps="${GPU_CHECK_STEPS:-tests,actor_step,vocab_op,lm_head,disk_sync,ipc_handles,hf_load,main_job,async_save,routing_replay}"
+steps="${GPU_CHECK_STEPS:-tests,actor_step,vocab_op,lm_head,disk_sync,ipc_handles,hf_load,main_job,async_save,routing_replay,qwen3_5}"
 budget="${GPU_CHECK_BUDGET_S:-540}"
 start=$SECONDS
 export PYTHONUNBUFFERED=1
-for f in summary.jsonl report.md tests.log actor_step.log vocab_op.log lm_head.log disk_sync.log ipc_handles.log hf_load.log main_job.log async_save.log routing_replay.log; do
+for f in summary.jsonl report.md tests.log actor_step.log vocab_op.log lm_head.log disk_sync.log ipc_handles.log hf_load.log main_job.log async_save.log routing_replay.log qwen3_5.log; do
   rm -f "${OUT:?}/$f"
 done
 
 # each step's own limit, seconds (the budget may cut it shorter)
-declare -A limit=([tests]=150 [actor_step]=240 [vocab_op]=90 [lm_head]=90 [disk_sync]=60 [ipc_handles]=60 [hf_load]=90 [main_job]=150 [async_save]=90 [routing_replay]=120)
+declare -A limit=([tests]=150 [actor_step]=240 [vocab_op]=90 [lm_head]=90 [disk_sync]=60 [ipc_handles]=60 [hf_load]=90 [main_job]=150 [async_save]=90 [routing_replay]=120 [qwen3_5]=150)
 if [[ ${#smoke_flag[@]} -gt 0 ]]; then
   for k in "${!limit[@]}"; do limit[$k]=600; done
   budget="${GPU_CHECK_BUDGET_S:-3000}"

@@ -12,6 +12,9 @@
 #   check imports (transformers, safetensors,
 #   triton, pytest, pytest-timeout, psutil, pyyaml, pyarrow, matplotlib) are in that machine's image
 #   (../.library/device/KINDS.md lists it); math-verify is not, and the check never imports it.
+#   Also flash-linear-attention's kernels for the qwen3_5 step: fla-core 0.6.0 (pure Python and
+#   Triton, ~1.1 MB: the `fla` package megatron-core's Gated DeltaNet and transformers' Qwen3.5 import)
+#   and einops (its one need; ~64 KB).
 #   EXTRA_WHEELS="name==version ..." adds more; MCORE_VERSION=0.16.1 carries the oldest end instead.
 # * .gpu/nvrx/: nvidia-resiliency-ext 0.7.0's wheel unpacked (its checkpoint writer; ~2 MB).
 # * .gpu/shared/: a copy of ../shared/gpu/ (the earlier GPU measurement scripts, e.g. the HF bf16
@@ -35,7 +38,8 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manyl
 done
 # shellcheck disable=SC2086  # EXTRA_WHEELS is a list of requirement strings
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  "${platforms[@]}" -d "$wheels" "megatron-core==${MCORE_VERSION:-0.19.2}" ${EXTRA_WHEELS:-}
+  "${platforms[@]}" -d "$wheels" "megatron-core==${MCORE_VERSION:-0.19.2}" "fla-core==${FLA_VERSION:-0.6.0}" einops \
+  ${EXTRA_WHEELS:-}
 # NVRx's checkpoint writer (#50 row 2's GPU check): nvidia-resiliency-ext's wheel is tagged for glibc
 # >= 2.39; the code megatron-core calls is pure Python, so it is unpacked (as tools/test.sh does) into
 # .gpu/nvrx, which gpu_check.sh puts on PYTHONPATH

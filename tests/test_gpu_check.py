@@ -20,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CHECK = REPO / "benchmarks" / "gpu_check.py"
-CHEAP = ["tests", "actor_step", "vocab_op", "lm_head", "disk_sync", "ipc_handles", "hf_load"]
+CHEAP = ["tests", "actor_step", "vocab_op", "lm_head", "disk_sync", "ipc_handles", "hf_load", "qwen3_5"]
 
 
 def _env(**extra):
@@ -88,15 +88,21 @@ def test_smoke_run_records_every_cheap_step_with_figures(tmp_path):
     assert head["gemms_ms"] > 0 and head["fused"]["x_gemms"] > 0 and head["materialized"]["x_gemms"] > 0, head
     shard = by["lm_head"]["figures"]["14B shard"]  # (the Qwen3-14B shape's stand-in: one TP rank's weight shard)
     assert shard["backward_ms"] > 0 and shard["fit_check_bytes"] > 0 and shard["peak_bytes"] is None, shard
+    # Qwen3.5 (#53): the stand-in against transformers' torch path, the HybridModel actor against
+    # transformers, both train steps timed
+    q35 = by["qwen3_5"]["figures"]
+    assert max(q35["kernels"]["rel_err"].values()) < 1e-5 and q35["gdn_kernels_in_the_actor"] == "torch stand-in", q35
+    assert q35["max_abs_diff_log_probs"] < 1e-4 and q35["max_abs_diff_entropy"] < 1e-4, q35
+    assert q35["train_step_s"]["qwen3_5"] > 0 and q35["train_step_s"]["qwen3_dense"] > 0, q35
     # the targets are there, with values, and not judged in a smoke run
     targets = [t for name in CHEAP for t in by[name]["targets"]]
-    assert len(targets) == 18 and all(t["pass"] is None for t in targets)
+    assert len(targets) == 20 and all(t["pass"] is None for t in targets)
     assert sum("pinned host memory (GB/s)" in t["name"] for t in by["actor_step"]["targets"]) == 2
     # every figure is there, but the vocab op's and the LM head's memory: CUDA's allocator statistics measure it
     assert all(t["value"] is not None for t in targets
                if "extra memory" not in t["name"] and "peak memory" not in t["name"]), targets
     report = (out / "report.md").read_text()
-    assert "SMOKE" in report and report.count("n/a (smoke)") == 18 and "steps failed: none" in report
+    assert "SMOKE" in report and report.count("n/a (smoke)") == 20 and "steps failed: none" in report
     assert "steps failed: none" in proc.stdout
 
 
@@ -115,6 +121,9 @@ def _summary(tmp_path, **overrides):
         "hf_load": dict(figures={"build_s": 1.0}, targets=[]),
         "main_job": dict(figures={}, targets=[{"name": "learns", "value": "0.6 -> 0.9", "target": "x",
                                                "pass": True}]),
+        "async_save": dict(figures={"writers": 2}, targets=[]),
+        "routing_replay": dict(figures={"steps": 2}, targets=[]),
+        "qwen3_5": dict(figures={"train_step_ratio_vs_dense": 1.1}, targets=[]),
     }
     for k, v in overrides.items():
         if v is None:
