@@ -8,7 +8,9 @@ vocabulary) with a Hugging Face tokenizer and generation config, so SGLang serve
 ``tools/train.py`` load it like any checkpoint; DIR/train.jsonl and DIR/eval.jsonl hold two-digit
 addition problems (``{"prompt": "37+45=", "answer": "82"}``; score them with
 ``reward.kind: exact_match``). Used by slurm/local_cpu_tepo.sh and the multi-process trainer tests.
-``--moe`` adds DIR/moe, a random tiny Qwen3-MoE with the same tokenizer (routing replay's fixture).
+``--moe`` adds DIR/moe, a random tiny Qwen3-MoE with the same tokenizer (routing replay's fixture);
+``--qwen3-5`` adds DIR/qwen3_5, a random tiny Qwen3.5 (three Gated DeltaNet layers and one gated
+attention layer) with it.
 Idempotent: existing complete outputs are kept (the warm-up is cached in .cache/tiny_tepo).
 
 Left out: anything resembling real math data; this is a fixture for the launch path on CPU.
@@ -65,16 +67,44 @@ def make_moe(tiny: Path, out: Path) -> Path:
     return out
 
 
+def make_qwen3_5(tiny: Path, out: Path) -> Path:
+    """A random tiny Qwen3.5 (the sizes of the main job's ``--model qwen3_5``: 4 layers, every fourth
+    gated attention, the others Gated DeltaNet) with the tiny task's tokenizer (``tiny``: a
+    :func:`make` folder): the hybrid's fixture for the loop on HybridModel."""
+    import shutil
+
+    import torch
+    import transformers
+    from addition import tiny_qwen3_5_config
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(tiny_qwen3_5_config()).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.1)
+            elif name.endswith("norm.weight"):  # (zero-centred norms: 1 + w)
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(out)
+    for f in (tiny / "model").iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(".safetensors"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
 def cli(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="output directory")
     ap.add_argument("--train-size", type=int, default=5000)
     ap.add_argument("--eval-size", type=int, default=200)
     ap.add_argument("--moe", action="store_true", help="also DIR/moe: a random tiny Qwen3-MoE with the task's tokenizer")
+    ap.add_argument("--qwen3-5", action="store_true", help="also DIR/qwen3_5: a random tiny Qwen3.5 with the task's tokenizer")
     args = ap.parse_args(argv)
     out = make(args.out, args.train_size, args.eval_size)
     if args.moe and not (out / "moe" / "config.json").exists():
         make_moe(out, out / "moe")
+    if args.qwen3_5 and not (out / "qwen3_5" / "config.json").exists():
+        make_qwen3_5(out, out / "qwen3_5")
     print(out)
 
 

@@ -77,12 +77,17 @@ def tiny_qwen3_5_config():
 
 #: the tiny models the warm-up can make (``run.py --model``)
 MODELS = {"qwen3": tiny_qwen3_config, "qwen3_5": tiny_qwen3_5_config}
+#: their warm-up steps: the 4-layer Qwen3.5 learns addition faster than the 2-layer Qwen3 (held-out
+#: greedy accuracy after 100 / 150 steps: 0.15 / 0.68 on one machine); fewer steps leave RL as much to do
+WARM_UP_STEPS = {"qwen3": 300, "qwen3_5": 130}
 
 
-def warm_up(cache_dir: Path, steps=300, batch=64, lr=3e-3, seed=0, model: str = "qwen3") -> Path:
-    """Supervised warm-up on addition (cached by its settings)."""
+def warm_up(cache_dir: Path, steps=None, batch=64, lr=3e-3, seed=0, model: str = "qwen3") -> Path:
+    """Supervised warm-up on addition (cached by its settings; ``steps``: the model's
+    :data:`WARM_UP_STEPS` unless given)."""
     if model not in MODELS:
         raise ValueError(f"--model {model!r}: choose from {sorted(MODELS)}")
+    steps = WARM_UP_STEPS[model] if steps is None else steps
     key = hashlib.sha1(json.dumps([steps, batch, lr, seed, VOCAB, CHARS, "v1"] + ([model] if model != "qwen3" else []))
                        .encode()).hexdigest()[:10]
     out = cache_dir / f"sft-{key}"
