@@ -185,8 +185,10 @@ def test_the_trainers_files_are_not_visible(sandbox, tmp_path):
 
 
 def test_no_network(sandbox):
+    from megatron_tepo.net import free_port
+
     server = socket.socket()
-    server.bind(("127.0.0.1", 0))
+    server.bind(("127.0.0.1", free_port()))
     server.listen()
     server.setblocking(False)
     abstract = socket.socket(socket.AF_UNIX)
