@@ -27,11 +27,24 @@ weight update arrives with one tensor per expert (the checkpoint names); transfo
 the experts fused in memory (``mlp.experts.gate_up_proj`` / ``down_proj``), and
 :meth:`EmbeddedEngine.update_weights` writes each expert's slice there.
 
+Compiles in other threads (:data:`COMPILE_SESSIONS`): torch (>= 2.13) holds
+``torch.compiler.is_compiling()`` True for the whole of a ``torch.compile`` session, for every thread
+of the process (one global flag), and transformers reads it to choose code paths (decoding with
+grouped-query attention: ``repeat_kv`` instead of ``pack_gqa``, other SDPA shapes, log-probs that
+differ in the last bits). The trainer's actor compiles (megatron-core's ``jit_fuser`` functions,
+e.g. the MoE router's ``_apply_expert_bias``) while this engine generates the next step's rollout in
+the driver's background thread (one step off), so which tokens fell inside a compile depended on
+timing. Every forward of the engine therefore runs outside any other thread's compile session: the
+session and the forward exclude each other (both hold dynamo's compile lock; a forward waits for a
+compile to end, a compile for the forward running), and the engine's numbers are those of plain
+eager execution whatever the other threads do.
+
 Left out: serving several processes (it lives in the driver's), and sampling beyond temperature
 and top-p.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -70,6 +83,68 @@ def cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+class CompileSessions:
+    """Mutual exclusion of the engine's forwards and ``torch.compile`` sessions (see the module
+    docstring). :meth:`install` wraps torch's ``torch.compiler._compile_session_context`` (the
+    context that holds the process-wide ``is_compiling`` flag; dynamo enters it around every frame
+    it compiles, holding its own ``compile_lock``) so that a session holds :attr:`lock`, which is
+    that ``compile_lock``; :meth:`forward` holds it around one forward. One lock taken in one order,
+    and reentrant: a compile inside the engine's own forward (its model compiled in part) cannot
+    deadlock against another thread's compile. Where torch has no such session context (the flag is
+    then not global) nothing is wrapped and a forward only takes an uncontended lock."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.waiting = 0  # forwards waiting now for another thread's compile to end
+        self._count = threading.Lock()
+
+    def install(self) -> bool:
+        """Wrap torch's session context once (idempotent); False where torch has none."""
+        import torch.compiler as compiler
+
+        with self._count:
+            original = getattr(compiler, "_compile_session_context", None)
+            if original is None:
+                return False
+            if getattr(original, "__mtepo_exclusive__", False):
+                return True
+            from torch._dynamo import convert_frame
+
+            self.lock = getattr(convert_frame, "compile_lock", self.lock)
+            lock = self.lock
+
+            @contextlib.contextmanager
+            def session():
+                with lock, original():  # the flag is True only while the lock is held
+                    yield
+
+            session.__mtepo_exclusive__ = True
+            session.__wrapped__ = original
+            compiler._compile_session_context = session
+            return True
+
+    @contextlib.contextmanager
+    def forward(self):
+        """Held around one forward of the engine's model: no other thread compiles meanwhile."""
+        lock = self.lock
+        if not lock.acquire(blocking=False):  # another thread compiles: wait for it to end
+            with self._count:
+                self.waiting += 1
+            try:
+                lock.acquire()
+            finally:
+                with self._count:
+                    self.waiting -= 1
+        try:
+            yield
+        finally:
+            lock.release()
+
+
+#: the process's one :class:`CompileSessions` (installed by the first :class:`EmbeddedEngine`)
+COMPILE_SESSIONS = CompileSessions()
+
+
 class EmbeddedEngine(RolloutEngine):
     """In-process engine around a ``transformers`` causal LM (HF parameter names)."""
 
@@ -84,6 +159,7 @@ class EmbeddedEngine(RolloutEngine):
         elif dtype is not None:
             model = model.to(dtype)
         self.model = model.to(device).eval()
+        COMPILE_SESSIONS.install()  # no forward of this engine inside another thread's compile
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.max_batch_size = max_batch_size
@@ -147,8 +223,9 @@ class EmbeddedEngine(RolloutEngine):
             if step and stop_event is not None and stop_event.is_set():  # (every row gets its first token)
                 break
             pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
-            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                             **{self._cache_arg: cache})
+            with COMPILE_SESSIONS.forward():
+                out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                                 **{self._cache_arg: cache})
             cache = getattr(out, self._cache_arg)
             logp = sampling_log_probs(out.logits[:, -1], sp.temperature, sp.top_p)
             tok = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(1)
@@ -280,7 +357,8 @@ class EmbeddedEngine(RolloutEngine):
         result = []
         for seq, pl in zip(sequences, prompt_lens):
             ids = torch.tensor([seq], device=self.device)
-            logits = self.model(input_ids=ids).logits[0, pl - 1:-1]
+            with COMPILE_SESSIONS.forward():
+                logits = self.model(input_ids=ids).logits[0, pl - 1:-1]
             lp = torch.log_softmax(logits.float() / temperature, -1)
             result.append(lp.gather(-1, ids[0, pl:, None]).squeeze(-1).tolist())
         return result

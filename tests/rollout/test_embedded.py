@@ -1,10 +1,12 @@
 """The embedded engine: exact sampling distribution, log-probs, stop / length, determinism, weights."""
 import math
+import threading
+import time
 
 import pytest
 import torch
 
-from megatron_tepo.rollout.embedded import EmbeddedEngine, sampling_log_probs
+from megatron_tepo.rollout.embedded import COMPILE_SESSIONS, EmbeddedEngine, sampling_log_probs
 from megatron_tepo.rollout.engine import FINISH_LENGTH, FINISH_STOP, RolloutEngine
 from tests.rollout.helpers import VOCAB, hf_response_log_probs, tiny_qwen3
 
@@ -38,6 +40,50 @@ def test_deterministic_given_seed(model):
     assert tok(a) == tok(b)
     assert [s.log_probs for g in a for s in g] == [s.log_probs for g in b for s in g]
     assert tok(a) != tok(c)
+
+
+def test_a_compile_in_another_thread_leaves_the_log_probs_as_they_are(model):
+    """torch holds ``torch.compiler.is_compiling()`` True for every thread through a compile session
+    (one global flag), and transformers decodes grouped-query attention another way then (the tiny
+    Qwen3 has 4 heads over 2 KV heads): the trainer's actor compiling while the engine generated one
+    step ahead gave log-probs that differed in the last bits, by timing. The engine's forwards wait
+    for another thread's session to end (here: one held until the generation waits for it, or has
+    finished): no forward sees the flag, and tokens, log-probs and scores are those of a generation
+    with no compile anywhere. On the old engine the generation ran inside the session."""
+    eng = EmbeddedEngine(model, seed=5)
+    want = eng.generate(PROMPTS, n=2, max_new_tokens=6)
+    want_scores = eng.score([PROMPTS[0] + [3, 4]], [len(PROMPTS[0])])
+    eng.generator.manual_seed(5)
+    seen = []  # is_compiling() as each forward of the engine's model saw it
+    hook = eng.model.register_forward_pre_hook(lambda *_: seen.append(torch.compiler.is_compiling()))
+    entered, leave, flag, got = threading.Event(), threading.Event(), [], []
+
+    def compiling():  # what dynamo holds around every frame it compiles
+        with torch.compiler._compile_session_context():
+            flag.append(torch.compiler.is_compiling())
+            entered.set()
+            leave.wait()
+
+    def engine():
+        got.append(eng.generate(PROMPTS, n=2, max_new_tokens=6))
+        got.append(eng.score([PROMPTS[0] + [3, 4]], [len(PROMPTS[0])]))
+
+    holder = threading.Thread(target=compiling)
+    holder.start()
+    entered.wait()
+    gen = threading.Thread(target=engine)
+    gen.start()
+    while gen.is_alive() and not COMPILE_SESSIONS.waiting:
+        time.sleep(0.005)
+    leave.set()
+    gen.join()
+    holder.join()
+    hook.remove()
+    assert flag == [True]  # (the session did hold the flag: what the engine must not see)
+    assert len(seen) > 1 and not any(seen)
+    assert [s.token_ids for g in got[0] for s in g] == [s.token_ids for g in want for s in g]
+    assert [s.log_probs for g in got[0] for s in g] == [s.log_probs for g in want for s in g]
+    assert got[1] == want_scores
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
