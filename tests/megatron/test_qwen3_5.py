@@ -226,3 +226,52 @@ def test_qwen3_5_moe_ep2_r3_matches_hf_with_forced_routing(tmp_path):
             assert not bad, (where, bad)
             assert len(c["router_grad_norm"]) == 4 and min(c["router_grad_norm"].values()) > 0, where
             assert c["train_metrics"]["routing_coverage"] == 1.0, where
+
+
+CONDITIONAL = HERE / "workers" / "conditional_generation_worker.py"
+
+
+@needs_gdn
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_a_published_kind_of_checkpoint_loads_trains_exports_and_syncs(tmp_path):
+    """A ``Qwen3_5ForConditionalGeneration`` folder (text model under ``model.language_model.``, a tiny
+    vision tower, ``mtp.*`` tensors; one process, workers/conditional_generation_worker.py): the actor's
+    log-probs equal transformers' text-only forward of it; after a step, ``export_hf`` gives the source's
+    config and names, the trained text weights (= the weight sync's stream), the vision and MTP tensors bit
+    for bit, and loads as ``Qwen3_5ForConditionalGeneration`` with no missing or unexpected key; the
+    checkpoint converts to the same folder after the source is gone; the embedded engine on the source
+    folder takes the stream (every parameter) and samples with the trained model's log-probs."""
+    import transformers
+
+    from tests.checkpoint.fixtures import load_hf_tensors, make_hf_dir
+
+    hf = make_hf_dir(tmp_path / "hf", "qwen3_5", False, seed=4, conditional_generation=True)
+    (r,) = torchrun(CONDITIONAL, 1, str(tmp_path), tmp_path=tmp_path / "run", timeout=360)
+    assert r["logprob_abs_err"] <= LOG_PROB_TOL and r["entropy_abs_err"] <= LOG_PROB_TOL, r
+    source, exported = load_hf_tensors(hf), load_hf_tensors(tmp_path / "export")
+    assert sorted(exported) == sorted(source)
+    carried = [n for n in source if n.startswith(("model.visual.", "mtp."))]
+    assert len(carried) > 20 and "mtp.fc.weight" in carried
+    assert [n for n in carried if not (exported[n].dtype == source[n].dtype and torch.equal(exported[n], source[n]))] == []
+    stream = torch.load(tmp_path / "stream.pt")
+    stored = {n: "model.language_model." + n[len("model."):] if n.startswith("model.") else n for n in stream}
+    assert sorted(stored.values()) == sorted(set(source) - set(carried))
+    assert [n for n in stream if not torch.equal(exported[stored[n]], stream[n])] == []
+    assert not torch.equal(exported["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"],
+                           source["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"])  # trained
+    assert json.loads((tmp_path / "export" / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
+    model, info = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(str(tmp_path / "export"),
+                                                                              output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+    # each checkpoint carries the vision and MTP tensors itself (what the converter writes back from:
+    # tests/checkpoint/test_convert_roundtrip.py::test_qwen3_5_tp2_and_ep2_logits_and_roundtrip)
+    kept = load_hf_tensors(tmp_path / "sidecars" / "hf_source")
+    assert sorted(kept) == sorted(carried) and all(torch.equal(kept[n], source[n]) for n in carried)
+    info = json.loads((tmp_path / "sidecars" / "megatron_tepo_checkpoint.json").read_text())
+    assert sorted(info["hf_tensors"]) == sorted(source)
+    # the embedded engine: transformers maps the folder to the text model (Qwen3_5ForCausalLM, the
+    # stream's names); every parameter came from the stream, and its samples' log-probs are the trained model's
+    assert r["engine_model"] == "Qwen3_5ForCausalLM" and r["engine_params"] == sorted(stream)
+    assert r["engine_differ"] == [] and r["engine_logprob_abs_err"] <= LOG_PROB_TOL, r

@@ -11,7 +11,9 @@ megatron's ``topk -> softmax``) beside a shared expert behind a sigmoid gate.
 
 Both the text-only ``Qwen3_5ForCausalLM`` config (``model_type`` ``qwen3_5_text``) and the
 published ``Qwen3_5ForConditionalGeneration`` one (``qwen3_5``, the text model under
-``text_config``) are read; only the text model is trained. The multimodal RoPE (``mrope_section``)
+``text_config``) are read; only the text model is trained. A conditional-generation checkpoint
+keeps the text model's tensors under ``model.language_model.`` beside the vision tower and the
+multi-token-prediction layers, which are carried unchanged (:func:`checkpoint_naming`). The multimodal RoPE (``mrope_section``)
 is plain RoPE on text, where all three position components are equal.
 
 Left out (NotImplementedError naming the setting): ``attention_bias``, activations other than
@@ -19,13 +21,25 @@ silu, RoPE types other than the default, dense layers inside the MoE stack.
 """
 from __future__ import annotations
 
-from ..common import LAYER_TYPES, GPTFamilyConfig, LinearAttentionConfig, MoEConfig, _get, rope_settings
+from ..common import (LAYER_TYPES, PLAIN_NAMING, CheckpointNaming, GPTFamilyConfig, LinearAttentionConfig, MoEConfig,
+                      _get, rope_settings)
+
+#: the published ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``
+#: checkpoints: the text model under ``model.language_model.`` (``lm_head.weight`` at the top), beside
+#: the vision tower (``model.visual.*``) and the multi-token-prediction layer(s) (``mtp.*``), carried
+CONDITIONAL_GENERATION = CheckpointNaming(text_prefix="model.language_model.", carried=("model.visual.", "mtp."))
 
 
 def text_config(hf_config):
     """The text model's config: ``text_config`` of a conditional-generation config, else the config."""
     text = _get(hf_config, "text_config", None)
     return text if text is not None else hf_config
+
+
+def checkpoint_naming(hf_config) -> CheckpointNaming:
+    """How a Qwen3.5 checkpoint names its tensors: a conditional-generation config (a ``text_config``)
+    stores them as :data:`CONDITIONAL_GENERATION` does, a text-only one as the text model."""
+    return CONDITIONAL_GENERATION if _get(hf_config, "text_config", None) is not None else PLAIN_NAMING
 
 
 def layer_types(text, num_layers: int) -> tuple:
