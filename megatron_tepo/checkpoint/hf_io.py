@@ -308,7 +308,18 @@ def open_hf_checkpoint(path) -> LazyHFCheckpoint:
         raw = json.loads(config.read_text())
     except ValueError as exc:
         raise ValueError(f"{config}: not valid JSON ({exc})") from None
-    return LazyHFCheckpoint(path, naming=checkpoint_naming(raw))
+    try:
+        naming = checkpoint_naming(raw)
+    except ValueError as exc:
+        raise in_config_file(exc, config) from None
+    return LazyHFCheckpoint(path, naming=naming)
+
+
+def in_config_file(exc: ValueError, config) -> ValueError:
+    """``exc`` (a config error, which may start with ``config.json:``) naming the file ``config``."""
+    msg = str(exc)
+    msg = msg[len("config.json: "):] if msg.startswith("config.json: ") else msg
+    return ValueError(f"{config}: {msg}")
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

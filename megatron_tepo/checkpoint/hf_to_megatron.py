@@ -78,8 +78,8 @@ from megatron_tepo.models.common import MegatronToHFLayout
 
 from .common import (agree, build_model, check_out_dir, ensure_process_group, finalize_dir, log_progress,
                      read_config_json, tmp_dir_for, trim_heap)
-from .hf_io import (LazyHFCheckpoint, check_hf_tensors, hf_layer_index, load_hf_config, open_hf_checkpoint,
-                    streaming_order)
+from .hf_io import (LazyHFCheckpoint, check_hf_tensors, hf_layer_index, in_config_file, load_hf_config,
+                    open_hf_checkpoint, streaming_order)
 from .sidecars import write_conversion_sidecars
 
 __all__ = ["convert_hf_to_megatron", "check_hf_input", "last_import_stats"]
@@ -90,7 +90,10 @@ def check_hf_input(hf_dir, tp: int = 1, pp: int = 1, ep: int = 1, world_size: Op
     """All input checks of HF -> Megatron, from headers only: family, layout, tensor names/shapes.
     Returns ``(family_cfg, hf_config, LazyHFCheckpoint)``; raises naming the culprit."""
     raw = read_config_json(hf_dir)
-    family_cfg = family_config_from_hf(raw, spec=spec)  # unknown architecture -> ValueError naming it
+    try:
+        family_cfg = family_config_from_hf(raw, spec=spec)  # unknown architecture -> ValueError naming it
+    except ValueError as exc:
+        raise in_config_file(exc, Path(hf_dir) / "config.json") from None
     # (sequence parallelism changes nothing of how the weights are stored, and the actor turns it on
     # wherever an MoE layer at TP > 1 needs it: the converter's layouts are checked as with it)
     validate_layout(ParallelLayout(tp=tp, pp=pp, ep=ep), family_cfg.dims(),

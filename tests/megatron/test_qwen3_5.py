@@ -5,7 +5,8 @@ the torch stand-in of megatron/gated_delta_rule.py) against transformers' Qwen3.
 packed sequences of several lengths.
 
 * The config and the name tables (no process group): what the family config reads of an HF
-  config, a conditional-generation one included; every HF tensor mapped once and back.
+  config, a conditional-generation one included (its tensors' names; a config that is neither kind:
+  one line naming config.json and the field); every HF tensor mapped once and back.
 * The stand-in against transformers' own torch path, packed sequences included.
 * Under torchrun (gloo, 2 ranks; workers/equivalence_worker.py, workers/routing_replay_worker.py):
   log-probs and entropy within 1e-5, every gradient within 1e-4 of its tensor's largest entry, the
@@ -76,6 +77,41 @@ def test_the_family_config_reads_qwen3_5():
     gdn, attn = layer_mapping(fam).for_layer(0), layer_mapping(fam).for_layer(3)
     assert "linear_attn.A_log" in gdn.renames and "self_attn.o_proj.weight" in attn.renames
     assert [g.kind for g in attn.fused] == ["qgkv", "gate_up"] and [g.kind for g in gdn.fused] == ["gdn_in_proj", "gate_up"]
+
+
+def test_a_config_that_is_neither_text_only_nor_conditional_generation_is_refused(tmp_path):
+    """The text model's names: a conditional-generation config's tensors under ``model.language_model.``
+    (the vision tower and ``mtp.*`` carried), a text-only one's as stored. A config that is neither --
+    the conditional-generation ``model_type`` / architecture without a ``text_config``, a ``text_config``
+    without the text model's fields -- gets one line naming config.json and the field, from the family
+    config and from the checkpoint reader alike."""
+    from megatron_tepo.checkpoint.hf_io import open_hf_checkpoint
+    from megatron_tepo.models import checkpoint_naming, family_config_from_hf
+
+    text = tiny_hf_config("qwen3_5").to_dict()
+    wrapped = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text}
+    naming = checkpoint_naming(wrapped)
+    assert naming.text_name("model.language_model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert naming.stored_name("model.norm.weight") == "model.language_model.norm.weight"
+    assert naming.text_name("lm_head.weight") == "lm_head.weight" and naming.stored_name("lm_head.weight") == "lm_head.weight"
+    assert naming.text_name("model.visual.blocks.0.attn.qkv.weight") is None and naming.is_carried("mtp.fc.weight")
+    plain = checkpoint_naming(text)
+    assert plain.text_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert plain.text_name("mtp.fc.weight") == "mtp.fc.weight"  # (not carried: the mapping names it unknown)
+    flat = {k: v for k, v in text.items() if k != "model_type"}
+    neither = [({**flat, "model_type": "qwen3_5"}, "text_config is missing"),  # the wrapper's type, fields on top
+               ({"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe"},
+                "text_config is missing"),
+               ({"model_type": "qwen3_5", "text_config": {"hidden_size": 64}}, "text_config of model_type 'qwen3_5' "
+                                                                              "has no num_hidden_layers")]
+    for cfg, why in neither:
+        for call in (lambda: family_config_from_hf(cfg, spec="local"), lambda: checkpoint_naming(cfg)):
+            with pytest.raises(ValueError, match="^config.json: .*" + why) as err:
+                call()
+            assert "\n" not in str(err.value)
+    (tmp_path / "config.json").write_text(json.dumps(neither[0][0]))
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'config.json'}: .*text_config is missing"):
+        open_hf_checkpoint(tmp_path)
 
 
 def test_every_hf_tensor_maps_once_and_back_bit_for_bit():

@@ -30,16 +30,35 @@ from ..common import (LAYER_TYPES, PLAIN_NAMING, CheckpointNaming, GPTFamilyConf
 CONDITIONAL_GENERATION = CheckpointNaming(text_prefix="model.language_model.", carried=("model.visual.", "mtp."))
 
 
+#: the ``model_type`` of a conditional-generation config (its text model's: ``qwen3_5_text`` / ``qwen3_5_moe_text``)
+CONDITIONAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+
+
 def text_config(hf_config):
-    """The text model's config: ``text_config`` of a conditional-generation config, else the config."""
+    """The text model's config: ``text_config`` of a conditional-generation config, else the config
+    itself (a text-only one). A config that is neither (a conditional-generation ``model_type`` or
+    architecture without a ``text_config``, a ``text_config`` without the text model's
+    ``num_hidden_layers``, or no ``num_hidden_layers`` at all): ValueError naming the field."""
     text = _get(hf_config, "text_config", None)
-    return text if text is not None else hf_config
+    model_type, archs = _get(hf_config, "model_type", None), list(_get(hf_config, "architectures", None) or ())
+    if text is not None:
+        if _get(text, "num_hidden_layers", None) is None:
+            raise ValueError(f"config.json: text_config of model_type {model_type!r} has no num_hidden_layers "
+                             "(a Qwen3.5 *ForConditionalGeneration config keeps its text model's fields there)")
+        return text
+    conditional = model_type in CONDITIONAL_MODEL_TYPES or any(a.endswith("ForConditionalGeneration") for a in archs)
+    if conditional or _get(hf_config, "num_hidden_layers", None) is None:
+        raise ValueError(f"config.json: model_type {model_type!r}, architectures {archs} is neither a text-only "
+                         "Qwen3.5 config (model_type 'qwen3_5_text' / 'qwen3_5_moe_text', num_hidden_layers at the "
+                         "top) nor a *ForConditionalGeneration one: its text_config is missing")
+    return hf_config
 
 
 def checkpoint_naming(hf_config) -> CheckpointNaming:
     """How a Qwen3.5 checkpoint names its tensors: a conditional-generation config (a ``text_config``)
-    stores them as :data:`CONDITIONAL_GENERATION` does, a text-only one as the text model."""
-    return CONDITIONAL_GENERATION if _get(hf_config, "text_config", None) is not None else PLAIN_NAMING
+    stores them as :data:`CONDITIONAL_GENERATION` does, a text-only one as the text model (neither:
+    :func:`text_config`'s ValueError)."""
+    return PLAIN_NAMING if text_config(hf_config) is hf_config else CONDITIONAL_GENERATION
 
 
 def layer_types(text, num_layers: int) -> tuple:
