@@ -83,7 +83,7 @@ from megatron_tepo.token_layout import MicroBatch, build_micro_batch
 from megatron_tepo.layout import ParallelLayout
 from megatron_tepo.config import ActorConfig, OptimConfig
 from megatron_tepo.actor.export import export_hf_state
-from megatron_tepo.checkpoint.hf_io import LazyHFCheckpoint
+from megatron_tepo.checkpoint.hf_io import LazyHFCheckpoint, open_hf_checkpoint
 from megatron_tepo.megatron.model import (TrainModel, actor_transformer_config, build_lr_scheduler, build_train_model,
                                           plan_actor)
 from megatron_tepo.megatron.lm_head import scored_log_probs, sum_over_context
@@ -106,7 +106,7 @@ def _load_hf_weights(source):
     if not path.is_dir():
         raise ValueError(f"hf_weights: {path} is not a directory of HF weights")
     if any(path.glob("*.safetensors")):
-        return LazyHFCheckpoint(path)
+        return open_hf_checkpoint(path)  # (a multimodal checkpoint: its text model's tensors only)
     state: Dict[str, torch.Tensor] = {}
     files = sorted(path.glob("pytorch_model*.bin"))
     if not files:

@@ -7,6 +7,8 @@
   loaded, and no file is memory-mapped:
   ``safe_open`` maps the whole file and every page it touched counts in the process's RSS until
   the handle closes -- measured +0.5 GiB on a 1.9 GiB import).
+* :func:`open_hf_checkpoint` -- such a reader in the text model's names (a multimodal checkpoint's
+  text model under its prefix, its other parts carried: :class:`~megatron_tepo.models.CheckpointNaming`).
 * :class:`ShardedSafetensorsWriter` -- writes ``(name, tensor)`` pairs as
   ``model-0000i-of-0000N.safetensors`` shards of at most ``max_shard_bytes`` plus
   ``model.safetensors.index.json`` (always written, also for one shard); it holds one shard in
@@ -35,7 +37,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from megatron_tepo.dtypes import SAFETENSORS_DTYPES, dtype_name
+from megatron_tepo.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES, dtype_name
 
 INDEX_NAME = "model.safetensors.index.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
@@ -51,9 +53,16 @@ BYTES_READ = _ByteCounter()
 
 
 class LazyHFCheckpoint:
-    """A safetensors HF checkpoint directory, read tensor by tensor."""
+    """A safetensors HF checkpoint directory, read tensor by tensor.
 
-    def __init__(self, path):
+    ``naming`` (a :class:`~megatron_tepo.models.CheckpointNaming`; :func:`open_hf_checkpoint` reads
+    it off the directory's config): the reader answers in the text model's names (a published
+    Qwen3.5's ``model.language_model.layers.0.*`` is ``model.layers.0.*`` here); :meth:`names`
+    lists the text model's tensors only, :meth:`carried_names` the others (vision tower, MTP
+    layers) under their stored names, which :meth:`get` also reads; :meth:`stored_name` gives a
+    tensor's name in the files. Without ``naming`` every name is the stored one."""
+
+    def __init__(self, path, naming=None):
         self.path = Path(path)
         if not self.path.is_dir():
             raise FileNotFoundError(f"HF checkpoint directory {self.path} does not exist")
@@ -86,6 +95,29 @@ class LazyHFCheckpoint:
         if absent:
             raise ValueError(f"{INDEX_NAME} names tensor(s) absent from their file: {absent[:8]}")
         self._handles: Dict[Path, object] = {}
+        self._carried_set: set = set()
+        self.naming = naming
+        self._stored: Dict[str, str] = {}  # this reader's name -> the stored one, where they differ
+        self._carried: List[str] = []
+        if naming is not None:
+            self._rename(naming)
+
+    def _rename(self, naming) -> None:
+        """Key every table by the text model's name (a carried tensor keeps its stored name)."""
+        file_of, meta, span = {}, {}, {}
+        for stored in self._meta:
+            text = naming.text_name(stored)
+            key = stored if text is None else text
+            if key in meta:
+                raise ValueError(f"HF tensors {self._stored.get(key, key)!r} and {stored!r} in {self.path} are both "
+                                 f"the text model's {key!r}")
+            if text is None:
+                self._carried.append(stored)
+            elif text != stored:
+                self._stored[key] = stored
+            file_of[key], meta[key], span[key] = self._file_of[stored], self._meta[stored], self._span[stored]
+        self._file_of, self._meta, self._span = file_of, meta, span
+        self._carried_set = set(self._carried)
 
     @staticmethod
     def _header(file: Path, with_offsets: bool = False) -> Dict[str, tuple]:
@@ -107,7 +139,16 @@ class LazyHFCheckpoint:
         return out
 
     def names(self) -> List[str]:
-        return list(self._meta)
+        """The text model's tensors (every tensor without a ``naming``)."""
+        return [n for n in self._meta if n not in self._carried_set] if self._carried else list(self._meta)
+
+    def carried_names(self) -> List[str]:
+        """The stored names of the tensors that are not the text model's (``naming``'s ``carried``)."""
+        return list(self._carried)
+
+    def stored_name(self, name: str) -> str:
+        """The name in the files of tensor ``name`` (as :meth:`names` / :meth:`carried_names` give it)."""
+        return self._stored.get(name, name)
 
     def shape(self, name: str) -> Tuple[int, ...]:
         return self._meta[name][0]
@@ -116,7 +157,8 @@ class LazyHFCheckpoint:
         return self._meta[name][1]
 
     def __contains__(self, name: str) -> bool:
-        return name in self._meta
+        """Whether the text model's tensor ``name`` is stored (a carried one is not counted)."""
+        return name in self._meta and not (self._carried and name in self._carried_set)
 
     def file_of(self, name: str) -> Path:
         """The file that stores ``name``."""
@@ -204,6 +246,43 @@ class LazyHFCheckpoint:
             self._pread(name, first, first + (d - c) * item, out[i])
         return out
 
+    def copy_to_safetensors(self, names: List[str], out, chunk_bytes: int = 64 << 20) -> int:
+        """Write tensors ``names`` (this reader's names) under their stored names as one
+        safetensors file ``out``, their bytes copied from the files as they are (bit for bit, never
+        a whole tensor in memory: ``chunk_bytes`` at a time); written to ``out.part`` and renamed
+        when complete. Returns the tensor bytes copied."""
+        header, offset = {}, 0
+        for name in names:
+            shape, dt = self._meta[name]
+            start, end = self._span[name]
+            header[self.stored_name(name)] = {"dtype": SAFETENSORS_NAMES[dt], "shape": list(shape),
+                                              "data_offsets": [offset, offset + end - start]}
+            offset += end - start
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # (the data starts 8-byte aligned, as safetensors writes it)
+        out = Path(out)
+        part = out.with_name(out.name + ".part")
+        with open(part, "wb") as dst:
+            dst.write(len(raw).to_bytes(8, "little") + raw)
+            for name in names:
+                start, end = self._span[name]
+                src = self._handles.get(self._file_of[name])
+                if src is None:
+                    src = self._handles[self._file_of[name]] = open(self._file_of[name], "rb")
+                src.seek(start)
+                left = end - start
+                while left:
+                    block = src.read(min(left, chunk_bytes))
+                    if not block:
+                        raise ValueError(f"HF tensor {self.stored_name(name)!r}: {self._file_of[name].name} is truncated")
+                    dst.write(block)
+                    left -= len(block)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(part, out)
+        return offset
+
     def meta_tensor(self, name: str) -> torch.Tensor:
         """A ``meta`` stand-in with the stored shape and dtype (no data read)."""
         shape, dt = self._meta[name]
@@ -213,6 +292,34 @@ class LazyHFCheckpoint:
         for fh in self._handles.values():
             fh.close()
         self._handles.clear()
+
+
+def open_hf_checkpoint(path) -> LazyHFCheckpoint:
+    """:class:`LazyHFCheckpoint` of ``path`` in the text model's names: its ``config.json``'s family
+    says how its checkpoints name their tensors (:func:`megatron_tepo.models.checkpoint_naming`; a
+    published Qwen3.5 keeps the text model under ``model.language_model.``); a directory without a
+    ``config.json`` is read as stored."""
+    from megatron_tepo.models import checkpoint_naming
+
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return LazyHFCheckpoint(path)
+    try:
+        raw = json.loads(config.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{config}: not valid JSON ({exc})") from None
+    try:
+        naming = checkpoint_naming(raw)
+    except ValueError as exc:
+        raise in_config_file(exc, config) from None
+    return LazyHFCheckpoint(path, naming=naming)
+
+
+def in_config_file(exc: ValueError, config) -> ValueError:
+    """``exc`` (a config error, which may start with ``config.json:``) naming the file ``config``."""
+    msg = str(exc)
+    msg = msg[len("config.json: "):] if msg.startswith("config.json: ") else msg
+    return ValueError(f"{config}: {msg}")
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

@@ -31,8 +31,13 @@ files into a checkpoint, streaming, and guards the output directory.
      at the end;
   4. the sidecars of :mod:`.sidecars` (``megatron_tepo_checkpoint.json``: family, the whole family
      config with the MoE sizes, dtype, saved layout, HF tensor names / dtypes / shapes; and
-     ``hf_source/``: config, generation config, tokenizer files), which make the output
-     exportable back (:mod:`.megatron_to_hf`).
+     ``hf_source/``: config, generation config, tokenizer files, and the tensors the model does
+     not train, if any), which make the output exportable back (:mod:`.megatron_to_hf`).
+
+A published Qwen3.5 ``*ForConditionalGeneration`` converts its text model (``model.language_model.*``
+and ``lm_head.weight``, read in the text model's names: :func:`~.hf_io.open_hf_checkpoint`); its
+vision tower and MTP layer are not part of the megatron checkpoint but copied, bit for bit, into
+its ``hf_source/carried.safetensors``.
   Output goes to ``<out>.tmp-<pid>`` and is renamed to ``<out>`` only when complete; any error on
   any rank removes it. An existing ``<out>`` is refused unless ``force``. ``streaming=False``
   keeps the whole-model reference path (fill an initialised model through ``models``' TP/PP
@@ -73,7 +78,8 @@ from megatron_tepo.models.common import MegatronToHFLayout
 
 from .common import (agree, build_model, check_out_dir, ensure_process_group, finalize_dir, log_progress,
                      read_config_json, tmp_dir_for, trim_heap)
-from .hf_io import LazyHFCheckpoint, check_hf_tensors, hf_layer_index, load_hf_config, streaming_order
+from .hf_io import (LazyHFCheckpoint, check_hf_tensors, hf_layer_index, in_config_file, load_hf_config,
+                    open_hf_checkpoint, streaming_order)
 from .sidecars import write_conversion_sidecars
 
 __all__ = ["convert_hf_to_megatron", "check_hf_input", "last_import_stats"]
@@ -84,14 +90,17 @@ def check_hf_input(hf_dir, tp: int = 1, pp: int = 1, ep: int = 1, world_size: Op
     """All input checks of HF -> Megatron, from headers only: family, layout, tensor names/shapes.
     Returns ``(family_cfg, hf_config, LazyHFCheckpoint)``; raises naming the culprit."""
     raw = read_config_json(hf_dir)
-    family_cfg = family_config_from_hf(raw, spec=spec)  # unknown architecture -> ValueError naming it
+    try:
+        family_cfg = family_config_from_hf(raw, spec=spec)  # unknown architecture -> ValueError naming it
+    except ValueError as exc:
+        raise in_config_file(exc, Path(hf_dir) / "config.json") from None
     # (sequence parallelism changes nothing of how the weights are stored, and the actor turns it on
     # wherever an MoE layer at TP > 1 needs it: the converter's layouts are checked as with it)
     validate_layout(ParallelLayout(tp=tp, pp=pp, ep=ep), family_cfg.dims(),
                     tp * pp * ep if world_size is None else world_size, sequence_parallel=tp > 1,
                     cpu=not torch.cuda.is_available(), field="--", world="the converter's ranks")
     hf_config = load_hf_config(hf_dir)
-    ckpt = LazyHFCheckpoint(hf_dir)
+    ckpt = open_hf_checkpoint(hf_dir)  # (in the text model's names: a multimodal one's other parts carried)
     check_hf_tensors(ckpt, hf_config)
     return family_cfg, hf_config, ckpt
 

@@ -21,6 +21,14 @@ end-of-run export).
   expected names / shapes / dtypes, sharded safetensors + index + side files, in a temporary
   directory renamed into place when complete.
 
+A source whose checkpoints keep the text model under another name, beside tensors the actor does
+not train (a published Qwen3.5 ``*ForConditionalGeneration``: ``model.language_model.*``, the vision
+tower ``model.visual.*``, the MTP layer ``mtp.*``; :class:`~megatron_tepo.models.CheckpointNaming`)
+is written back as it was: its config, the trained text weights under its names, and the carried
+tensors bit for bit -- the live actor's export reads them from the source directory, the
+checkpoint converter from the copy each checkpoint holds (``hf_source/carried.safetensors``:
+:mod:`.sidecars`).
+
 Left out: the Transformer-Engine spec on export (the checkpoint keys are the same for both specs;
 export builds the local spec), grouped-GEMM expert layouts, virtual pipeline stages, optimizer
 state, exporting with more than one process.
@@ -38,12 +46,13 @@ import torch.distributed as dist
 from megatron_tepo.dtypes import dtype_from_name
 from megatron_tepo.layout import ParallelLayout
 from megatron_tepo.megatron.parallel import initialize_parallel, raise_if_any_rank_failed
-from megatron_tepo.models import megatron_to_hf
+from megatron_tepo.models import checkpoint_naming, megatron_to_hf
 
-from .common import build_model, check_out_dir, ensure_process_group, finalize_dir, log_progress, tmp_dir_for
+from .common import (build_model, check_out_dir, ensure_process_group, finalize_dir, log_progress, read_config_json,
+                     tmp_dir_for)
 from .dcp_reader import params_streamed
-from .hf_io import LazyHFCheckpoint, ShardedSafetensorsWriter, copy_side_files, hf_layer_index
-from .sidecars import HF_SOURCE, hf_tensor_table, model_builder_of, read_checkpoint_info, read_family_config
+from .hf_io import LazyHFCheckpoint, ShardedSafetensorsWriter, copy_side_files, hf_layer_index, open_hf_checkpoint
+from .sidecars import CARRIED, HF_SOURCE, hf_tensor_table, model_builder_of, read_checkpoint_info, read_family_config
 
 __all__ = ["HFDirWriter", "convert_megatron_to_hf", "export_actor_to_hf"]
 
@@ -57,8 +66,9 @@ class HFDirWriter:
     :func:`export_actor_to_hf`."""
 
     def __init__(self, out, expected: dict, side_files, tie_word_embeddings: bool, force: bool,
-                 max_shard_bytes: int = 2 * 1024 ** 3):
+                 max_shard_bytes: int = 2 * 1024 ** 3, naming=None):
         self.out, self.expected, self.side_files = Path(out).absolute(), expected, Path(side_files)
+        self.naming = naming  # the source's CheckpointNaming: the text model's names -> the stored ones
         self.tie, self.force = tie_word_embeddings, force
         check_out_dir(self.out, force)
         self.tmp = tmp_dir_for(self.out)
@@ -67,7 +77,19 @@ class HFDirWriter:
         self.written: set = set()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        """``tensor`` is copied (it may be a view into a reused buffer)."""
+        """``tensor`` (the text model's tensor ``name``) is copied (it may be a view into a reused
+        buffer), under the source's name for it."""
+        self._add(self.naming.stored_name(name) if self.naming is not None else name, tensor)
+        if name == "model.embed_tokens.weight" and self.tie and "lm_head.weight" in self.expected:
+            self.add("lm_head.weight", tensor)  # the source stored the tied copy too
+
+    def add_carried(self, reader: LazyHFCheckpoint) -> None:
+        """The tensors the actor does not train (``reader.carried_names()``: a vision tower, MTP
+        layers), as ``reader`` stores them: bit for bit."""
+        for name in reader.carried_names():
+            self._add(name, reader.get(name))
+
+    def _add(self, name: str, tensor: torch.Tensor) -> None:
         if name not in self.expected:
             raise ValueError(f"exported HF tensor {name!r} is not in the source checkpoint "
                              f"({len(self.expected)} tensors listed)")
@@ -77,8 +99,6 @@ class HFDirWriter:
                              f"the source had {tuple(want['shape'])}")
         self.writer.add(name, tensor.to(dtype_from_name(want["dtype"]), copy=True))
         self.written.add(name)
-        if name == "model.embed_tokens.weight" and self.tie and "lm_head.weight" in self.expected:
-            self.add("lm_head.weight", tensor)  # the source stored the tied copy too
 
     def close(self) -> Path:
         missing = [n for n in self.expected if n not in self.written]
@@ -112,8 +132,10 @@ def convert_megatron_to_hf(megatron_dir, out_dir, force: bool = False,
     if dist.get_world_size() != 1:
         raise ValueError(f"convert_megatron_to_hf runs in one process, world size is {dist.get_world_size()}")
     initialize_parallel(ParallelLayout(), family_cfg, backend="gloo")
+    naming = checkpoint_naming(read_config_json(src / HF_SOURCE))
+    carried = _carried_reader(src, info, naming)
     writer = HFDirWriter(out, info["hf_tensors"], src / HF_SOURCE, family_cfg.tie_word_embeddings, force,
-                         max_shard_bytes)
+                         max_shard_bytes, naming=naming)
     try:
         model = build_model(family_cfg, params_dtype, initialize=False, model_builder=model_builder_of(info))
         log_progress(f"streaming {src} (saved at {info['saved_layout']}) at tp=1 pp=1 ep=1", progress)
@@ -125,12 +147,30 @@ def convert_megatron_to_hf(megatron_dir, out_dir, force: bool = False,
                 log_progress(f"layer {layer + 1}/{family_cfg.num_layers} ({time.time() - t_start:.1f}s)", progress)
             writer.add(name, tensor)
         del model
+        if carried is not None:
+            writer.add_carried(carried)
         writer.close()
     except BaseException:
         writer.abort()
         raise
+    finally:
+        if carried is not None:
+            carried.close()
     log_progress(f"done in {time.time() - t_start:.1f}s: {out}", progress)
     return out
+
+
+def _carried_reader(src: Path, info: dict, naming) -> Optional[LazyHFCheckpoint]:
+    """The checkpoint's copy of its source's carried tensors (``hf_source/carried.safetensors``);
+    None when the source had none. Missing: a ValueError naming the file."""
+    want = [n for n in info["hf_tensors"] if naming.is_carried(n)]
+    if not want:
+        return None
+    path = src / HF_SOURCE / CARRIED
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: {src}'s source had {len(want)} tensor(s) the actor does not train "
+                         f"(e.g. {want[:2]}), which the export writes back from that file")
+    return LazyHFCheckpoint(src / HF_SOURCE, naming=naming)
 
 
 def export_actor_to_hf(actor, out_dir, hf_source, force: bool = True,
@@ -144,11 +184,10 @@ def export_actor_to_hf(actor, out_dir, hf_source, force: bool = True,
     writer, err = None, None
     if rank == 0:
         try:
-            ckpt = LazyHFCheckpoint(hf_source)
-            expected = hf_tensor_table(ckpt)
-            ckpt.close()
+            source = open_hf_checkpoint(hf_source)
+            expected = hf_tensor_table(source)
             writer = HFDirWriter(out_dir, expected, hf_source, actor.family_cfg.tie_word_embeddings, force,
-                                 max_shard_bytes)
+                                 max_shard_bytes, naming=source.naming)
         except (OSError, ValueError) as exc:
             err = exc
     raise_if_any_rank_failed(err, "export to HF")
@@ -157,8 +196,14 @@ def export_actor_to_hf(actor, out_dir, hf_source, force: bool = True,
             if writer is not None:
                 for name, tensor in bucket.named_tensors():
                     writer.add(name, tensor)
-        return writer.close() if writer is not None else None
+        if writer is None:
+            return None
+        writer.add_carried(source)
+        return writer.close()
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
+    finally:
+        if writer is not None:
+            source.close()

@@ -3,7 +3,17 @@ to the torch_dist files by the HF -> Megatron converter and by the trainer into 
 checkpoints, read by the Megatron -> HF exporter.
 
 * ``hf_source/`` -- the source HF directory's config, generation config, tokenizer and chat-template
-  files (every file that is not a weight file: :func:`~.hf_io.copy_side_files`).
+  files (every file that is not a weight file: :func:`~.hf_io.copy_side_files`); and, for a source
+  with tensors the actor does not train (a published Qwen3.5's vision tower ``model.visual.*`` and
+  MTP layer ``mtp.*``: :class:`~megatron_tepo.models.CheckpointNaming`), ``carried.safetensors``:
+  those tensors as the source stores them, bytes copied (:func:`write_carried`), so that the
+  export writes them back bit for bit without the source directory. Its cost, in every checkpoint:
+  the carried tensors' bytes -- for Qwen3.5-27B in bf16 its vision tower, 0.461e9 parameters
+  (0.92 GB), and its MTP layer, 0.425e9 (0.85 GB): 1.77 GB, beside the ~54 GB of its text
+  weights and the optimizer state (counted on transformers 5.24's default ``Qwen3_5VisionConfig``
+  with the 27B's ``out_hidden_size`` 5120, and one gated-attention layer + ``fc`` + norms for the
+  MTP). Carrying them in the checkpoint instead of pointing at the source keeps a checkpoint
+  convertible when the source is gone or changed.
 * ``megatron_tepo_checkpoint.json`` (format ``megatron_tepo/hf-dist-ckpt/1``) -- ``family``;
   ``family_config``: the whole :class:`~megatron_tepo.models.GPTFamilyConfig`
   (:meth:`~megatron_tepo.models.GPTFamilyConfig.as_dict`), its ``moe`` an object with the
@@ -11,8 +21,8 @@ checkpoints, read by the Megatron -> HF exporter.
   names the norm tensors); ``model_builder`` (``hybrid`` / ``gpt``: the megatron model whose
   ``sharded_state_dict`` keys the torch_dist files use; absent in files written before it was
   recorded, which were all ``gpt``: :func:`model_builder_of`); ``params_dtype``; ``saved_layout`` (tp/pp/ep/cp);
-  ``megatron_core_version``; ``hf_tensors``: the source's HF tensor names with their dtype and
-  shape (what the export must give back).
+  ``megatron_core_version``; ``hf_tensors``: the source's HF tensor names (as its files name them,
+  carried ones included) with their dtype and shape (what the export must give back).
 
 :func:`read_family_config` reads the family config back. Files written before the MoE config was
 typed (the MoE sizes were then in an untyped ``extra`` that was left out, so their
@@ -34,20 +44,36 @@ from megatron_tepo.layout import ParallelLayout
 from megatron_tepo.models import GPTFamilyConfig, family_config_from_hf
 
 from .common import read_config_json
-from .hf_io import LazyHFCheckpoint, copy_side_files
+from .hf_io import LazyHFCheckpoint, copy_side_files, open_hf_checkpoint
 
 INFO_NAME = "megatron_tepo_checkpoint.json"
 HF_SOURCE = "hf_source"
+CARRIED = "carried.safetensors"  # in hf_source/: the source's tensors that are not the text model's
 FORMAT = "megatron_tepo/hf-dist-ckpt/1"
 BUILDERS = ("hybrid", "gpt")
 
-__all__ = ["INFO_NAME", "HF_SOURCE", "FORMAT", "hf_tensor_table", "write_conversion_sidecars",
+__all__ = ["INFO_NAME", "HF_SOURCE", "CARRIED", "FORMAT", "hf_tensor_table", "write_carried", "write_conversion_sidecars",
            "read_checkpoint_info", "read_family_config", "model_builder_of"]
 
 
 def hf_tensor_table(ckpt: LazyHFCheckpoint) -> Dict[str, dict]:
-    """HF tensor name -> ``{"dtype": name, "shape": [..]}`` of a checkpoint, from its headers."""
-    return {n: {"dtype": dtype_name(ckpt.dtype(n)), "shape": list(ckpt.shape(n))} for n in ckpt.names()}
+    """HF tensor name -> ``{"dtype": name, "shape": [..]}`` of every tensor of a checkpoint (the
+    text model's and the carried ones), under the names in its files, from its headers."""
+    return {ckpt.stored_name(n): {"dtype": dtype_name(ckpt.dtype(n)), "shape": list(ckpt.shape(n))}
+            for n in ckpt.names() + ckpt.carried_names()}
+
+
+def write_carried(ckpt: LazyHFCheckpoint, directory) -> int:
+    """The source's carried tensors (:meth:`~.hf_io.LazyHFCheckpoint.carried_names`: a vision tower,
+    MTP layers), bit for bit, as ``directory/hf_source/carried.safetensors`` (none: no file); the
+    bytes copied."""
+    carried = ckpt.carried_names()
+    if not carried:
+        return 0
+    try:
+        return ckpt.copy_to_safetensors(carried, Path(directory) / HF_SOURCE / CARRIED)
+    finally:
+        ckpt.close()
 
 
 def write_conversion_sidecars(directory, hf_dir, family_cfg: GPTFamilyConfig, params_dtype,
@@ -62,8 +88,9 @@ def write_conversion_sidecars(directory, hf_dir, family_cfg: GPTFamilyConfig, pa
     import megatron.core
 
     directory = Path(directory)
-    ckpt = ckpt or LazyHFCheckpoint(hf_dir)
+    ckpt = ckpt or open_hf_checkpoint(hf_dir)
     copy_side_files(hf_dir, directory / HF_SOURCE)
+    write_carried(ckpt, directory)
     info = {
         "format": FORMAT,
         "family": family_cfg.family,

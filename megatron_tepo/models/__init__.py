@@ -15,7 +15,11 @@ Public API:
     :func:`family_config_from_hf` -- registry lookup by HF ``model_type`` or ``architectures``
     (unknown -> ValueError naming it and the supported ones).
   * :func:`hf_to_megatron` / :func:`megatron_to_hf` -- streaming converters between HF
-    ``(name, full tensor)`` and Megatron ``(global name, full tensor)``.
+    ``(name, full tensor)`` and Megatron ``(global name, full tensor)``, in the text model's names
+    (a causal LM's).
+  * :func:`checkpoint_naming` -- how a checkpoint's stored names relate to those: the one
+    translation of a multimodal checkpoint's (Qwen3.5's ``model.language_model.*``), and which of
+    its tensors are only carried (its vision tower, its MTP layers).
 
 The live actor's bucketed export to HF tensors (for the rollout weight sync and the end-of-run
 export) is the actor's: :mod:`megatron_tepo.actor.export`, built on :class:`.common.MegatronToHFLayout`
@@ -33,14 +37,15 @@ import torch
 from megatron_tepo.routing import RoutingShape
 
 from . import llama, qwen2, qwen3, qwen3_5, qwen3_moe
-from .common import (FamilySpec, GPTFamilyConfig, LayerMapping, LinearAttentionConfig, MoEConfig,
+from .common import (CheckpointNaming, FamilySpec, GPTFamilyConfig, LayerMapping, LinearAttentionConfig, MoEConfig,
                      convert_hf_to_megatron, convert_megatron_to_hf)
 
 FAMILIES: Dict[str, FamilySpec] = {s.name: s for s in (llama.SPEC, qwen2.SPEC, qwen3.SPEC, qwen3_moe.SPEC,
                                                        qwen3_5.SPEC, qwen3_5.MOE_SPEC)}
 
 __all__ = ["FAMILIES", "FamilySpec", "GPTFamilyConfig", "MoEConfig", "LinearAttentionConfig", "resolve_family",
-           "family_config_from_hf", "layer_mapping", "hf_to_megatron", "megatron_to_hf", "routing_shape_of"]
+           "family_config_from_hf", "layer_mapping", "hf_to_megatron", "megatron_to_hf", "routing_shape_of",
+           "CheckpointNaming", "checkpoint_naming"]
 
 
 def _field(hf_config, name):
@@ -68,6 +73,14 @@ def family_config_from_hf(hf_config, spec: str) -> GPTFamilyConfig:
     tensors; the actor derives it from its resolved ``actor.attention``:
     :func:`megatron_tepo.megatron.gpt.family_spec`)."""
     return resolve_family(hf_config).from_hf_config(hf_config, spec=spec)
+
+
+def checkpoint_naming(hf_config) -> CheckpointNaming:
+    """How the checkpoints of ``hf_config``'s model name their tensors against the text model's names
+    the mapping uses (:class:`~.common.CheckpointNaming`; e.g. a published Qwen3.5
+    ``*ForConditionalGeneration``: the text model under ``model.language_model.``, the vision tower
+    and MTP layers carried)."""
+    return resolve_family(hf_config).checkpoint_naming(hf_config)
 
 
 def routing_shape_of(model_dir: str) -> Optional[RoutingShape]:

@@ -9,6 +9,8 @@ What is here:
     (its names, its HF config translation, its per-layer name table).
   * Small pure tensor functions: :func:`fuse_qkv` / :func:`split_qkv` (Megatron's per-query-group
     interleaved QKV layout) and :func:`fuse_gate_up` / :func:`split_gate_up` (SwiGLU ``linear_fc1``).
+  * :class:`CheckpointNaming` -- a checkpoint's stored names against the text model's (a
+    multimodal checkpoint keeps its text model under a prefix beside parts that are only carried).
   * :class:`LayerMapping` (a per-layer table of one-to-one renames and fused groups) built by
     :func:`dense_layer_mapping`, and the two streaming converters
     :func:`convert_hf_to_megatron` / :func:`convert_megatron_to_hf` driven by such a table.
@@ -493,18 +495,59 @@ class LayerMapping:
 
 
 @dataclass(frozen=True)
+class CheckpointNaming:
+    """How a checkpoint names its tensors, against the text model's own names that the mapping uses
+    (a causal LM's: ``model.embed_tokens.weight``, ``model.layers.{i}.*``, ``model.norm.weight``,
+    ``lm_head.weight``). ``text_prefix``: where the checkpoint keeps what the text model keeps under
+    ``model.`` (a multimodal checkpoint's ``model.language_model.``; None: under ``model.`` itself);
+    ``carried``: the name prefixes of its other parts (a vision tower, multi-token-prediction layers),
+    which the actor does not train and an export writes back unchanged. The one place a stored name
+    is translated (:meth:`text_name`, :meth:`stored_name`)."""
+
+    text_prefix: Optional[str] = None
+    carried: Tuple[str, ...] = ()
+
+    def is_carried(self, stored: str) -> bool:
+        return stored.startswith(self.carried) if self.carried else False
+
+    def text_name(self, stored: str) -> Optional[str]:
+        """The text model's name of a stored tensor; None for a carried one. Any other name is
+        given back as it is (the mapping then names it as unknown)."""
+        if self.text_prefix is not None and stored.startswith(self.text_prefix):
+            return "model." + stored[len(self.text_prefix):]
+        return None if self.is_carried(stored) else stored
+
+    def stored_name(self, text: str) -> str:
+        """Inverse of :meth:`text_name` for the text model's tensors."""
+        if self.text_prefix is not None and text.startswith("model."):
+            return self.text_prefix + text[len("model."):]
+        return text
+
+
+#: a checkpoint of the text model alone (a ``*ForCausalLM``): its names are the mapping's
+PLAIN_NAMING = CheckpointNaming()
+
+
+def plain_naming(hf_config) -> CheckpointNaming:
+    return PLAIN_NAMING
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """One family as the registry (:mod:`megatron_tepo.models`) sees it, torchtitan's ``ModelSpec``
     kept small: the HF names it answers to, its HF config -> :class:`GPTFamilyConfig` translation
     (which also carries what the layer spec and ``TransformerConfig`` need:
     :meth:`GPTFamilyConfig.layer_spec_kwargs`, :meth:`GPTFamilyConfig.transformer_config_kwargs`)
-    and its per-layer HF <-> Megatron name table. Building models is the megatron backend's."""
+    its per-layer HF <-> Megatron name table, and how its checkpoints name their tensors
+    (``checkpoint_naming``: :class:`CheckpointNaming`). Building models is the megatron backend's."""
 
     name: str  # GPTFamilyConfig.family
     model_types: Tuple[str, ...]  # HF ``model_type`` values
     architectures: Tuple[str, ...]  # HF ``architectures`` entries
     from_hf_config: Callable[..., GPTFamilyConfig]  # (hf_config, spec="local") -> config
     layer_mapping: Callable[[GPTFamilyConfig], "LayerMapping"]
+    # (hf_config) -> how its checkpoints name their tensors (a multimodal one: its text model under a prefix)
+    checkpoint_naming: Callable[..., CheckpointNaming] = plain_naming
 
 
 def norm_names(spec: str) -> Tuple[str, str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tests.megatron.helpers import make_hf_model, tiny_hf_config
+from tests.megatron.helpers import conditional_generation_config, make_hf_model, tiny_hf_config
 
 VARIANTS = [(f, t) for f in ("llama", "qwen2", "qwen3") for t in (False, True)]
 
@@ -29,17 +29,50 @@ def save_tokenizer(out: Path) -> None:
 
 
 def make_hf_dir(out, family: str, tie: bool, seed: int = 0, tokenizer: bool = True, dtype=torch.float32,
-                **overrides) -> Path:
+                conditional_generation: bool = False, **overrides) -> Path:
     """Save a tiny random HF model (safetensors in ``dtype``, fp32 by default) + generation config
-    (+ tokenizer) to ``out``."""
+    (+ tokenizer) to ``out``. ``conditional_generation`` (Qwen3.5, untied): the published kind of
+    checkpoint, ``Qwen3_5ForConditionalGeneration`` / the MoE one with a tiny vision tower, plus
+    :func:`add_mtp_tensors` (transformers writes none)."""
     out = Path(out)
-    cfg = tiny_hf_config(family, tie=tie, **overrides)
+    if conditional_generation:
+        cfg = conditional_generation_config(family, **overrides)
+    else:
+        cfg = tiny_hf_config(family, tie=tie, **overrides)
     model = make_hf_model(cfg, seed=seed).to(dtype)
     model.generation_config.max_new_tokens = 17  # a non-default field that must survive
     model.save_pretrained(str(out), safe_serialization=True)
+    if conditional_generation:
+        add_mtp_tensors(out, cfg.text_config.hidden_size, dtype, seed)
     if tokenizer:
         save_tokenizer(out)
     return out
+
+
+#: stand-ins of a published Qwen3.5's multi-token-prediction layer (``mtp.*``, which transformers
+#: neither builds nor saves): a few of its tensors, in a file of their own as the hub's shards hold them
+MTP_FILE = "model-mtp.safetensors"
+
+
+def add_mtp_tensors(out: Path, hidden: int, dtype, seed: int) -> dict:
+    """Add ``mtp.*`` tensors to the checkpoint in ``out`` (a file of their own, named in the index)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed + 99)
+    mtp = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=g).to(dtype),
+           "mtp.layers.0.mlp.down_proj.weight": torch.randn(hidden, 3, generator=g).to(dtype),
+           "mtp.norm.weight": torch.randn(hidden, generator=g).to(dtype)}
+    save_file(mtp, str(out / MTP_FILE), metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+    else:  # one file: write the index that names both
+        data = {"metadata": {}, "weight_map": {n: "model.safetensors" for n in load_hf_tensors(out) if n not in mtp}}
+    data["weight_map"].update({n: MTP_FILE for n in mtp})
+    index.write_text(json.dumps(data, indent=2))
+    return mtp
 
 
 def load_hf_tensors(path) -> dict:

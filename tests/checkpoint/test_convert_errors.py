@@ -88,6 +88,22 @@ def test_unknown_architecture(hf, tmp_path, capsys):
     _no_output(tmp_path / "out")
 
 
+def test_a_qwen3_5_config_that_is_neither_kind(tmp_path, capsys):
+    """A Qwen3.5 config with the conditional-generation model_type but no text_config: one line naming
+    the file and the field."""
+    hf = make_hf_dir(tmp_path / "hf", "qwen3_5", False, tokenizer=False)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg.update(model_type="qwen3_5")
+    (hf / "config.json").write_text(json.dumps(cfg))
+    assert _main("--hf", str(hf), "--out", str(tmp_path / "out")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any(line.endswith(f"{hf / 'config.json'}: model_type 'qwen3_5', architectures ['Qwen3_5ForCausalLM'] is "
+                             "neither a text-only Qwen3.5 config (model_type 'qwen3_5_text' / 'qwen3_5_moe_text', "
+                             "num_hidden_layers at the top) nor a *ForConditionalGeneration one: its text_config is "
+                             "missing") for line in err), err
+    _no_output(tmp_path / "out")
+
+
 def test_tp_not_dividing_heads(hf, tmp_path, capsys):
     assert _main("--hf", str(hf), "--out", str(tmp_path / "out"), "--tp", "3") == 2
     err = capsys.readouterr().err

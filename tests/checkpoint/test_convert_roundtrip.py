@@ -126,8 +126,18 @@ def test_qwen3_5_tp2_and_ep2_logits_and_roundtrip(tmp_path):
     and a gated shared expert), untied: converted at TP=2 (each rank its share of every section of
     the Gated DeltaNet's fused in_proj and conv1d, of each query group's queries, gates, key and
     value) and the MoE at EP=2, each loaded at its layout with the HF logits (1e-5), each exported
-    by the one-process exporter (TP=1, EP=1: resharded) bit for bit."""
-    names = _build(tmp_path, QWEN3_5_VARIANTS)
+    by the one-process exporter (TP=1, EP=1: resharded) bit for bit. Beside them the published kind
+    of checkpoint, a ``Qwen3_5ForConditionalGeneration`` (``qwen3_5-cg``: the text model under
+    ``model.language_model.``, a tiny vision tower, ``mtp.*`` tensors): its text model converted at
+    TP=2 with the HF logits, exported with every tensor bit for bit (the vision and MTP ones: the
+    checkpoint's ``hf_source/carried.safetensors``), its config.json as it was, loading as
+    ``Qwen3_5ForConditionalGeneration``."""
+    import json
+
+    import transformers
+
+    names = _build(tmp_path, QWEN3_5_VARIANTS) + ",qwen3_5-cg"
+    cg = make_hf_dir(tmp_path / "hf-qwen3_5-cg", "qwen3_5", False, seed=5, conditional_generation=True)
     moe = variant_id("qwen3_5_moe", False)
     for args, where in (((("2", "1", names)), "tp2"), ((("1", "1", moe, "--ep", "2")), "ep2")):
         results = torchrun(WORKER, 2, "import", str(tmp_path), *args[:3], "--logits", *args[3:],
@@ -138,3 +148,8 @@ def test_qwen3_5_tp2_and_ep2_logits_and_roundtrip(tmp_path):
     for suffix, which in (("tp2pp1", names), ("tp1pp1ep2", moe)):
         (res,) = torchrun(WORKER, 1, "export", str(tmp_path), suffix, which, tmp_path=tmp_path / f"exp-{suffix}")
         _assert_bitwise(res)
+    back = tmp_path / "back-qwen3_5-cg-tp2pp1"
+    assert len([n for n in load_hf_tensors(back) if n.startswith(("model.visual.", "mtp."))]) > 20
+    assert json.loads((back / "config.json").read_text()) == json.loads((cg / "config.json").read_text())
+    model, info = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(str(back), output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())

@@ -56,14 +56,36 @@ def tiny_hf_config(family: str, tie: bool = False, **overrides):
     return cfg
 
 
+#: a tiny vision tower for a Qwen3.5 ``*ForConditionalGeneration`` (its ``out_hidden_size``: the text model's hidden size)
+TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TINY["hidden_size"],
+                   patch_size=4, temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16)
+
+
+def conditional_generation_config(family: str, **overrides):
+    """A published-style Qwen3.5 config (``Qwen3_5ForConditionalGeneration`` / the MoE one): the tiny
+    text model of :func:`tiny_hf_config` under ``text_config`` beside :data:`TINY_VISION`."""
+    import transformers
+
+    text = tiny_hf_config(family, **overrides)
+    cls = transformers.Qwen3_5Config if family == "qwen3_5" else transformers.Qwen3_5MoeConfig
+    cfg = cls(text_config=text.to_dict(), vision_config=dict(TINY_VISION), tie_word_embeddings=False)
+    cfg.architectures = [cls.__name__.replace("Config", "ForConditionalGeneration")]
+    return cfg
+
+
 def make_hf_model(hf_config, seed: int = 0):
     """Random init with randomised norm weights and biases (so a wrong mapping shows): a norm's
-    weight around its init (1, or 0 for the zero-centred norms of Qwen3.5, which scale by 1 + w)."""
+    weight around its init (1, or 0 for the zero-centred norms of Qwen3.5, which scale by 1 + w).
+    A conditional-generation config (a ``text_config``) gives its ``*ForConditionalGeneration``."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager",
-                                                         dtype=torch.float32)
+    if getattr(hf_config, "text_config", None) is not None and hf_config.architectures:
+        model = getattr(transformers, hf_config.architectures[0])._from_config(
+            hf_config, attn_implementation="eager", dtype=torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager",
+                                                             dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):  # around the init: 1, or 0 for a zero-centred norm (1 + w)

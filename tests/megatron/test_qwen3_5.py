@@ -5,7 +5,8 @@ the torch stand-in of megatron/gated_delta_rule.py) against transformers' Qwen3.
 packed sequences of several lengths.
 
 * The config and the name tables (no process group): what the family config reads of an HF
-  config, a conditional-generation one included; every HF tensor mapped once and back.
+  config, a conditional-generation one included (its tensors' names; a config that is neither kind:
+  one line naming config.json and the field); every HF tensor mapped once and back.
 * The stand-in against transformers' own torch path, packed sequences included.
 * Under torchrun (gloo, 2 ranks; workers/equivalence_worker.py, workers/routing_replay_worker.py):
   log-probs and entropy within 1e-5, every gradient within 1e-4 of its tensor's largest entry, the
@@ -76,6 +77,41 @@ def test_the_family_config_reads_qwen3_5():
     gdn, attn = layer_mapping(fam).for_layer(0), layer_mapping(fam).for_layer(3)
     assert "linear_attn.A_log" in gdn.renames and "self_attn.o_proj.weight" in attn.renames
     assert [g.kind for g in attn.fused] == ["qgkv", "gate_up"] and [g.kind for g in gdn.fused] == ["gdn_in_proj", "gate_up"]
+
+
+def test_a_config_that_is_neither_text_only_nor_conditional_generation_is_refused(tmp_path):
+    """The text model's names: a conditional-generation config's tensors under ``model.language_model.``
+    (the vision tower and ``mtp.*`` carried), a text-only one's as stored. A config that is neither --
+    the conditional-generation ``model_type`` / architecture without a ``text_config``, a ``text_config``
+    without the text model's fields -- gets one line naming config.json and the field, from the family
+    config and from the checkpoint reader alike."""
+    from megatron_tepo.checkpoint.hf_io import open_hf_checkpoint
+    from megatron_tepo.models import checkpoint_naming, family_config_from_hf
+
+    text = tiny_hf_config("qwen3_5").to_dict()
+    wrapped = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text}
+    naming = checkpoint_naming(wrapped)
+    assert naming.text_name("model.language_model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert naming.stored_name("model.norm.weight") == "model.language_model.norm.weight"
+    assert naming.text_name("lm_head.weight") == "lm_head.weight" and naming.stored_name("lm_head.weight") == "lm_head.weight"
+    assert naming.text_name("model.visual.blocks.0.attn.qkv.weight") is None and naming.is_carried("mtp.fc.weight")
+    plain = checkpoint_naming(text)
+    assert plain.text_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert plain.text_name("mtp.fc.weight") == "mtp.fc.weight"  # (not carried: the mapping names it unknown)
+    flat = {k: v for k, v in text.items() if k != "model_type"}
+    neither = [({**flat, "model_type": "qwen3_5"}, "text_config is missing"),  # the wrapper's type, fields on top
+               ({"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe"},
+                "text_config is missing"),
+               ({"model_type": "qwen3_5", "text_config": {"hidden_size": 64}}, "text_config of model_type 'qwen3_5' "
+                                                                              "has no num_hidden_layers")]
+    for cfg, why in neither:
+        for call in (lambda: family_config_from_hf(cfg, spec="local"), lambda: checkpoint_naming(cfg)):
+            with pytest.raises(ValueError, match="^config.json: .*" + why) as err:
+                call()
+            assert "\n" not in str(err.value)
+    (tmp_path / "config.json").write_text(json.dumps(neither[0][0]))
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'config.json'}: .*text_config is missing"):
+        open_hf_checkpoint(tmp_path)
 
 
 def test_every_hf_tensor_maps_once_and_back_bit_for_bit():
@@ -226,3 +262,52 @@ def test_qwen3_5_moe_ep2_r3_matches_hf_with_forced_routing(tmp_path):
             assert not bad, (where, bad)
             assert len(c["router_grad_norm"]) == 4 and min(c["router_grad_norm"].values()) > 0, where
             assert c["train_metrics"]["routing_coverage"] == 1.0, where
+
+
+CONDITIONAL = HERE / "workers" / "conditional_generation_worker.py"
+
+
+@needs_gdn
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_a_published_kind_of_checkpoint_loads_trains_exports_and_syncs(tmp_path):
+    """A ``Qwen3_5ForConditionalGeneration`` folder (text model under ``model.language_model.``, a tiny
+    vision tower, ``mtp.*`` tensors; one process, workers/conditional_generation_worker.py): the actor's
+    log-probs equal transformers' text-only forward of it; after a step, ``export_hf`` gives the source's
+    config and names, the trained text weights (= the weight sync's stream), the vision and MTP tensors bit
+    for bit, and loads as ``Qwen3_5ForConditionalGeneration`` with no missing or unexpected key; the
+    checkpoint converts to the same folder after the source is gone; the embedded engine on the source
+    folder takes the stream (every parameter) and samples with the trained model's log-probs."""
+    import transformers
+
+    from tests.checkpoint.fixtures import load_hf_tensors, make_hf_dir
+
+    hf = make_hf_dir(tmp_path / "hf", "qwen3_5", False, seed=4, conditional_generation=True)
+    (r,) = torchrun(CONDITIONAL, 1, str(tmp_path), tmp_path=tmp_path / "run", timeout=360)
+    assert r["logprob_abs_err"] <= LOG_PROB_TOL and r["entropy_abs_err"] <= LOG_PROB_TOL, r
+    source, exported = load_hf_tensors(hf), load_hf_tensors(tmp_path / "export")
+    assert sorted(exported) == sorted(source)
+    carried = [n for n in source if n.startswith(("model.visual.", "mtp."))]
+    assert len(carried) > 20 and "mtp.fc.weight" in carried
+    assert [n for n in carried if not (exported[n].dtype == source[n].dtype and torch.equal(exported[n], source[n]))] == []
+    stream = torch.load(tmp_path / "stream.pt")
+    stored = {n: "model.language_model." + n[len("model."):] if n.startswith("model.") else n for n in stream}
+    assert sorted(stored.values()) == sorted(set(source) - set(carried))
+    assert [n for n in stream if not torch.equal(exported[stored[n]], stream[n])] == []
+    assert not torch.equal(exported["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"],
+                           source["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"])  # trained
+    assert json.loads((tmp_path / "export" / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
+    model, info = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(str(tmp_path / "export"),
+                                                                              output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+    # each checkpoint carries the vision and MTP tensors itself (what the converter writes back from:
+    # tests/checkpoint/test_convert_roundtrip.py::test_qwen3_5_tp2_and_ep2_logits_and_roundtrip)
+    kept = load_hf_tensors(tmp_path / "sidecars" / "hf_source")
+    assert sorted(kept) == sorted(carried) and all(torch.equal(kept[n], source[n]) for n in carried)
+    info = json.loads((tmp_path / "sidecars" / "megatron_tepo_checkpoint.json").read_text())
+    assert sorted(info["hf_tensors"]) == sorted(source)
+    # the embedded engine: transformers maps the folder to the text model (Qwen3_5ForCausalLM, the
+    # stream's names); every parameter came from the stream, and its samples' log-probs are the trained model's
+    assert r["engine_model"] == "Qwen3_5ForCausalLM" and r["engine_params"] == sorted(stream)
+    assert r["engine_differ"] == [] and r["engine_logprob_abs_err"] <= LOG_PROB_TOL, r

@@ -11,7 +11,9 @@ megatron's ``topk -> softmax``) beside a shared expert behind a sigmoid gate.
 
 Both the text-only ``Qwen3_5ForCausalLM`` config (``model_type`` ``qwen3_5_text``) and the
 published ``Qwen3_5ForConditionalGeneration`` one (``qwen3_5``, the text model under
-``text_config``) are read; only the text model is trained. The multimodal RoPE (``mrope_section``)
+``text_config``) are read; only the text model is trained. A conditional-generation checkpoint
+keeps the text model's tensors under ``model.language_model.`` beside the vision tower and the
+multi-token-prediction layers, which are carried unchanged (:func:`checkpoint_naming`). The multimodal RoPE (``mrope_section``)
 is plain RoPE on text, where all three position components are equal.
 
 Left out (NotImplementedError naming the setting): ``attention_bias``, activations other than
@@ -19,13 +21,44 @@ silu, RoPE types other than the default, dense layers inside the MoE stack.
 """
 from __future__ import annotations
 
-from ..common import LAYER_TYPES, GPTFamilyConfig, LinearAttentionConfig, MoEConfig, _get, rope_settings
+from ..common import (LAYER_TYPES, PLAIN_NAMING, CheckpointNaming, GPTFamilyConfig, LinearAttentionConfig, MoEConfig,
+                      _get, rope_settings)
+
+#: the published ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``
+#: checkpoints: the text model under ``model.language_model.`` (``lm_head.weight`` at the top), beside
+#: the vision tower (``model.visual.*``) and the multi-token-prediction layer(s) (``mtp.*``), carried
+CONDITIONAL_GENERATION = CheckpointNaming(text_prefix="model.language_model.", carried=("model.visual.", "mtp."))
+
+
+#: the ``model_type`` of a conditional-generation config (its text model's: ``qwen3_5_text`` / ``qwen3_5_moe_text``)
+CONDITIONAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 
 
 def text_config(hf_config):
-    """The text model's config: ``text_config`` of a conditional-generation config, else the config."""
+    """The text model's config: ``text_config`` of a conditional-generation config, else the config
+    itself (a text-only one). A config that is neither (a conditional-generation ``model_type`` or
+    architecture without a ``text_config``, a ``text_config`` without the text model's
+    ``num_hidden_layers``, or no ``num_hidden_layers`` at all): ValueError naming the field."""
     text = _get(hf_config, "text_config", None)
-    return text if text is not None else hf_config
+    model_type, archs = _get(hf_config, "model_type", None), list(_get(hf_config, "architectures", None) or ())
+    if text is not None:
+        if _get(text, "num_hidden_layers", None) is None:
+            raise ValueError(f"config.json: text_config of model_type {model_type!r} has no num_hidden_layers "
+                             "(a Qwen3.5 *ForConditionalGeneration config keeps its text model's fields there)")
+        return text
+    conditional = model_type in CONDITIONAL_MODEL_TYPES or any(a.endswith("ForConditionalGeneration") for a in archs)
+    if conditional or _get(hf_config, "num_hidden_layers", None) is None:
+        raise ValueError(f"config.json: model_type {model_type!r}, architectures {archs} is neither a text-only "
+                         "Qwen3.5 config (model_type 'qwen3_5_text' / 'qwen3_5_moe_text', num_hidden_layers at the "
+                         "top) nor a *ForConditionalGeneration one: its text_config is missing")
+    return hf_config
+
+
+def checkpoint_naming(hf_config) -> CheckpointNaming:
+    """How a Qwen3.5 checkpoint names its tensors: a conditional-generation config (a ``text_config``)
+    stores them as :data:`CONDITIONAL_GENERATION` does, a text-only one as the text model (neither:
+    :func:`text_config`'s ValueError)."""
+    return PLAIN_NAMING if text_config(hf_config) is hf_config else CONDITIONAL_GENERATION
 
 
 def layer_types(text, num_layers: int) -> tuple:
