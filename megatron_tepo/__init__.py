@@ -71,7 +71,7 @@ KNOWN_LIBRARY_LOG_LINES = (
      r"`nvrx`\.\Z",
      "megatron-core 0.19 at the first asynchronous save through its own writer: the actor takes NVRx's "
      "where nvidia-resiliency-ext is installed and says once which writer it took, and why "
-     "(megatron_tepo/actor/checkpointing.py:choose_async_writer)"),
+     "(megatron_tepo/megatron/async_save.py:choose_async_writer)"),
 )
 
 

@@ -46,17 +46,16 @@ def call_dying_with_parent(parent_pid: int, fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def checkpoint_results_queue(filesystem_async=None):
+def checkpoint_results_queue(filesystem_async):
     """megatron-core's asynchronous-save results queue, made now (once per process) and served by a
-    Manager whose server process dies with this one; returns it. ``filesystem_async``: the module
-    (default ``megatron.core.dist_checkpointing.strategies.filesystem_async``; NVRx's writer has its
-    own, ``nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async``, the same way). A queue
+    Manager whose server process dies with this one; returns it. ``filesystem_async``: the writer's
+    module that holds the queue (``megatron.core.dist_checkpointing.strategies.filesystem_async``;
+    NVRx's writer has its own, ``nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async``,
+    the same way), imported by the caller (megatron_tepo/megatron/async_save.py). A queue
     megatron already made is left as it is."""
     import multiprocessing as mp
     from multiprocessing.managers import SyncManager
 
-    if filesystem_async is None:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
     if getattr(filesystem_async, "_results_queue", None) is None:
         manager = SyncManager(ctx=mp.get_context("spawn"))  # (megatron's own context)
         manager.start(initializer=die_with_parent, initargs=(os.getpid(),))

@@ -4,7 +4,8 @@ seams the restructuring drew hold: the models know names, not ranks (nothing of 
 backend); the megatron backend knows nothing of the actor, the checkpoint tools or the trainer;
 ``checkpoint/`` and ``cli.py`` import nothing from ``actor/`` or ``trainer/``; ``launch/`` nothing of
 megatron-core's side, the actor or the trainer (the SGLang fleet's process code in ``rollout/`` it may);
-``environments/`` (the tool sandbox) nothing else of the package. (``rollout/``, ``algorithms/`` and
+``environments/`` (the tool sandbox) nothing else of the package; megatron-core (and NVRx's checkpoint
+writer) is imported only in ``megatron/``. (``rollout/``, ``algorithms/`` and
 ``environments/`` have their own tests: tests/rollout/test_import_direction.py,
 tests/algorithms/test_import_purity.py, tests/environments/test_import_direction.py.)"""
 from pathlib import Path
@@ -20,6 +21,10 @@ def _units():
     """Every top-level module and package of ``megatron_tepo``."""
     return {p.stem for p in PKG.glob("*.py") if p.name != "__init__.py"} | \
         {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()}
+
+
+def _imports_megatron_core(path: Path) -> bool:
+    return any(m == "megatron" or m.startswith("megatron.") for m in imported_modules(path))
 
 
 def _graph():
@@ -93,9 +98,30 @@ def test_the_trainer_imports_nothing_of_megatron():
     backend or megatron-core, even lazily."""
     edges = _graph()
     assert "megatron" not in edges.get("trainer", {}), edges["trainer"].get("megatron")
-    core = sorted(str(f.relative_to(PKG)) for f in (PKG / "trainer").rglob("*.py")
-                  if any(m == "megatron" or m.startswith("megatron.") for m in imported_modules(f)))
+    core = sorted(str(f.relative_to(PKG)) for f in (PKG / "trainer").rglob("*.py") if _imports_megatron_core(f))
     assert core == []
+
+
+def test_only_the_megatron_backend_imports_megatron_core():
+    """#51: megatron-core has one home, ``megatron/``: no module outside it imports megatron-core
+    (``megatron.*``) or the NVRx checkpoint writer megatron-core hands saves to
+    (``nvidia_resiliency_ext``), even lazily. The dist-checkpoint save and load, the RNG tracker's
+    states and the optimizer's steps (``megatron/dist_checkpoint.py``), the asynchronous saves'
+    writer and its choice (``megatron/async_save.py``), the streaming torch_dist strategy
+    (``megatron/dist_writer.py``) and the parallel state's groups and sizes
+    (``megatron/parallel.py``) live there; the actor, the checkpoint tools and ``children.py`` call
+    them with plain arguments. (Names of megatron-core's modules in strings, such as the warning
+    filters of ``megatron_tepo/__init__.py``, are no imports.)"""
+    def outside(f: Path) -> bool:
+        return _unit(f) != "megatron"
+
+    core = sorted(str(f.relative_to(PKG)) for f in PKG.rglob("*.py") if outside(f) and _imports_megatron_core(f))
+    assert core == []
+    nvrx = sorted(str(f.relative_to(PKG)) for f in PKG.rglob("*.py") if outside(f)
+                  and any(m.split(".")[0] == "nvidia_resiliency_ext" for m in imported_modules(f)))
+    assert nvrx == []
+    # the reader sees the backend's own imports of it, lazy ones included
+    assert _imports_megatron_core(PKG / "megatron" / "dist_checkpoint.py")
 
 
 def test_the_trainer_imports_nothing_of_the_actor():

@@ -477,11 +477,11 @@ class MegatronActor:
         the tensors are written in the background and the checkpoint is published by a later
         :meth:`finalize_checkpoints` (at most one in flight).
         See :mod:`megatron_tepo.actor.checkpointing`. Returns the path."""
-        from megatron_tepo.actor.checkpointing import AsyncSaves, save_actor_checkpoint
+        from megatron_tepo.actor.checkpointing import AsyncSaves, choose_async_writer, save_actor_checkpoint
 
         self.sync_params()
         if asynchronous and getattr(self, "_async_saves", None) is None:
-            self._async_saves = AsyncSaves()
+            self._async_saves = AsyncSaves(choose_async_writer())
         return save_actor_checkpoint(self, directory, extra_state, write_extra,
                                      saves=self._async_saves if asynchronous else None, on_publish=on_publish)
 

@@ -24,20 +24,21 @@ actor's optimizer holds fp32 main parameters that an fp32 one does not). The dis
 optimizer is saved with ``distrib_optim_sharding_type = "dp_reshardable"``.
 
 Assumes a file system shared by all ranks (every rank writes its own shards and RNG file).
+
+This module is the checkpoint's format and its steps; megatron-core's part is
+:mod:`megatron_tepo.megatron.dist_checkpoint` (the save and load, the RNG states with megatron's
+tracker, the distributed optimizer's Adam steps) and :mod:`megatron_tepo.megatron.async_save` (the
+asynchronous saves' writer, :func:`choose_async_writer` here refusing with a :class:`CheckpointError`).
 """
 from __future__ import annotations
 
-import atexit
-import functools
 import json
 import os
-import random
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,9 @@ import torch.distributed as dist
 from megatron_tepo.checkpoint.store import (COMPLETE_MARKER, EXTRA_STATE, FORMAT, RNG_DIR, CheckpointError,
                                              PathLike, check_checkpoint_files, global_rank, fsync_dir,
                                              list_complete_checkpoints, read_marker, write_file_atomic)
+from megatron_tepo.megatron import async_save, dist_checkpoint
+from megatron_tepo.megatron.async_save import NVRX_WORKER_CONTEXT_GIB, STAGINGS, AsyncSaves, AsyncWriter
+from megatron_tepo.megatron.dist_checkpoint import get_rng_state, set_rng_state
 from megatron_tepo.megatron.parallel import raise_if_any_rank_failed
 
 __all__ = ["save_actor_checkpoint", "load_actor_checkpoint", "load_newest_checkpoint", "get_rng_state",
@@ -52,37 +56,6 @@ __all__ = ["save_actor_checkpoint", "load_actor_checkpoint", "load_newest_checkp
            "NVRX_WORKER_CONTEXT_GIB"]
 
 DIST_OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
-
-
-# ---------------------------------------------------------------------------------------------
-# RNG
-# ---------------------------------------------------------------------------------------------
-def get_rng_state() -> Dict[str, Any]:
-    """Python, numpy, torch CPU, CUDA (when available) and megatron's model-parallel RNG tracker
-    states of this process (the tracker holds CPU generator states under the CPU patches)."""
-    import numpy as np
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch_cpu": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
-    }
-    return state
-
-
-def set_rng_state(state: Dict[str, Any]) -> None:
-    import numpy as np
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch_cpu"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    get_cuda_rng_tracker().set_states({k: v.clone() for k, v in state["tracker"].items()})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,75 +104,10 @@ def _optimizer_metadata(actor) -> Optional[dict]:
     return dict(DIST_OPT_METADATA) if actor.optim_cfg.use_distributed_optimizer else None
 
 
-def _ensure_torch_adam_state(actor) -> None:
-    """A fresh distributed optimizer without apex/TE (torch Adam) cannot build its sharded state
-    dict: ``DistributedOptimizer.state_dict`` reads the per-param ``step`` of a state that only
-    exists after a first step. Give every param placeholder Adam state (zeros, step 0); the load
-    overwrites all of it. No-op for optimizers that already stepped, or are not torch Adam/AdamW."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(opt, DistributedOptimizer) or not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if p not in inner.state or "step" not in inner.state[p]:
-                    st = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                          "exp_avg_sq": torch.zeros_like(p)}
-                    if group.get("amsgrad"):
-                        st["max_exp_avg_sq"] = torch.zeros_like(p)
-                    inner.state[p] = st
-
-
-def _saved_adam_steps(actor, loaded_optimizer) -> List[Optional[float]]:
-    """Per sub-optimizer: the Adam step saved with a distributed optimizer's param groups (torch
-    Adam, no apex/TE), else None. Read BEFORE ``load_state_dict`` (which may consume the dict)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    subs = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
-    out: List[Optional[float]] = []
-    for idx, opt in enumerate(subs):
-        inner = getattr(opt, "optimizer", None)
-        step = None
-        if isinstance(opt, DistributedOptimizer) and isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            sd = loaded_optimizer if len(subs) == 1 else loaded_optimizer[idx]
-            steps = {g.get("step") for g in sd["optimizer"]["param_groups"]} - {None}
-            if len(steps) > 1:
-                raise CheckpointError(f"inconsistent optimizer steps in the checkpoint: {sorted(steps)}")
-            step = float(steps.pop()) if steps else None
-        out.append(step)
-    return out
-
-
-def _fix_torch_adam_steps(actor, saved_steps: List[Optional[float]]) -> None:
-    """Two megatron-core 0.16 faults of the distributed optimizer on torch Adam (no apex/TE), both
-    about Adam's per-param ``step``:
-
-    * the ``dp_reshardable`` param state carries ``step`` as a non-persistent object, so the load
-      copies the TEMPLATE's step (the fresh optimizer's) over the restored one;
-    * ``DistributedOptimizer.load_state_dict`` puts ONE step tensor into every param's state, and
-      torch Adam increments it in place once per param per step (wrong bias correction).
-
-    The true step is the one saved with the param groups (common state): give every param its own
-    tensor of that value. Other optimizers restore ``step`` correctly; their step tensors are only
-    un-shared, as a guard."""
-    subs = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
-    for opt, step in zip(subs, saved_steps):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            continue
-        for st in inner.state.values():
-            old = st.get("step")
-            if isinstance(old, torch.Tensor):
-                st["step"] = (torch.tensor(step, dtype=old.dtype, device=old.device)
-                              if step is not None else old.clone())
-
-
 def _sharded_state_dict(actor, is_loading: bool, with_optimizer: bool = True) -> Dict[str, Any]:
     model_sd = _model_sharded_state_dict(actor)
     if with_optimizer and is_loading:
-        _ensure_torch_adam_state(actor)
+        dist_checkpoint.ensure_torch_adam_state(actor.optimizer)
     state: Dict[str, Any] = {"model": model_sd}
     if with_optimizer:
         state["optimizer"] = actor.optimizer.sharded_state_dict(
@@ -208,196 +116,13 @@ def _sharded_state_dict(actor, is_loading: bool, with_optimizer: bool = True) ->
     return state
 
 
-#: ``MTEPO_ASYNC_WRITER``: ``auto`` (the default: :func:`choose_async_writer`'s rule), ``mcore`` or ``nvrx``
-#: (that writer, or an error saying why it cannot be had): for tests that run both paths.
-ASYNC_WRITER_ENV = "MTEPO_ASYNC_WRITER"
-
-
-#: how a save's tensors reach the writer process: by CUDA IPC handles (NVRx's default: the writer
-#: opens them, with a CUDA context of its own on the GPU), copied into host shared memory first
-#: (NVRx's ``use_cpu_shm_for_gpu_tensors``, megatron-core's ``cpu_shm_mode``), or copied to host
-#: memory and the writer forked from the trainer (megatron-core's own writer)
-STAGINGS = ("cuda_ipc", "host_shm", "host_copy")
-#: the CUDA context NVRx's writer process makes on the trainer's GPU when it opens CUDA IPC handles
-#: (each rank's writer on its own GPU); the fit check prices it (launch/memory.py)
-NVRX_WORKER_CONTEXT_GIB = 0.5
-
-
-@dataclass(frozen=True)
-class AsyncWriter:
-    """The writer of the asynchronous saves: ``name`` (``"nvrx"``: nvidia-resiliency-ext's, the one
-    megatron-core >= 0.19 asks for; ``"mcore"``: megatron-core's own), ``save_kwargs`` (for
-    ``dist_checkpointing.save``), ``why`` (said once in the log) and ``staging`` (how the tensors
-    reach the writer: :data:`STAGINGS`)."""
-    name: str
-    save_kwargs: Dict[str, Any]
-    why: str
-    staging: str = "host_copy"
-
-
-def _nvrx_ready() -> Optional[str]:
-    """nvidia-resiliency-ext's version when megatron-core finds in it every symbol its ``nvrx`` async
-    strategy uses (megatron-core's own probe, ``strategies.torch.HAVE_NVRX``; it wants >= 0.6), else None."""
-    import importlib.metadata
-
-    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch_strategy
-
-    if not getattr(mcore_torch_strategy, "HAVE_NVRX", False):
-        return None
-    return importlib.metadata.version("nvidia-resiliency-ext")
-
-
-def _nvrx_stages_in_host_memory() -> bool:
-    """Whether this megatron-core and nvidia-resiliency-ext can stage a save's GPU tensors in host
-    shared memory (megatron-core's ``TorchDistSaveShardedStrategy(cpu_shm_mode=)`` from 0.19.2,
-    NVRx's ``FileSystemWriterAsync(use_cpu_shm_for_gpu_tensors=)`` from 0.7)."""
-    import inspect
-
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
-    if "cpu_shm_mode" not in inspect.signature(TorchDistSaveShardedStrategy.__init__).parameters:
-        return False
-    try:
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
-    except ImportError:
-        return False
-    return "use_cpu_shm_for_gpu_tensors" in inspect.signature(FileSystemWriterAsync.__init__).parameters
-
-
-def _host_shm_strategy():
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
-    return TorchDistSaveShardedStrategy(cpu_shm_mode=True)
-
-
-def choose_async_writer(save_fn=None, nvrx_version: Optional[str] = "probe",
-                        wanted: Optional[str] = None, expandable: Optional[bool] = None,
-                        host_shm: Optional[bool] = None, on_gpu: Optional[bool] = None) -> AsyncWriter:
-    """THE choice of the asynchronous saves' writer and of how the tensors reach it: NVRx's where
-    megatron-core's ``dist_checkpointing.save`` takes ``async_strategy`` (>= 0.19, which deprecates
-    its own writer) and nvidia-resiliency-ext is importable with what megatron-core needs;
-    megatron-core's own writer elsewhere (megatron-core 0.16.1, or NVRx missing).
-
-    NVRx hands a save's GPU tensors to its writer process by CUDA IPC, unless they are staged in host
-    shared memory first. Tensors in the allocator's expandable segments (the trainer's
-    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, slurm/lib.sh) share by a file descriptor that
-    the receiver opens with ``pidfd_getfd``, which containers without ptrace and Yama
-    ``ptrace_scope=1`` refuse (pytorch#165685: the first save fails). So with expandable segments (or
-    NVRx's writer gets host shared memory (``staging`` ``host_shm``), and where this stack cannot do
-    that, megatron-core's own writer (host copies, a forked writer) is used instead; CUDA IPC
-    (``cuda_ipc``) only with ordinary segments. Without CUDA the tensors are on the host already
-    (``host_copy``: NVRx's writer gets copies, and makes no CUDA context).
-
-    ``save_fn`` (default megatron-core's ``dist_checkpointing.save``), ``nvrx_version`` (default:
-    probed; None: not installed), ``wanted`` (default ``$MTEPO_ASYNC_WRITER`` or ``auto``),
-    ``expandable`` (default: the CUDA allocator's setting now), ``host_shm`` (whether the stack can
-    stage in host shared memory; default: probed) and ``on_gpu`` (default: whether CUDA is there) are
-    for tests."""
-    import inspect
-
-    from megatron_tepo.cuda_alloc import expandable_segments_on
-    from megatron_tepo.megatron.compat import async_save_kwargs, mcore_version
-
-    if save_fn is None:
-        from megatron.core.dist_checkpointing import save as save_fn
-    wanted = wanted or os.environ.get(ASYNC_WRITER_ENV) or "auto"
-    if wanted not in ("auto", "mcore", "nvrx"):
-        raise CheckpointError(f"{ASYNC_WRITER_ENV}={wanted!r}: expected auto, mcore or nvrx")
-    mcore = AsyncWriter("mcore", async_save_kwargs(save_fn), "", "host_copy")
-    if "async_strategy" not in inspect.signature(save_fn).parameters:
-        why = f"megatron-core {mcore_version()} has no async_strategy"
-    else:
-        if nvrx_version == "probe":
-            nvrx_version = _nvrx_ready()
-        why = (f"{ASYNC_WRITER_ENV}=mcore" if nvrx_version is not None else
-               "nvidia-resiliency-ext >= 0.6 is not installed: docs/FAULT_TOLERANCE.md")
-        if nvrx_version is not None and wanted != "mcore":
-            on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
-            expandable = expandable_segments_on() if expandable is None else expandable
-            kwargs, named = {"async_sharded_save": True, "async_strategy": "nvrx"}, f"nvidia-resiliency-ext {nvrx_version}"
-            if not on_gpu:
-                return AsyncWriter("nvrx", kwargs, f"{named}; no CUDA", "host_copy")
-            if not expandable:
-                return AsyncWriter("nvrx", kwargs, f"{named}; GPU tensors by CUDA IPC", "cuda_ipc")
-            host_shm = _nvrx_stages_in_host_memory() if host_shm is None else host_shm
-            if host_shm:
-                return AsyncWriter("nvrx", {**kwargs, "sharded_strategy": _host_shm_strategy()},
-                                   f"{named}; GPU tensors staged in host shared memory: expandable segments cannot "
-                                   f"go by CUDA IPC where pidfd_getfd is refused", "host_shm")
-            why = (f"{named} with megatron-core {mcore_version()} cannot stage GPU tensors in host shared memory "
-                   f"(NVRx >= 0.7's use_cpu_shm_for_gpu_tensors, megatron-core >= 0.19.2's cpu_shm_mode), and "
-                   f"expandable segments cannot go by CUDA IPC where pidfd_getfd is refused (pytorch#165685)")
-    if wanted == "nvrx":
-        raise CheckpointError(f"{ASYNC_WRITER_ENV}=nvrx: NVRx's writer cannot be had here: {why}")
-    return AsyncWriter(mcore.name, mcore.save_kwargs, why, mcore.staging)
-
-
-_ANNOUNCED: List[str] = []  # the writer this process said it uses (once)
-
-
-def _announce(writer: AsyncWriter) -> None:
-    if not _ANNOUNCED and global_rank() == 0:
-        name = {"nvrx": "NVRx (nvidia-resiliency-ext)", "mcore": "megatron-core's own"}[writer.name]
-        print(f"[megatron_tepo] asynchronous checkpoint saves: {name} writer, staging {writer.staging} "
-              f"({writer.why})", flush=True)
-    _ANNOUNCED.append(writer.name)
-
-
-class AsyncSaves:
-    """The asynchronous checkpoint saves of one actor, at most one in flight, through the writer
-    :func:`choose_async_writer` picks: megatron-core's ``AsyncCallsQueue`` (a forked writer per save,
-    writing from its own copy) or NVRx's (one persistent writer process, given a copy of the
-    tensors, made to die with this process: ``megatron_tepo/children.py``). Either way the writers'
-    results queue is served by a child that dies with this process. Every method is collective (all
-    ranks call it at the same point)."""
-
-    def __init__(self, writer: Optional[AsyncWriter] = None):
-        from megatron_tepo.children import checkpoint_results_queue
-
-        self.writer = writer or choose_async_writer()
-        _announce(self.writer)
-        if self.writer.name == "nvrx":
-            from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
-            from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
-
-            # staged in host shared memory (or without CUDA): its writer process makes no CUDA context
-            self.queue = AsyncCallsQueue(persistent=True, cpu_shm_mode=self.writer.staging != "cuda_ipc")
-            checkpoint_results_queue(filesystem_async)
-            atexit.register(self._close_queue)  # (its writer process is stopped before Python tears down)
-        else:
-            from megatron.core.dist_checkpointing.strategies import filesystem_async
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-            self.queue = AsyncCallsQueue()  # (a forked writer per save: it writes from its own copy)
-            checkpoint_results_queue(filesystem_async)
-
-    def schedule(self, request) -> None:
-        if self.writer.name == "nvrx" and request.async_fn is not None:
-            from megatron_tepo.children import call_dying_with_parent
-
-            # (the persistent writer runs it: from its first save on, it dies with this process)
-            request = request._replace(async_fn=functools.partial(call_dying_with_parent, os.getpid(),
-                                                                  request.async_fn))
-        self.queue.schedule_async_request(request)
-
-    def finalize(self, blocking: bool = False) -> int:
-        """Publish every save whose files are written (``blocking``: wait for them first); returns
-        how many saves are still in flight."""
-        self.queue.maybe_finalize_async_calls(blocking=blocking)
-        return self.queue.get_num_unfinalized_calls()
-
-    def close(self) -> None:
-        self.finalize(blocking=True)
-        self._close_queue()
-
-    def _close_queue(self) -> None:
-        """Close the queue (at exit: NVRx's writer process is stopped; a save still in flight then,
-        after a failure, is abandoned unpublished)."""
-        if self.writer.name != "nvrx":
-            self.queue.close()
-            return
-        self.queue.close(abort=self.queue.get_num_unfinalized_calls() > 0)
-        self.queue.cpu_shm_mode = False  # (else its __del__ imports again at shutdown to undo what close() did)
+def choose_async_writer(save_fn=None, nvrx_version: Optional[str] = "probe", wanted: Optional[str] = None,
+                        expandable: Optional[bool] = None, host_shm: Optional[bool] = None,
+                        on_gpu: Optional[bool] = None) -> AsyncWriter:
+    """The asynchronous saves' writer (:func:`megatron_tepo.megatron.async_save.choose_async_writer`,
+    the one choice; its arguments are for tests); one that cannot be had is a :class:`CheckpointError`."""
+    return async_save.choose_async_writer(save_fn, nvrx_version, wanted, expandable, host_shm, on_gpu,
+                                          error=CheckpointError)
 
 
 def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict] = None,
@@ -418,8 +143,6 @@ def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict
     call that finds the writes done. A save still in flight when the next one starts is finished
     first: at most one is in flight. Until it is published the checkpoint is a ``*.tmp-*``
     directory, which a resume never takes."""
-    from megatron.core import dist_checkpointing
-
     if saves is not None:
         saves.finalize(blocking=True)  # at most one save in flight
     final = Path(directory).absolute()
@@ -441,8 +164,8 @@ def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict
     # RNG-neutral (the run continues exactly as a run resumed from this checkpoint does).
     rng = get_rng_state()
     state = _sharded_state_dict(actor, is_loading=False)
-    request = dist_checkpointing.save(state, str(tmp), content_metadata={"format": FORMAT},
-                                      **(saves.writer.save_kwargs if saves is not None else {}))
+    request = dist_checkpoint.save(state, tmp, content_metadata={"format": FORMAT},
+                                   **(saves.writer.save_kwargs if saves is not None else {}))
     set_rng_state(rng)
     (tmp / RNG_DIR).mkdir(exist_ok=True)  # by every rank: no extra collective
     torch.save(rng, tmp / RNG_DIR / f"rank{global_rank()}.pt")
@@ -488,8 +211,6 @@ def load_actor_checkpoint(actor, directory: PathLike, model_only: bool = False) 
     Full load (default): model, optimizer, LR scheduler and this rank's RNG states; the layout
     (TP/PP/EP/DP, world size, distributed optimizer) must equal the saved one. ``model_only``:
     only the model weights, resharded by dist_checkpointing to this actor's TP/PP."""
-    from megatron.core import dist_checkpointing
-
     from megatron_tepo.megatron.fast_paths import refresh_fused_adam
 
     d = Path(directory).absolute()
@@ -517,18 +238,18 @@ def load_actor_checkpoint(actor, directory: PathLike, model_only: bool = False) 
     state = _sharded_state_dict(actor, is_loading=True, with_optimizer=not model_only)
     # no_grad: the distributed optimizer copies into fp32 main params that view leaf parameters
     with torch.no_grad():
-        loaded = dist_checkpointing.load(state, str(d))
+        loaded = dist_checkpoint.load(state, d)
         for chunk in actor.model:
             chunk.module.load_state_dict(loaded["model"])
         if not model_only:
             loaded_optimizer = loaded["optimizer"]
-            saved_steps = _saved_adam_steps(actor, loaded_optimizer)
+            saved_steps = dist_checkpoint.saved_adam_steps(actor.optimizer, loaded_optimizer, CheckpointError)
             if getattr(actor, "keep_optim_settings", False):  # this run's LR replaces the saved one below
                 from megatron_tepo.megatron.compat import adopt_current_lr_in_saved_groups
 
                 adopt_current_lr_in_saved_groups(loaded_optimizer, actor.optimizer)
             actor.optimizer.load_state_dict(loaded_optimizer)
-            _fix_torch_adam_steps(actor, saved_steps)
+            dist_checkpoint.fix_torch_adam_steps(actor.optimizer, saved_steps)
             refresh_fused_adam(actor.optimizer)  # fused AdamW reads its step counts on the device
             actor.scheduler.num_steps = 0  # load_state_dict ADDS the saved step count
             actor.scheduler.load_state_dict(loaded["scheduler"])

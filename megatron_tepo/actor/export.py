@@ -28,6 +28,7 @@ from megatron_tepo.buckets import BucketHandoff, BucketStream, ExportBuffers, Fl
 from megatron_tepo.cuda_alloc import no_expandable_segments
 from megatron_tepo.models import GPTFamilyConfig, layer_mapping
 from megatron_tepo.models.common import MegatronToHFLayout
+from megatron_tepo.megatron.parallel import expert_group, pipeline_group
 from megatron_tepo.megatron.sharding import (gated_split, expert_indices, group_for, is_expert_param, layer_offsets,
                                            local_tensor, parallel_groups, shard_pieces, to_global_name, tp_partition,
                                            unwrap_model)
@@ -295,10 +296,8 @@ def iter_flat_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_byt
 def _iter_pipeline_buckets(model_chunks, layout_fn, bucket_bytes: int, dst: Optional[int], kw: dict
                            ) -> Iterator[FlatBucket]:
     """:func:`iter_flat_buckets` across pipeline stages."""
-    from megatron.core import parallel_state
-
     handoff, reuse, buffers = kw["handoff"], kw["reuse"], kw["keep"]
-    pp_group = parallel_state.get_pipeline_model_parallel_group(check_initialized=False)
+    pp_group = pipeline_group()
     if dst is None or pp_group is None or dist.get_world_size(pp_group) == 1:
         yield from _iter_stage_buckets(model_chunks, layout_fn, bucket_bytes, dst=dst, **kw)
         return
@@ -338,12 +337,10 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
                         all_experts: bool, reuse: bool, keep: Optional[ExportBuffers] = None,
                         handoff: Optional[BucketHandoff] = None) -> Iterator[FlatBucket]:
     """:func:`iter_flat_buckets` within one pipeline stage (``dst`` in this stage or None)."""
-    from megatron.core import parallel_state
-
     handoff = handoff or BucketHandoff()
 
     groups = parallel_groups(tp_group)
-    ep_group = parallel_state.get_expert_model_parallel_group(check_initialized=False) if all_experts else None
+    ep_group = expert_group() if all_experts else None
     ep = dist.get_world_size(ep_group) if ep_group is not None else 1
     me = dist.get_rank()
     gather_mode = dst is not None

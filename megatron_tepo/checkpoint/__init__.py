@@ -6,7 +6,7 @@ weight sync); this package streams tensors between files and models:
 
 * :mod:`.store` -- the trainer's ``step_<N>`` folders, the ``complete`` marker, find, check, prune.
 * :mod:`.hf_to_megatron` -- HF -> Megatron import (``tools/convert_hf_to_megatron.py``), writing
-  through :mod:`.dist_writer` (the streaming torch_dist save).
+  through :mod:`megatron_tepo.megatron.dist_writer` (the streaming torch_dist save).
 * :mod:`.megatron_to_hf` -- Megatron -> HF export of a converted or trainer checkpoint
   (``tools/convert_megatron_to_hf.py``) and of the live actor, reading through :mod:`.dcp_reader`.
 * :mod:`.sidecars` -- ``megatron_tepo_checkpoint.json`` and ``hf_source/``, what makes a checkpoint
@@ -14,7 +14,9 @@ weight sync); this package streams tensors between files and models:
 * :mod:`.hf_io` -- HF files: lazy safetensors reads, sharded writes, side files, tensor checks.
 * :mod:`.common` -- what both directions share (process group, output directory, model building).
 
-It imports nothing from ``actor/`` or ``trainer/`` (tests/test_layers.py).
+It imports nothing from ``actor/`` or ``trainer/``, and nothing of megatron-core itself: its
+saves, loads, sharded tensors and parallel state go through :mod:`megatron_tepo.megatron`
+(tests/test_layers.py).
 """
 from .common import build_gpt_model, build_model, ensure_process_group, load_checkpoint_into
 from .hf_to_megatron import check_hf_input, convert_hf_to_megatron

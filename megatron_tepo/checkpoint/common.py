@@ -10,7 +10,9 @@ step, the guarded output directory, progress lines, and this rank's model stage.
 * :func:`build_model` / :func:`load_checkpoint_into` -- this rank's stage of the model (on
   :mod:`megatron_tepo.megatron.gpt`: megatron's ``HybridModel`` or ``GPTModel``, as
   ``model_builder`` resolves; a checkpoint's keys are its builder's, so the exporter builds what
-  the sidecar records) and a converted checkpoint loaded into it (the tests use it).
+  the sidecar records) and a converted checkpoint loaded into it (the tests use it; it is
+  :func:`megatron_tepo.megatron.dist_checkpoint.load_checkpoint_into`, answered here too). The
+  rank's stage is read from megatron's ``parallel_state`` through :mod:`megatron_tepo.megatron.parallel`.
 * :func:`read_config_json`, :func:`log_progress`, :func:`trim_heap`.
 
 Left out: anything of one direction only, and the HF <-> Megatron mapping itself (that is
@@ -28,7 +30,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_tepo.megatron.parallel import raise_if_any_rank_failed, single_process_env
+from megatron_tepo.megatron.dist_checkpoint import load_checkpoint_into
+from megatron_tepo.megatron.parallel import (parallel_sizes, pipeline_ends, raise_if_any_rank_failed,
+                                            single_process_env)
 
 __all__ = ["ensure_process_group", "agree", "check_out_dir", "finalize_dir", "tmp_dir_for", "read_config_json",
            "log_progress", "trim_heap", "build_model", "build_gpt_model", "load_checkpoint_into"]
@@ -117,18 +121,14 @@ def build_model(family_cfg, params_dtype: torch.dtype = torch.float32, initializ
     ``partition_dim`` / ``partition_stride`` attributes that ``megatron.sharding`` places by, so it
     is only right at TP=1 or when loading through ``sharded_state_dict`` (which does not use
     them); it is what the meta-device export model uses."""
-    from megatron.core import parallel_state as ps
-
     import dataclasses
 
     from megatron_tepo.megatron.gpt import FP32_ACTOR, build_chunk, resolve_model_builder, transformer_config
 
     actor = dataclasses.replace(FP32_ACTOR, model_builder=resolve_model_builder(model_builder))
-    config = transformer_config(
-        family_cfg, tp=ps.get_tensor_model_parallel_world_size(),
-        pp=ps.get_pipeline_model_parallel_world_size(), ep=ps.get_expert_model_parallel_world_size(),
-        actor=actor, params_dtype=params_dtype, initialize=initialize)
-    model = build_chunk(config, family_cfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage(), actor=actor)
+    config = transformer_config(family_cfg, **parallel_sizes(), actor=actor, params_dtype=params_dtype,
+                                initialize=initialize)
+    model = build_chunk(config, family_cfg, *pipeline_ends(), actor=actor)
     model.model_builder = actor.model_builder  # what the sidecar records
     return model
 
@@ -136,11 +136,3 @@ def build_model(family_cfg, params_dtype: torch.dtype = torch.float32, initializ
 def build_gpt_model(family_cfg, params_dtype: torch.dtype = torch.float32, initialize: bool = True):
     """:func:`build_model` of a ``GPTModel`` (the name callers used before the hybrid builder)."""
     return build_model(family_cfg, params_dtype, initialize, model_builder="gpt")
-
-
-def load_checkpoint_into(model: torch.nn.Module, megatron_dir) -> None:
-    """Load a (converted) dist checkpoint into this rank's stage, whatever layout it was saved at."""
-    from megatron.core import dist_checkpointing
-
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(megatron_dir))
-    model.load_state_dict(state)

@@ -8,7 +8,8 @@ parameter by parameter: what the Megatron -> HF exporter streams from
   checks each region fully covered.
 * :func:`params_streamed` -- ``(global name, full tensor)`` of every parameter of a TP=PP=EP=1 model
   built without init, each read when asked for and released once the consumer moves on. Peak:
-  one parameter plus what the consumer keeps.
+  one parameter plus what the consumer keeps. The model's ``ShardedTensor`` s come from
+  :func:`megatron_tepo.megatron.dist_checkpoint.sharded_tensors`.
 
 Why not ``dist_checkpointing.load``: it loads the whole model at once, and cannot do it per
 layer -- megatron-core 0.16.1's torch_dist loader rejects a partial load of its stacked
@@ -104,19 +105,15 @@ def params_streamed(model, src):
     from the checkpoint only when asked for and released from the model once the consumer asks
     for the next (the writer's shard buffer keeps what it still needs). Peak: one parameter
     plus the writer's shard -- the model's untouched storage is not resident."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
+    from megatron_tepo.megatron.dist_checkpoint import sharded_tensors
     from megatron_tepo.megatron.sharding import global_named_parameters
 
     reader = DistCheckpointReader(src)
-    sharded = model.sharded_state_dict()
-    apply_factories(sharded)
+    sharded, sts = sharded_tensors(model)
     by_storage: dict = {}
-    for st in nested_values(sharded):
-        if isinstance(st, ShardedTensor):
-            by_storage.setdefault(st.data.untyped_storage().data_ptr(), []).append(st)
-    del sharded  # its ShardedTensors view every parameter: they must not outlive their release
+    for st in sts:
+        by_storage.setdefault(st.data.untyped_storage().data_ptr(), []).append(st)
+    del sharded, sts  # their ShardedTensors view every parameter: they must not outlive their release
     for name, param in list(global_named_parameters(model)):
         sts = by_storage.pop(param.untyped_storage().data_ptr(), [])
         if sum(st.data.numel() for st in sts) != param.numel():

@@ -16,8 +16,9 @@ files into a checkpoint, streaming, and guards the output directory.
      ``sharded_state_dict()``: the key, global shape/offset, local shape and replica id of every
      piece it saves (TP splits, fused QKV rows, the gate/up halves of ``linear_fc1``, stacked
      layers, experts);
-  3. ``dist_checkpointing.save`` with :class:`~.dist_writer.StreamingTorchDistSave` (torch_dist,
-     the same format, keys and bytes as megatron's own strategy writes -- tested): the writer walks
+  3. ``dist_checkpointing.save`` with
+     :class:`~megatron_tepo.megatron.dist_writer.StreamingTorchDistSave` (torch_dist, the same
+     format, keys and bytes as megatron's own strategy writes -- tested): the writer walks
      the rank's pieces in layer order and each piece is cut, when it is written, from the full
      Megatron tensor that ``models.hf_to_megatron`` produced from the HF stream; a full tensor is
      dropped once its last piece is written. HF tensors of other stages / experts pass as ``meta``
@@ -71,7 +72,8 @@ import torch.distributed as dist
 
 from megatron_tepo.dtypes import dtype_name
 from megatron_tepo.layout import ParallelLayout, validate_layout
-from megatron_tepo.megatron.parallel import initialize_parallel
+from megatron_tepo.megatron import dist_checkpoint
+from megatron_tepo.megatron.parallel import initialize_parallel, pipeline_ends
 from megatron_tepo.megatron.sharding import expert_indices, layer_offsets, load_megatron_state_into
 from megatron_tepo.models import family_config_from_hf, hf_to_megatron, layer_mapping
 from megatron_tepo.models.common import MegatronToHFLayout
@@ -287,14 +289,12 @@ def convert_hf_to_megatron(hf_dir, out_dir, tp: int = 1, pp: int = 1, ep: int = 
 
 def _stage_reads(model, family_cfg, ckpt: LazyHFCheckpoint, tied_output_read: bool):
     """``needed(hf_name)`` for this rank's stage / experts (see :func:`_needed_by_stage`)."""
-    from megatron.core import parallel_state as ps
-
     layers = set(layer_offsets(model).values())
     held = expert_indices(model)
     experts = {e for es in held.values() for e in es} if held else None
     tied_alias = family_cfg.tie_word_embeddings and "lm_head.weight" in ckpt
-    last = ps.is_pipeline_last_stage()
-    return _needed_by_stage(family_cfg, layers, ps.is_pipeline_first_stage(), last, tied_alias, experts,
+    first, last = pipeline_ends()
+    return _needed_by_stage(family_cfg, layers, first, last, tied_alias, experts,
                             tied_output=tied_output_read)
 
 
@@ -304,15 +304,10 @@ last_import_stats: dict = {}  # this rank's last streaming import: bytes written
 def _save_streaming(tmp: Path, family_cfg, ckpt: LazyHFCheckpoint, params_dtype, progress: bool,
                     builder: str) -> None:
     """The rank's skeleton model gives the checkpoint's structure; the HF tensors stream through
-    the mapping into :class:`~.dist_writer.StreamingTorchDistSave`, piece by piece in layer
-    order (module docstring)."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
+    the mapping into :class:`~megatron_tepo.megatron.dist_writer.StreamingTorchDistSave`, piece by
+    piece in layer order (module docstring)."""
+    from megatron_tepo.megatron.dist_writer import ShardSource, StreamingTorchDistSave
     from megatron_tepo.megatron.sharding import global_named_parameters
-
-    from .dist_writer import ShardSource, StreamingTorchDistSave
 
     t0 = time.time()
     model = agree(build_model, family_cfg, params_dtype, initialize=False, model_builder=builder)
@@ -321,9 +316,7 @@ def _save_streaming(tmp: Path, family_cfg, ckpt: LazyHFCheckpoint, params_dtype,
     needed = _stage_reads(model, family_cfg, ckpt, tied_output_read=False)
 
     def make_source():
-        sharded = model.sharded_state_dict()
-        apply_factories(sharded)
-        sts = [v for v in nested_values(sharded) if isinstance(v, ShardedTensor)]
+        sharded, sts = dist_checkpoint.sharded_tensors(model)
         stats = {"read": 0}
         deferred = _DeferredReads(ckpt, family_cfg)
         stream = hf_to_megatron(_hf_stream(ckpt, needed, family_cfg.num_layers, progress, stats, deferred),
@@ -333,7 +326,7 @@ def _save_streaming(tmp: Path, family_cfg, ckpt: LazyHFCheckpoint, params_dtype,
                                     on_release=trim_heap)
 
     sharded, source = agree(make_source)
-    agree(dist_checkpointing.save, sharded, str(tmp), sharded_strategy=StreamingTorchDistSave(source))
+    agree(dist_checkpoint.save, sharded, tmp, sharded_strategy=StreamingTorchDistSave(source))
     agree(source.finish)
     last_import_stats.clear()
     last_import_stats.update(bytes_written=source.bytes_written, peak_cached_bytes=source.peak_cached_bytes)
@@ -345,8 +338,6 @@ def _save_from_filled_model(tmp: Path, family_cfg, ckpt: LazyHFCheckpoint, param
                             builder: str) -> None:
     """Reference path: fill the rank's initialised stage through ``models``' TP/PP placement
     (``load_megatron_state_into``), then megatron-core's own ``dist_checkpointing.save``."""
-    from megatron.core import dist_checkpointing
-
     t0 = time.time()
     model = agree(build_model, family_cfg, params_dtype, model_builder=builder)
     needed = _stage_reads(model, family_cfg, ckpt, tied_output_read=True)
@@ -356,4 +347,4 @@ def _save_from_filled_model(tmp: Path, family_cfg, ckpt: LazyHFCheckpoint, param
         [model], hf_to_megatron(_hf_stream(ckpt, needed, family_cfg.num_layers, progress, stats), family_cfg),
         family_cfg.tie_word_embeddings, gated=gated))
     log_progress(f"read and placed in {time.time() - t0:.1f}s; saving torch_dist checkpoint", progress)
-    dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
+    dist_checkpoint.save(model.sharded_state_dict(), tmp)

@@ -85,7 +85,7 @@ def write_conversion_sidecars(directory, hf_dir, family_cfg: GPTFamilyConfig, pa
     ``model_builder``: the (resolved) builder whose model wrote the torch_dist files."""
     if model_builder not in BUILDERS:
         raise ValueError(f"model_builder: {model_builder!r} must be one of {list(BUILDERS)} (resolved)")
-    import megatron.core
+    from megatron_tepo.megatron.compat import reported_version
 
     directory = Path(directory)
     ckpt = ckpt or open_hf_checkpoint(hf_dir)
@@ -99,7 +99,7 @@ def write_conversion_sidecars(directory, hf_dir, family_cfg: GPTFamilyConfig, pa
         "model_builder": model_builder,
         "params_dtype": dtype_name(params_dtype),
         "saved_layout": layout.as_dict(),
-        "megatron_core_version": getattr(megatron.core, "__version__", "?"),
+        "megatron_core_version": reported_version(),
         "hf_tensors": hf_tensor_table(ckpt),
     }
     (directory / INFO_NAME).write_text(json.dumps(info, indent=1))

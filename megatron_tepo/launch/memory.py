@@ -313,7 +313,7 @@ def _precision_bytes(precision: str) -> Tuple[int, int, int]:
 #: ``tepo_trainer_env``; tests/launch hold the two equal)
 TRAINER_ALLOC_CONF = "expandable_segments:True"
 #: the CUDA context NVRx's checkpoint writer process makes on its trainer's GPU when it takes a save's
-#: tensors by CUDA IPC (actor/checkpointing.py:choose_async_writer: only with ordinary segments; with
+#: tensors by CUDA IPC (megatron/async_save.py:choose_async_writer: only with ordinary segments; with
 #: expandable segments they are staged in host shared memory and the writer makes no context)
 NVRX_WORKER_CONTEXT = 0.5 * GiB
 

@@ -18,8 +18,8 @@ import os
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-__all__ = ["SUPPORTED", "mcore_version", "check_supported", "LEGACY_COMMON_FILE", "common_state_in_dcp",
-           "dist_ckpt_common_files", "save_strategy_base", "adopt_current_lr_in_saved_groups",
+__all__ = ["SUPPORTED", "mcore_version", "reported_version", "check_supported", "LEGACY_COMMON_FILE",
+           "common_state_in_dcp", "dist_ckpt_common_files", "save_strategy_base", "adopt_current_lr_in_saved_groups",
            "whole_layer_cuda_graph_kwargs", "async_save_kwargs", "hybrid_model_available"]
 
 #: the megatron-core versions this package is tested with (keep in step with pyproject.toml)
@@ -34,6 +34,14 @@ def mcore_version() -> Version:
     except importlib.metadata.PackageNotFoundError:
         raise RuntimeError("megatron-core is not installed: pip install 'megatron-core"
                            f"{SUPPORTED}' (see README.md)") from None
+
+
+def reported_version() -> str:
+    """The version megatron-core says it is (``megatron.core.__version__``; ``"?"`` where it says
+    none): what a converted checkpoint's sidecar records."""
+    import megatron.core
+
+    return getattr(megatron.core, "__version__", "?")
 
 
 def check_supported(version: Version | None = None) -> Version:

@@ -6,6 +6,8 @@ only copy) and the facts of this machine, BEFORE any process group exists.
 process may use), applies the CPU patches when there is no CUDA and the fast paths
 (:mod:`.fast_paths`) everywhere, joins the default process group (gloo on CPU, nccl on GPU) if
 needed, builds megatron's ``parallel_state`` groups and seeds the model-parallel RNG tracker.
+:func:`parallel_sizes`, :func:`pipeline_ends`, :func:`pipeline_group` and :func:`expert_group` read
+them back for the rest of the package (which imports nothing of megatron-core itself).
 
 Left out: virtual pipeline stages, expert-tensor parallelism.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from datetime import timedelta
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -73,6 +75,36 @@ def initialize_parallel(layout: ParallelLayout, family_cfg, seed: int = 1234,
         context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep, **minutes)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return dp
+
+
+def parallel_sizes() -> Dict[str, int]:
+    """This rank's tensor, pipeline and expert parallel sizes (``tp``, ``pp``, ``ep``), from megatron's
+    ``parallel_state`` (initialised)."""
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size()}
+
+
+def pipeline_ends() -> Tuple[bool, bool]:
+    """Whether this rank's pipeline stage is the first, and whether it is the last."""
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+
+
+def pipeline_group():
+    """megatron's pipeline-parallel group of this rank; None before ``parallel_state`` is initialised."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_group(check_initialized=False)
+
+
+def expert_group():
+    """megatron's expert-parallel group of this rank; None before ``parallel_state`` is initialised."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_group(check_initialized=False)
 
 
 def usable_cpus() -> int:

@@ -232,7 +232,7 @@ def max_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------ the asynchronous saves' writers
-#: the writers of the asynchronous checkpoint saves (megatron_tepo/actor/checkpointing.py:choose_async_writer),
+#: the writers of the asynchronous checkpoint saves (megatron_tepo/megatron/async_save.py:choose_async_writer),
 #: each forced by MTEPO_ASYNC_WRITER in the tests that run both
 ASYNC_WRITERS = ("mcore", "nvrx")
 

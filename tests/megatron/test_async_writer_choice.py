@@ -1,7 +1,8 @@
 """The one choice of the asynchronous checkpoint saves' writer (issue #45 point 2,
-``megatron_tepo/actor/checkpointing.py:choose_async_writer``): NVRx's where megatron-core's
-``dist_checkpointing.save`` takes ``async_strategy`` and nvidia-resiliency-ext is there, megatron-core's
-own elsewhere, with the reason said once; and how the tensors reach the writer (#50 row 2: never
+``megatron_tepo/megatron/async_save.py:choose_async_writer``, called here through the actor's
+``megatron_tepo/actor/checkpointing.py:choose_async_writer``, which refuses with a CheckpointError):
+NVRx's where megatron-core's ``dist_checkpointing.save`` takes ``async_strategy`` and
+nvidia-resiliency-ext is there, megatron-core's own elsewhere, with the reason said once; and how the tensors reach the writer (#50 row 2: never
 GPU tensors of expandable segments by CUDA IPC). (Both writers' saves, resumes and kills:
 ``test_async_save.py``, ``test_actor_checkpoint.py``, ``tests/trainer/test_async_save_run.py``.)"""
 import pytest

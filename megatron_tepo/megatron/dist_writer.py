@@ -32,6 +32,10 @@ only when the writer reaches that piece.
   arrives, keeps only those this rank still has to write, and drops each as soon as its last
   piece is written. Written in layer order, that is at most about one layer.
 
+Its user is the HF -> Megatron importer (:mod:`megatron_tepo.checkpoint.hf_to_megatron`), which
+supplies the stream and saves through :func:`~megatron_tepo.megatron.dist_checkpoint.save`; this
+module is megatron-core's side of it and knows nothing of HF files.
+
 Left out: flattened (optimizer-style) ``ShardedTensor``s, async save, the metadata caching of
 megatron's strategy (a one-shot conversion does not reuse plans).
 """
@@ -53,7 +57,7 @@ EMBEDDING = "embedding.word_embeddings.weight"
 
 def order_key(name: str) -> Tuple[int, int]:
     """Write order of a global Megatron name: embedding, layers in order, the rest -- the order
-    the HF stream (``hf_io.streaming_order``) produces them in."""
+    the HF stream (``megatron_tepo.checkpoint.hf_io.streaming_order``) produces them in."""
     if name == EMBEDDING:
         return (0, 0)
     m = _LAYER.match(name)
