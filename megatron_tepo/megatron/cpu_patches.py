@@ -15,8 +15,11 @@ necessary (:data:`CONDITIONS`), and only on the megatron-core versions whose cod
     it prevents comes from the absence of TE, on a GPU as on a CPU. It binds a name only where
     megatron did not, so it can never shadow TE's kernel.
   * ``no_gdn_kernels`` (flash-linear-attention does not import, or there is no CUDA for its Triton
-    kernels) -- patch 9 (``gdn_kernels``): megatron's Gated DeltaNet on the pure-torch stand-in of
-    :mod:`.gated_delta_rule`; where ``fla`` runs, its kernels are never replaced.
+    kernels, or ``MTEPO_GDN_KERNELS=torch`` asks for the stand-in) -- patch 9 (``gdn_kernels``):
+    megatron's Gated DeltaNet on the pure-torch stand-in of :mod:`.gated_delta_rule`; otherwise
+    ``fla``'s kernels are never replaced. Where ``fla`` would refuse their backward
+    (:func:`fla_backward_refusal`: Hopper with Triton in [3.4.0, 3.7.1), no tilelang) the hybrid
+    builder refuses the model at build time instead of the first backward.
 
 :func:`apply_cpu_patches` evaluates each condition through :data:`CONDITION_PROBES` (tests
 monkeypatch :func:`cuda_available` / :func:`te_available`). Every patch records what it
@@ -54,7 +57,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-from typing import Callable, Dict, Iterable, List, Tuple
+import os
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -420,11 +424,43 @@ def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
+def fla_backward_refusal(capability=None, triton_version=None, tilelang=None) -> Optional[str]:
+    """Why flash-linear-attention's Gated DeltaNet backward would refuse to run here, or None.
+
+    fla 0.6 raises in its first backward (``chunk_bwd_dqkwg``, gated) on Hopper (compute capability
+    9.x) with 3.4.0 <= Triton < 3.7.1 (which computes it wrong there: fla issue #640) unless its
+    tilelang backend is installed; the GPU check met it on an H200 with Triton 3.6.0 (2026-11-28).
+    The arguments (the device's capability, Triton's version, whether tilelang imports) default to
+    this machine's; None where CUDA or ``fla`` is missing (the stand-in runs then)."""
+    import importlib.util
+    import os
+
+    from packaging.version import Version
+
+    if os.environ.get("MTEPO_GDN_KERNELS") == "torch":
+        return None
+    if capability is None:
+        if not (cuda_available() and fla_available()):
+            return None
+        capability = torch.cuda.get_device_capability()
+    if triton_version is None:
+        import triton
+
+        triton_version = triton.__version__
+    if tilelang is None:
+        tilelang = importlib.util.find_spec("tilelang") is not None
+    if capability[0] != 9 or tilelang or not Version("3.4.0") <= Version(triton_version) < Version("3.7.1"):
+        return None
+    return (f"flash-linear-attention refuses the Gated DeltaNet backward on a Hopper GPU with Triton "
+            f"{triton_version} (3.4.0 <= Triton < 3.7.1 computes it wrong there: fla issue #640)")
+
+
 #: condition name -> "is the work-around needed here?"
 CONDITION_PROBES: Dict[str, Callable[[], bool]] = {
     "no_cuda": lambda: not cuda_available(),
     "no_te": lambda: not te_available(),
-    "no_gdn_kernels": lambda: not (cuda_available() and fla_available()),
+    "no_gdn_kernels": lambda: (os.environ.get("MTEPO_GDN_KERNELS") == "torch"
+                               or not (cuda_available() and fla_available())),
 }
 
 PATCHES: Dict[str, Callable[[], None]] = {

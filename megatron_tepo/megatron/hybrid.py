@@ -189,6 +189,12 @@ def hybrid_stack_spec(family_cfg: GPTFamilyConfig, actor: ActorConfig, *, moe_gr
         if gated_delta_net_class() is None:
             raise ValueError(f"{family_cfg.family}: Gated DeltaNet layers need megatron-core's GatedDeltaNet "
                              f"(megatron-core >= 0.19), which this megatron-core does not have")
+        from megatron_tepo.megatron.cpu_patches import applied_patches, fla_backward_refusal
+
+        refusal = None if "gdn_kernels" in applied_patches() else fla_backward_refusal()
+        if refusal:  # (fla raises in the first backward, after the first rollout: say so now)
+            raise ValueError(f"{family_cfg.family}: {refusal}: install Triton >= 3.7.1 or tilelang, or set "
+                             f"MTEPO_GDN_KERNELS=torch to train on the pure-torch stand-in (slower)")
         gdn_layer = _gdn_layer_spec(attention_layer, actor.attention == "te", fused)
     sub = dict(attention_layer=attention_layer, mlp_layer=mlp_layer)
     if moe_layer is not None:

@@ -152,6 +152,12 @@ def actor_transformer_config(family_cfg: GPTFamilyConfig, layout: ParallelLayout
         on_gpu=on_gpu)
 
 
+def has_gated_delta_net(family_cfg: GPTFamilyConfig) -> bool:
+    """Whether the model has Gated DeltaNet layers (a hybrid such as Qwen3.5)."""
+    types = getattr(family_cfg, "layer_types", None) or []
+    return any(family_cfg.is_linear(i) for i in range(len(types)))
+
+
 class TrainModel:
     """One rank's megatron-core model in training: its chunks in DDP, the optimizer, the LR schedule
     and the pipeline schedule (see the module docstring). Made by :func:`build_train_model`."""
@@ -163,6 +169,12 @@ class TrainModel:
         self._ps = ps
         self.model, self.optimizer, self.scheduler, self.config = model, optimizer, scheduler, config
         self.settings, self.family_cfg, self.layout = settings, family_cfg, layout
+        # megatron's Gated DeltaNet reads the packed boundaries from the ``*_padded`` fields first and
+        # hands them to flash-linear-attention's Triton kernels, which read them on the device (a host
+        # tensor there fails: "Pointer argument ... cannot be accessed from Triton (cpu tensor?)", the
+        # GPU check of 2026-11-28); the padded fields are the real boundaries without CP, and RoPE
+        # reads them too, once per micro-batch
+        self.gated_delta_net = has_gated_delta_net(family_cfg)
         self.device, self.dp_size = device, dp_size
         self._host: Dict[str, HostOffload] = {}  # part -> its host copies (colocated mode)
         self._offloaded: List[str] = []
@@ -226,19 +238,21 @@ class TrainModel:
             # Transformer Engine's ring attention find this rank's chunks from them; the sdpa
             # attention takes every rank's split and the group
             cu = mb.cp_cu_seqlens.to(d) if self.settings.attention == "te" else mb.cp_cu_seqlens
+            padded = mb.cp_cu_seqlens.to(d) if self.gated_delta_net else cu
             inputs["packed_seq_params"] = PackedInputs(
-                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
-                max_seqlen_q=mb.cp_max_seqlen, max_seqlen_kv=mb.cp_max_seqlen, splits=mb.cp_splits,
-                split_group=self.cp_group)
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                cu_seqlens_kv_padded=padded, max_seqlen_q=mb.cp_max_seqlen, max_seqlen_kv=mb.cp_max_seqlen,
+                splits=mb.cp_splits, split_group=self.cp_group)
         elif mb.cu_seqlens is not None:
             from megatron_tepo.megatron.attention import PackedInputs
 
             # the sdpa attention splits on the host (CPU boundaries: no device sync per layer);
             # Transformer Engine's kernels read them on the device
             cu = mb.cu_seqlens.to(d) if self.settings.attention == "te" else mb.cu_seqlens
+            padded = mb.cu_seqlens.to(d) if self.gated_delta_net else None
             inputs["packed_seq_params"] = PackedInputs(
-                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                cu_seqlens_kv_padded=padded, max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
         elif self.settings.attention == "unfused":  # megatron's local attention wants the mask itself
             s = mb.input_ids.shape[1]
             causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=d), diagonal=1)

@@ -311,3 +311,51 @@ def test_a_published_kind_of_checkpoint_loads_trains_exports_and_syncs(tmp_path)
     # stream's names); every parameter came from the stream, and its samples' log-probs are the trained model's
     assert r["engine_model"] == "Qwen3_5ForCausalLM" and r["engine_params"] == sorted(stream)
     assert r["engine_differ"] == [] and r["engine_logprob_abs_err"] <= LOG_PROB_TOL, r
+
+
+def test_gated_delta_net_boundaries_go_to_the_device():
+    """megatron's Gated DeltaNet hands the packed boundaries (the ``*_padded`` fields first) to
+    flash-linear-attention's Triton kernels, which read them on the device: a host tensor failed
+    there ("Pointer argument ... cannot be accessed from Triton (cpu tensor?)", the GPU check of
+    2026-11-28). A hybrid's micro-batch carries a device copy in the padded fields; the sdpa
+    attention keeps its host boundaries; a dense model's inputs are as before ("meta" stands for
+    the GPU here)."""
+    from types import SimpleNamespace
+
+    from megatron_tepo.megatron.model import TrainModel, has_gated_delta_net
+    from megatron_tepo.models import family_config_from_hf
+
+    assert has_gated_delta_net(family_config_from_hf(tiny_hf_config("qwen3_5"), spec="local"))
+    assert not has_gated_delta_net(family_config_from_hf(tiny_hf_config("qwen3"), spec="local"))
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    mb = SimpleNamespace(input_ids=torch.zeros(1, 5, dtype=torch.long), position_ids=torch.zeros(1, 5, dtype=torch.long),
+                         cp_splits=None, cu_seqlens=cu, max_seqlen=3)
+    for gdn in (True, False):
+        me = SimpleNamespace(device=torch.device("meta"), gated_delta_net=gdn,
+                             settings=SimpleNamespace(attention="sdpa", precision="fp32"))
+        p = TrainModel.inputs(me, mb)["packed_seq_params"]
+        assert p.cu_seqlens_q is cu and p.cu_seqlens_kv is cu
+        if gdn:
+            assert p.cu_seqlens_q_padded.device.type == "meta" and p.cu_seqlens_kv_padded.device.type == "meta"
+        else:
+            assert p.cu_seqlens_q_padded is None and p.cu_seqlens_kv_padded is None
+
+
+def test_fla_backward_refusal_is_known_before_the_first_backward(monkeypatch):
+    """flash-linear-attention 0.6 refuses its gated backward on Hopper with 3.4.0 <= Triton < 3.7.1
+    (no tilelang): the GPU check met it on an H200 with Triton 3.6.0. The condition is named before
+    the model is built; ``MTEPO_GDN_KERNELS=torch`` takes the stand-in instead."""
+    from megatron_tepo.megatron import cpu_patches
+
+    monkeypatch.delenv("MTEPO_GDN_KERNELS", raising=False)
+    why = cpu_patches.fla_backward_refusal((9, 0), "3.6.0", False)
+    assert why and "Triton 3.6.0" in why and "Hopper" in why
+    for args in (((9, 0), "3.7.1", False), ((9, 0), "3.3.1", False), ((9, 0), "3.6.0", True), ((8, 0), "3.6.0", False),
+                 ((10, 0), "3.6.0", False)):
+        assert cpu_patches.fla_backward_refusal(*args) is None, args
+    monkeypatch.setattr(cpu_patches, "cuda_available", lambda: True)
+    monkeypatch.setattr(cpu_patches, "fla_available", lambda: True)
+    assert not cpu_patches.CONDITION_PROBES["no_gdn_kernels"]()
+    monkeypatch.setenv("MTEPO_GDN_KERNELS", "torch")
+    assert cpu_patches.CONDITION_PROBES["no_gdn_kernels"]()
+    assert cpu_patches.fla_backward_refusal((9, 0), "3.6.0", False) is None
