@@ -638,26 +638,38 @@ def _gdn_kernels(dev, smoke: bool) -> dict:
 
         name, ref_cu = "transformers' torch path", cu
 
-    def run(rule, conv, cu_seqlens):
-        ins = [t.clone().requires_grad_() for t in (q, k, v, gate, beta, x, w)]
+    def run(rule, conv, cu_seqlens, backward=True):
+        ins = [t.clone().requires_grad_(backward) for t in (q, k, v, gate, beta, x, w)]
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         o, _ = rule(*ins[:5], cu_seqlens=cu_seqlens)
         y, _ = conv(ins[5], weight=ins[6], activation="silu", cu_seqlens=cu_seqlens)
-        ((o.float() * grad_o).sum() + (y.float() * grad_y).sum()).backward()
+        if backward:
+            ((o.float() * grad_o).sum() + (y.float() * grad_y).sum()).backward()
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        return [o.detach(), y.detach()] + [t.grad for t in ins], time.perf_counter() - t0
+        return [o.detach(), y.detach()] + ([t.grad for t in ins] if backward else []), time.perf_counter() - t0
 
-    run(ref_rule, ref_conv, ref_cu)  # (warm-up: Triton compiles)
-    run(ours.chunk_gated_delta_rule, ours.causal_conv1d, cu.to(dev))
-    ref, ref_s = run(ref_rule, ref_conv, ref_cu)
-    mine, mine_s = run(ours.chunk_gated_delta_rule, ours.causal_conv1d, cu.to(dev))
+    refused = None
+    try:
+        run(ref_rule, ref_conv, ref_cu)  # (warm-up: Triton compiles)
+    except RuntimeError as exc:  # fla 0.6 refuses its gated backward on Hopper with Triton in [3.4, 3.7.1)
+        if "Triton" not in str(exc):
+            raise
+        refused = str(exc).splitlines()[0][:300]
+        print(f"[qwen3_5] {name}'s backward refused here: {refused}; comparing the forward only", flush=True)
+    backward = refused is None
+    run(ours.chunk_gated_delta_rule, ours.causal_conv1d, cu.to(dev), backward)
+    if not backward:
+        run(ref_rule, ref_conv, ref_cu, backward)  # (warm-up of the forward alone)
+    ref, ref_s = run(ref_rule, ref_conv, ref_cu, backward)
+    mine, mine_s = run(ours.chunk_gated_delta_rule, ours.causal_conv1d, cu.to(dev), backward)
     names = ["o", "y", "dq", "dk", "dv", "dg", "dbeta", "dx", "dw"]
+    what = "fwd_bwd" if backward else "fwd"
     return {"reference": name, "sequences": lens, "heads": heads, "rel_err": {n: _rel(a, b) for n, a, b in
                                                                               zip(names, mine, ref)},
-            "reference_fwd_bwd_s": round(ref_s, 4), "stand_in_fwd_bwd_s": round(mine_s, 4)}
+            "backward_refused": refused, f"reference_{what}_s": round(ref_s, 4), f"stand_in_{what}_s": round(mine_s, 4)}
 
 
 def step_qwen3_5(smoke: bool) -> dict:
@@ -733,6 +745,10 @@ def step_qwen3_5(smoke: bool) -> dict:
     targets.append(_target("actor (HybridModel) vs transformers: log-probs and entropy, fp32", max(lp_diff, ent_diff),
                            tol, max(lp_diff, ent_diff) <= tol, smoke))
     del actor, hf
+    if kern["backward_refused"]:  # (3) needs the kernels' backward
+        figures["train_step_s"] = f"not measured: {kern['backward_refused']}"
+        print(json.dumps(figures), flush=True)
+        return dict(ok=False, figures=figures, targets=targets)
     # (3) bf16 train steps: Qwen3.5 against the same-size dense Qwen3
     b, length = (2, 64) if smoke else (8, 2048)
     tb = RolloutBatch(input_ids=torch.randint(0, cfg.vocab_size, (b, length), generator=g),

@@ -22,7 +22,7 @@
 # Leaves out: Transformer Engine, apex, SGLang (too large to carry, or CUDA builds pip cannot
 # fetch for that machine here).
 #
-# Then, with the device tool: run(command="bash benchmarks/gpu_check.sh", carry=[".gpu"]).
+# Then, with the device tool: run(command="GPU_CHECK_PACK=1 bash benchmarks/gpu_check.sh", carry=[".gpu"]).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
