@@ -3,6 +3,11 @@
 Pure PyTorch: this package imports nothing from megatron, sglang or other megatron_tepo
 subpackages. Formulas and every choice where the sources disagree: docs/ALGORITHMS.md.
 """
+from . import advantages as _advantages
+from . import aggregation as _aggregation
+from . import correction as _correction
+from . import kl as _kl
+from . import losses as _losses
 from .advantages import (
     GroupFilterResult,
     broadcast_to_tokens,
@@ -10,7 +15,7 @@ from .advantages import (
     filter_groups,
     gpg_correction,
 )
-from .aggregation import AGG_MODES, aggregate, count_for_normalizer, masked_mean
+from .aggregation import AGG_MODES, aggregate, compute_dtype, count_for_normalizer, masked_mean
 from .correction import CORRECTION_LEVELS, RolloutCorrection, rollout_correction_weights
 from .drift import DriftCheck
 from .kl import (
@@ -18,6 +23,7 @@ from .kl import (
     KL_MASKS,
     LOG_RATIO_CLAMP,
     kl_mask,
+    kl_mask_needs_entropy_change,
     kl_penalty,
     measured_entropy_change,
     predicted_entropy_change,
@@ -39,44 +45,6 @@ from .losses import (
     stale_sequence_ratio_warning,
 )
 
-__all__ = [
-    # advantages
-    "compute_group_advantages",
-    "broadcast_to_tokens",
-    "GroupFilterResult",
-    "filter_groups",
-    "gpg_correction",
-    # aggregation
-    "AGG_MODES",
-    "aggregate",
-    "count_for_normalizer",
-    "masked_mean",
-    # rollout correction
-    "CORRECTION_LEVELS",
-    "RolloutCorrection",
-    "rollout_correction_weights",
-    "DriftCheck",
-    # kl
-    "KL_ESTIMATORS",
-    "KL_MASKS",
-    "LOG_RATIO_CLAMP",
-    "kl_penalty",
-    "kl_mask",
-    "predicted_entropy_change",
-    "measured_entropy_change",
-    # losses
-    "POLICY_LOSSES",
-    "SHARED_DEFAULTS",
-    "DELTA_ENTROPY_MODES",
-    "LossContext",
-    "LossTerms",
-    "PolicyLossSpec",
-    "PolicyLoss",
-    "register_policy_loss",
-    "get_loss_defaults",
-    "stale_sequence_ratio_warning",
-    "compute_policy_loss",
-    "clamp_log_ratio",
-    "ppo_clip",
-    "dual_clip",
-]
+# the package's names: each module's own list (one list per name), and the drift check
+__all__ = [*_advantages.__all__, *_aggregation.__all__, *_correction.__all__, "DriftCheck", *_kl.__all__,
+           *_losses.__all__]

@@ -47,6 +47,7 @@ from .kl import (
 )
 
 __all__ = [
+    "stale_sequence_ratio_warning",
     "SHARED_DEFAULTS",
     "DELTA_ENTROPY_MODES",
     "LossContext",

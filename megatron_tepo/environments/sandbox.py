@@ -148,22 +148,23 @@ def _signal_name(n: int) -> str:
         return f"signal {n}"
 
 
+#: a limit's name -> what the model reads when its code hit it (filled from the limits' values)
+LIMIT_LINES = {
+    "wall": "ran longer than its time limit ({wall_seconds:g} s) and was stopped.",
+    "cpu": "used more than its CPU time limit ({cpu_seconds:g} s) and was stopped.",
+    "memory": "ran out of memory (limit {memory_mb} MB).",
+    "processes": "tried to run more than {processes} processes or threads.",
+    "output": "printed more than {output_bytes} bytes and was stopped.",
+    "disk": "wrote more than {tmp_mb} MB of files.",
+}
+
+
 def limit_message(limit: Optional[str], exit_code: Optional[int], limits: Mapping[str, Any]) -> Optional[str]:
     """The line the model reads about how its code ended: a limit it hit (with the limit's value from
     ``limits``: ``wall_seconds``, ``cpu_seconds``, ``memory_mb``, ``processes``, ``output_bytes``,
     ``tmp_mb``), else its exit status or killing signal; ``None`` for a clean exit."""
-    if limit == "wall":
-        return f"Error: the code ran longer than its time limit ({limits['wall_seconds']:g} s) and was stopped."
-    if limit == "cpu":
-        return f"Error: the code used more than its CPU time limit ({limits['cpu_seconds']:g} s) and was stopped."
-    if limit == "memory":
-        return f"Error: the code ran out of memory (limit {limits['memory_mb']} MB)."
-    if limit == "processes":
-        return f"Error: the code tried to run more than {limits['processes']} processes or threads."
-    if limit == "output":
-        return f"Error: the code printed more than {limits['output_bytes']} bytes and was stopped."
-    if limit == "disk":
-        return f"Error: the code wrote more than {limits['tmp_mb']} MB of files."
+    if limit in LIMIT_LINES:
+        return "Error: the code " + LIMIT_LINES[limit].format(**limits)
     if exit_code is None or exit_code == 0:
         return None
     if exit_code > 128:

@@ -178,16 +178,22 @@ def _device_guard(x: torch.Tensor):
     return contextlib.nullcontext()
 
 
+def _check_stats(x: torch.Tensor, names: str, *outs: torch.Tensor):
+    """``x``'s ``(N, V)`` once its rows and the fp32 ``[N]`` outputs ``outs`` (called ``names``) are
+    as the kernels need them."""
+    _check_rows(x)
+    n, v = x.shape
+    if n and any(o.dtype != torch.float32 or o.numel() != n or not o.is_contiguous() for o in outs):
+        raise ValueError(f"{names} must be contiguous fp32 tensors of N elements")
+    return n, v
+
+
 def local_stats(x: torch.Tensor, lbl_local: torch.Tensor, inv_t: float, m: torch.Tensor,
                 s: torch.Tensor, d: torch.Tensor, t: torch.Tensor) -> None:
     """Fill fp32 ``[N]`` vectors ``m, s, d, t`` (see the module doc) for ``[N, V]`` logits ``x``."""
-    _check_rows(x)
-    n, v = x.shape
+    n, v = _check_stats(x, "m, s, d, t", m, s, d, t)
     if n == 0:
         return
-    for out in (m, s, d, t):
-        if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
-            raise ValueError("m, s, d, t must be contiguous fp32 tensors of N elements")
     if lbl_local.dim() != 1:
         lbl_local = lbl_local.reshape(-1)
     lbl_local = lbl_local.contiguous()
@@ -203,13 +209,9 @@ def running_stats(x: torch.Tensor, lbl_local: torch.Tensor, lbl_offset: int, inv
     first part of a row) over ``[N, V]`` logits ``x``, columns ``[lbl_offset, lbl_offset + V)`` of
     a longer row, and write ``zl = z[label]`` where the label (``lbl_local``, an index into the
     whole row) falls in them. The fused LM head calls it once per vocabulary block."""
-    _check_rows(x)
-    n, v = x.shape
+    n, v = _check_stats(x, "m, s, d, zl", m, s, d, zl)
     if n == 0:
         return
-    for out in (m, s, d, zl):
-        if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
-            raise ValueError("m, s, d, zl must be contiguous fp32 tensors of N elements")
     if lbl_local.dim() != 1 or not lbl_local.is_contiguous():
         raise ValueError("lbl_local must be a contiguous [N] tensor")
     blk = block_v(v)
