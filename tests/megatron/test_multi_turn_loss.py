@@ -54,8 +54,29 @@ def _by_hand(name, lp, ent, old_lp, old_ent, adv, mask, kl_coef):
     return loss
 
 
+@pytest.fixture
+def in_this_process():
+    """The actor is built in pytest's own process (no worker): its gloo group, megatron's parallel
+    state and the rendezvous variables (``single_process_env``: RANK, WORLD_SIZE, MASTER_PORT, ...)
+    are undone after, so a later test in the process, or a process it starts, finds none
+    (test_side_inputs checks that settings are refused before any group; the converters start their
+    own, in-process or not)."""
+    import os
+
+    env = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(env)
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("name,kl_coef", [("tepo", 0.05), ("grpo", 0.0)])
-def test_the_loss_and_gradients_of_two_turn_episodes_equal_the_formula_by_hand(name, kl_coef):
+def test_the_loss_and_gradients_of_two_turn_episodes_equal_the_formula_by_hand(name, kl_coef, in_this_process):
     from megatron_tepo.actor import MegatronActor
     from megatron_tepo.megatron.parallel import single_process_env
 
