@@ -10,7 +10,7 @@ writer) is imported only in ``megatron/``. (``rollout/``, ``algorithms/`` and
 tests/algorithms/test_import_purity.py, tests/environments/test_import_direction.py.)"""
 from pathlib import Path
 
-from tests.source_imports import PKG, imported_modules
+from tests.source_imports import PKG, import_cycle, imported_modules
 
 
 def _unit(path: Path) -> str:
@@ -45,20 +45,8 @@ def test_the_graph_is_read():
 
 def test_no_cycle_between_top_level_units():
     edges = _graph()
-    seen, stack = set(), []
-
-    def visit(n):
-        assert n not in stack, f"import cycle: {' -> '.join(stack + [n])} ({edges[stack[-1]][n]})"
-        if n in seen:
-            return
-        stack.append(n)
-        for m in sorted(edges.get(n, {})):
-            visit(m)
-        stack.pop()
-        seen.add(n)
-
-    for n in sorted(edges):
-        visit(n)
+    cycle = import_cycle(edges)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)} ({edges[cycle[-2]][cycle[-1]]})"
 
 
 def test_the_seams_hold():

@@ -1,12 +1,9 @@
 """``megatron_tepo.environments`` is standard library only: it imports nothing else of the package
 (nothing of Megatron, the actor, the trainer, the engines) and no torch, and its modules import each
 other without a cycle."""
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.source_imports import imported_modules
+from tests.source_imports import import_cycle, imported_modules, modules_loaded_by
 
 ENVIRONMENTS = Path(__file__).resolve().parents[2] / "megatron_tepo" / "environments"
 MODULES = ("base", "sandbox", "settings", "processes", "remote", "choice", "python_tool", "python_env")
@@ -28,26 +25,11 @@ def test_its_modules_import_each_other_without_a_cycle():
     prefix = "megatron_tepo.environments."
     edges = {f.stem: {m[len(prefix):] for m in imported_modules(f) if m.startswith(prefix)}
              for f in ENVIRONMENTS.glob("*.py") if f.stem != "__init__"}
-    seen, stack = set(), []
-
-    def visit(n):
-        assert n not in stack, f"import cycle: {' -> '.join(stack + [n])}"
-        if n in seen:
-            return
-        stack.append(n)
-        for m in sorted(edges.get(n, set()) - {n}):
-            visit(m)
-        stack.pop()
-        seen.add(n)
-
-    for n in edges:
-        visit(n)
+    cycle = import_cycle(edges)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
 
 def test_importing_it_loads_no_torch():
-    code = (f"import json, sys; import {', '.join('megatron_tepo.environments.' + m for m in MODULES)}; "
-            "print(json.dumps(sorted(sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    modules = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {"megatron_tepo.environments." + m for m in MODULES} <= set(modules)
+    modules = modules_loaded_by("megatron_tepo.environments." + m for m in MODULES)
+    assert {"megatron_tepo.environments." + m for m in MODULES} <= modules
     assert [m for m in modules if m.split(".")[0] in ("torch", "megatron", "numpy")] == []

@@ -2,12 +2,9 @@
 ``models/``, ``megatron/``, ``actor/``, ``trainer/`` and no megatron-core), its modules import each
 other without a cycle, and the actor's export reaches the engines only through the shared
 bucket format (``megatron_tepo.buckets``)."""
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.source_imports import imported_modules
+from tests.source_imports import import_cycle, imported_modules, modules_loaded_by
 
 ROLLOUT = Path(__file__).resolve().parents[2] / "megatron_tepo" / "rollout"
 FORBIDDEN = ("megatron_tepo.models", "megatron_tepo.megatron", "megatron_tepo.actor", "megatron_tepo.trainer",
@@ -40,28 +37,13 @@ def test_rollout_modules_import_each_other_without_a_cycle():
     edges = {name: {m[len(prefix):] for m in imported_modules(f) if m.startswith(prefix)} & set(mods)
              for name, f in mods.items()}
     assert "engine" in edges["sglang.fleet"] and "sglang.server" in edges["sglang.fleet"]  # the reader sees imports
-    seen, stack = set(), []
-
-    def visit(n):
-        assert n not in stack, f"import cycle: {' -> '.join(stack + [n])}"
-        if n in seen:
-            return
-        stack.append(n)
-        for m in edges[n] - {n}:
-            visit(m)
-        stack.pop()
-        seen.add(n)
-
-    for n in mods:
-        visit(n)
+    cycle = import_cycle(edges)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
 
 def test_importing_the_engines_and_the_sync_loads_no_megatron():
-    code = (f"import json, sys; import {', '.join('megatron_tepo.rollout.' + m for m in MODULES)}; "
-            "print(json.dumps(sorted(sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    modules = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {"megatron_tepo.rollout." + m for m in MODULES} | {"megatron_tepo.buckets"} <= set(modules)
+    modules = modules_loaded_by("megatron_tepo.rollout." + m for m in MODULES)
+    assert {"megatron_tepo.rollout." + m for m in MODULES} | {"megatron_tepo.buckets"} <= modules
     assert [m for m in modules if m == "megatron" or m.startswith(FORBIDDEN)] == []
 
 
