@@ -238,7 +238,7 @@ class TrainModel:
             # Transformer Engine's ring attention find this rank's chunks from them; the sdpa
             # attention takes every rank's split and the group
             cu = mb.cp_cu_seqlens.to(d) if self.settings.attention == "te" else mb.cp_cu_seqlens
-            padded = mb.cp_cu_seqlens.to(d) if self.gated_delta_net else cu
+            padded = cu.to(d) if self.gated_delta_net else cu  # (one copy: already there with te)
             inputs["packed_seq_params"] = PackedInputs(
                 qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
                 cu_seqlens_kv_padded=padded, max_seqlen_q=mb.cp_max_seqlen, max_seqlen_kv=mb.cp_max_seqlen,
@@ -249,7 +249,7 @@ class TrainModel:
             # the sdpa attention splits on the host (CPU boundaries: no device sync per layer);
             # Transformer Engine's kernels read them on the device
             cu = mb.cu_seqlens.to(d) if self.settings.attention == "te" else mb.cu_seqlens
-            padded = mb.cu_seqlens.to(d) if self.gated_delta_net else None
+            padded = cu.to(d) if self.gated_delta_net else None  # (one copy: already there with te)
             inputs["packed_seq_params"] = PackedInputs(
                 qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
                 cu_seqlens_kv_padded=padded, max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
