@@ -67,15 +67,22 @@ def _nvrx_ready() -> Optional[str]:
     return importlib.metadata.version("nvidia-resiliency-ext")
 
 
+def mcore_has_cpu_shm_mode() -> bool:
+    """Whether this megatron-core's ``TorchDistSaveShardedStrategy`` takes ``cpu_shm_mode`` (0.19.2 on)."""
+    import inspect
+
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    return "cpu_shm_mode" in inspect.signature(TorchDistSaveShardedStrategy.__init__).parameters
+
+
 def _nvrx_stages_in_host_memory() -> bool:
     """Whether this megatron-core and nvidia-resiliency-ext can stage a save's GPU tensors in host
     shared memory (megatron-core's ``TorchDistSaveShardedStrategy(cpu_shm_mode=)`` from 0.19.2,
     NVRx's ``FileSystemWriterAsync(use_cpu_shm_for_gpu_tensors=)`` from 0.7)."""
     import inspect
 
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
-    if "cpu_shm_mode" not in inspect.signature(TorchDistSaveShardedStrategy.__init__).parameters:
+    if not mcore_has_cpu_shm_mode():
         return False
     try:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync

@@ -79,13 +79,10 @@ def test_the_strategy_that_reaches_the_writer_for_each_allocator_setting(monkeyp
     (its pidfd_getfd is refused in containers without ptrace: the first save of a 14B run failed).
     ``want``: the writer, its staging, and whether megatron-core's save gets a strategy with
     ``cpu_shm_mode`` (which hands NVRx's writer ``use_cpu_shm_for_gpu_tensors``)."""
-    import inspect
-
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
     from megatron_tepo.actor.checkpointing import choose_async_writer
+    from megatron_tepo.megatron.async_save import mcore_has_cpu_shm_mode
 
-    if want[2] and "cpu_shm_mode" not in inspect.signature(TorchDistSaveShardedStrategy.__init__).parameters:
+    if want[2] and not mcore_has_cpu_shm_mode():
         pytest.skip("this megatron-core (< 0.19.2) has no cpu_shm_mode: the host-shm strategy cannot be built, and "
                     "the choice never claims it here (_nvrx_stages_in_host_memory is False)")
     monkeypatch.delenv("MTEPO_ASYNC_WRITER", raising=False)
