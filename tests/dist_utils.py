@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from megatron_tepo.net import free_port
@@ -53,3 +55,16 @@ def write_result(data: dict) -> None:
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     tmp.replace(out)
+
+
+def kill_at_checkpoint(cmd: list, marker: Path, env: dict, wait_s: float) -> None:
+    """Start ``cmd`` (a training run, in the repo's root) and SIGKILL it once ``marker`` (a
+    checkpoint's completion marker) exists, or after ``wait_s``; fails if the run ended by itself
+    first (it finished before it could be killed)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.time() + wait_s
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"

@@ -3,13 +3,13 @@ metrics as an uninterrupted run, with generation and training alternating and on
 checkpoint then holds the next step's rollout); partial checkpoint directories are ignored."""
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.dist_utils import kill_at_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 VOLATILE = {"time", "step_s", "sync_s", "rollout_s", "train_s", "tokens_per_s"}
@@ -39,15 +39,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, staleness, steps):
     done = subprocess.run(_cmd(ref, *extra), env=_env(port), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
 
-    proc = subprocess.Popen(_cmd(run, *extra), env=_env(port + 1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, cwd=REPO)
-    marker = run / "checkpoints" / "step_4" / "complete"
-    deadline = time.time() + 300
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    kill_at_checkpoint(_cmd(run, *extra), run / "checkpoints" / "step_4" / "complete", _env(port + 1), 300)
     # A crash during a later write: a checkpoint directory without its marker, and a tmp dir.
     (run / "checkpoints" / "step_99").mkdir(parents=True)
     (run / "checkpoints" / "step_98.tmp-1234").mkdir()
@@ -82,15 +74,7 @@ def test_sigkill_with_partial_responses_in_flight_resumes_every_prompt_once(tmp_
     bound = 6
     extra = ["train.steps=6", "rollout.partial_rollout=true", f"rollout.max_staleness={bound}",
              "rollout.max_inflight_groups=1000"]
-    proc = subprocess.Popen(_cmd(run, *extra), env=_env(port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, cwd=REPO)
-    marker = run / "checkpoints" / "step_4" / "complete"
-    deadline = time.time() + 400
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    kill_at_checkpoint(_cmd(run, *extra), run / "checkpoints" / "step_4" / "complete", _env(port), 400)
     import torch
 
     saved = torch.load(run / "checkpoints" / "step_4" / "rollout_buffer.pt", weights_only=True)
@@ -167,13 +151,7 @@ def test_sigkill_with_episodes_in_flight_resumes_every_prompt_once(tmp_path):
            "rollout.prompts_per_step=4", "rollout.n_samples=2", "train.mini_batch_prompts=4",
            "rollout.dynamic_sampling=false", "rollout.partial_rollout=true", "rollout.max_staleness=4",
            "rollout.max_inflight_groups=40", "environment.sandbox.wall_seconds=30"]
-    proc = subprocess.Popen(cmd, env=_env(port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    marker, deadline = run / "checkpoints" / "step_2" / "complete", time.time() + 400
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    kill_at_checkpoint(cmd, run / "checkpoints" / "step_2" / "complete", _env(port), 400)
     import torch
 
     saved = torch.load(run / "checkpoints" / "step_2" / "rollout_buffer.pt", weights_only=True)

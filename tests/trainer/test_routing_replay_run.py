@@ -5,16 +5,14 @@ both passes (``old_routing_*``: the old-log-prob pass): coverage 1.0, and the ac
 experts but for an fp32 near tie). ``r2`` runs through the same loop."""
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.dist_utils import REPO
+from tests.dist_utils import REPO, kill_at_checkpoint
 
 BASE = ["--config", str(REPO / "examples/tiny_tepo/config.yaml"), "reward.kind=exact_match",
         "rollout.prompts_per_step=8", "train.mini_batch_prompts=4", "train.steps=2", "train.export_hf=false",
@@ -90,13 +88,7 @@ def test_a_one_step_off_r3_run_killed_after_a_checkpoint_resumes_and_equals_the_
     assert first["routing_mismatch_max"] <= 1e-2 and first["old_routing_mismatch_max"] <= 1e-2, first
     assert first["drift_max"] < 1e-4, first
 
-    proc = subprocess.Popen(cmd(run), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-    marker, deadline = run / "checkpoints" / "step_2" / "complete", time.time() + 600
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    kill_at_checkpoint(cmd(run), run / "checkpoints" / "step_2" / "complete", env, 600)
     saved = torch.load(run / "checkpoints" / "step_2" / "pending_rollout.pt", weights_only=True)
     assert all(s["routed_experts"] is not None for g in saved["groups"] for s in g)
     resumed = subprocess.run(cmd(run), capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
