@@ -9,6 +9,7 @@ export), and rank 0 scores again. Rank 0 writes before/after log-probs per serve
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -16,6 +17,24 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import write_result
+
+
+def reset_weights(server, model_dir: str) -> None:
+    """The server back on ``model_dir``'s weights. An earlier test's requests may still be winding down
+    on the shared server: SGLang then loads the weights but answers HTTP 400 (its cache not flushed
+    while requests run); asked again until it flushes (up to 120 s)."""
+    from megatron_tepo.rollout.sglang.client import RequestFailed
+
+    deadline = time.time() + 120
+    while True:
+        try:
+            out = server.post("/update_weights_from_disk", {"model_path": model_dir}, timeout=300)
+            break
+        except RequestFailed as exc:
+            if "cache was not flushed" not in str(exc) or time.time() > deadline:
+                raise
+            time.sleep(1.0)
+    assert out.get("success"), out
 
 
 def main():
@@ -45,8 +64,7 @@ def main():
     for mode in args["modes"]:
         if rank == 0:
             for s in fleet.servers:
-                out = s.post("/update_weights_from_disk", {"model_path": args["model_dir"]}, timeout=300)
-                assert out.get("success"), out
+                reset_weights(s, args["model_dir"])
             before = score_each()
         dist.barrier()
         own = {"shared_dir": args["shared_dir"]} if mode == "disk" else {}
