@@ -10,6 +10,8 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import pytest
 import torch
 
+from tests import process_leaks
+
 torch.set_num_threads(1)
 
 
@@ -31,6 +33,20 @@ def pytest_configure(config):
 def _seed():
     torch.manual_seed(1234)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _leaves_no_process_group(request):
+    """A test that leaves a process group, megatron's parallel state or rendezvous variables behind
+    in pytest's own process fails here, naming itself and what it left; they are undone, so the
+    tests after it run as if it had cleaned up (tests/process_leaks.py)."""
+    before = process_leaks.snapshot()
+    yield
+    left = process_leaks.leaks(before)
+    if left:
+        process_leaks.undo(before)
+        pytest.fail(f"{request.node.nodeid} left behind in pytest's own process: {'; '.join(left)} -- undo them "
+                    f"in the test (a later test would see them)", pytrace=False)
 
 
 @pytest.fixture(scope="session")
