@@ -30,6 +30,8 @@ metrics, :func:`final_turn` gives the reward the final answer.
 An interrupt (a weight update with partial rollout) cuts the turns in flight where they stand and
 waits for the tool calls under way (at most their wall-time limit), so that every episode comes back
 at a clean point: mid-turn (resumed from its ids under the new weights) or ready for its next turn.
+A turn cut mid-way and resumed is one turn: the environment reads both halves as one text, once,
+and the turn's cap (``max_turn_tokens``) counts both (:func:`current_turn`).
 
 Left out: routing replay r3 (the environment's answers are prefilled without their routing: refused in
 the config), images, an environment that rewrites earlier turns (the ids only grow).
@@ -48,8 +50,8 @@ from megatron_tepo.environments.base import Environment, Reply
 from megatron_tepo.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Group, Request,
                                           RolloutEngine, Sample, SamplingParams, make_params)
 
-__all__ = ["EpisodeEngine", "EpisodeLimits", "TurnFormat", "episode_metrics", "final_turn", "compare_with_template",
-           "COUNTS", "with_environment"]
+__all__ = ["EpisodeEngine", "EpisodeLimits", "TurnFormat", "episode_metrics", "final_turn", "current_turn",
+           "compare_with_template", "COUNTS", "with_environment"]
 
 #: an episode's counts (``Sample.meta["episode"]``, ``Request.episode``)
 COUNTS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds", "env_tokens")
@@ -125,6 +127,16 @@ class _Episode:
     counts: Dict = field(default_factory=dict)
     turn_start: int = 0  # where the current turn's tokens start in ``tokens``
     tool: Optional[Future] = None
+    # a request submitted again mid-turn (cut by an interrupt): the ids of its current turn generated
+    # before, which the turn's text and its cap count with the rest (empty once that turn ended)
+    carried: List[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.carried = current_turn(self.req.token_ids, self.req.loss_mask)
+
+    def turn_ids(self) -> List[int]:
+        """The current turn's ids: the part generated before a resubmit and the rest."""
+        return self.carried + self.tokens[self.turn_start:]
 
     @property
     def budget(self) -> int:
@@ -272,11 +284,15 @@ class EpisodeEngine(RolloutEngine):
         """Each episode's next turn to the engine (or its end, when no budget is left)."""
         todo = []
         for ep in eps:
-            cap = ep.budget if self.limits.max_turn_tokens is None else min(ep.budget, self.limits.max_turn_tokens)
+            ep.turn_start = len(ep.tokens)
+            left = None if self.limits.max_turn_tokens is None else self.limits.max_turn_tokens - len(ep.carried)
+            if ep.budget >= 1 and left is not None and left < 1:
+                self._turn_ended(ep, FINISH_LENGTH)  # a turn cut exactly at its cap: it ended there
+                continue
+            cap = ep.budget if left is None else min(ep.budget, left)
             if cap < 1:
                 self._end(ep, FINISH_LENGTH)
                 continue
-            ep.turn_start = len(ep.tokens)
             todo.append(Request(ep.req.prompt + ep.req.token_ids + ep.tokens, cap, key=id(ep)))
         if todo:
             self.engine.submit(todo, self._params)
@@ -300,13 +316,19 @@ class EpisodeEngine(RolloutEngine):
                 reason = FINISH_STOP  # (cut as it ended)
             if reason == FINISH_ABORT:
                 continue  # cut mid-turn: resumed from its ids
-            capped = reason == FINISH_LENGTH and len(ep.tokens) - ep.turn_start >= (self.limits.max_turn_tokens or 0)
-            if reason == FINISH_LENGTH and not (capped and ep.budget > 0):
-                self._end(ep, FINISH_LENGTH)  # the episode's budget is spent
-                continue
-            ep.count(turns=1)
-            text = self.fmt.turn_text(ep.tokens[ep.turn_start:])
-            ep.tool = self._pool.submit(self.env.respond, text, ep.turns() - 1)
+            self._turn_ended(ep, reason)
+
+    def _turn_ended(self, ep: _Episode, reason: str) -> None:
+        """A model turn ended (stop, or its cap / the budget: ``length``): the whole turn -- both
+        halves of one cut by an interrupt -- goes to the environment, or the episode ends."""
+        turn = ep.turn_ids()
+        capped = reason == FINISH_LENGTH and len(turn) >= (self.limits.max_turn_tokens or 0)
+        if reason == FINISH_LENGTH and not (capped and ep.budget > 0):
+            self._end(ep, FINISH_LENGTH)  # the episode's budget is spent
+            return
+        ep.count(turns=1)
+        ep.carried = []
+        ep.tool = self._pool.submit(self.env.respond, self.fmt.turn_text(turn), ep.turns() - 1)
 
     def _answers(self, submit: bool) -> None:
         """The environment's answers that are in: appended (or the episode ended); with ``submit``, the
@@ -349,6 +371,17 @@ class EpisodeEngine(RolloutEngine):
 
 
 # ---------------------------------------------------------------------- what a step reads of episodes
+def current_turn(token_ids: Sequence[int], loss_mask: Sequence[int]) -> List[int]:
+    """The ids of a response's unfinished model turn: those after the environment's last answer
+    when the response ends with the model's ids (an episode cut mid-turn); empty when it is empty
+    or ends with an answer (ready for its next turn). ``loss_mask`` empty: every id is the model's."""
+    if not token_ids or (loss_mask and not loss_mask[-1]):
+        return []
+    mask = list(loss_mask) or [1] * len(token_ids)
+    last_env = max((i for i, m in enumerate(mask) if not m), default=-1)
+    return list(token_ids[last_env + 1:])
+
+
 def final_turn(sample) -> List[int]:
     """The model's final turn: the response's ids after the environment's last answer (a sample of one
     turn: all of them). The reward reads the final answer from it."""

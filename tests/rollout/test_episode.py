@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_tepo.environments import Environment, Reply
+from megatron_tepo.environments.python_tool import find_tool_calls
 from megatron_tepo.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, Sample, SamplingParams
 from megatron_tepo.rollout.episode import (EpisodeEngine, EpisodeLimits, TurnFormat, compare_with_template,
                                            episode_metrics, final_turn)
@@ -270,3 +271,108 @@ def test_qwen3s_thinking_rules_are_by_design_for_the_comparator():
     broken = Sample(CALL + answer[1:] + ANSWER, [0.0] * (len(s.token_ids) - 1), "stop",
                     loss_mask=[1] * len(CALL) + [0] * (len(answer) - 1) + [1] * len(ANSWER), meta=s.meta)
     assert compare_with_template(tok, prompt, broken, EOS) == "error"
+
+
+class CutOnce(ScriptEngine):
+    """The first request of ``prompt`` is held and an interrupt cuts it after ``half`` (finish
+    abort, those ids with their log-probs); every later request runs ``script``. Records each
+    request's token budget."""
+
+    def __init__(self, script, prompt, half):
+        super().__init__(script)
+        self.prompt, self.half, self.caps, self.cut = prompt, half, [], False
+
+    def submit(self, requests, params):
+        for r in requests:
+            self.caps.append(r.remaining)
+            if list(r.prompt) == self.prompt and not self.cut:
+                self.sent.append(list(r.prompt))
+                self._held.append(r)
+            else:
+                super().submit([r], params)
+
+    def interrupt(self):
+        out = self._done + [(r, Sample(self.half, [-0.25] * len(self.half), FINISH_ABORT)) for r in self._held]
+        self._done, self._held, self.cut = [], [], True
+        return out
+
+
+class Calls(Environment):
+    """Answers a turn that is a tool call of ``fmt`` (python_tool's parser) with 1665, and ends the
+    episode on any other turn; records every turn it reads."""
+    name = "calls"
+
+    def __init__(self, fmt):
+        self.fmt, self.turns = fmt, []
+
+    def respond(self, turn, turn_index):
+        self.turns.append((turn, turn_index))
+        calls = find_tool_calls(turn, self.fmt)
+        return Reply(done=not calls, message="1665", tool_calls=len(calls))
+
+
+#: the tiny tokenizer with the pieces of a Hermes-style call as words (its characters are digits only)
+QWEN3_TOK = tir.hf_tokenizer(extra_words=("<tool_call>", "</tool_call>", '{"name": "python", "arguments": {"code": "',
+                                          '"}}'))
+QWEN3_CALL = QWEN3_TOK('<tool_call>\n{"name": "python", "arguments": {"code": "print(37*45)"}}\n</tool_call>',
+                       add_special_tokens=False)["input_ids"] + [EOS]
+
+
+@pytest.mark.parametrize("fmt,call,tok", [("fenced", CALL, TOK), ("qwen3", QWEN3_CALL, QWEN3_TOK)])
+def test_a_tool_call_cut_mid_turn_reaches_the_environment_whole_and_once(fmt, call, tok):
+    """A weight update cuts the first turn half-way through its tool call (```` ```python\\nprint( ````);
+    submitted again, the rest comes under the new weights: the environment reads the whole call as one
+    turn, once (it used to read the second half alone: no call, the episode ended with reward 0), and
+    the turn's cap counts both halves."""
+    half, rest = call[:len(call) // 2], call[len(call) // 2:]
+    answer = TurnFormat(tok, EOS).answer_ids("1665")
+
+    def script(prompt):
+        if prompt == PROMPT + half:
+            return rest
+        assert prompt == PROMPT + call + answer, "a turn went out without the whole call before it"
+        return ANSWER
+
+    env = Calls(fmt)
+    cap = len(call) + 4
+    engine = EpisodeEngine(CutOnce(script, PROMPT, half), env, TurnFormat(tok, EOS),
+                           EpisodeLimits(max_turn_tokens=cap))
+    params = SamplingParams(stop_token_ids=[EOS], max_new_tokens=200)
+    req = Request(PROMPT, 200, key="e")
+    engine.submit([req], params)
+    ((r, seg),) = engine.interrupt()
+    assert r is req and seg.finish_reason == FINISH_ABORT and seg.token_ids == half and env.turns == []
+    req.extend(seg, version=1)
+    engine.submit([req], params)
+    deadline, got = time.monotonic() + 30, []
+    while not got and time.monotonic() < deadline:
+        got = engine.collect(timeout=0.1)
+    ((r, tail),) = got
+    req.extend(tail, version=2)
+    assert [t for t, _ in env.turns] == [tok.decode(call[:-1]), tok.decode(ANSWER[:-1])], env.turns
+    assert find_tool_calls(env.turns[0][0], fmt)[0].code.strip() == "print(37*45)"
+    assert [i for _, i in env.turns] == [0, 1]
+    assert tail.finish_reason == FINISH_STOP and req.episode["turns"] == 2 and req.episode["tool_calls"] == 1
+    assert req.token_ids == call + answer + ANSWER and req.versions == [1] * len(half) + [2] * (len(req.token_ids) - len(half))
+    assert engine.engine.caps[:2] == [cap, cap - len(half)]  # the resumed half's cap: what the turn has left
+
+
+def test_a_turn_cut_exactly_at_its_cap_ends_there_and_reaches_the_environment():
+    """Cut with every token of its cap generated: submitted again it is not sent to the engine with
+    no room; the environment reads it as a turn cut at its cap."""
+    half = CALL[:-1]  # the call without its stop token: the whole cap
+    env = Calls("fenced")
+    engine = EpisodeEngine(CutOnce(lambda p: ANSWER, PROMPT, half), env, TurnFormat(TOK, EOS),
+                           EpisodeLimits(max_turn_tokens=len(half)))
+    params = SamplingParams(stop_token_ids=[EOS], max_new_tokens=200)
+    req = Request(PROMPT, 200, key="e")
+    engine.submit([req], params)
+    ((_, seg),) = engine.interrupt()
+    req.extend(seg, version=1)
+    engine.submit([req], params)
+    deadline, got = time.monotonic() + 30, []
+    while not got and time.monotonic() < deadline:
+        got = engine.collect(timeout=0.1)
+    ((_, tail),) = got
+    assert [t for t, _ in env.turns][0] == TOK.decode(half) and env.turns[0][1] == 0
+    assert tail.token_ids[0] == EOS  # the environment closed the capped turn as the template closes it
