@@ -49,7 +49,7 @@ from megatron_tepo.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STO
 from megatron_tepo.rollout.sglang.client import FleetError, RequestFailed, SGLangServer, running_slots
 from megatron_tepo.rollout.sglang.health import State
 from megatron_tepo.rollout.sglang.router import launch_router
-from megatron_tepo.rollout.sglang.routing import decode_routed_experts
+from megatron_tepo.rollout.sglang.routing import routed_experts_of
 from megatron_tepo.rollout.sglang.server import stop_server
 from megatron_tepo.routing import RoutingShape
 from megatron_tepo.time_limits import waves
@@ -63,7 +63,8 @@ MAX_SESSIONS = 1 << 16
 def parse_generate_output(out: dict, routing: Optional[RoutingShape] = None, where: str = "the server",
                           partial: bool = False) -> Sample:
     """One ``/generate`` answer as a :class:`Sample`; with ``routing`` (the request asked for it) its
-    routed experts too, their absence a non-retryable failure naming ``where``. An aborted answer
+    routed experts too (decoded already by the fleet's decoder processes, or here), their absence a
+    non-retryable failure naming ``where``. An aborted answer
     is a failure, or with ``partial`` (the fleet aborted it: partial rollout) the response so far,
     ``FINISH_ABORT``: SGLang answers an abort with every token generated and its log-prob."""
     meta = out.get("meta_info", {})
@@ -81,7 +82,7 @@ def parse_generate_output(out: dict, routing: Optional[RoutingShape] = None, whe
     routed = None
     if routing is not None:
         try:
-            routed = decode_routed_experts(meta, int(meta.get("prompt_tokens", 0)) + len(ids) - 1, routing, where)
+            routed = routed_experts_of(meta, int(meta.get("prompt_tokens", 0)) + len(ids) - 1, routing, where)
         except ValueError as exc:
             raise RequestFailed(str(exc), retryable=False) from None
     return Sample([int(t) for t in ids], [float(t[0]) for t in lps], reason,
@@ -172,16 +173,17 @@ class Dispatch:
         ``FleetConfig.max_concurrency`` before they are read."""
         return s.slots or self.cfg.max_concurrency
 
-    def _post_watched(self, s: SGLangServer, path: str, payload: dict, timeout: float):
+    def _post_watched(self, s: SGLangServer, path: str, payload: dict, timeout: float, raw: bool = False):
         """``s.post`` that gives up as soon as the server is declared dead (a frozen server's
-        requests move on at the probe's verdict, not at the request time-out)."""
+        requests move on at the probe's verdict, not at the request time-out); ``raw``: the answer's
+        bytes, unparsed."""
         box: Dict[str, Any] = {}
         done = threading.Event()
         incarnation = s.incarnation
 
         def call():
             try:
-                box["out"] = s.post(path, payload, timeout=timeout)
+                box["out"] = s.post(path, payload, timeout=timeout, **({"raw": True} if raw else {}))
             except BaseException as e:  # noqa: BLE001 -- handed to the waiting thread
                 box["err"] = e
             finally:
@@ -232,16 +234,18 @@ class Dispatch:
             self._rebuild_router()
 
     # ------------------------------------------------------------------ a call's requests
-    def _run_one(self, path: str, payload: dict, deadline: float, parse, session=None):
+    def _run_one(self, path: str, payload: dict, deadline: float, parse, session=None, raw: bool = False):
         """Send one request, moving it to another server on failure, until the deadline (``session``:
-        :meth:`_pick`'s)."""
+        :meth:`_pick`'s; ``raw``: ``parse`` is handed the answer's bytes). Its server's slot is free
+        again as soon as the answer is in, before ``parse``."""
         tried: set = set()
         errors: List[str] = []
         router = self._use_router()
         if router is not None:
             try:
                 out = router.post(path, payload, timeout=min(self.cfg.request_timeout,
-                                                              max(deadline - time.monotonic(), 0.1)))
+                                                              max(deadline - time.monotonic(), 0.1)),
+                                  **({"raw": True} if raw else {}))
                 result = parse(out)
                 with self._lock:
                     self.routed += 1
@@ -263,7 +267,12 @@ class Dispatch:
                 break
             tried.add(s.url)
             try:
-                out = self._post_watched(s, path, payload, timeout=min(self.cfg.request_timeout, left))
+                try:
+                    out = self._post_watched(s, path, payload, timeout=min(self.cfg.request_timeout, left), raw=raw)
+                finally:
+                    with self._lock:
+                        s.inflight -= 1
+                        self._slot_free.notify_all()
                 result = parse(out)
                 s.served += 1
                 return result
@@ -272,18 +281,15 @@ class Dispatch:
                 if not e.retryable:
                     raise FleetError(f"request rejected by {s.url}: {e}") from e
                 self._mark_failed(s, e, deadline)
-            finally:
-                with self._lock:
-                    s.inflight -= 1
-                    self._slot_free.notify_all()
         reason = ("the step time-out passed" if time.monotonic() >= deadline else
                   "no SGLang server is left" if not self.serving_servers() else
                   f"{self.cfg.max_attempts} attempts failed")
         raise FleetError(f"{reason}; attempts: {errors or 'none'}; servers: {self._describe_all()}")
 
     def _run_all(self, path: str, payloads: List[dict], parse,
-                 sessions: Optional[Sequence[object]] = None) -> List[Any]:
-        """Every payload (one sequence each; ``sessions``: one :meth:`_pick` session each, or none)
+                 sessions: Optional[Sequence[object]] = None, raw: bool = False) -> List[Any]:
+        """Every payload (one sequence each; ``sessions``: one :meth:`_pick` session each, or none;
+        ``raw``: :meth:`_run_one`'s)
         within one call's time limit (:meth:`call_timeout`), as many in flight as the fleet runs
         at once (:meth:`partial_inflight`: the servers' running-request slots summed); the rest wait
         here, their own time limits not yet running."""
@@ -301,7 +307,7 @@ class Dispatch:
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sglang-req")
         self._step_running(+1)
         try:
-            futs = {pool.submit(self._run_one, path, p, deadline, parse, sessions[i] if sessions else None): i
+            futs = {pool.submit(self._run_one, path, p, deadline, parse, sessions[i] if sessions else None, raw): i
                     for i, p in enumerate(payloads)}
             pending = set(futs)
             while pending:
