@@ -2,7 +2,9 @@
 the answers they wait for (``rollout.max_new_tokens`` at a stated floor decode rate,
 ``rollout.decode_floor_tokens_per_s``) where the user set none.
 
-* A request: :data:`PREFILL_S` (queueing and the prompt's prefill) plus ``max_new_tokens`` at the
+* A request: :data:`PREFILL_S` (the server's scheduling and the prompt's prefill: the SGLang fleet
+  sends no more requests than the servers have slots and holds the rest itself, their clocks not
+  yet running) plus ``max_new_tokens`` at the
   floor rate, at least :data:`MIN_REQUEST_S`; a request limit the user set
   (``rollout.request_timeout_s``) shorter than that is refused in one line (:func:`check_request_limit`).
 * A generation call (a step's sampling round, all its samples at once): as many *waves* of requests
@@ -25,7 +27,7 @@ from typing import Optional
 __all__ = ["PREFILL_S", "MIN_REQUEST_S", "needed_request_s", "request_limit_s", "waves", "round_limit_s",
            "check_request_limit"]
 
-#: a request's allowance for waiting in the server's queue and prefilling its prompt
+#: a request's allowance for the server to schedule it and prefill its prompt
 PREFILL_S = 120.0
 #: no request limit is derived shorter than this (short answers: a server busy with others' prefills)
 MIN_REQUEST_S = 600.0

@@ -4,8 +4,9 @@ running-request limit and more server arguments on ``/server_info`` and ``/get_s
 (as 0.5.23 does: ``max_running_requests`` and ``internal_states``), can hold every ``/generate``
 until an event is set (``hold``), can lack routes
 (HTTP 404, as an SGLang version without them answers), can take its time over a bucket, and
-records every request (path, JSON body, start and end time); it answers ``/generate`` with two
-fixed tokens and can be frozen (``freeze``: generation and its probe hang while ``/health`` still
+records every request (path, JSON body, start and end time) and the most ``/generate`` sequences
+it held at once (``max_sequences``: n a request); it answers ``/generate`` with two
+fixed tokens (n of them: a list) and can be frozen (``freeze``: generation and its probe hang while ``/health`` still
 answers, as a SIGSTOP-ed scheduler behind a live HTTP server; ``restart`` brings it back as a new
 process would, holding all its memory); it keeps the memory it has released and every request that
 generates while any is (``generated_while_released``); ``inspect(path, body, when)`` is
@@ -84,6 +85,9 @@ class FakeSGLang:
         self.generated_while_released: List[tuple] = []
         self.inflight: Dict[str, int] = {}
         self.max_inflight: Dict[str, int] = {}
+        # /generate's sequences (sampling_params.n each) in flight, and the most at once: what a real
+        # server runs up to its slots and queues beyond them
+        self.sequences, self.max_sequences = 0, 0
         self._lock = threading.Lock()
         fake = self
 
@@ -109,6 +113,9 @@ class FakeSGLang:
                         fake.released -= set((body or {}).get("tags") or ())
                     fake.inflight[path] = fake.inflight.get(path, 0) + 1
                     fake.max_inflight[path] = max(fake.max_inflight.get(path, 0), fake.inflight[path])
+                    seqs = int(((body or {}).get("sampling_params") or {}).get("n", 1)) if path == "/generate" else 0
+                    fake.sequences += seqs
+                    fake.max_sequences = max(fake.max_sequences, fake.sequences)
                 try:
                     if fake.inspect is not None:
                         fake.inspect(path, body, "start")
@@ -136,6 +143,8 @@ class FakeSGLang:
                                 out["meta_info"]["prompt_tokens"] + 2 - 1, *fake.routing, wire_dtype=fake.wire_dtype)
                             if fake.wire_dtype is not None:
                                 out["meta_info"]["routed_experts_dtype"] = fake.wire_dtype
+                        if seqs > 1:  # (n samples: SGLang answers a list of n)
+                            out = [json.loads(json.dumps(out)) for _ in range(seqs)]
                     else:
                         time.sleep(fake.delays.get(path, 0.0))
                         status, out = 200, {"success": True, "message": "ok"}
@@ -144,6 +153,7 @@ class FakeSGLang:
                 finally:
                     with fake._lock:
                         fake.inflight[path] -= 1
+                        fake.sequences -= seqs
                         rec["end"] = time.monotonic()
                 data = json.dumps(out).encode()
                 self.send_response(status)

@@ -120,3 +120,39 @@ def test_the_turns_of_an_episode_go_to_the_server_that_holds_its_prefix():
         fleet.close()
         for f in fakes:
             f.close()
+
+
+def test_generate_sends_no_more_sequences_than_each_server_has_slots_and_fills_them():
+    """#56 row 3: a step with more sequences than the fleet's slots (6 groups of n=4, 24 sequences,
+    on servers of 3 and 5 slots) sends each server exactly its slots' worth, one request a sequence;
+    the rest wait in the fleet, where no request's own time limit runs, and take a slot as one frees.
+    (Before, generate sent every group of n at once, 64 at a time: the servers queued them, each
+    request's clock running in the queue.) Every sample comes back in its group."""
+    hold = threading.Event()
+    fakes = [FakeSGLang(slots=3, hold=hold), FakeSGLang(slots=5, hold=hold)]
+    fleet = SGLangFleet(FleetConfig(urls=[f.url for f in fakes], router="none", request_timeout=300,
+                                    step_timeout=600, probe_interval=600))
+    out = {}
+    step = threading.Thread(target=lambda: out.update(groups=fleet.generate([[3, 4, i] for i in range(6)], n=4,
+                                                                           max_new_tokens=2)), daemon=True)
+    try:
+        step.start()
+        deadline = time.monotonic() + 120  # (generous: a loaded machine)
+        while sum(f.sequences for f in fakes) < 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # (none beyond the slots arrives)
+        assert [f.sequences for f in fakes] == [3, 5], [f.sequences for f in fakes]
+        hold.set()
+        step.join(timeout=120)
+        assert not step.is_alive()
+        groups = out["groups"]
+        assert [len(g) for g in groups] == [4] * 6 and all(s.token_ids == [7, 8] for g in groups for s in g)
+        assert [f.max_sequences for f in fakes] == [3, 5]
+        bodies = [b for f in fakes for b in f.bodies("/generate")]
+        assert len(bodies) == 24 and all(b["sampling_params"]["n"] == 1 for b in bodies)
+        assert sorted(b["input_ids"][2] for b in bodies) == sorted(list(range(6)) * 4)
+    finally:
+        hold.set()
+        fleet.close()
+        for f in fakes:
+            f.close()

@@ -97,7 +97,7 @@ def test_the_compact_wire_format_decodes_by_the_dtype_the_server_names(wire):
 
 def _fleet(fakes, shape):
     return SGLangFleet(FleetConfig(urls=[f.url for f in fakes], router="none", request_timeout=30, step_timeout=60,
-                                   probe_interval=0.2, probe_timeout=1.0, routing=shape))
+                                   probe_interval=0.2, probe_timeout=1.0, routing=shape, routing_decoders=1))
 
 
 def test_the_fleet_takes_the_compact_format_from_servers_that_send_it():
@@ -362,3 +362,80 @@ def test_a_real_sglang_cpu_server_returns_the_routing_of_a_tiny_moe(moe_servers)
             assert same >= 0.9, (same, hf, s.routed_experts)
     finally:
         fleet.close()
+
+
+@pytest.mark.parametrize("decoders", [2, 0])
+def test_the_routed_answers_are_parsed_and_decoded_off_the_request_threads(monkeypatch, decoders):
+    """#56 row 10: r3's answers (about 10 GB of base64 JSON a 30B-A3B step on a released SGLang,
+    int32) are parsed and their routing decoded in the fleet's decoder processes, which hand back
+    the ids in the contract's narrow dtype: no thread of the driver runs ``json.loads`` of a routed
+    answer or the base64 decode, which hold the GIL. (Before, the request threads did both, as they
+    still do with ``routing_decoders: 0``, the case that shows the check sees them.)"""
+    import base64 as b64
+    import threading
+
+    seen = []
+    real_loads, real_b64 = json.loads, b64.b64decode
+
+    def loads(s, *a, **kw):
+        if '"routed_experts"' in (s.decode("utf-8", "replace") if isinstance(s, (bytes, bytearray)) else str(s)):
+            seen.append(("json.loads", threading.current_thread().name))
+        return real_loads(s, *a, **kw)
+
+    def b64decode(s, *a, **kw):
+        seen.append(("b64decode", threading.current_thread().name))
+        return real_b64(s, *a, **kw)
+
+    monkeypatch.setattr(json, "loads", loads)
+    monkeypatch.setattr(b64, "b64decode", b64decode)
+    shape = RoutingShape(4, (0, 2, 3), 2, 8)
+    fakes = [FakeSGLang(routing=(4, 2, 8), wire_dtype="uint8"), FakeSGLang(routing=(4, 2, 8))]
+    fleet = SGLangFleet(FleetConfig(urls=[f.url for f in fakes], router="none", request_timeout=60, step_timeout=120,
+                                    probe_interval=600, routing=shape, routing_decoders=decoders))
+    try:
+        prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+        groups = fleet.generate(prompts, n=2, max_new_tokens=2)
+        for prompt, group in zip(prompts, groups):
+            want = torch.from_numpy(routed_experts_ids(len(prompt) + 2 - 1, 4, 2, 8)[:, [0, 2, 3]]).long()
+            assert len(group) == 2
+            assert all(s.routed_experts.dtype == torch.int8 and torch.equal(s.routed_experts.long(), want)
+                       for s in group)
+    finally:
+        fleet.close()
+        for f in fakes:
+            f.close()
+    if decoders:
+        assert seen == [], seen
+    else:
+        assert {what for what, _ in seen} == {"json.loads", "b64decode"}, seen
+
+
+def test_a_routing_decoder_that_dies_is_replaced():
+    """A decoder process killed (the OOM killer, say) costs no answer: the one in hand is read on its
+    thread, said once, and the next starts a new process; after MAX_DECODER_DEATHS every answer is
+    read on its thread. A decoder is a plain subprocess: it runs nothing of the driver's __main__."""
+    import os
+    import signal
+
+    from megatron_tepo.rollout.sglang.routing import MAX_DECODER_DEATHS, RoutingDecoder
+
+    shape = RoutingShape(4, (0, 2, 3), 2, 8)
+    body = json.dumps({"output_ids": [7, 8], "meta_info": {"prompt_tokens": 3, "finish_reason": {"type": "length"},
+                                                           "routed_experts": routed_experts_b64(4, 4, 2, 8)}}).encode()
+    want = routed_experts_ids(4, 4, 2, 8)[:, [0, 2, 3]]
+    decoder = RoutingDecoder(shape, 1)
+    try:
+        assert np.array_equal(decoder.read(body, "x")["meta_info"]["routed_experts"], want)
+        for death in range(1, MAX_DECODER_DEATHS + 1):
+            (proc,) = decoder._procs
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            for _ in range(2):
+                got = decoder.read(body, "x")["meta_info"]["routed_experts"]
+                assert got.dtype == np.int8 and np.array_equal(got, want)
+            assert decoder.deaths == death and proc not in decoder._procs
+        assert decoder._procs == []  # (given up: read on the threads)
+        with pytest.raises(ValueError, match="Expecting value"):
+            decoder.read(b"<html>", "x")
+    finally:
+        decoder.close()

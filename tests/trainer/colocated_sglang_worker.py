@@ -88,7 +88,7 @@ def main(args):
     engine.update_weights = update_weights
     if driver:  # reproducible sampling (see the module docstring): one sample per request, one at a time
         generate = engine.generate
-        engine.cfg.max_concurrency = 1
+        engine.cfg.partial_inflight = 1  # (one request in flight over the fleet)
 
         def one_by_one(prompts, n=1, **kw):
             groups = generate([p for p in prompts for _ in range(n)], n=1, **kw)

@@ -115,13 +115,14 @@ class SGLangServer:
     def headers(self) -> Dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def post(self, path: str, payload: Optional[dict] = None, timeout: float = 60.0) -> Any:
-        return self._request("post", path, timeout, json=payload if payload is not None else {})
+    def post(self, path: str, payload: Optional[dict] = None, timeout: float = 60.0, raw: bool = False) -> Any:
+        """The answer's JSON; ``raw``: its body's bytes, unparsed (a routed answer: ``routing.py``)."""
+        return self._request("post", path, timeout, raw, json=payload if payload is not None else {})
 
     def get(self, path: str, timeout: float = 60.0) -> Any:
         return self._request("get", path, timeout)
 
-    def _request(self, method: str, path: str, timeout: float, **kw) -> Any:
+    def _request(self, method: str, path: str, timeout: float, raw: bool = False, **kw) -> Any:
         try:
             r = requests.request(method, self.url + path, headers=self.headers(), timeout=timeout, **kw)
         except requests.Timeout as e:
@@ -129,14 +130,16 @@ class SGLangServer:
         except requests.ConnectionError as e:
             raise RequestFailed(f"{self.url}{path}: connection failed ({type(e).__name__})",
                                 server_dead=True) from e
-        return self._answer(path, r)
+        return self._answer(path, r, raw)
 
-    def _answer(self, path: str, r) -> Any:
+    def _answer(self, path: str, r, raw: bool = False) -> Any:
         if r.status_code >= 500:
             raise RequestFailed(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}", status=r.status_code)
         if r.status_code >= 400:
             raise RequestFailed(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}", retryable=False,
                                 status=r.status_code)
+        if raw:
+            return r.content
         try:
             return r.json()
         except ValueError:

@@ -8,8 +8,11 @@ them), *serving* (takes requests: healthy, and in colocated mode holding all its
 weights). A request goes through the router when the fleet has one (``FleetConfig.router``:
 ``fleet.py`` decides at start-up), it stands in front of exactly the healthy servers and every one
 of them serves; otherwise, and after the router has failed it, to the least-loaded serving server
-(the fewest requests in flight for its running-request slots: :meth:`Dispatch._pick`, the one
-place that chooses a server, where a prefix or session affinity would go). A request that fails
+with a free running-request slot (the fewest requests in flight for its slots: :meth:`Dispatch._pick`,
+the one place that chooses a server, with a session's affinity to its last server). A request is one
+sequence; a call keeps as many in flight as the servers' slots summed, and a request that finds no
+free slot waits here, in the fleet, before its own time limit starts: no server is sent more than
+it runs, so none queues a request whose clock runs (#56 row 3). A request that fails
 (connection refused or reset, time-out, HTTP 5xx) -- through the router, after the router's own
 retries on its other workers -- is moved to another server directly, its server reported to
 supervision (``supervision.py``: suspect, probed, or dead); a request to a server declared dead
@@ -22,12 +25,15 @@ once) x ``request_timeout``. Weight updates and cache flushes go to every server
 over the healthy set when that set changed (:meth:`Dispatch._follow_healthy`).
 
 Owns: ``router``, ``_router_members``, ``_routed`` (the fleet has a router), ``routed`` (requests
-answered through it) and ``_sessions`` (a submitted request's key -> its last server). Uses,
-beside the fleet's ``cfg``, ``servers`` and ``_lock``: ``_probe``, ``_mark_failed``,
-``_drop_unreachable`` and ``_step_running`` (``supervision.py``).
+answered through it), ``_sessions`` (a submitted request's key or a generated group -> its last
+server) and ``_slot_free`` (a condition on ``_lock``: a request left a server). Uses, beside the
+fleet's ``cfg``, ``servers`` and ``_lock``: ``_probe``, ``_mark_failed``, ``_drop_unreachable`` and
+``_step_running`` (``supervision.py``), ``partial_inflight`` (``interruptible.py``: the requests in
+flight over the fleet).
 
 Left out: the router's process (``router.py``) and the decision to have one (``fleet.py``'s
-``use_router``); one server's HTTP calls (``client.py``); what a request carries (the fleet's
+``use_router``); where the router places a request (its policy: the fleet bounds only the requests
+in flight over all its servers); one server's HTTP calls (``client.py``); what a request carries (the fleet's
 ``generate`` / ``score``, ``interruptible.py``'s ``submit``).
 """
 from __future__ import annotations
@@ -43,7 +49,7 @@ from megatron_tepo.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STO
 from megatron_tepo.rollout.sglang.client import FleetError, RequestFailed, SGLangServer, running_slots
 from megatron_tepo.rollout.sglang.health import State
 from megatron_tepo.rollout.sglang.router import launch_router
-from megatron_tepo.rollout.sglang.routing import decode_routed_experts
+from megatron_tepo.rollout.sglang.routing import routed_experts_of
 from megatron_tepo.rollout.sglang.server import stop_server
 from megatron_tepo.routing import RoutingShape
 from megatron_tepo.time_limits import waves
@@ -57,7 +63,8 @@ MAX_SESSIONS = 1 << 16
 def parse_generate_output(out: dict, routing: Optional[RoutingShape] = None, where: str = "the server",
                           partial: bool = False) -> Sample:
     """One ``/generate`` answer as a :class:`Sample`; with ``routing`` (the request asked for it) its
-    routed experts too, their absence a non-retryable failure naming ``where``. An aborted answer
+    routed experts too (decoded already by the fleet's decoder processes, or here), their absence a
+    non-retryable failure naming ``where``. An aborted answer
     is a failure, or with ``partial`` (the fleet aborted it: partial rollout) the response so far,
     ``FINISH_ABORT``: SGLang answers an abort with every token generated and its log-prob."""
     meta = out.get("meta_info", {})
@@ -75,7 +82,7 @@ def parse_generate_output(out: dict, routing: Optional[RoutingShape] = None, whe
     routed = None
     if routing is not None:
         try:
-            routed = decode_routed_experts(meta, int(meta.get("prompt_tokens", 0)) + len(ids) - 1, routing, where)
+            routed = routed_experts_of(meta, int(meta.get("prompt_tokens", 0)) + len(ids) - 1, routing, where)
         except ValueError as exc:
             raise RequestFailed(str(exc), retryable=False) from None
     return Sample([int(t) for t in ids], [float(t[0]) for t in lps], reason,
@@ -92,6 +99,7 @@ class Dispatch:
         self._router_members: Tuple[Tuple[str, int], ...] = ()
         self.routed = 0  # requests answered through the router
         self._sessions: "OrderedDict[object, SGLangServer]" = OrderedDict()  # request key -> its last server
+        self._slot_free = threading.Condition(self._lock)  # notified when a request leaves a server
         self._routed = routed
         if self._routed and len(set(keys)) > 1:
             if self.cfg.router == "sglang_router":
@@ -122,27 +130,36 @@ class Dispatch:
         return out
 
     # ------------------------------------------------------------------ one request
-    def _pick(self, exclude: set, session=None) -> Optional[SGLangServer]:
-        """The server a request goes to when it does not go through the router: among the serving
-        ones not in ``exclude`` (tried already; all tried: any), the least loaded, i.e. the fewest
-        requests in flight per running-request slot (slots known once :meth:`submit` has read
-        them; before, every server counts alike), then the fewest served. The one place that picks
-        a server. ``session`` (a submitted request's key: every turn of a multi-turn episode has the
-        same one): the server its last request went to, while it serves and has a free slot, so
-        that its prefix cache serves the turn's prefill (what sglang-router's cache-aware policy does
-        for routed requests)."""
-        with self._lock:
-            serving = self.serving_servers()
-            cands = [s for s in serving if s.url not in exclude]
-            if not cands:
-                cands = serving  # all tried: reuse a live one
-            if not cands:
-                return None
+    def _pick(self, exclude: set, session=None, deadline: Optional[float] = None) -> Optional[SGLangServer]:
+        """The server a request (one sequence) goes to when it does not go through the router: among
+        the serving ones not in ``exclude`` (tried already; all tried: any), one with a free
+        running-request slot (:meth:`_capacity`), the least loaded, i.e. the fewest requests in
+        flight per slot, then the fewest served. When none has a free slot, the request waits here,
+        in the fleet, until one has (or ``deadline`` passes: None), so that no server holds more than
+        it runs and no request's own time limit runs while it queues. The one place that picks a
+        server. ``session`` (a submitted request's key: every turn of a multi-turn episode has the
+        same one; a generated group's sequences share one): the server its last request went to,
+        while it serves and has a free slot, so that its prefix cache serves the prefill (what
+        sglang-router's cache-aware policy does for routed requests)."""
+        with self._slot_free:
+            while True:
+                serving = self.serving_servers()
+                if not serving:
+                    return None
+                pool = [s for s in serving if s.url not in exclude] or serving  # all tried: reuse a live one
+                cands = [s for s in pool if s.inflight < self._capacity(s)]
+                if cands:
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                # (woken by a request that ends; a server that comes back is seen at the next look)
+                self._slot_free.wait(timeout=0.5 if left is None else min(0.5, left))
             held = self._sessions.get(session) if session is not None else None
-            if held is not None and held in cands and held.inflight < (held.slots or self.cfg.max_concurrency):
+            if held is not None and held in cands:
                 best = held
             else:
-                best = min(cands, key=lambda s: (s.inflight / (s.slots or 1), s.served))
+                best = min(cands, key=lambda s: (s.inflight / self._capacity(s), s.served))
             if session is not None:
                 self._sessions[session] = best
                 self._sessions.move_to_end(session)
@@ -151,16 +168,22 @@ class Dispatch:
             best.inflight += 1
             return best
 
-    def _post_watched(self, s: SGLangServer, path: str, payload: dict, timeout: float):
+    def _capacity(self, s: SGLangServer) -> int:
+        """The requests ``s`` runs at once: its running-request slots (:meth:`slots`), or
+        ``FleetConfig.max_concurrency`` before they are read."""
+        return s.slots or self.cfg.max_concurrency
+
+    def _post_watched(self, s: SGLangServer, path: str, payload: dict, timeout: float, raw: bool = False):
         """``s.post`` that gives up as soon as the server is declared dead (a frozen server's
-        requests move on at the probe's verdict, not at the request time-out)."""
+        requests move on at the probe's verdict, not at the request time-out); ``raw``: the answer's
+        bytes, unparsed."""
         box: Dict[str, Any] = {}
         done = threading.Event()
         incarnation = s.incarnation
 
         def call():
             try:
-                box["out"] = s.post(path, payload, timeout=timeout)
+                box["out"] = s.post(path, payload, timeout=timeout, **({"raw": True} if raw else {}))
             except BaseException as e:  # noqa: BLE001 -- handed to the waiting thread
                 box["err"] = e
             finally:
@@ -211,16 +234,18 @@ class Dispatch:
             self._rebuild_router()
 
     # ------------------------------------------------------------------ a call's requests
-    def _run_one(self, path: str, payload: dict, deadline: float, parse, session=None):
+    def _run_one(self, path: str, payload: dict, deadline: float, parse, session=None, raw: bool = False):
         """Send one request, moving it to another server on failure, until the deadline (``session``:
-        :meth:`_pick`'s)."""
+        :meth:`_pick`'s; ``raw``: ``parse`` is handed the answer's bytes). Its server's slot is free
+        again as soon as the answer is in, before ``parse``."""
         tried: set = set()
         errors: List[str] = []
         router = self._use_router()
         if router is not None:
             try:
                 out = router.post(path, payload, timeout=min(self.cfg.request_timeout,
-                                                              max(deadline - time.monotonic(), 0.1)))
+                                                              max(deadline - time.monotonic(), 0.1)),
+                                  **({"raw": True} if raw else {}))
                 result = parse(out)
                 with self._lock:
                     self.routed += 1
@@ -237,12 +262,17 @@ class Dispatch:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            s = self._pick(tried, session)
+            s = self._pick(tried, session, deadline)  # (waits in the fleet for a free slot)
             if s is None:
                 break
             tried.add(s.url)
             try:
-                out = self._post_watched(s, path, payload, timeout=min(self.cfg.request_timeout, left))
+                try:
+                    out = self._post_watched(s, path, payload, timeout=min(self.cfg.request_timeout, left), raw=raw)
+                finally:
+                    with self._lock:
+                        s.inflight -= 1
+                        self._slot_free.notify_all()
                 result = parse(out)
                 s.served += 1
                 return result
@@ -251,18 +281,19 @@ class Dispatch:
                 if not e.retryable:
                     raise FleetError(f"request rejected by {s.url}: {e}") from e
                 self._mark_failed(s, e, deadline)
-            finally:
-                with self._lock:
-                    s.inflight -= 1
         reason = ("the step time-out passed" if time.monotonic() >= deadline else
                   "no SGLang server is left" if not self.serving_servers() else
                   f"{self.cfg.max_attempts} attempts failed")
         raise FleetError(f"{reason}; attempts: {errors or 'none'}; servers: {self._describe_all()}")
 
-    def _run_all(self, path: str, payloads: List[dict], parse, sequences: Optional[int] = None) -> List[Any]:
-        """Every payload (``sequences`` in all: n per payload; default one each) within one call's
-        time limit (:meth:`call_timeout`)."""
-        step_timeout = self.call_timeout(sequences or len(payloads))
+    def _run_all(self, path: str, payloads: List[dict], parse,
+                 sessions: Optional[Sequence[object]] = None, raw: bool = False) -> List[Any]:
+        """Every payload (one sequence each; ``sessions``: one :meth:`_pick` session each, or none;
+        ``raw``: :meth:`_run_one`'s)
+        within one call's time limit (:meth:`call_timeout`), as many in flight as the fleet runs
+        at once (:meth:`partial_inflight`: the servers' running-request slots summed); the rest wait
+        here, their own time limits not yet running."""
+        step_timeout = self.call_timeout(len(payloads))
         deadline = time.monotonic() + step_timeout
         if not self.serving_servers():
             gated = [s for s in self.healthy_servers() if not s.memory_ready]
@@ -271,12 +302,13 @@ class Dispatch:
                                  "weight sync (colocated mode: resume_memory and update_weights first); servers: "
                                  + self._describe_all())
             raise FleetError(f"no SGLang server is left; servers: {self._describe_all()}")
-        workers = max(1, min(self.cfg.max_concurrency, len(payloads)))
+        workers = max(1, min(self.partial_inflight(), len(payloads)))
         results: List[Any] = [None] * len(payloads)
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sglang-req")
         self._step_running(+1)
         try:
-            futs = {pool.submit(self._run_one, path, p, deadline, parse): i for i, p in enumerate(payloads)}
+            futs = {pool.submit(self._run_one, path, p, deadline, parse, sessions[i] if sessions else None, raw): i
+                    for i, p in enumerate(payloads)}
             pending = set(futs)
             while pending:
                 left = deadline - time.monotonic() + 5.0  # requests honour the deadline themselves

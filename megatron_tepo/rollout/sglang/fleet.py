@@ -22,7 +22,9 @@ dispatch sends the request as written, to a server it picks, so routing works wi
 release, over any number of servers; ``router: sglang_router`` with routing is refused in one
 line. Before the first request the fleet reads each server's SGLang version (``/server_info``) and
 refuses one older than routing needs (``versions.py``: 0.5.7), or started without
-``--enable-return-routed-experts``.
+``--enable-return-routed-experts``. A routed answer is read as raw bytes and parsed, its routing
+decoded, in the fleet's decoder processes (``routing.py``'s ``RoutingDecoder``,
+``FleetConfig.routing_decoders``), not on the request threads.
 
 :class:`SGLangFleet` is one object, the trainer's engine, made of four parts with one job each
 over the one list of servers (``servers``), the settings (``cfg``) and one lock for their counters
@@ -50,12 +52,12 @@ owns and what it uses of the others:
 
 This module assembles them: the settings (:class:`FleetConfig`; :func:`use_router` resolves the
 router), the start-up (servers launched and attached, the routing-replay check, the router), the
-verbs that build requests (:meth:`generate`: one request per group of n samples,
-``max_concurrency`` at a time; :meth:`score`), the weight update that brings the parts together
-(:meth:`update_weights`: refused while a submitted request generates; supervision gathers the
-restarting and returning servers, colocated mode brings them to the fleet's memory state, the
-weight sync pushes to every reachable server, the stale ones become healthy and the router is
-rebuilt over the healthy set), and :meth:`close`.
+verbs that build requests (:meth:`generate`: one request a sequence, the n of a group one session,
+as many in flight as the servers have running-request slots; :meth:`score`), the weight update that
+brings the parts together (:meth:`update_weights`: refused while a submitted request generates;
+supervision gathers the restarting and returning servers, colocated mode brings them to the fleet's
+memory state, the weight sync pushes to every reachable server, the stale ones become healthy and
+the router is rebuilt over the healthy set), and :meth:`close`.
 
 Left out: starting and stopping one server (``server.py``), its HTTP calls and probe (``client.py``),
 the router's process (``router.py``); how weights reach the servers (``weight_sync/``; the fleet
@@ -81,7 +83,7 @@ from megatron_tepo.rollout.sglang.interruptible import MAX_PARTIAL_INFLIGHT, Int
 from megatron_tepo.rollout.sglang.memory import ColocatedMemory, memory_tags
 from megatron_tepo.rollout.sglang.options import ServerConfig
 from megatron_tepo.rollout.sglang.router import ROUTER_POLICIES, router_installed
-from megatron_tepo.rollout.sglang.routing import ROUTING_REQUEST
+from megatron_tepo.rollout.sglang.routing import ROUTING_REQUEST, RoutingDecoder
 from megatron_tepo.rollout.sglang.server import launch_server, stop_server, wait_ready
 from megatron_tepo.rollout.sglang.supervision import Supervision
 from megatron_tepo.rollout.sglang.versions import R3, check_version
@@ -106,9 +108,9 @@ class FleetConfig:
     step_timeout: Optional[float] = None
     max_attempts: int = 4                # per request, over distinct servers where possible
     health_timeout: float = 5.0          # /health while starting
-    max_concurrency: int = 64            # generate(): requests (groups of n) in flight over the whole fleet
-    # submit() (partial rollout, one sample a request): requests in flight over the whole fleet; None: the
-    # servers' running-request slots summed (read from each at the first submit), at most MAX_PARTIAL_INFLIGHT
+    max_concurrency: int = 64            # the running-request slots of a server that reports none
+    # generate(), score() and submit() (one sequence a request): requests in flight over the whole fleet; None:
+    # the servers' running-request slots summed (read from each at the first call), at most MAX_PARTIAL_INFLIGHT
     partial_inflight: Optional[int] = None
     # sglang-router in front of the servers: "auto" (when the SGLang python imports sglang_router
     # and there are >= 2 servers, and no routing is asked for), "sglang_router" (required; refused
@@ -130,6 +132,9 @@ class FleetConfig:
     # decoded (the servers need --enable-return-routed-experts, SGLang >= 0.5.7; sent to them directly,
     # never through sglang-router, which drops the field); None: not asked
     routing: Optional[RoutingShape] = None
+    # r3: processes that parse the routed answers and decode their routing off the request threads
+    # (routing.py's RoutingDecoder; 0: on the request threads, holding the GIL)
+    routing_decoders: int = 4
 
 
 def use_router(cfg: FleetConfig, n_servers: int) -> bool:
@@ -168,6 +173,7 @@ class SGLangFleet(Dispatch, Supervision, Interruptible, ColocatedMemory, Rollout
         self._lock = threading.Lock()  # the parts' counters and lists (held briefly)
         self._init_supervision()
         self.weight_sync = weight_sync
+        self.routing_decoder = RoutingDecoder(cfg.routing, cfg.routing_decoders) if cfg.routing is not None else None
         if cfg.routing is not None and not cfg.server.enable_return_routed_experts:
             # the servers launched here return the routing they are asked for (attached ones: their launcher's flag)
             self.cfg = cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server,
@@ -217,27 +223,38 @@ class SGLangFleet(Dispatch, Supervision, Interruptible, ColocatedMemory, Rollout
                  stop_token_ids: Sequence[int] = (), seed: Optional[int] = None) -> List[Group]:
         sp = make_params(n, temperature, top_p, max_new_tokens, stop_token_ids)
         validate_prompts(prompts)
-        sampling = {"n": sp.n, "temperature": sp.temperature, "top_p": sp.top_p, "top_k": -1,
+        # one request a sequence (n: 1), so that each server runs exactly its slots' worth and a slot
+        # that frees takes the next sequence (a group of n would hold n slots until its longest answer)
+        sampling = {"n": 1, "temperature": sp.temperature, "top_p": sp.top_p, "top_k": -1,
                     "max_new_tokens": sp.max_new_tokens, "stop_token_ids": list(sp.stop_token_ids),
                     # SGLang checks stop_token_ids only when ignore_eos is false; then the model's
                     # own EOS id also stops (pass it in stop_token_ids to be explicit)
                     "ignore_eos": not sp.stop_token_ids, "skip_special_tokens": False}
-        payloads = []
+        payloads, sessions = [], []
+        call = object()  # (this call's groups as sessions: a group's sequences share its prompt's prefix)
         for i, p in enumerate(prompts):
-            s = dict(sampling)
-            if seed is not None:
-                s["sampling_seed"] = int(seed) + i
-            payloads.append({"input_ids": [int(t) for t in p], "sampling_params": s,
-                             "return_logprob": True, "logprob_start_len": -1,
-                             **(ROUTING_REQUEST if self.cfg.routing is not None else {})})
+            for j in range(sp.n):
+                s = dict(sampling)
+                if seed is not None:  # (n = 1: seed + i, as one request of n had)
+                    s["sampling_seed"] = int(seed) + i * sp.n + j
+                payloads.append({"input_ids": [int(t) for t in p], "sampling_params": s,
+                                 "return_logprob": True, "logprob_start_len": -1,
+                                 **(ROUTING_REQUEST if self.cfg.routing is not None else {})})
+                sessions.append((call, i))
 
         def parse(out):
+            if isinstance(out, bytes):  # (r3: the answer's body, read by a decoder process)
+                try:
+                    out = self.routing_decoder.read(out, "an SGLang server")
+                except ValueError as exc:  # (not JSON)
+                    raise RequestFailed(f"an SGLang server's answer is not JSON: {exc}") from None
             outs = out if isinstance(out, list) else [out]
-            if len(outs) != sp.n:
-                raise RequestFailed(f"expected {sp.n} samples, got {len(outs)}")
-            return [parse_generate_output(o, self.cfg.routing, "an SGLang server") for o in outs]
+            if len(outs) != 1:
+                raise RequestFailed(f"expected 1 sample, got {len(outs)}")
+            return parse_generate_output(outs[0], self.cfg.routing, "an SGLang server")
 
-        return self._run_all("/generate", payloads, parse, sequences=len(payloads) * sp.n)
+        samples = self._run_all("/generate", payloads, parse, sessions, raw=self.routing_decoder is not None)
+        return [samples[i * sp.n:(i + 1) * sp.n] for i in range(len(prompts))]
 
     def score(self, sequences: List[List[int]], prompt_lens: List[int],
               temperature: float = 1.0) -> List[List[float]]:
@@ -293,3 +310,5 @@ class SGLangFleet(Dispatch, Supervision, Interruptible, ColocatedMemory, Rollout
         self._stop_router()
         for s in self.servers:
             stop_server(s)
+        if getattr(self, "routing_decoder", None) is not None:
+            self.routing_decoder.close()

@@ -90,7 +90,8 @@ class Interruptible:
                 self._partial_running[id(r)] = (r, self._partial_pool.submit(self._run_partial, r, payload))
 
     def partial_inflight(self) -> int:
-        """How many requests :meth:`submit` keeps in flight: ``FleetConfig.partial_inflight`` if set,
+        """How many requests :meth:`submit` (and ``generate`` and ``score``: ``dispatch.py``'s ``_run_all``)
+        keep in flight: ``FleetConfig.partial_inflight`` if set,
         else the fleet's running-request :meth:`slots`, at most :data:`MAX_PARTIAL_INFLIGHT`. One
         request a slot keeps each server's batch full; more would only queue on the servers, where an
         interrupt has to abort them too."""
