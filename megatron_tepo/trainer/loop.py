@@ -57,6 +57,7 @@ from typing import Callable, Dict, List, Optional
 from megatron_tepo.algorithms import PolicyLoss, stale_sequence_ratio_warning
 from megatron_tepo.algorithms.drift import DriftCheck
 from megatron_tepo.config import RunConfig
+from megatron_tepo.rollout.engine import RolloutEngine
 from megatron_tepo.trainer.driver import Driver, FollowerEngine
 from megatron_tepo.trainer.policy import Policy
 from megatron_tepo.trainer.groups import Generated, GroupProducer, Task, generate_groups
@@ -71,7 +72,7 @@ __all__ = ["train", "Run", "Task", "NoUpdateError", "generate_groups", "evaluate
            "policy_update", "no_update_cause", "stalled_message", "Driver", "FollowerEngine", "data_parallel_coords"]
 
 
-def train(cfg: RunConfig, actor: Policy, engine, task: Task, logger=None,
+def train(cfg: RunConfig, actor: Policy, engine: Optional[RolloutEngine], task: Task, logger=None,
           on_step: Optional[Callable[[int, Dict], None]] = None,
           eval_fn: Optional[Callable[[], Dict[str, float]]] = None,
           checkpoint_root: Optional[Path] = None, extra_state: Optional[Dict] = None,
@@ -129,8 +130,8 @@ class Run:
     :class:`~megatron_tepo.trainer.run_state.Checkpoints`, the hooks (``logger``, ``on_step``,
     ``eval_fn``, ``report``: the driver's only) and the metrics so far (``history``)."""
 
-    def __init__(self, cfg: RunConfig, actor: Policy, engine, task: Task, *, logger=None, on_step=None, eval_fn=None,
-                 report=None, checkpoints=(None, None), extra_state: Optional[Dict] = None):
+    def __init__(self, cfg: RunConfig, actor: Policy, engine: Optional[RolloutEngine], task: Task, *, logger=None,
+                 on_step=None, eval_fn=None, report=None, checkpoints=(None, None), extra_state: Optional[Dict] = None):
         if cfg.algorithm.kl_target != "old":
             raise NotImplementedError("algorithm.kl_target: 'ref' needs a reference policy, not wired yet")
         self.cfg, self.actor, self.task = cfg, actor, task
