@@ -256,6 +256,12 @@ class EmbeddedEngine(RolloutEngine):
                 samples[-1].routed_experts = routing[i, first:width + len(samples[-1].token_ids) - 1].clone()
         return samples
 
+    def rng_state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
     # ------------------------------------------------------------------ interruptible generation
     interruptible = True
 

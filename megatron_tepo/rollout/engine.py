@@ -14,6 +14,19 @@ prompt + partial response. In colocated
 mode an engine also releases and takes back its device memory (:meth:`RolloutEngine.release_memory`,
 :meth:`RolloutEngine.resume_memory`) while the actor uses the same GPUs.
 
+The contract is closed: everything the trainer reads of an engine is declared on
+:class:`RolloutEngine`, with a default where an engine has nothing to say -- whether it is
+:attr:`~RolloutEngine.interruptible`, the step's and the fleet's metrics
+(:meth:`~RolloutEngine.step_metrics`, :meth:`~RolloutEngine.health_metrics`), its sampling RNG's
+state for a checkpoint (:meth:`~RolloutEngine.rng_state`, :meth:`~RolloutEngine.set_rng_state`) and
+the weight sync it pushes with (:attr:`~RolloutEngine.weight_sync`). The trainer calls them as they
+are (no ``getattr`` / ``hasattr`` on an engine outside ``rollout/``); a wrapper (the episode engine)
+forwards each by name.
+
+A loss mask has one convention in every carrier of a sample (:class:`Sample`, :class:`Request`, their
+saved states): None when every token is the model's, else one entry per token (a state saved with
+the earlier ``[]`` of a :class:`Request` reads as None).
+
 A sample's and a request's saved state (a checkpoint's pending rollout or rollout buffer) is one
 round trip, :func:`to_state` / :func:`from_state`: every field of the dataclass, read from its
 definition, so a field added to :class:`Sample` or :class:`Request` is saved by every place that
@@ -131,11 +144,17 @@ class Request:
     log_probs: List[float] = field(default_factory=list)
     versions: List[int] = field(default_factory=list)
     interrupted: int = 0  # times a weight update cut it
-    # a multi-turn episode: 1 / 0 per token (the model's / the environment's; empty: all the
-    # model's) and its counts so far (turns, tool calls, ...: rollout/episode.py), which survive an
-    # interrupt
-    loss_mask: List[int] = field(default_factory=list)
+    # a multi-turn episode: 1 / 0 per token (the model's / the environment's; None: every token the
+    # model's, as in a Sample) and its counts so far (turns, tool calls, ...: rollout/episode.py),
+    # which survive an interrupt
+    loss_mask: Optional[List[int]] = None
     episode: Dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.token_ids):
+            if self.loss_mask:
+                raise ValueError(f"{len(self.token_ids)} tokens but {len(self.loss_mask)} loss-mask entries")
+            self.loss_mask = None  # (a state saved before None was the one way to say "all the model's": [])
 
     @property
     def remaining(self) -> int:
@@ -144,8 +163,8 @@ class Request:
     def extend(self, segment: "Sample", version: int) -> None:
         """Append what the engine generated under weights ``version`` since the last submit (an
         episode's segment: its turns and the environment's answers, with their loss mask and counts)."""
-        if segment.loss_mask is not None or self.loss_mask:
-            self.loss_mask = (self.loss_mask or [1] * len(self.token_ids)) + \
+        if segment.loss_mask is not None or self.loss_mask is not None:
+            self.loss_mask = (self.loss_mask if self.loss_mask is not None else [1] * len(self.token_ids)) + \
                 (list(segment.loss_mask) if segment.loss_mask is not None else [1] * len(segment.token_ids))
         self.token_ids += segment.token_ids
         self.log_probs += segment.log_probs
@@ -155,13 +174,13 @@ class Request:
 
     def restart(self) -> None:
         """Drop the response so far (it is older than the staleness bound allows)."""
-        self.token_ids, self.log_probs, self.versions, self.loss_mask, self.episode = [], [], [], [], {}
+        self.token_ids, self.log_probs, self.versions, self.loss_mask, self.episode = [], [], [], None, {}
 
     def to_sample(self, finish_reason: str) -> "Sample":
         """The response so far as a :class:`Sample` (with its versions, and an episode's loss mask
         and counts)."""
         return Sample(list(self.token_ids), list(self.log_probs), finish_reason, versions=list(self.versions),
-                      loss_mask=list(self.loss_mask) if self.loss_mask else None,
+                      loss_mask=list(self.loss_mask) if self.loss_mask is not None else None,
                       meta={"episode": dict(self.episode)} if self.episode else {})
 
 
@@ -184,6 +203,11 @@ class RolloutEngine(abc.ABC):
     # ---------------------------------------------------------------- interruptible generation
     #: whether :meth:`submit`, :meth:`collect` and :meth:`interrupt` work (partial rollout)
     interruptible: bool = False
+
+    #: what :meth:`update_weights` pushes the weights with, where the engine has one (the SGLang
+    #: fleet's :class:`~megatron_tepo.rollout.sglang.weight_sync.WeightSync`, a follower rank's);
+    #: None: the engine loads the tensors itself
+    weight_sync = None
 
     def submit(self, requests: Sequence[Request], params: SamplingParams) -> None:
         """Start generating each request's continuation (from ``prompt + token_ids``, for its
@@ -235,6 +259,15 @@ class RolloutEngine(abc.ABC):
         """What the engine survived since the last call (servers that died, restarted, were
         re-synced ...), for the step metrics; each event in exactly one call. None here."""
         return {}
+
+    def rng_state(self) -> Optional[torch.Tensor]:
+        """The state of the RNG the engine samples with, for a checkpoint (a resumed run then samples
+        exactly as the run would have); None: the engine has none it can save (a server samples with
+        its own)."""
+        return None
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        """:meth:`rng_state` of a checkpoint, read back (nothing here: an engine without one)."""
 
     def close(self) -> None:
         """Free the engine's resources; the engine is unusable afterwards."""

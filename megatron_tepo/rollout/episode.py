@@ -162,7 +162,10 @@ class _Episode:
 class EpisodeEngine(RolloutEngine):
     """``engine`` running episodes with ``env`` (see the module docstring); ``fmt`` puts the
     environment's answers into the model's chat template. The wrapped engine must be interruptible
-    (``submit`` / ``collect`` / ``interrupt``): each turn is one request."""
+    (``submit`` / ``collect`` / ``interrupt``): each turn is one request. What the trainer reads of
+    an engine beyond the episodes (its weight update and weight sync, memory, scoring, metrics, the
+    sampling RNG's state) is forwarded to the wrapped engine method by method, as
+    :class:`~megatron_tepo.rollout.engine.RolloutEngine` declares it."""
 
     interruptible = True
 
@@ -177,10 +180,17 @@ class EpisodeEngine(RolloutEngine):
         self._ready: List[Tuple[Request, Sample]] = []
         self._params: Optional[SamplingParams] = None
 
-    # ------------------------------------------------------------------ what the engine does itself
+    # ------------------------------------------------------------------ what the wrapped engine does
+    # (each part of the engine contract forwarded by name: there is no catch-all)
     @property
-    def generator(self):  # (the sampling RNG a checkpoint keeps)
-        return getattr(self.engine, "generator", None)
+    def weight_sync(self):  # what its weight update pushes with (a fleet's)
+        return self.engine.weight_sync
+
+    def rng_state(self) -> Optional[torch.Tensor]:
+        return self.engine.rng_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.engine.set_rng_state(state)
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named_tensors)
@@ -218,11 +228,6 @@ class EpisodeEngine(RolloutEngine):
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.env.close()
         self.engine.close()
-
-    def __getattr__(self, name):  # (what a launcher or a weight sync reads of the engine: its weight_sync ...)
-        if name == "engine":
-            raise AttributeError(name)
-        return getattr(self.engine, name)
 
     # ------------------------------------------------------------------ episodes
     def generate(self, prompts: List[List[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
@@ -371,14 +376,13 @@ class EpisodeEngine(RolloutEngine):
 
 
 # ---------------------------------------------------------------------- what a step reads of episodes
-def current_turn(token_ids: Sequence[int], loss_mask: Sequence[int]) -> List[int]:
+def current_turn(token_ids: Sequence[int], loss_mask: Optional[Sequence[int]]) -> List[int]:
     """The ids of a response's unfinished model turn: those after the environment's last answer
     when the response ends with the model's ids (an episode cut mid-turn); empty when it is empty
-    or ends with an answer (ready for its next turn). ``loss_mask`` empty: every id is the model's."""
+    or ends with an answer (ready for its next turn). ``loss_mask`` None: every id is the model's."""
     if not token_ids or (loss_mask and not loss_mask[-1]):
         return []
-    mask = list(loss_mask) or [1] * len(token_ids)
-    last_env = max((i for i, m in enumerate(mask) if not m), default=-1)
+    last_env = max((i for i, m in enumerate(loss_mask or ()) if not m), default=-1)
     return list(token_ids[last_env + 1:])
 
 

@@ -20,7 +20,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from megatron_tepo.algorithms.drift import DriftCheck
-from megatron_tepo.rollout.engine import gathered_tensors
+from megatron_tepo.rollout.engine import RolloutEngine, gathered_tensors
 
 try:
     import torch.distributed as dist
@@ -121,11 +121,12 @@ class Driver:
         return check.report(mean, float(mx), tokens, warn=warn and self.is_driver)
 
 
-class FollowerEngine:
+class FollowerEngine(RolloutEngine):
     """What a rank other than the driver holds in place of the rollout engine: it takes part in
     the weight sync (the export is collective; with a fleet, ``weight_sync`` is a
     :class:`~megatron_tepo.rollout.sglang.weight_sync.WeightSync` with ``is_sender=False``, so its export
-    calls match the sender's) and refuses to generate."""
+    calls match the sender's) and refuses to generate. The rest of the engine contract keeps its
+    defaults (no metrics, no sampling RNG, not interruptible)."""
 
     def __init__(self, weight_sync=None):
         self.weight_sync = weight_sync

@@ -4,14 +4,15 @@ log-probs -> N policy updates -> weight sync -> log / evaluate / save.
 :func:`train` is the whole loop on one screen: a :class:`Run` (the run's parts and state), then
 for every step the phases of :data:`~megatron_tepo.trainer.step.STEP`, one verb each
 (:mod:`megatron_tepo.trainer.step`). The parts are modules of their own: the driver / follower
-protocol (:mod:`.driver`), the rollout and the evaluation (:mod:`.rollouts`), the run state and
+protocol (:mod:`.driver`), the group producer (:mod:`.groups`: prompts, sampling, reward, dynamic
+sampling, the step's statistics), the evaluation (:mod:`.rollouts`), the run state and
 its checkpoint plumbing (:mod:`.run_state`), the stall messages (:mod:`.stalls`), the watchdog
 (:mod:`.watchdog`). Everything algorithmic comes from ``megatron_tepo.algorithms`` through the run
 config, so every loss and ablation config runs through it unchanged.
 
 Checkpoints hold the actor (model, optimizer, LR schedule, RNG: ``MegatronActor.save_checkpoint``)
-plus the loop's own state (step, prompt order and RNG, the engine's sampling RNG, and with
-one-step-off generation the next step's rollout), written atomically; a resumed run continues
+plus the loop's own state (step, the prompt stream: order and RNG, the engine's sampling RNG, and
+with one-step-off generation the next step's rollout), written atomically; a resumed run continues
 exactly (tested with a SIGKILL). With ``train.async_save`` (the default) the tensors are written
 in the background while the next step generates: it is complete and published before that step's
 first update (so a run stopped in that step resumes from it), and the run finishes its last one
@@ -56,9 +57,11 @@ from typing import Callable, Dict, List, Optional
 from megatron_tepo.algorithms import PolicyLoss, stale_sequence_ratio_warning
 from megatron_tepo.algorithms.drift import DriftCheck
 from megatron_tepo.config import RunConfig
+from megatron_tepo.rollout.engine import RolloutEngine
 from megatron_tepo.trainer.driver import Driver, FollowerEngine
 from megatron_tepo.trainer.policy import Policy
-from megatron_tepo.trainer.rollouts import Generated, Task, evaluate, generate_groups, sync_weights
+from megatron_tepo.trainer.groups import Generated, GroupProducer, Task, generate_groups
+from megatron_tepo.trainer.rollouts import evaluate, sync_weights
 from megatron_tepo.trainer.run_state import Checkpoints, RunState
 from megatron_tepo.trainer.sources import RolloutSource, source_of
 from megatron_tepo.trainer.stalls import NoUpdateError, no_update_cause, stalled_message
@@ -69,7 +72,7 @@ __all__ = ["train", "Run", "Task", "NoUpdateError", "generate_groups", "evaluate
            "policy_update", "no_update_cause", "stalled_message", "Driver", "FollowerEngine", "data_parallel_coords"]
 
 
-def train(cfg: RunConfig, actor: Policy, engine, task: Task, logger=None,
+def train(cfg: RunConfig, actor: Policy, engine: Optional[RolloutEngine], task: Task, logger=None,
           on_step: Optional[Callable[[int, Dict], None]] = None,
           eval_fn: Optional[Callable[[], Dict[str, float]]] = None,
           checkpoint_root: Optional[Path] = None, extra_state: Optional[Dict] = None,
@@ -119,19 +122,22 @@ def train(cfg: RunConfig, actor: Policy, engine, task: Task, logger=None,
 class Run:
     """One run's parts and state, as the phases of a step read and change them: the config, the
     actor, the engine (a :class:`FollowerEngine` on ranks other than the driver), the task, the
-    loss (built once), the schedule's rollout source (:mod:`~megatron_tepo.trainer.sources`), the
-    :class:`Driver`, this rank's :class:`Watchdog`, the data-parallel coordinates, the
+    loss (built once), the group producer (:class:`~megatron_tepo.trainer.groups.GroupProducer`,
+    drawing from the run state's prompt stream), the schedule's rollout source
+    (:mod:`~megatron_tepo.trainer.sources`), the :class:`Driver`, this rank's :class:`Watchdog`, the
+    data-parallel coordinates, the
     :class:`~megatron_tepo.trainer.run_state.RunState` and its
     :class:`~megatron_tepo.trainer.run_state.Checkpoints`, the hooks (``logger``, ``on_step``,
     ``eval_fn``, ``report``: the driver's only) and the metrics so far (``history``)."""
 
-    def __init__(self, cfg: RunConfig, actor: Policy, engine, task: Task, *, logger=None, on_step=None, eval_fn=None,
-                 report=None, checkpoints=(None, None), extra_state: Optional[Dict] = None):
+    def __init__(self, cfg: RunConfig, actor: Policy, engine: Optional[RolloutEngine], task: Task, *, logger=None,
+                 on_step=None, eval_fn=None, report=None, checkpoints=(None, None), extra_state: Optional[Dict] = None):
         if cfg.algorithm.kl_target != "old":
             raise NotImplementedError("algorithm.kl_target: 'ref' needs a reference policy, not wired yet")
         self.cfg, self.actor, self.task = cfg, actor, task
         self.loss = PolicyLoss.from_config(cfg.algorithm)  # the loss, built once: the actor only calls it
         self.state = RunState.new(cfg, len(task.train_prompts), extra_state)
+        self.producer = GroupProducer(task, cfg, self.state.stream)  # every schedule's groups
         self.history: List[Dict[str, float]] = []
         self.drift_check = DriftCheck(mean_threshold=cfg.rollout.drift_warn_mean,
                                       max_threshold=cfg.rollout.drift_warn_max, prefix="drift")
@@ -173,14 +179,8 @@ class Run:
             self.logger.truncate_after(self.state.start - 1)
 
     def generate_rollout(self, version: int) -> Generated:
-        """On the driver: the next prompts, sampled and scored (with the fleet's health counts)."""
-        cfg, state = self.cfg, self.state
-        state.rng.shuffle(state.order)
-        prompts, groups, rewards, stats = generate_groups(self.engine, self.task,
-                                                          state.order[:cfg.rollout.prompts_per_step], cfg, state.rng)
-        health = getattr(self.engine, "health_metrics", dict)()  # servers lost, restarted, re-synced since
-        episodes = getattr(self.engine, "step_metrics", lambda p, g: {})(prompts, groups)  # (multi-turn)
-        return Generated(prompts, groups, rewards, {**stats, **episodes, **health}, version)
+        """On the driver: the next step's groups, generated now with the weights ``version``."""
+        return self.producer.step(self.engine, version)
 
 
 def data_parallel_coords(actor: Policy) -> tuple:

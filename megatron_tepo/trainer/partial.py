@@ -2,16 +2,17 @@
 
 :class:`RolloutBuffer` keeps the engine generating while the actor trains, across steps:
 
-* **Groups in flight.** Prompts are drawn in a shuffled order of their own (reshuffled each pass
-  over the prompts); each drawn prompt is a *group* of ``n_samples`` requests
+* **Groups in flight.** Prompts are drawn one at a time from the run's prompt stream (the group
+  producer's, :class:`~megatron_tepo.trainer.groups.GroupProducer`: a shuffled order read pass by
+  pass); each drawn prompt is a *group* of ``n_samples`` requests
   (:class:`~megatron_tepo.rollout.engine.Request`, one sample each), submitted to the engine
   (:meth:`~megatron_tepo.rollout.engine.RolloutEngine.submit`). At most ``max_inflight_groups``
   groups are drawn and not yet handed to a step (generating, or complete and waiting); a feeder
   thread tops them up as groups leave and collects what the engine finished.
-* **A group is complete when all its samples are**: it is then scored (the task's reward) and,
-  with DAPO's dynamic sampling, dropped when its rewards are all equal (a fresh prompt takes its
-  place). :meth:`take` hands a step the ``want`` groups drawn first, in the order their prompts
-  were drawn, once all of them are complete, or once ``(max_sampling_rounds - 1) x want`` groups
+* **A group is complete when all its samples are**: it is then judged by the producer (the task's
+  reward and, with DAPO's dynamic sampling, dropped when its rewards are all equal: a fresh prompt
+  takes its place). :meth:`take` hands a step the ``want`` groups drawn first, in the order their
+  prompts were drawn, once all of them are complete, or once ``(max_sampling_rounds - 1) x want`` groups
   (at least ``want``) were dropped since the last step (then the complete ones among them, as the
   synchronous loop trains on what its rounds kept). A group
   drawn later never overtakes an earlier one: taking whatever completes first would favour short
@@ -31,7 +32,8 @@
   is lost and the group structure holds.
 * **Exact resume.** :meth:`snapshot` is the buffer as :meth:`resume` left it (before anything was
   submitted again): every group not yet trained, with its samples' tokens, log-probs, versions
-  and rewards, and the prompt order's state. A checkpoint written at that step holds it; a run
+  and rewards, and the prompt stream's state then (:data:`STREAM_KEY`; a checkpoint keeps that in
+  the run state, once). A checkpoint written at that step holds it; a run
   resumed from it continues the same groups (``resumed_from_checkpoint``: the partial responses
   it carried). The ledger (``rollout_ledger.jsonl`` beside the checkpoints) says, per step, which
   groups it trained on and which were dropped: every drawn prompt is trained once, dropped, or
@@ -50,7 +52,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -59,17 +60,17 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_tepo.algorithms import filter_groups
-from megatron_tepo.rewards import scores_and_counts
-from megatron_tepo.rollout.episode import final_turn
-from megatron_tepo.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, Sample, SamplingParams,
+from megatron_tepo.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, RolloutEngine, Sample,
                                           from_state, to_state)
+from megatron_tepo.trainer.groups import GroupProducer, add_counts
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RolloutBuffer", "GroupState", "BUFFER_FILE", "staleness_metrics"]
+__all__ = ["RolloutBuffer", "GroupState", "BUFFER_FILE", "STREAM_KEY", "staleness_metrics"]
 
 BUFFER_FILE = "rollout_buffer.pt"
+#: the snapshot's key of the prompt stream's state at the update (kept in the run state, not the file)
+STREAM_KEY = "stream"
 
 
 @dataclass
@@ -88,16 +89,19 @@ class GroupState:
 
 
 class RolloutBuffer:
-    """The driver's rollout across steps (see the module docstring). ``version``: the version of
-    the weights the engine holds now; ``snapshot``: a :meth:`snapshot` to continue from."""
+    """The driver's rollout across steps (see the module docstring): ``producer``'s groups generated
+    by ``engine``. ``version``: the version of the weights the engine holds now; ``snapshot``: a
+    :meth:`snapshot` to continue from."""
 
-    def __init__(self, engine, task, cfg, version: int, snapshot: Optional[Dict] = None,
+    def __init__(self, engine: RolloutEngine, producer: GroupProducer, version: int, snapshot: Optional[Dict] = None,
                  ledger: Optional[Path] = None):
+        cfg = producer.cfg
         r = cfg.rollout
-        if not getattr(engine, "interruptible", False):
+        if not engine.interruptible:
             raise ValueError(f"rollout.partial_rollout: the engine {type(engine).__name__} cannot interrupt and "
                              f"resume requests; set rollout.partial_rollout: false")
-        self.engine, self.task, self.cfg = engine, task, cfg
+        self.engine, self.producer, self.task, self.cfg = engine, producer, producer.task, cfg
+        self.stream = producer.stream
         self.n, self.want, self.bound = r.n_samples, r.prompts_per_step, r.max_staleness
         fitting = default_inflight_groups(r.max_staleness, r.prompts_per_step)
         self.max_groups = r.max_inflight_groups or fitting
@@ -106,14 +110,10 @@ class RolloutBuffer:
                         "(%d): groups drawn more than %d step(s) ahead hold tokens too old to train on by then and "
                         "start again from their prompts (stale_regenerated)", self.max_groups, fitting,
                         max(1, r.max_staleness))
-        self.params = SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p,
-                                     max_new_tokens=r.max_new_tokens, stop_token_ids=task.stop_token_ids)
+        self.params = producer.partial_params()
         self.version = version
         self.groups: Dict[int, GroupState] = {}
-        self.rng = random.Random(cfg.train.seed)
-        self.order = list(range(len(task.train_prompts)))
-        self.rng.shuffle(self.order)
-        self.cursor, self.next_gid = 0, 0
+        self.next_gid = 0
         self.resumed_from_checkpoint = 0
         self.ledger = ledger
         self.dropped: List[List[int]] = []  # [gid, prompt index] dropped by dynamic sampling since the last take
@@ -135,11 +135,12 @@ class RolloutBuffer:
         """Submit every unfinished request (a resumed buffer's included) and let the feeder run."""
         return self.resume(self.version)
 
-    def take(self, step: int) -> Tuple[List[List[int]], list, torch.Tensor, Dict[str, float]]:
+    def take(self, step: int) -> Tuple[List[int], list, torch.Tensor, Dict[str, float]]:
         """Step ``step``'s groups: the ``want`` groups drawn first, once all are complete (fewer,
-        the complete ones among them, when dynamic sampling ran out of rounds). Returns (prompts, samples per group, rewards as one
-        tensor in group order, stats). With a ledger, one line says which groups (drawing order,
-        prompt index) the step trains on and which dynamic sampling dropped since the last step."""
+        the complete ones among them, when dynamic sampling ran out of rounds). Returns (their
+        prompts' indices, samples per group, rewards as one tensor in group order, stats). With a
+        ledger, one line says which groups (drawing order, prompt index) the step trains on and
+        which dynamic sampling dropped since the last step."""
         # dynamic sampling's bound: a dropped group's place goes to the next one drawn, and after
         # (max_sampling_rounds - 1) x want drops (at least want) the step takes what is complete
         limit = max(self.cfg.rollout.max_sampling_rounds - 1, 1) * self.want
@@ -165,16 +166,14 @@ class RolloutBuffer:
             self.ledger.parent.mkdir(parents=True, exist_ok=True)
             with open(self.ledger, "a") as f:
                 f.write(json.dumps(line) + "\n")
-        prompts = [self.task.train_prompts[g.prompt_index] for g in chosen]
         groups = [[r.to_sample(g.finish[k]) for k, r in enumerate(g.requests)] for g in chosen]
         rewards = torch.cat([g.rewards for g in chosen]) if chosen else torch.zeros(0)
         for g in chosen:
-            for k, v in g.counts.items():
-                stats[k] = stats.get(k, 0) + v
+            add_counts(stats, g.counts)
         stats["sampling_rounds"] = 1.0
         if chosen:
             stats["reward_mean_all"] = float(rewards.mean())
-        return prompts, groups, rewards, stats
+        return [g.prompt_index for g in chosen], groups, rewards, stats
 
     def pause(self) -> None:
         """Park the feeder and interrupt the engine: when it returns nothing generates, and every
@@ -297,11 +296,7 @@ class RolloutBuffer:
             self._submit(new)
 
     def _draw(self) -> GroupState:
-        if self.cursor >= len(self.order):
-            self.rng.shuffle(self.order)
-            self.cursor = 0
-        index = self.order[self.cursor]
-        self.cursor += 1
+        index = self.stream.next()
         prompt = list(self.task.train_prompts[index])
         g = GroupState(self.next_gid, index, [Request(prompt, self.params.max_new_tokens, key=(self.next_gid, k))
                                               for k in range(self.n)], [None] * self.n)
@@ -329,7 +324,7 @@ class RolloutBuffer:
         req.extend(seg, self.version)
         self._tokens += len(seg.token_ids)
         reason = seg.finish_reason
-        if reason == FINISH_ABORT and req.token_ids and not (req.loss_mask and not req.loss_mask[-1]):
+        if reason == FINISH_ABORT and req.token_ids and (req.loss_mask is None or req.loss_mask[-1]):
             # cut as it ended: its stop token or its last allowed token is in (an abort can answer
             # after the request's last decode step)
             if req.token_ids[-1] in self.params.stop_token_ids:
@@ -345,13 +340,12 @@ class RolloutBuffer:
             self._score(g)
 
     def _score(self, g: GroupState) -> None:
-        """A complete group: its rewards; dropped when they are all equal (dynamic sampling)."""
-        answer = self.task.train_answers[g.prompt_index]
-        scores, counts = scores_and_counts(self.task.reward_fn([final_turn(r.to_sample(FINISH_STOP)) for r in g.requests],
-                                                               [answer] * self.n))
-        g.rewards, g.counts = torch.tensor(scores, dtype=torch.float32), counts
+        """A complete group, judged by the producer: its rewards; dropped when they are all equal
+        (dynamic sampling)."""
+        g.rewards, g.counts, (keep,) = self.producer.judge([g.prompt_index], [[r.to_sample(FINISH_STOP)
+                                                                                for r in g.requests]])
         self._stats["groups_generated"] += 1
-        if self.cfg.rollout.dynamic_sampling and not bool(filter_groups(g.rewards, self.n).keep_groups[0]):
+        if not keep:
             self._stats["groups_dropped"] += 1
             self.dropped.append([g.gid, g.prompt_index])
             del self.groups[g.gid]
@@ -368,16 +362,20 @@ class RolloutBuffer:
 
     # ------------------------------------------------------------------ state
     def _state(self) -> Dict:
-        return {"version": self.version, "rng": _rng_state(self.rng), "order": list(self.order),
-                "cursor": self.cursor, "next_gid": self.next_gid, "dropped": [list(d) for d in self.dropped],
+        return {"version": self.version, STREAM_KEY: self.stream.state(), "next_gid": self.next_gid,
+                "dropped": [list(d) for d in self.dropped],
                 "groups": [{"gid": g.gid, "prompt_index": g.prompt_index, "finish": list(g.finish),
                             "rewards": None if g.rewards is None else g.rewards.clone(), "counts": dict(g.counts),
                             "requests": [to_state(r) for r in g.requests]}
                            for g in sorted(self.groups.values(), key=lambda g: g.gid)]}
 
     def _load(self, snap: Dict) -> None:
-        self.rng.setstate(_rng_from(snap["rng"]))
-        self.order, self.cursor, self.next_gid = list(snap["order"]), int(snap["cursor"]), int(snap["next_gid"])
+        # the stream: the run state restored it; a snapshot held in memory carries it under STREAM_KEY,
+        # and one written before the stream was the run's holds it at the top (rng, order, cursor)
+        stream = snap.get(STREAM_KEY, snap if "rng" in snap else None)
+        if stream is not None:
+            self.stream.restore(stream)
+        self.next_gid = int(snap["next_gid"])
         self.dropped = [list(d) for d in snap["dropped"]]
         self.groups = {}
         for d in snap["groups"]:
@@ -394,16 +392,6 @@ def default_inflight_groups(max_staleness: int, prompts_per_step: int) -> int:
     k + G / prompts_per_step at the earliest (the steps take groups in the order they were drawn),
     when its first tokens are that many versions old; beyond N steps ahead it is regenerated."""
     return max(1, max_staleness) * prompts_per_step
-
-
-def _rng_state(rng: random.Random) -> list:
-    version, internal, gauss = rng.getstate()
-    return [version, list(internal), gauss]
-
-
-def _rng_from(state: list) -> tuple:
-    version, internal, gauss = state
-    return version, tuple(internal), gauss
 
 
 def staleness_metrics(groups, step: int) -> Dict[str, float]:

@@ -1,11 +1,14 @@
 """What a run carries from step to step besides the actor, and how it rides in the actor's
 checkpoints so that a resumed run continues exactly (tested with a SIGKILL).
 
-:class:`RunState`: the prompt order and its RNG, the step the run starts at, the count of steps in
-a row without an update (``fault.max_steps_without_update``: a resumed run goes on counting) and
-the caller's JSON state. :meth:`RunState.to_checkpoint` is the JSON the actor's checkpoint keeps
-(with the engine's sampling RNG); what the schedule's rollout source carries between steps (the
-next step's rollout one step off, the partial-rollout buffer:
+:class:`RunState`: the prompt stream (:class:`~megatron_tepo.trainer.groups.PromptStream`: the
+order, its RNG and its cursor, saved once, as the rollout source says it stood:
+:meth:`~megatron_tepo.trainer.sources.RolloutSource.stream_state`), the step the run starts at, the
+count of steps in a row without an update (``fault.max_steps_without_update``: a resumed run goes
+on counting) and the caller's JSON state. :meth:`RunState.to_checkpoint` is the JSON the actor's
+checkpoint keeps (with the engine's sampling RNG:
+:meth:`~megatron_tepo.rollout.engine.RolloutEngine.rng_state`); what the schedule's rollout source
+carries between steps (the next step's rollout one step off, the partial-rollout buffer:
 :class:`~megatron_tepo.trainer.sources.RolloutSource`) goes into the source's file beside it, under
 the source's key; :meth:`RunState.restore` and :meth:`Checkpoints.resume` read both back.
 :class:`Checkpoints` is the run's plumbing: which steps save (``train.save_every`` and always the
@@ -18,68 +21,67 @@ the store (:mod:`megatron_tepo.checkpoint.store`) and what a source's state hold
 """
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
 from megatron_tepo.checkpoint.store import prune_checkpoints, remove_partial_checkpoints
 from megatron_tepo.config import RunConfig
+from megatron_tepo.rollout.engine import RolloutEngine
 from megatron_tepo.trainer.driver import Driver
+from megatron_tepo.trainer.groups import PromptStream
 from megatron_tepo.trainer.policy import Policy
 from megatron_tepo.trainer.sources import OneStepOff, Partial, RolloutSource
 
 __all__ = ["RunState", "Checkpoints", "LOOP_KEYS"]
 
 #: the loop state's own keys (every other key is the caller's JSON state); the sources' keys among them
-LOOP_KEYS = ("step", "rng", "order", "engine_rng", "steps_without_update", OneStepOff.state_key, Partial.state_key)
+LOOP_KEYS = ("step", "rng", "order", "cursor", "engine_rng", "steps_without_update", OneStepOff.state_key,
+             Partial.state_key)
 
 
-def _loop_state(step: int, rng: random.Random, order: List[int], engine, extra: Dict, stalled: int = 0,
+def _loop_state(step: int, stream: Dict, engine: RolloutEngine, extra: Dict, stalled: int = 0,
                 source: Optional[RolloutSource] = None) -> Dict:
-    """Everything besides the actor that a resumed run needs to continue exactly (JSON; what the
-    rollout source carries goes into its file beside it, named under its key)."""
-    version, internal, gauss = rng.getstate()
-    gen = getattr(engine, "generator", None)
+    """Everything besides the actor that a resumed run needs to continue exactly (JSON; ``stream``:
+    the prompt stream's state; what the rollout source carries goes into its file beside it, named
+    under its key)."""
+    engine_rng = engine.rng_state()
     carried = {k: None for k in (OneStepOff.state_key, Partial.state_key)}
     if source is not None and source.state_key and source.state() is not None:
         carried[source.state_key] = source.state_file
-    return {"step": step, "rng": [version, list(internal), gauss], "order": order,
-            "engine_rng": gen.get_state().tolist() if gen is not None else None,
+    return {"step": step, **stream, "engine_rng": engine_rng.tolist() if engine_rng is not None else None,
             "steps_without_update": stalled, **carried, **extra}
 
 
-def _restore_loop_state(state: Dict, rng: random.Random, order: List[int], engine) -> int:
-    version, internal, gauss = state["rng"]
-    rng.setstate((version, tuple(internal), gauss))
-    order[:] = state["order"]
-    if state.get("engine_rng") is not None and getattr(engine, "generator", None) is not None:
-        engine.generator.set_state(torch.tensor(state["engine_rng"], dtype=torch.uint8))
+def _restore_loop_state(state: Dict, stream: PromptStream, engine: RolloutEngine) -> int:
+    stream.restore(state)
+    if state.get("engine_rng") is not None:
+        engine.set_rng_state(torch.tensor(state["engine_rng"], dtype=torch.uint8))
     return int(state["step"])
 
 
 @dataclass
 class RunState:
     """Everything besides the actor that a run carries from step to step (see the module docstring)."""
-    rng: random.Random
-    order: List[int]
+    stream: PromptStream  # the prompts' order and RNG (the group producer draws from it)
     extra: Dict = field(default_factory=dict)  # the caller's JSON state, saved with each checkpoint
     start: int = 1  # the first step this process runs
     stalled: int = 0  # steps in a row without an update (fault.max_steps_without_update)
 
     @classmethod
     def new(cls, cfg: RunConfig, n_prompts: int, extra: Optional[Dict] = None) -> "RunState":
-        return cls(random.Random(cfg.train.seed), list(range(n_prompts)), extra if extra is not None else {})
+        return cls(PromptStream.seeded(n_prompts, cfg.train.seed), extra if extra is not None else {})
 
-    def to_checkpoint(self, step: int, engine, source: Optional[RolloutSource] = None) -> Dict:
-        return _loop_state(step, self.rng, self.order, engine, self.extra, self.stalled, source)
+    def to_checkpoint(self, step: int, engine: RolloutEngine, source: Optional[RolloutSource] = None) -> Dict:
+        stream = source.stream_state(self.stream) if source is not None else self.stream.state()
+        return _loop_state(step, stream, engine, self.extra, self.stalled, source)
 
-    def restore(self, state: Dict, engine) -> None:
+    def restore(self, state: Dict, engine: RolloutEngine) -> None:
         """The state saved at a step (the run continues at the next one); the rollout source's is
         read by :meth:`Checkpoints.resume`, on the driver."""
-        self.start = _restore_loop_state(state, self.rng, self.order, engine) + 1
+        self.start = _restore_loop_state(state, self.stream, engine) + 1
         self.stalled = int(state.get("steps_without_update", 0))  # (0 in checkpoints written before it was saved)
         self.extra.update({k: v for k, v in state.items() if k not in LOOP_KEYS})
 

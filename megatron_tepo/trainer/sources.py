@@ -10,7 +10,12 @@ verbs (:mod:`megatron_tepo.trainer.step`) call without knowing which schedule ru
 * :class:`Partial` (``rollout.partial_rollout``): the driver's
   :class:`~megatron_tepo.trainer.partial.RolloutBuffer` keeps the engine generating across steps;
   the weight sync interrupts the requests in flight and resumes them under the new weights. A
-  checkpoint keeps the buffer (:data:`~megatron_tepo.trainer.partial.BUFFER_FILE`).
+  checkpoint keeps the buffer (:data:`~megatron_tepo.trainer.partial.BUFFER_FILE`), and the prompt
+  stream as it stood at that update (:meth:`RolloutSource.stream_state`).
+
+Every schedule's groups come from the run's one group producer
+(:class:`~megatron_tepo.trainer.groups.GroupProducer`: prompts, sampling parameters, reward, dynamic
+sampling, the step's statistics); the sources differ only in when they ask it for groups.
 
 Every rank holds the same source (the schedule is the config's); each method is called on every
 rank at the same point and does its driver-side work through the run's
@@ -18,7 +23,7 @@ rank at the same point and does its driver-side work through the run's
 What a source saves goes through one sample round trip
 (:func:`~megatron_tepo.rollout.engine.to_state` / :func:`~megatron_tepo.rollout.engine.from_state`).
 
-Left out: generating and scoring a rollout (:mod:`megatron_tepo.trainer.rollouts`, through
+Left out: generating and scoring a rollout (:mod:`megatron_tepo.trainer.groups`, through
 ``Run.generate_rollout``), the buffer's own rules (:mod:`megatron_tepo.trainer.partial`), the
 checkpoint plumbing that writes a source's state (:mod:`megatron_tepo.trainer.run_state`).
 """
@@ -34,8 +39,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from megatron_tepo.rollout.engine import Sample, from_state, to_state
-from megatron_tepo.trainer.partial import BUFFER_FILE, RolloutBuffer, read_buffer, staleness_metrics, write_buffer
-from megatron_tepo.trainer.rollouts import Generated
+from megatron_tepo.trainer.partial import (BUFFER_FILE, STREAM_KEY, RolloutBuffer, read_buffer, staleness_metrics,
+                                           write_buffer)
+from megatron_tepo.trainer.groups import Generated, PromptStream
 
 __all__ = ["RolloutSource", "Synchronous", "OneStepOff", "Partial", "source_of", "PENDING_FILE",
            "generated_to_state", "generated_from_state"]
@@ -86,6 +92,10 @@ class RolloutSource(abc.ABC):
 
     def read_state(self, path: Path) -> Any:
         raise NotImplementedError
+
+    def stream_state(self, stream: PromptStream) -> Dict:
+        """On the driver: the prompt stream's state a checkpoint written now keeps (as it stands)."""
+        return stream.state()
 
     def close(self, run) -> None:
         """Everything the schedule runs in the background stopped (a failed run's too)."""
@@ -165,7 +175,7 @@ class Partial(RolloutSource):
     def start(self, run, version: int) -> None:
         def start():
             root = run.checkpoints.root
-            self.buffer = RolloutBuffer(run.engine, run.task, run.cfg, version, snapshot=self.saved,
+            self.buffer = RolloutBuffer(run.engine, run.producer, version, snapshot=self.saved,
                                         ledger=Path(root) / "rollout_ledger.jsonl" if root else None)
             self.buffer.start()
             self.first = {"resumed_from_checkpoint": float(self.buffer.resumed_from_checkpoint)}
@@ -175,13 +185,12 @@ class Partial(RolloutSource):
 
     def take(self, run, step) -> Generated:
         def take():
-            prompts, groups, rewards, stats = self.buffer.take(step.number)
-            stats = {**stats, **staleness_metrics(groups, step.number), **self.first,
-                     **getattr(run.engine, "step_metrics", lambda p, g: {})(prompts, groups),
-                     **getattr(run.engine, "health_metrics", dict)()}
+            indices, groups, rewards, stats = self.buffer.take(step.number)
+            stats = {**stats, **staleness_metrics(groups, step.number), **self.first}
             self.first = {}
             versions = [v for g in groups for s in g for v in (s.versions or ())]
-            return Generated(prompts, groups, rewards, stats, min(versions) if versions else step.number)
+            return run.producer.generated(run.engine, indices, groups, rewards, stats,
+                                          min(versions) if versions else step.number)
 
         return run.driver.run(take)
 
@@ -203,7 +212,12 @@ class Partial(RolloutSource):
         self.saved = payload
 
     def write_state(self, payload: Dict, path: Path) -> None:
-        write_buffer(payload, path)
+        write_buffer({k: v for k, v in payload.items() if k != STREAM_KEY}, path)  # (the stream: in the run state)
+
+    def stream_state(self, stream: PromptStream) -> Dict:
+        """The stream as it stood at the last update, with the buffer's snapshot (the feeder has
+        drawn on since)."""
+        return self.saved[STREAM_KEY] if self.saved and STREAM_KEY in self.saved else stream.state()
 
     def read_state(self, path: Path) -> Dict:
         return read_buffer(path)
@@ -225,18 +239,19 @@ def source_of(cfg) -> RolloutSource:
 def generated_to_state(g: Generated) -> Dict:
     """A step's rollout as a checkpoint keeps it: every sample through :func:`to_state`."""
     return {"prompts": g.prompts, "rewards": g.rewards, "stats": g.stats, "weights_version": g.weights_version,
-            "groups": [[to_state(s) for s in grp] for grp in g.groups]}
+            "groups": [[to_state(s) for s in grp] for grp in g.groups], "records": g.records}
 
 
 def generated_from_state(d: Dict, where: str) -> Generated:
     """:func:`generated_to_state` read back. (Files written before the round trip held each sample
-    as ``(token_ids, log_probs, finish_reason)`` and the rewards one tensor per group: read too.)"""
+    as ``(token_ids, log_probs, finish_reason)`` and the rewards one tensor per group, and files
+    written before the groups carried their records none: read too.)"""
     groups = [[from_state(Sample, s, where) if isinstance(s, dict) else Sample(list(s[0]), list(s[1]), s[2])
                for s in grp] for grp in d["groups"]]
     rewards = d["rewards"]
     if isinstance(rewards, list):
         rewards = torch.cat(rewards)
-    return Generated(d["prompts"], groups, rewards, d["stats"], int(d["weights_version"]))
+    return Generated(d["prompts"], groups, rewards, d["stats"], int(d["weights_version"]), d.get("records"))
 
 
 def _read(path: Path, what: str, parse: Callable[[Dict], Any]):

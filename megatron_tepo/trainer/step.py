@@ -46,6 +46,7 @@ class Step:
     prompts: list = field(default_factory=list)
     groups: list = field(default_factory=list)
     rewards: object = None  # one tensor, group after group
+    records: Optional[list] = None  # each group's prompt record (the data row's other fields; None: none)
     version: int = 0  # the weights the rollout was generated with (step k: the weights step k started from)
     gen: Dict = field(default_factory=dict)  # the rollout's statistics
     skipped: bool = False  # no group kept: nothing to train on
@@ -68,11 +69,12 @@ def generate(run, step: Step) -> None:
     schedule's source (:mod:`~megatron_tepo.trainer.sources`): generated now, generated while the
     previous step trained (one step off), or the buffer's complete groups (partial rollout)."""
     with run.watchdog.phase("generate"):
-        prompts, groups, rewards, gen, version = run.source.take(run, step)
+        got = run.source.take(run, step)
     step.rollout_s = time.time() - step.t0  # waiting for the rollout (generating it, when not done ahead)
-    step.prompts, step.groups, step.rewards, step.version = prompts, groups, rewards, version
-    step.gen = {**gen, "rollout_staleness": float(step.number - version)}
-    if not prompts:  # every group had equal rewards for max_sampling_rounds rounds
+    step.prompts, step.groups, step.rewards, step.version = got.prompts, got.groups, got.rewards, got.weights_version
+    step.records = got.records
+    step.gen = {**got.stats, "rollout_staleness": float(step.number - got.weights_version)}
+    if not got.prompts:  # every group had equal rewards for max_sampling_rounds rounds
         run.source.settle(run, step)
         step.skipped = True
         step.metrics = {"skipped_step": 1.0, "updates": 0.0, **step.gen, "rollout_s": step.rollout_s,

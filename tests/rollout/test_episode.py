@@ -376,3 +376,25 @@ def test_a_turn_cut_exactly_at_its_cap_ends_there_and_reaches_the_environment():
     ((_, tail),) = got
     assert [t for t, _ in env.turns][0] == TOK.decode(half) and env.turns[0][1] == 0
     assert tail.token_ids[0] == EOS  # the environment closed the capped turn as the template closes it
+
+
+def test_the_episode_engine_forwards_the_engine_contract_by_name():
+    """#57: no catch-all ``__getattr__``: what the trainer reads of an engine (the weight sync, the
+    sampling RNG's state, the fleet's health) is forwarded to the wrapped engine, each by name, and
+    nothing else is."""
+    import torch
+
+    inner = ScriptEngine(lambda prompt: [EOS])
+    got = []
+    inner.weight_sync, inner.servers = "the fleet's sync", ["a server"]
+    inner.rng_state, inner.set_rng_state = (lambda: torch.tensor([1, 2, 3], dtype=torch.uint8)), got.append
+    inner.health_metrics = lambda: {"servers_lost": 1.0}
+    engine = EpisodeEngine(inner, Scripted(), TurnFormat(TOK, EOS))
+    try:
+        assert engine.weight_sync == "the fleet's sync" and engine.rng_state().tolist() == [1, 2, 3]
+        engine.set_rng_state(torch.tensor([4], dtype=torch.uint8))
+        assert [t.tolist() for t in got] == [[4]] and engine.health_metrics() == {"servers_lost": 1.0}
+        with pytest.raises(AttributeError):
+            engine.servers  # noqa: B018 -- (not part of the contract: not forwarded)
+    finally:
+        engine.close()

@@ -4,7 +4,8 @@ checked against on the same machine (tests/trainer/test_loop.py::test_main_job_s
 It builds what ``examples/tiny_tepo/run.py`` builds (the same config and overrides, seed, warm-up,
 task, actor and embedded engine, the same held-out evaluation before training, which draws from
 the engine's sampling RNG) and then runs the textbook step, with none of the loop's own code
-(``megatron_tepo.trainer``'s ``train``, ``Run``, ``Step`` and phases, ``RunState``, checkpoints):
+(``megatron_tepo.trainer``'s ``train``, ``Run``, ``Step`` and phases, ``RunState``, the group
+producer of ``trainer/groups.py``, checkpoints):
 shuffle the prompt order, generate and score with dynamic sampling, group advantages, the batch,
 the actor's old log-probs and the drift against the engine's, one optimizer step per mini-batch,
 the weight sync. It writes one JSON line of metrics per step (the keys the loop logs that do not
@@ -47,7 +48,7 @@ def main(argv=None):
     from megatron_tepo.batch import RolloutBatch
     from megatron_tepo.config import load_config
     from megatron_tepo.trainer.main import build_actor_and_engine
-    from megatron_tepo.trainer.rollouts import Task, evaluate, generate_groups
+    from megatron_tepo.trainer.rollouts import Task, evaluate
 
     cfg = load_config([REPO / "examples/tiny_tepo/config.yaml"], args.overrides)
     assert not cfg.rollout.max_staleness and not cfg.rollout.colocated and not cfg.advantage.gpg_correction
@@ -70,7 +71,7 @@ def main(argv=None):
     with open(args.out, "w") as f:
         for step in range(1, cfg.train.steps + 1):
             rng.shuffle(order)
-            prompts, groups, rewards, stats = generate_groups(engine, task, order[:r.prompts_per_step], cfg, rng)
+            prompts, groups, rewards, stats = _dapo_rounds(engine, task, order[:r.prompts_per_step], cfg, rng)
             assert prompts, f"step {step}: every group dropped (the comparison needs updates)"
             adv = compute_group_advantages(rewards, r.n_samples, std_normalize=cfg.advantage.std_normalize,
                                            eps=cfg.advantage.eps)
@@ -95,6 +96,41 @@ def main(argv=None):
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _dapo_rounds(engine, task, indices, cfg, rng):
+    """A step's groups with DAPO dynamic sampling, written out: generate ``prompts_per_step`` groups
+    (``indices`` first, then prompts drawn with ``rng``), drop those whose rewards are all equal and
+    draw again, for at most ``max_sampling_rounds`` rounds."""
+    from megatron_tepo.algorithms import filter_groups
+    from megatron_tepo.rewards import scores_and_counts
+    from megatron_tepo.rollout.episode import final_turn
+
+    r = cfg.rollout
+    kept_prompts, kept_groups, kept_rewards = [], [], []
+    stats = {"sampling_rounds": 0, "groups_dropped": 0, "groups_generated": 0}
+    queue = list(indices)
+    while len(kept_prompts) < r.prompts_per_step and stats["sampling_rounds"] < r.max_sampling_rounds:
+        stats["sampling_rounds"] += 1
+        batch_idx = [queue.pop(0) if queue else rng.randrange(len(task.train_prompts))
+                     for _ in range(r.prompts_per_step - len(kept_prompts))]
+        groups = engine.generate([task.train_prompts[i] for i in batch_idx], n=r.n_samples, temperature=r.temperature,
+                                 top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop_token_ids=task.stop_token_ids)
+        scores, counts = scores_and_counts(task.reward_fn([final_turn(s) for g in groups for s in g],
+                                                          [task.train_answers[i] for i in batch_idx
+                                                           for _ in range(r.n_samples)]))
+        rewards = torch.tensor(scores, dtype=torch.float32)
+        for k, v in counts.items():
+            stats[k] = stats.get(k, 0) + v
+        stats["groups_generated"] += len(groups)
+        keep = filter_groups(rewards, r.n_samples).keep_groups.tolist() if r.dynamic_sampling else [True] * len(groups)
+        kept = [g for g in range(len(groups)) if keep[g]]
+        stats["groups_dropped"] += len(groups) - len(kept)
+        kept_prompts += [task.train_prompts[batch_idx[g]] for g in kept]
+        kept_groups += [groups[g] for g in kept]
+        kept_rewards.append(rewards.view(len(groups), r.n_samples)[kept].flatten())
+        stats.setdefault("reward_mean_all", float(rewards.mean()))
+    return kept_prompts, kept_groups, torch.cat(kept_rewards), stats
 
 
 if __name__ == "__main__":

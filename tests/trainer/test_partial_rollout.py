@@ -12,7 +12,7 @@ from megatron_tepo.config import ConfigError, from_dict, validate
 from megatron_tepo.rollout.embedded import EmbeddedEngine
 from megatron_tepo.rollout.engine import FINISH_ABORT, FINISH_LENGTH, Request, Sample, SamplingParams
 from megatron_tepo.trainer.partial import RolloutBuffer, staleness_metrics
-from megatron_tepo.trainer.rollouts import Task
+from megatron_tepo.trainer.groups import GroupProducer, Task
 from tests.rollout.helpers import cut_mid_response, tiny_qwen3
 
 GREEDY = SamplingParams(temperature=1e-5, max_new_tokens=200)
@@ -116,7 +116,7 @@ def _cfg(**rollout):
 def test_a_step_takes_complete_groups_in_drawing_order_and_every_prompt_is_accounted_for(tmp_path):
     engine = EmbeddedEngine(tiny_qwen3(seed=0), seed=0)
     task, ledger = _task(), tmp_path / "ledger.jsonl"
-    buf = RolloutBuffer(engine, task, _cfg(), version=1, ledger=ledger)
+    buf = RolloutBuffer(engine, GroupProducer(task, _cfg()), version=1, ledger=ledger)
     buf.start()
     trained = []
     for step in (1, 2, 3):
@@ -147,7 +147,8 @@ def test_the_default_in_flight_bound_regenerates_nothing(staleness, caplog):
     one (at the old default of 2 x, staleness 1 regenerated about half the samples of the long-tail
     benchmark). A larger setting is allowed, and said once in the log."""
     engine = EmbeddedEngine(tiny_qwen3(seed=0), seed=0)
-    buf = RolloutBuffer(engine, _task(), _cfg(max_staleness=staleness, dynamic_sampling=False), version=1)
+    buf = RolloutBuffer(engine, GroupProducer(_task(), _cfg(max_staleness=staleness, dynamic_sampling=False)),
+                        version=1)
     assert buf.max_groups == staleness * 3
     buf.start()
     for step in (1, 2, 3, 4):
@@ -157,7 +158,8 @@ def test_the_default_in_flight_bound_regenerates_nothing(staleness, caplog):
         assert buf.resume(step + 1)["stale_regenerated"] == 0
     buf.close()
     with caplog.at_level("WARNING", logger="megatron_tepo.trainer.partial"):
-        RolloutBuffer(engine, _task(), _cfg(max_staleness=staleness, max_inflight_groups=7), version=1).close()
+        RolloutBuffer(engine, GroupProducer(_task(), _cfg(max_staleness=staleness, max_inflight_groups=7)),
+                      version=1).close()
     assert [r.getMessage() for r in caplog.records if "max_inflight_groups 7" in r.getMessage()]
 
 
@@ -167,7 +169,8 @@ def test_a_group_drawn_later_never_overtakes_an_earlier_one():
     from megatron_tepo.trainer.partial import GroupState
 
     engine = EmbeddedEngine(tiny_qwen3(seed=0), seed=0)
-    buf = RolloutBuffer(engine, _task(), _cfg(prompts_per_step=3, max_inflight_groups=5), version=1)  # (not started)
+    buf = RolloutBuffer(engine, GroupProducer(_task(), _cfg(prompts_per_step=3, max_inflight_groups=5)),
+                        version=1)  # (not started)
     done = lambda gid: GroupState(gid, gid, [Request([3], 24)] * 4, ["length"] * 4, torch.zeros(4))  # noqa: E731
     buf.groups = {0: GroupState(0, 0, [Request([3], 24)] * 4, ["length", None, "length", "length"]),
                   **{g: done(g) for g in (1, 2, 3, 4)}}
@@ -185,7 +188,8 @@ def test_a_request_cut_as_it_ended_counts_as_finished():
     engine = EmbeddedEngine(tiny_qwen3(seed=0), seed=0)
     task = _task()
     task.stop_token_ids = [2]
-    buf = RolloutBuffer(engine, task, _cfg(prompts_per_step=3, max_new_tokens=4), version=1)  # (not started)
+    buf = RolloutBuffer(engine, GroupProducer(task, _cfg(prompts_per_step=3, max_new_tokens=4)),
+                        version=1)  # (not started)
     reqs = [Request([3], 4, key=(0, k)) for k in range(4)]
     buf.groups = {0: GroupState(0, 0, reqs, [None] * 4)}
     buf._finished(reqs[0], Sample([5, 6, 7, 8], [-1.0] * 4, FINISH_ABORT))  # budget used up
@@ -199,7 +203,7 @@ def test_the_staleness_bound_regenerates_samples_older_than_it():
     """A sample whose oldest token is older than ``version - max_staleness`` at an update starts
     again from its prompt (counted), its group kept; younger ones keep their tokens."""
     engine = EmbeddedEngine(tiny_qwen3(seed=0), seed=0)
-    buf = RolloutBuffer(engine, _task(), _cfg(max_staleness=1, max_inflight_groups=3), version=1)
+    buf = RolloutBuffer(engine, GroupProducer(_task(), _cfg(max_staleness=1, max_inflight_groups=3)), version=1)
     buf.start()
     _wait_for(lambda: any(f for g in buf.groups.values() for f in g.finish))
     buf.pause()  # everything generated so far is version 1's
@@ -223,7 +227,7 @@ def test_the_staleness_bound_regenerates_samples_older_than_it():
 def test_the_snapshot_continues_the_same_groups_with_their_partial_responses():
     engine = EmbeddedEngine(tiny_qwen3(seed=0), seed=0)
     cfg = _cfg(max_new_tokens=400, max_inflight_groups=3)
-    buf = RolloutBuffer(engine, _task(), cfg, version=1)
+    buf = RolloutBuffer(engine, GroupProducer(_task(), cfg), version=1)
     buf.start()
     _wait_for(lambda: buf._inflight > 0)
     time.sleep(0.5)
@@ -238,11 +242,11 @@ def test_the_snapshot_continues_the_same_groups_with_their_partial_responses():
     f = io.BytesIO()
     torch.save(snap, f)  # (what the checkpoint writes: read back with weights_only)
     f.seek(0)
-    again = RolloutBuffer(engine, _task(), cfg, version=2, snapshot=torch.load(f, weights_only=True))
+    again = RolloutBuffer(engine, GroupProducer(_task(), cfg), version=2, snapshot=torch.load(f, weights_only=True))
     assert again.resumed_from_checkpoint == len(partial)
     for gid, k, tokens in partial:
         assert again.groups[gid].requests[k].token_ids == tokens
-    assert again.next_gid == snap["next_gid"] and again.cursor == snap["cursor"]
+    assert again.next_gid == snap["next_gid"] and again.stream.state() == snap["stream"]
     again.close()
 
 
