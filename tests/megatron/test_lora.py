@@ -1,6 +1,6 @@
 """LoRA on the Megatron actor (megatron/lora.py) under torchrun (gloo, 2 processes): one launch
-covers TP 1 (two data-parallel ranks) and TP 2 (see workers/lora_worker.py for what each case
-measures). The adapters train alone (the optimizer holds them and nothing else), step 0 is the
+covers TP 1 (two data-parallel ranks), TP 2 and TP 2 with sequence parallelism (see
+workers/lora_worker.py for what each case measures). The adapters train alone (the optimizer holds them and nothing else), step 0 is the
 base model, and with nonzero B the actor equals a plain actor on the merged weights
 ``W + s*B*A``: log-probs, entropy and loss within 1e-6, the adapters' gradients within 1e-6
 (relative) of those the merged model's weight gradients give; the weight export carries the
@@ -20,8 +20,8 @@ TOL = 1e-6
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_lora_equals_merged_weights_at_tp1_and_tp2(tmp_path):
-    cases = [{"tp": 1}, {"tp": 2, "checkpoint": True}]
+def test_lora_equals_merged_weights_at_tp1_tp2_and_sequence_parallel(tmp_path):
+    cases = [{"tp": 1}, {"tp": 2, "checkpoint": True}, {"tp": 2, "actor": {"sequence_parallel": True}}]
     per_rank = [r["cases"] for r in torchrun(WORKER, 2, str(tmp_path), json.dumps(cases), tmp_path=tmp_path,
                                                timeout=500)]
     for rank, results in enumerate(per_rank):

@@ -1,6 +1,7 @@
 """torchrun worker: LoRA adapters on the Megatron actor against the merged weights.
 
-argv[1]: a scratch root (shared by the ranks); argv[2]: JSON list of cases ``{"tp", "checkpoint"}``.
+argv[1]: a scratch root (shared by the ranks); argv[2]: JSON list of cases ``{"tp", "checkpoint",
+"actor"}`` (``actor``: settings over the defaults, e.g. sequence parallelism).
 Per case (fp32, sdpa, packed): a LoRA actor (rank 4, alpha 8, every target) on a tiny Qwen3 reports
 
 * ``trainable``: whether every parameter that trains is an adapter, and the optimizer holds exactly
@@ -87,8 +88,9 @@ def run_case(case, root: Path):
     hf_cfg = tiny_hf_config("qwen3", tie=False)
     model = make_hf_model(hf_cfg, seed=0)
     layout = ParallelLayout(tp=case["tp"])
+    settings = dict(ACTOR, **case.get("actor", {}))
     actor = MegatronActor(hf_cfg, hf_weights=hf_state(model), layout=layout, optim=OptimConfig(**OPT), lora=lora,
-                          **ACTOR)
+                          **settings)
     ps = actor._ps
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     batch = make_batch(seed=1)
@@ -123,7 +125,7 @@ def run_case(case, root: Path):
     m = actor.forward_backward(local, LOSS)
     grads = dict(adapter_full_tensors(actor.model, "grad"))
 
-    plain = MegatronActor(hf_cfg, hf_weights=stream, layout=layout, optim=OptimConfig(**OPT), **ACTOR)
+    plain = MegatronActor(hf_cfg, hf_weights=stream, layout=layout, optim=OptimConfig(**OPT), **settings)
     plp, pent = plain.compute_log_probs(local)
     pm = plain.forward_backward(local, LOSS)
     g_full = dict(gather_full_tensors(plain.model, "grad"))
@@ -172,7 +174,7 @@ def run_case(case, root: Path):
         want_params = _all_params(actor)
         del actor
         fresh = MegatronActor(hf_cfg, hf_weights=None, layout=layout, optim=OptimConfig(**OPT), lora=lora, seed=99,
-                              **ACTOR)
+                              **settings)
         extra = fresh.load_checkpoint(ckpt)
         m3 = fresh.train_step(local, LOSS)
         got_params = _all_params(fresh)
