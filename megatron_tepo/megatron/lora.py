@@ -90,27 +90,9 @@ def adapter_parameters(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.P
 def adapter_full_tensors(model_chunks, what: str = "param", tp_group=None) -> Iterator[Tuple[str, torch.Tensor]]:
     """``(global name, full tensor)`` of every adapter of this rank's stage (``what``: ``param`` or
     ``grad``), all-gathered over TP where split. Collective over the TP group."""
-    import torch.distributed as dist
+    from megatron_tepo.megatron.sharding import gather_full_tensors
 
-    from megatron_tepo.megatron.sharding import (group_for, layer_offsets, local_tensor, parallel_groups, to_global_name,
-                                               tp_partition, unshard_tensors, unwrap_model)
-
-    groups = parallel_groups(tp_group)
-    for chunk in model_chunks:
-        inner = unwrap_model(chunk)
-        offsets = layer_offsets(inner)
-        for name, param in adapter_parameters(inner):
-            gname = to_global_name(name, offsets, {})
-            local = local_tensor(param, what, gname)
-            part = tp_partition(param)
-            group = group_for(param, groups)
-            size = dist.get_world_size(group) if dist.is_initialized() else 1
-            if part is None or size == 1:
-                yield gname, local.clone()
-                continue
-            shards = [torch.empty_like(local) for _ in range(size)]
-            dist.all_gather(shards, local.contiguous(), group=group)
-            yield gname, unshard_tensors(shards, part[0], part[1])
+    return gather_full_tensors(model_chunks, what, tp_group=tp_group, select=is_adapter)
 
 
 def _linear_kind(module) -> Optional[str]:
