@@ -49,7 +49,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["add_lora", "is_adapter", "merged_weight", "adapter_parameters", "adapter_full_tensors", "lora_modules",
+__all__ = ["add_lora", "lora_model_problem", "is_adapter", "merged_weight", "adapter_parameters", "adapter_full_tensors", "lora_modules",
            "LoraError"]
 
 
@@ -85,6 +85,16 @@ def adapter_parameters(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.P
     for name, param in model.named_parameters():
         if is_adapter(param):
             yield name, param
+
+
+def lora_model_problem(family_cfg, lora) -> str:
+    """Why ``lora`` cannot go on a model of ``family_cfg``, or "" (asked before any process group
+    starts): MLP targets on an MoE family would put adapters on its experts, not built yet."""
+    mlp = sorted(set(lora.target_modules) & {"linear_fc1", "linear_fc2"})
+    if lora is not None and getattr(family_cfg, "moe", None) is not None and mlp:
+        return (f"actor.lora.target_modules: {', '.join(mlp)} on an MoE model ({family_cfg.family}) would adapt its "
+                f"experts, which is not built yet; target linear_qkv and linear_proj")
+    return ""
 
 
 def adapter_full_tensors(model_chunks, what: str = "param", tp_group=None) -> Iterator[Tuple[str, torch.Tensor]]:

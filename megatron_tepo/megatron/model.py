@@ -136,6 +136,10 @@ def plan_actor(hf_config, layout: ParallelLayout, actor_config: Optional[ActorCo
         raise ValueError(problem)
     family_cfg = family_config_from_hf(hf_config, spec=family_spec(resolved))
     problem = routing_replay_problem(family_cfg, resolved) or builder_problem(family_cfg, resolved)
+    if not problem and resolved.lora is not None:
+        from megatron_tepo.megatron.lora import lora_model_problem
+
+        problem = lora_model_problem(family_cfg, resolved.lora)
     if problem:
         from megatron_tepo.config import ConfigError
 

@@ -48,3 +48,24 @@ def test_lora_equals_merged_weights_at_tp1_tp2_and_sequence_parallel(tmp_path):
             if c["case"].get("checkpoint"):
                 assert c["resume_extra"] == {"step": 1}, where
                 assert c["resume_equal"] and c["resume_loss_equal"], where
+
+
+def test_lora_settings_are_checked_before_any_process_group():
+    import torch.distributed as dist
+
+    from megatron_tepo.actor.actor import plan_actor
+    from megatron_tepo.config import ConfigError, LoraConfig
+    from megatron_tepo.layout import ParallelLayout
+    from tests.megatron.helpers import tiny_hf_config
+
+    dense, moe = tiny_hf_config("qwen3"), tiny_hf_config("qwen3_moe")
+    settings, _ = plan_actor(dense, ParallelLayout(), lora={"rank": 4}, world_size=1)  # plain data, as a keyword
+    assert settings.lora == LoraConfig(rank=4)
+    assert plan_actor(dense, ParallelLayout(), world_size=1)[0].lora is None
+    with pytest.raises(ValueError, match=r"^actor.lora.rank: must be > 0"):
+        plan_actor(dense, ParallelLayout(), lora=LoraConfig(rank=0), world_size=1)
+    with pytest.raises(ConfigError, match=r"^actor.lora.target_modules: linear_fc1, linear_fc2 on an MoE model"):
+        plan_actor(moe, ParallelLayout(), lora=LoraConfig(), world_size=1)
+    attention_only = LoraConfig(target_modules=["linear_qkv", "linear_proj"])
+    assert plan_actor(moe, ParallelLayout(), lora=attention_only, world_size=1)[0].lora == attention_only
+    assert not dist.is_initialized()
