@@ -60,10 +60,23 @@ def test_unknown_section_and_override_key():
     ("algorithm.rollout_correction.rollout_rs_bounds=[0.5]", "algorithm.rollout_correction.rollout_rs_bounds"),
     ("algorithm.old_log_prob=engine", "algorithm.old_log_prob.*'recompute'"),
     ("rollout.max_staleness=2", "rollout.max_staleness: 2 needs rollout.partial_rollout: true"),
+    ("actor.lora.rank=0", "actor.lora.rank: must be > 0"),
+    ("actor.lora.dropout=1.0", r"actor.lora.dropout: must be in \[0, 1\)"),
+    ("actor.lora.target_modules=[q_proj]", r"actor.lora.target_modules: \['q_proj'\]: choose from linear_qkv"),
+    ("actor.lora.ranks=8", "actor.lora.ranks.*unknown key in section 'actor.lora'; did you mean rank"),
 ])
 def test_wrong_values_name_the_field(override, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(None, [override])
+
+
+def test_lora_is_off_unless_set_and_one_override_turns_it_on():
+    assert load_config(None, []).actor.lora is None  # a full-parameter run: nothing of LoRA is built
+    lora = load_config(None, ["actor.lora.rank=8"]).actor.lora
+    assert (lora.rank, lora.alpha, lora.dropout) == (8, 16.0, 0.0) and lora.scale == 2.0
+    assert lora.target_modules == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    with pytest.raises(ConfigError, match="actor.lora: .*actor.attention te builds Transformer Engine's"):
+        load_config(None, ["actor.lora.rank=8", "actor.attention=te"])
 
 
 def test_malformed_override():

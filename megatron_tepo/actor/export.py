@@ -11,6 +11,10 @@ the end-of-run export writes.
 The name mapping and the TP/PP placement come from :mod:`megatron_tepo.models` (one mapping per
 family); the bucket format from :mod:`megatron_tepo.buckets`, which the engines read.
 
+With ``actor.lora`` the parameters are exported merged: an adapted linear's weight as
+``W + scale * B A`` (:func:`~megatron_tepo.megatron.lora.merged_weight`), the adapters themselves
+not at all; a gradient export skips the frozen base.
+
 Left out: virtual pipeline stages beyond plain chunk lists, FSDP/DTensor parameters.
 """
 from __future__ import annotations
@@ -28,6 +32,7 @@ from megatron_tepo.buckets import BucketHandoff, BucketStream, ExportBuffers, Fl
 from megatron_tepo.cuda_alloc import no_expandable_segments
 from megatron_tepo.models import GPTFamilyConfig, layer_mapping
 from megatron_tepo.models.common import MegatronToHFLayout
+from megatron_tepo.megatron.lora import is_adapter, merged_weight
 from megatron_tepo.megatron.parallel import expert_group, pipeline_group
 from megatron_tepo.megatron.sharding import (gated_split, expert_indices, group_for, is_expert_param, layer_offsets,
                                            local_tensor, parallel_groups, shard_pieces, to_global_name, tp_partition,
@@ -352,8 +357,12 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
         offsets, experts = layer_offsets(inner), expert_indices(inner)
         chunk_offsets.append(offsets)
         for lname, param in inner.named_parameters():
+            if is_adapter(param) or (what == "grad" and not param.requires_grad):
+                continue  # (LoRA: the adapters travel merged into their base weight, which has no gradient)
             gname = to_global_name(lname, offsets, experts)
             local = local_tensor(param, what, gname)
+            merged = merged_weight(param) if what == "param" else None
+            local = local if merged is None else merged  # an adapted linear's W + s*B*A
             expert = is_expert_param(param)
             group = group_for(param, groups)
             size = dist.get_world_size(group)

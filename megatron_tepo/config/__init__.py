@@ -20,7 +20,7 @@ from megatron_tepo.config.schema import (WATCHDOG_BACKSTOP_S, PG_TIMEOUT_MARGIN_
                                          OFFLOAD_LEVELS,
                                          ActorConfig, AdvantageConfig, AlgorithmConfig, ConfigError, DataConfig,
                                          EnvironmentConfig,
-                                         FaultConfig, ModelConfig, OptimConfig, ParallelLayout, RewardConfig,
+                                         FaultConfig, LoraConfig, ModelConfig, OptimConfig, ParallelLayout, RewardConfig,
                                          RolloutConfig, RolloutCorrectionConfig, RunConfig, TrainConfig)
 from megatron_tepo.config.yaml_io import read_yaml_file, yaml_error  # noqa: F401
 from megatron_tepo.config.validation import validate  # noqa: F401
@@ -31,7 +31,7 @@ from megatron_tepo.config.resume import RESUME_MAY_CHANGE, changed_settings  # n
 __all__ = [
     "ConfigError", "RunConfig", "AlgorithmConfig", "RolloutCorrectionConfig", "AdvantageConfig", "RolloutConfig",
     "OptimConfig", "TrainConfig", "ParallelLayout", "ActorConfig", "ModelConfig", "DataConfig", "RewardConfig",
-    "FaultConfig", "EnvironmentConfig", "load_config",
+    "FaultConfig", "EnvironmentConfig", "LoraConfig", "load_config",
     "from_dict", "from_file_data", "build_section", "to_dict", "apply_overrides", "dump_config", "validate",
     "read_yaml_file",
     "RESUME_MAY_CHANGE", "changed_settings",

@@ -52,6 +52,9 @@ def _coerce(value: Any, tp: Any, path: str, where: Dict[str, str]) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        sections = [a for a in args if dataclasses.is_dataclass(a)]
+        if isinstance(value, dict) and len(sections) == 1:  # an optional section: its own errors (the key)
+            return _coerce(value, sections[0], path, where)
         for arg in args:
             if arg is type(None):
                 continue

@@ -16,7 +16,8 @@ from megatron_tepo.layout import ParallelLayout
 
 __all__ = ["ConfigError", "RunConfig", "AlgorithmConfig", "RolloutCorrectionConfig", "AdvantageConfig",
            "RolloutConfig", "OptimConfig", "TrainConfig", "ParallelLayout", "ActorConfig", "ModelConfig",
-           "DataConfig", "RewardConfig", "FaultConfig", "EnvironmentConfig", "WATCHDOG_BACKSTOP_S", "PG_TIMEOUT_MARGIN_S",
+           "DataConfig", "RewardConfig", "FaultConfig", "EnvironmentConfig", "LoraConfig", "LORA_TARGETS",
+           "WATCHDOG_BACKSTOP_S", "PG_TIMEOUT_MARGIN_S",
            "UNWATCHED_PG_TIMEOUT_S"]
 
 
@@ -224,6 +225,29 @@ OFFLOAD_LEVELS = {"none": (), "optimizer": ("optimizer",), "optimizer_grads": ("
                   "all": ("optimizer", "grads", "params")}
 
 
+#: the linears ``actor.lora.target_modules`` can name (megatron's names): attention q/k/v (the fused
+#: ``linear_qkv``) and o (``linear_proj``), the MLP's gate + up (the fused ``linear_fc1``) and down
+#: (``linear_fc2``)
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the actor's linears (megatron/lora.py): each target linear's output gains
+    ``(alpha / rank) * B A x``, A ``[rank, in]`` drawn at random, B ``[out, rank]`` zero (step 0
+    equals the base model); the base weights are frozen and only A and B train. ``dropout``: on
+    the adapter's input only. ``target_modules``: some of :data:`LORA_TARGETS`."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: List[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 @dataclass
 class ActorConfig:
     """How the Megatron actor computes: the one home of these settings. The trainer, the main job,
@@ -301,6 +325,8 @@ class ActorConfig:
       megatron-core 0.19 on); ``auto`` -- hybrid wherever megatron-core has it, gpt on the oldest
       stack. Both compute the same thing bit for bit for the GPT-shaped families; a checkpoint is
       resumed by the builder that wrote it.
+    * ``lora``: train LoRA adapters on a frozen base (:class:`LoraConfig`; docs/ACTOR.md, "LoRA");
+      unset (null): every parameter trains, nothing of LoRA is built.
     """
 
     precision: Literal["bf16", "fp32"] = "bf16"
@@ -320,6 +346,7 @@ class ActorConfig:
     routing_replay: Literal["off", "r2", "r3"] = "off"
     lm_head: Literal["fused", "materialized"] = "fused"
     model_builder: Literal["auto", "hybrid", "gpt"] = "auto"
+    lora: Optional[LoraConfig] = None  # None: a full-parameter run
 
     def offload_parts(self, colocated: bool) -> tuple:
         """The parts of the actor that ``offload`` moves (``auto`` decided by ``colocated``)."""

@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, List
 
-from megatron_tepo.config.schema import ActorConfig, ConfigError, RunConfig
+from megatron_tepo.config.schema import LORA_TARGETS, ActorConfig, ConfigError, RunConfig
 from megatron_tepo.layout import LayoutError, validate_layout
 
-__all__ = ["validate", "packing_problem", "ROUTING_ENGINES"]
+__all__ = ["validate", "packing_problem", "lora_problem", "ROUTING_ENGINES"]
 
 #: the rollout engines that return each token's routed experts (``Sample.routed_experts``), which
 #: ``actor.routing_replay: r3`` replays (the SGLang fleet asks its servers for them:
@@ -30,6 +30,28 @@ def packing_problem(actor: ActorConfig) -> str:
     if actor.pack_sequences and actor.attention == "unfused":
         return ("actor.pack_sequences=true needs actor.attention sdpa or te (megatron's unfused attention cannot "
                 "keep packed sequences apart); set actor.pack_sequences: false to use it")
+    return ""
+
+
+def lora_problem(actor: ActorConfig) -> str:
+    """Why ``actor.lora`` cannot be built, or "" (the rule of the config and of the actor's plan,
+    which asks it again once ``attention: auto`` is decided)."""
+    lora = actor.lora
+    if lora is None:
+        return ""
+    if lora.rank <= 0:
+        return f"actor.lora.rank: must be > 0, got {lora.rank!r}"
+    if lora.alpha <= 0:
+        return f"actor.lora.alpha: must be > 0, got {lora.alpha!r}"
+    if not 0.0 <= lora.dropout < 1.0:
+        return f"actor.lora.dropout: must be in [0, 1), got {lora.dropout!r}"
+    if actor.attention == "te":
+        return ("actor.lora: adapters go on megatron's local linears, and actor.attention te builds Transformer "
+                "Engine's (their layernorm-fused linears are not adapted yet); set actor.attention: sdpa")
+    unknown = [t for t in lora.target_modules if t not in LORA_TARGETS]
+    if unknown or not lora.target_modules:
+        return (f"actor.lora.target_modules: {unknown or 'empty'}: choose from {', '.join(LORA_TARGETS)} "
+                f"(q/k/v are the fused linear_qkv, gate/up the fused linear_fc1)")
     return ""
 
 
@@ -147,7 +169,7 @@ def validate(cfg: RunConfig) -> None:
         field, why = exc.problems[0] if exc.problems else ("parallel", str(exc))
         raise ConfigError(f"{field}: {why}") from None
     _positive(a, "actor", ["max_tokens_per_micro_batch", "recompute_num_layers"])
-    problem = packing_problem(a)
+    problem = packing_problem(a) or lora_problem(a)
     if problem:
         raise ConfigError(problem)
     if a.routing_replay == "r3" and r.engine not in ROUTING_ENGINES:

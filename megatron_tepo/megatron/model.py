@@ -10,7 +10,8 @@ and the run's ``actor`` / ``optim`` settings into a :class:`TrainModel`, in this
    construction function, :func:`~megatron_tepo.megatron.gpt.build_chunk`: megatron's
    ``HybridModel`` (:mod:`.hybrid`) or ``GPTModel`` (:func:`~megatron_tepo.megatron.gpt.build_gpt_chunk`),
    as ``actor.model_builder`` resolves (said once in the log: :func:`announce_builder`); HF weights
-   loaded into it, each rank reading its own slices; ``Float16Module`` in bf16;
+   loaded into it, each rank reading its own slices; with ``actor.lora`` the base frozen and
+   adapters on its linears (:mod:`.lora`); ``Float16Module`` in bf16;
 4. megatron's DDP (gradients reduced in fp32, summed: see ``actor/actor.py`` on exact gradients),
    megatron's optimizer (torch's fused AdamW where megatron falls back to torch,
    :mod:`.fast_paths`) and its LR schedule (:func:`build_lr_scheduler`).
@@ -48,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tepo.config import OFFLOAD_LEVELS, ActorConfig, OptimConfig
-from megatron_tepo.config.validation import packing_problem
+from megatron_tepo.config.validation import lora_problem, packing_problem
 from megatron_tepo.layout import ParallelLayout
 from megatron_tepo.megatron.fast_paths import use_fused_adam
 from megatron_tepo.megatron.gpt import (build_chunk, builder_problem, family_spec, resolve_actor_config,
@@ -126,11 +127,19 @@ def plan_actor(hf_config, layout: ParallelLayout, actor_config: Optional[ActorCo
     if unknown:
         raise TypeError(f"MegatronActor got unknown setting(s) {sorted(unknown)}; the actor's settings are {names}")
     resolved = resolve_actor_config(dataclasses.replace(actor_config or ActorConfig(), **settings))
-    problem = packing_problem(resolved)
+    if isinstance(resolved.lora, dict):  # (a keyword setting given as plain data)
+        from megatron_tepo.config import LoraConfig
+
+        resolved = dataclasses.replace(resolved, lora=LoraConfig(**resolved.lora))
+    problem = packing_problem(resolved) or lora_problem(resolved)
     if problem:
         raise ValueError(problem)
     family_cfg = family_config_from_hf(hf_config, spec=family_spec(resolved))
     problem = routing_replay_problem(family_cfg, resolved) or builder_problem(family_cfg, resolved)
+    if not problem and resolved.lora is not None:
+        from megatron_tepo.megatron.lora import lora_model_problem
+
+        problem = lora_model_problem(family_cfg, resolved.lora)
     if problem:
         from megatron_tepo.config import ConfigError
 
@@ -534,6 +543,10 @@ def build_train_model(hf_config, weights=None, layout: Optional[ParallelLayout] 
         load_hf_checkpoint_into([chunk], weights, family_cfg)  # this rank's slices only
     elif weights is not None:
         load_hf_weights_into([chunk], weights, family_cfg)
+    if resolved.lora is not None:  # the base frozen, adapters on its linears (before DDP sees the parameters)
+        from megatron_tepo.megatron.lora import add_lora
+
+        add_lora(chunk, resolved.lora, seed=seed)
     bf16 = resolved.precision == "bf16"
     if bf16:
         from megatron.core.transformer.module import Float16Module

@@ -455,20 +455,24 @@ def local_tensor(param: torch.Tensor, what: str, name: str) -> torch.Tensor:
 
 
 def gather_full_tensors(model_chunks: List[torch.nn.Module], what: str = "param",
-                        tp_group=None, gated: Optional[Callable[[str], bool]] = None
+                        tp_group=None, gated: Optional[Callable[[str], bool]] = None,
+                        select: Optional[Callable[[torch.Tensor], bool]] = None
                         ) -> Iterator[Tuple[str, torch.Tensor]]:
     """``(global name, full tensor)`` for every parameter of this rank's stage (and, for MoE, its
     own experts), all-gathered over the (expert-)tensor-parallel group.
 
     ``what``: "param" or "grad" (``main_grad`` under megatron DDP, else ``.grad``); ``gated``: as
-    in :func:`load_megatron_state_into`. Collective over the TP group: every TP rank must iterate
-    it to the end in the same order.
+    in :func:`load_megatron_state_into`; ``select(param)``: only the parameters it accepts (e.g.
+    LoRA's adapters). Collective over the TP group: every TP rank must iterate it to the end in
+    the same order.
     """
     if what not in ("param", "grad"):
         raise ValueError(f"what must be 'param' or 'grad', got {what!r}")
     groups = parallel_groups(tp_group)
     for chunk in model_chunks:
         for gname, param in global_named_parameters(chunk):
+            if select is not None and not select(param):
+                continue
             local = local_tensor(param, what, gname)
             part = tp_partition(param, gated_split(gated, gname))
             group = group_for(param, groups)

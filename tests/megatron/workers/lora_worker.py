@@ -1,0 +1,196 @@
+"""torchrun worker: LoRA adapters on the Megatron actor against the merged weights.
+
+argv[1]: a scratch root (shared by the ranks); argv[2]: JSON list of cases ``{"tp", "checkpoint",
+"actor"}`` (``actor``: settings over the defaults, e.g. sequence parallelism).
+Per case (fp32, sdpa, packed): a LoRA actor (rank 4, alpha 8, every target) on a tiny Qwen3 reports
+
+* ``trainable``: whether every parameter that trains is an adapter, and the optimizer holds exactly
+  the adapters (``optimizer_params``, ``adapters``);
+* ``step0_lp_err``: its log-probs at B = 0 against the HF base model;
+* with random nonzero B: ``export_err`` -- the weight export (what every sync sends) against
+  ``W + s*B*A`` computed here in fp32 from the gathered full tensors; then a plain actor built from
+  that export (the merged weights) at the same layout: ``lp_err`` / ``ent_err`` / ``loss_err`` and
+  ``grad_rel`` (the adapters' gradients against ``s*G*A^T`` and ``s*B^T*G`` from the merged
+  model's weight gradients ``G``: the largest per-tensor relative error);
+* after one step: ``base_changed`` (base parameters that moved: none), ``adapters_moved``;
+  ``engine_lp_err``: an embedded engine updated from the export scores the batch as the actor does;
+* ``checkpoint``: the actor saves after that step and trains one more; a fresh LoRA actor (random
+  base, other seed) loads the checkpoint and trains the same step: ``resume_equal`` (every
+  parameter, base and adapters, bit for bit) and ``resume_loss_equal``.
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+
+from megatron_tepo.algorithms import PolicyLoss
+from tests.dist_utils import write_result
+from tests.megatron.helpers import hf_log_probs, hf_state, make_batch, make_hf_model, tiny_hf_config
+
+OPT = dict(lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-6, weight_decay=0.1, clip_grad=0.5)
+ACTOR = dict(precision="fp32", attention="sdpa", pack_sequences=True, max_tokens_per_micro_batch=64)
+LOSS = PolicyLoss.of("grpo")
+
+
+def _set_random_b(actor, seed=5):
+    """Every adapter's B: a random full tensor (the same on every rank), this rank's rows of it."""
+    from megatron_tepo.megatron.lora import lora_modules
+    from megatron_tepo.megatron.sharding import unwrap_model
+
+    tp_rank, tp = actor._ps.get_tensor_model_parallel_rank(), actor._ps.get_tensor_model_parallel_world_size()
+    for k, (name, m) in enumerate(lora_modules(unwrap_model(actor.model[0]))):
+        split = getattr(m.lora_B, "tensor_model_parallel", False)
+        rows = m.lora_B.shape[0] * (tp if split else 1)
+        full = 0.05 * torch.randn(rows, m.lora_B.shape[1], generator=torch.Generator().manual_seed(seed + k))
+        with torch.no_grad():
+            m.lora_B.copy_(full.chunk(tp, 0)[tp_rank] if split else full)
+
+
+def _merged_expected(actor, scale):
+    """Full megatron-named params with each adapted weight replaced by ``W + s*B*A`` (fp32), from
+    the gathered full tensors."""
+    from megatron_tepo.megatron.sharding import gather_full_tensors
+
+    full = dict(gather_full_tensors(actor.model, "param"))
+    out = {}
+    for name, t in full.items():
+        if name.endswith(".lora_A") or name.endswith(".lora_B"):
+            continue
+        base = name[: -len(".weight")]
+        if f"{base}.lora_A" in full:
+            t = t.double() + scale * (full[f"{base}.lora_B"].double() @ full[f"{base}.lora_A"].double())
+            t = t.float()
+        out[name] = t
+    return full, out
+
+
+def _all_params(actor):
+    return {n: p.detach().clone() for n, p in actor.model[0].named_parameters()}
+
+
+def run_case(case, root: Path):
+    import torch.distributed as dist
+
+    from megatron_tepo.actor.actor import MegatronActor, OptimConfig
+    from megatron_tepo.config import LoraConfig
+    from megatron_tepo.layout import ParallelLayout
+    from megatron_tepo.megatron.lora import adapter_full_tensors, is_adapter
+    from megatron_tepo.megatron.sharding import gather_full_tensors
+    from megatron_tepo.models import megatron_to_hf
+    from megatron_tepo.rollout.embedded import EmbeddedEngine
+
+    lora = LoraConfig(rank=4, alpha=8.0)
+    scale = lora.alpha / lora.rank
+    hf_cfg = tiny_hf_config("qwen3", tie=False)
+    model = make_hf_model(hf_cfg, seed=0)
+    layout = ParallelLayout(tp=case["tp"])
+    settings = dict(ACTOR, **case.get("actor", {}))
+    actor = MegatronActor(hf_cfg, hf_weights=hf_state(model), layout=layout, optim=OptimConfig(**OPT), lora=lora,
+                          **settings)
+    ps = actor._ps
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    batch = make_batch(seed=1)
+    with torch.no_grad():
+        ref_lp, _ = hf_log_probs(model, batch)
+    batch.old_log_probs = (ref_lp + 0.05 * torch.randn(ref_lp.shape, generator=torch.Generator().manual_seed(7))) \
+        * batch.response_mask
+    local = batch.split_for_data_parallel(dp_rank, dp)
+    rows = slice(dp_rank, None, dp)
+    out = {"case": case, "dp": dp}
+
+    params = list(actor.model[0].named_parameters())
+    adapters = [n for n, p in params if is_adapter(p)]
+    out["trainable"] = all(is_adapter(p) for _, p in params if p.requires_grad) and all(
+        p.requires_grad for _, p in params if is_adapter(p))
+    subs = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    out["optimizer_params"] = sum(len(g["params"]) for o in subs for g in o.optimizer.param_groups)
+    out["adapters"] = len(adapters)
+
+    lp0, _ = actor.compute_log_probs(local)
+    out["step0_lp_err"] = float((lp0 - ref_lp[rows]).abs().max())
+
+    # --- nonzero B: the export is the merged weights; a plain actor on them computes the same
+    _set_random_b(actor)
+    full, merged = _merged_expected(actor, scale)
+    want = dict(megatron_to_hf(merged.items(), actor.family_cfg))
+    stream = {n: t.clone() for n, t in actor.export_hf_state()}
+    out["export_names_equal"] = sorted(stream) == sorted(want)
+    out["export_err"] = max(float((stream[n] - want[n]).abs().max()) for n in want)
+
+    lp, ent = actor.compute_log_probs(local)
+    m = actor.forward_backward(local, LOSS)
+    grads = dict(adapter_full_tensors(actor.model, "grad"))
+
+    plain = MegatronActor(hf_cfg, hf_weights=stream, layout=layout, optim=OptimConfig(**OPT), **settings)
+    plp, pent = plain.compute_log_probs(local)
+    pm = plain.forward_backward(local, LOSS)
+    g_full = dict(gather_full_tensors(plain.model, "grad"))
+    out["lp_err"] = float((lp - plp).abs().max())
+    out["lp_scale"] = float(plp.abs().max())
+    out["ent_err"] = float((ent - pent).abs().max())
+    out["loss_err"] = abs(m["loss"] - pm["loss"])
+    rel, sq_err, sq_ref = {}, 0.0, 0.0
+    for name, g in grads.items():
+        base = name.rsplit(".", 1)[0]
+        G = g_full[f"{base}.weight"].double()
+        a, b = full[f"{base}.lora_A"].double(), full[f"{base}.lora_B"].double()
+        expect = scale * (G @ a.T) if name.endswith("lora_B") else scale * (b.T @ G)
+        rel[name] = float((g.double() - expect).abs().max() / expect.abs().max().clamp_min(1e-30))
+        sq_err, sq_ref = sq_err + float((g.double() - expect).pow(2).sum()), sq_ref + float(expect.pow(2).sum())
+    out["grad_rel"] = max(rel.values())
+    out["grad_rel_l2"] = (sq_err / sq_ref) ** 0.5
+    out["grad_names"] = len(rel)
+    del plain
+
+    # --- one step: the base stays, the adapters move; the engine updated from the export agrees
+    before = _all_params(actor)
+    actor.optimizer_step()
+    after = _all_params(actor)
+    out["base_changed"] = [n for n in before if not n.endswith(("lora_A", "lora_B"))
+                           and not torch.equal(before[n], after[n])]
+    out["adapters_moved"] = min(float((after[n] - before[n]).abs().max()) for n in before
+                                if n.endswith(("lora_A", "lora_B")))
+    stream = {n: t.clone() for n, t in actor.export_hf_state()}
+    lp1, _ = actor.compute_log_probs(batch)
+    engine = EmbeddedEngine(make_hf_model(hf_cfg, seed=3), seed=0)  # other weights until the update
+    engine.update_weights(iter(stream.items()))
+    lens, prompts = batch.seq_lens().tolist(), [int(p) for p in batch.prompt_lens]
+    seqs = [batch.input_ids[i, : lens[i]].tolist() for i in range(batch.batch_size)]
+    err = 0.0
+    for i, got in enumerate(engine.score(seqs, prompts)):
+        mask = batch.response_mask[i, : len(got)] != 0
+        if mask.any():
+            err = max(err, float((torch.tensor(got)[mask] - lp1[i, : len(got)][mask]).abs().max()))
+    out["engine_lp_err"] = err
+
+    if case.get("checkpoint"):
+        ckpt = root / f"ckpt_tp{case['tp']}"
+        actor.save_checkpoint(ckpt, extra_state={"step": 1})
+        m2 = actor.train_step(local, LOSS)
+        want_params = _all_params(actor)
+        del actor
+        fresh = MegatronActor(hf_cfg, hf_weights=None, layout=layout, optim=OptimConfig(**OPT), lora=lora, seed=99,
+                              **settings)
+        extra = fresh.load_checkpoint(ckpt)
+        m3 = fresh.train_step(local, LOSS)
+        got_params = _all_params(fresh)
+        out["resume_extra"] = extra
+        out["resume_equal"] = sorted(got_params) == sorted(want_params) and all(
+            torch.equal(got_params[k], want_params[k]) for k in want_params)
+        out["resume_loss_equal"] = m2["loss"] == m3["loss"] and m2["grad_norm"] == m3["grad_norm"]
+        dist.barrier()
+    return out
+
+
+def main():
+    root = Path(sys.argv[1])
+    cases = json.loads(sys.argv[2])
+    write_result({"cases": [run_case(c, root) for c in cases]})
+
+
+if __name__ == "__main__":
+    main()
