@@ -21,9 +21,15 @@ with no isolation at all (:class:`LocalSubprocessSandbox`, only on an explicit s
 - limits: a bootstrap sets ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_NOFILE`` and
   ``RLIMIT_CORE`` and then ``exec``s the code, so they hold for it and all it starts. The process
   limit holds because the sandbox has its own user namespace (the kernel counts processes per user
-  namespace and uid) and its uid maps to a uid other than 0: a trainer running as root starts bwrap
-  as ``run_as_uid`` (``nobody``), since the kernel enforces ``RLIMIT_NPROC`` on no process of the
-  host's uid 0. Memory is bound per process (``RLIMIT_AS``), so a sandbox holds at most
+  namespace and uid) and its uid maps to a uid other than 0: a trainer running as the host's root
+  starts bwrap as ``run_as_uid`` (``nobody``), since the kernel enforces ``RLIMIT_NPROC`` on no
+  process of the host's uid 0. A trainer that is root only in a user namespace mapping its uid 0 to
+  another host uid (enroot's and pyxis's ``--container-remap-root``: ``0 <uid> 1``, no other uid
+  mapped, so no switch to ``run_as_uid`` could work) starts bwrap as itself: the kernel counts the
+  sandbox's processes against that host uid (seen here under ``unshare --user --map-root-user`` as
+  uid 1000). Where the switch is needed and ``run_as_uid`` is not mapped (a container whose root is
+  the host's, with a root-only map), the error names ``run_as_uid``; a container that masks
+  ``/proc`` (Docker's default: bwrap's "Can't mount proc") has its own line. Memory is bound per process (``RLIMIT_AS``), so a sandbox holds at most
   ``processes x memory_mb`` plus its tmpfs; a cgroup would bound the sum, but clusters rarely
   delegate one to the job (this machine's cgroup v1 is writable by root; that is not relied on).
   Output is read as it comes, kept within ``shown_bytes`` per stream, and the run is stopped past
@@ -68,7 +74,8 @@ from megatron_tepo.environments.sandbox import (OutputCap, SandboxUnavailable, T
                                                 limit_message)
 from megatron_tepo.environments.settings import SandboxConfig
 
-__all__ = ["BubblewrapSandbox", "LocalSubprocessSandbox", "processes_in_pid_namespace", "SANDBOX_ENV"]
+__all__ = ["BubblewrapSandbox", "LocalSubprocessSandbox", "processes_in_pid_namespace", "SANDBOX_ENV", "read_uid_map",
+           "host_uid"]
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +173,28 @@ def processes_in_pid_namespace(inode: int) -> List[int]:
         if name.isdigit() and _pid_namespace(int(name)) == inode:
             found.append(int(name))
     return found
+
+
+def read_uid_map(path: str = "/proc/self/uid_map") -> Optional[List[str]]:
+    """This process's user namespace's uid map (``inside outside count`` lines), ``None`` if unreadable."""
+    try:
+        with open(path, encoding="ascii") as f:
+            return [" ".join(line.split()) for line in f if line.strip()]
+    except OSError:
+        return None
+
+
+def host_uid(uid: int, uid_map: Optional[List[str]]) -> Optional[int]:
+    """The uid that ``uid`` of this user namespace is in its parent's (the host's, one level up), from
+    :func:`read_uid_map`'s lines; ``None`` when the map holds no such uid, or is unreadable."""
+    for line in uid_map or ():
+        try:
+            inside, outside, count = (int(x) for x in line.split())
+        except ValueError:
+            continue
+        if inside <= uid < inside + count:
+            return outside + uid - inside
+    return None
 
 
 def _pidfd(pid: int) -> Optional[int]:
@@ -413,7 +442,8 @@ class BubblewrapSandbox(_ProcessSandbox):
                 raise SandboxUnavailable(f"{where}.python: {path} is outside the folders the sandbox binds "
                                          f"({', '.join(binds)}): add its folder to {where}.ro_binds")
         self._popen_kw = {}
-        if os.geteuid() == 0:  # RLIMIT_NPROC binds no process of the host's uid 0
+        uid_map = read_uid_map()
+        if os.geteuid() == 0 and host_uid(0, uid_map) in (0, None):  # RLIMIT_NPROC binds no process of the host's uid 0
             self._popen_kw = dict(user=cfg.run_as_uid, group=cfg.run_as_uid, extra_groups=[])
         self._mounts = self._mount_args(binds)
         trial = self._run("print('ok')", "")
@@ -422,6 +452,18 @@ class BubblewrapSandbox(_ProcessSandbox):
             if why and "Unknown option" in why[0]:
                 raise SandboxUnavailable(f"{where}.bwrap: {bwrap} lacks an option the sandbox uses ({why[0]}): "
                                          "bubblewrap >= 0.8 is needed (Debian 12's)")
+            if self._popen_kw and host_uid(cfg.run_as_uid, uid_map) is None:
+                raise SandboxUnavailable(
+                    f"{where}.run_as_uid: this user namespace maps no uid {cfg.run_as_uid} (uid_map "
+                    f"{' | '.join(uid_map or ['unreadable'])!r}), and a root trainer whose uid 0 is the host's runs "
+                    f"bwrap as it ({why[0] if why else 'no output'}): set {where}.run_as_uid to a mapped uid other "
+                    f"than 0, start the container with more uids mapped, or as a non-root user (or remapped root: "
+                    f"enroot/pyxis --container-remap-root), or set {where}.kind=remote")
+            if why and "Can't mount proc" in why[0]:
+                raise SandboxUnavailable(
+                    f"{where}.kind=bubblewrap: bwrap cannot mount /proc here ({why[0]}): the container masks "
+                    "/proc (Docker's default, containers/bubblewrap#505): start it with --security-opt "
+                    f"systempaths=unconfined (and seccomp/AppArmor that allow user namespaces), or set {where}.kind=remote")
             as_uid = (f", or set {where}.run_as_uid to a uid this machine maps (bwrap runs as uid "
                       f"{cfg.run_as_uid} under a root trainer)") if self._popen_kw else ""
             raise SandboxUnavailable(
