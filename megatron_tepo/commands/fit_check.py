@@ -67,6 +67,7 @@ def _run(args) -> int:
         report = check_fit(spec.shape(), spec.cfg, spec.launch, raise_error=False)
         print(f"fit check of {spec.path} (architecture from {spec.architecture_source})", file=report_out)
         print(report.render(), file=report_out)
+        _say_sandbox_memory(spec, report_out)
         check_fit(spec.shape(), spec.cfg, spec.launch)
         if args.trainer_python:
             from megatron_tepo.launch.pythons import check_pythons
@@ -89,6 +90,22 @@ def _run(args) -> int:
     if args.print_shell:
         print(render_shell(spec))
     return 0
+
+
+def _say_sandbox_memory(spec, out) -> None:
+    """One line of the report for a run with bubblewrap sandboxes: their worst case on the driver's
+    node against the share of its memory they may take (``check_fit`` refuses more)."""
+    from megatron_tepo.launch.fit import node_host_memory
+    from megatron_tepo.launch.memory import SANDBOX_MEMORY_SHARE, GiB, sandbox_memory
+
+    sb = sandbox_memory(spec.cfg)
+    if sb is None:
+        return
+    host = node_host_memory(spec.launch)
+    limit = (f"at most {SANDBOX_MEMORY_SHARE:.0%} of {host.bytes / GiB:.1f} GiB ({host.source})" if host.bytes
+             else f"at most {SANDBOX_MEMORY_SHARE:.0%} of the node's memory, {host.source}")
+    print(f"tool sandboxes: {sb.concurrent} at once x {sb.per_sandbox / GiB:.2f} GiB = {sb.total / GiB:.1f} GiB "
+          f"on the driver's node ({limit})", file=out)
 
 
 def _check_sandbox_here(cfg, dry_run: bool, out) -> None:

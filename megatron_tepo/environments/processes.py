@@ -29,9 +29,15 @@ with no isolation at all (:class:`LocalSubprocessSandbox`, only on an explicit s
   sandbox's processes against that host uid (seen here under ``unshare --user --map-root-user`` as
   uid 1000). Where the switch is needed and ``run_as_uid`` is not mapped (a container whose root is
   the host's, with a root-only map), the error names ``run_as_uid``; a container that masks
-  ``/proc`` (Docker's default: bwrap's "Can't mount proc") has its own line. Memory is bound per process (``RLIMIT_AS``), so a sandbox holds at most
-  ``processes x memory_mb`` plus its tmpfs; a cgroup would bound the sum, but clusters rarely
-  delegate one to the job (this machine's cgroup v1 is writable by root; that is not relied on).
+  ``/proc`` (Docker's default: bwrap's "Can't mount proc") has its own line. ``RLIMIT_NPROC``
+  counts per user namespace only from Linux 5.14: on older kernels all the sandboxes (and every
+  other process of their uid) share one count, said once in a warning when a sandbox is made
+  (:func:`nproc_caveat`).
+  Memory is bound per process (``RLIMIT_AS``), so a sandbox holds at most ``processes x memory_mb``
+  plus its tmpfs; a cgroup would bound the sum, but clusters rarely delegate one to the job (this
+  machine's cgroup v1 is writable by root; its cgroup v2 has no memory controller; neither is relied
+  on). The sum of the sandboxes at once is bounded by the launch instead: the fit check refuses more
+  than a share of the driver node's memory (``megatron_tepo/launch/fit.py``).
   Output is read as it comes, kept within ``shown_bytes`` per stream, and the run is stopped past
   ``output_bytes``. Wall time: the sandbox's PID 1 is killed, which makes the kernel kill every
   process of its PID namespace; bwrap exits with it (``--die-with-parent`` also kills the sandbox
@@ -61,6 +67,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
+import re
 import selectors
 import shutil
 import signal
@@ -75,7 +83,7 @@ from megatron_tepo.environments.sandbox import (OutputCap, SandboxUnavailable, T
 from megatron_tepo.environments.settings import SandboxConfig
 
 __all__ = ["BubblewrapSandbox", "LocalSubprocessSandbox", "processes_in_pid_namespace", "SANDBOX_ENV", "read_uid_map",
-           "host_uid"]
+           "host_uid", "nproc_caveat"]
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +203,34 @@ def host_uid(uid: int, uid_map: Optional[List[str]]) -> Optional[int]:
         if inside <= uid < inside + count:
             return outside + uid - inside
     return None
+
+
+def nproc_caveat(release: str, uid: int, where: str = "sandbox") -> Optional[str]:
+    """The line that says, on a kernel older than 5.14 (``release``: ``platform.release()``'s form),
+    that ``RLIMIT_NPROC`` counts all the processes of the host uid ``uid`` bwrap runs as, not those of
+    one sandbox's user namespace (per user namespace only from Linux 5.14: RHEL 8 and Ubuntu 20.04
+    have older ones); ``None`` on 5.14 and later, or a release it cannot read."""
+    m = re.match(r"(\d+)\.(\d+)", release)
+    if m is None or (int(m.group(1)), int(m.group(2))) >= (5, 14):
+        return None
+    return (f"{where}.processes: on Linux {release} (< 5.14) RLIMIT_NPROC counts every process and thread of "
+            f"uid {uid}, not one sandbox's: all the sandboxes running at once share one count of "
+            f"{where}.processes, with every other process of that uid (a non-root trainer's own threads too), "
+            f"so tool code may fail to start a thread or a process; a kernel >= 5.14 counts per sandbox")
+
+
+_SAID: set = set()  # the caveats said in this process (once each)
+_SAID_LOCK = threading.Lock()
+
+
+def _say_once(line: Optional[str]) -> None:
+    if line is None:
+        return
+    with _SAID_LOCK:
+        if line in _SAID:
+            return
+        _SAID.add(line)
+    log.warning("%s", line)
 
 
 def _pidfd(pid: int) -> Optional[int]:
@@ -446,6 +482,9 @@ class BubblewrapSandbox(_ProcessSandbox):
         if os.geteuid() == 0 and host_uid(0, uid_map) in (0, None):  # RLIMIT_NPROC binds no process of the host's uid 0
             self._popen_kw = dict(user=cfg.run_as_uid, group=cfg.run_as_uid, extra_groups=[])
         self._mounts = self._mount_args(binds)
+        runs_as = cfg.run_as_uid if self._popen_kw else os.getuid()
+        shown_uid = host_uid(runs_as, uid_map)
+        _say_once(nproc_caveat(platform.release(), runs_as if shown_uid is None else shown_uid, where))
         trial = self._run("print('ok')", "")
         if trial.sandbox_failed or trial.stdout != "ok\n":
             why = (trial.error or trial.stderr or trial.stdout).strip().splitlines()

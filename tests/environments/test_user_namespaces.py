@@ -3,7 +3,8 @@ only in a user namespace mapping its uid 0 to another host uid (enroot's and pyx
 ``--container-remap-root``: ``0 <uid> 1``, nothing else mapped) runs its sandboxes as itself, and
 the process limit holds there (the kernel counts against the host uid); imitated here with
 ``setpriv`` to uid 1000 and ``unshare --user --map-root-user``. A root-only map of the host's root
-(no uid to switch to) names ``run_as_uid``; Docker's masked ``/proc`` has its own line."""
+(no uid to switch to) names ``run_as_uid``; Docker's masked ``/proc`` has its own line. And the
+process limit's kernel caveat (row 8): counted per user namespace only from Linux 5.14."""
 import json
 import os
 import shutil
@@ -108,3 +109,30 @@ def test_a_masked_proc_has_its_own_line(bwrap, tmp_path):
     assert "\n" not in msg and "Can't mount proc on /newroot/proc" in msg
     assert "the container masks /proc" in msg and "systempaths=unconfined" in msg and "user.max_user_namespaces" not in msg
     assert msg.endswith("or set environment.sandbox.kind=remote")
+
+
+def test_the_process_limit_caveat_is_said_once_on_kernels_before_5_14(bwrap, monkeypatch, caplog):
+    """RLIMIT_NPROC counts per user namespace only from Linux 5.14: on an older kernel (the release
+    injected here, whatever this machine runs) making a sandbox says so once, naming the field."""
+    from megatron_tepo.environments import processes
+
+    from megatron_tepo.environments.processes import nproc_caveat
+
+    assert nproc_caveat("5.14.0-284.11.1.el9_2.x86_64", 65534) is None and nproc_caveat("6.1.0-18-amd64", 0) is None
+    assert nproc_caveat("weird", 0) is None
+    line = nproc_caveat("4.18.0-553.el8_10.x86_64", 65534, "environment.sandbox")
+    assert line.startswith("environment.sandbox.processes: on Linux 4.18.0-553.el8_10.x86_64 (< 5.14) RLIMIT_NPROC "
+                           "counts every process and thread of uid 65534")
+    monkeypatch.setattr(processes, "_SAID", set())
+    monkeypatch.setattr(processes.platform, "release", lambda: "5.4.0-150-generic")
+    with caplog.at_level("WARNING", logger=processes.__name__):
+        for _ in range(2):
+            make_sandbox(SandboxConfig(), where="environment.sandbox").close()
+    said = [r.getMessage() for r in caplog.records if "RLIMIT_NPROC" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("environment.sandbox.processes: on Linux 5.4.0-150-generic (< 5.14)")
+    caplog.clear()
+    monkeypatch.setattr(processes, "_SAID", set())
+    monkeypatch.setattr(processes.platform, "release", lambda: "5.15.0-1-generic")
+    with caplog.at_level("WARNING", logger=processes.__name__):
+        make_sandbox(SandboxConfig()).close()
+    assert not [r for r in caplog.records if "RLIMIT_NPROC" in r.getMessage()]
