@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from megatron_tepo.environments import SandboxConfig, SandboxUnavailable, make_sandbox
+from tests.environments.conftest import SLEEPING_CHILDREN
 
 REPO = Path(__file__).resolve().parents[2]
 
-# what the child runs: the sandbox's check, then as many sleeping children as it can start
+# what the child runs: the sandbox's check, then as many sleeping children as it can start (argv[1])
 CHILD = """
 import json, sys
 from megatron_tepo.environments import SandboxConfig, make_sandbox
@@ -30,19 +31,7 @@ except Exception as e:
     print(json.dumps({"unavailable": str(e)}))
     sys.exit(0)
 sb = make_sandbox(cfg)
-r = sb.run('''
-import os, time
-n = 0
-try:
-    for _ in range(50):
-        if os.fork() == 0:
-            time.sleep(600)
-            os._exit(0)
-        n += 1
-except OSError as e:
-    print("stopped:", e.strerror)
-print("children:", n)
-''')
+r = sb.run(sys.argv[1])
 print(json.dumps({"map": open("/proc/self/uid_map").read().split(), "stdout": r.stdout, "error": r.error}))
 """
 
@@ -60,7 +49,7 @@ def _in_namespace(prefix):
                         ignore=shutil.ignore_patterns("__pycache__"))
         for p in (folder, *folder.rglob("*")):
             p.chmod(0o755)
-        proc = subprocess.run([*prefix, "/usr/bin/python3", "-B", "-c", CHILD], capture_output=True, text=True,
+        proc = subprocess.run([*prefix, "/usr/bin/python3", "-B", "-c", CHILD, SLEEPING_CHILDREN], capture_output=True, text=True,
                               timeout=300, cwd=folder, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                                                             "PYTHONPATH": str(folder)})
     finally:
