@@ -19,6 +19,8 @@ from tests.environments.conftest import SLEEPING_CHILDREN
 
 REPO = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.second_lane  # (the first lane has no time to spare)
+
 # what the child runs: the sandbox's check, then as many sleeping children as it can start (argv[1])
 CHILD = """
 import json, sys

@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.second_lane  # (the first lane has no time to spare)
 
 
 def test_train_without_bwrap_exits_2_without_requeue_before_the_model_loads(tmp_path):
