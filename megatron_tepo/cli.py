@@ -6,7 +6,9 @@ Every tool (``tools/train.py``, ``tools/evaluate.py``, the converters, ``tools/f
 * a user error -- a bad setting (:class:`~megatron_tepo.config.ConfigError`), a bad value or file
   (``ValueError``, ``OSError``: missing, unreadable, already there), an unsupported model
   (``NotImplementedError``), a checkpoint that cannot be used
-  (:class:`~megatron_tepo.checkpoint.store.CheckpointError`), a missing optional package -- is
+  (:class:`~megatron_tepo.checkpoint.store.CheckpointError`), a tool sandbox that cannot start here
+  (:class:`~megatron_tepo.environments.sandbox.SandboxUnavailable`: bwrap missing, user namespaces
+  forbidden; it would fail again on a new attempt), a missing optional package -- is
   printed as ``<tool>: error: <message>`` on one line (``ErrorType: message`` where the type says
   something), and the process exits with status 2;
 * ``--traceback`` (every tool has it) prints the full traceback instead;
@@ -50,15 +52,17 @@ def missing_package_message(exc: ModuleNotFoundError) -> str:
 
 def _user_error_types():
     from megatron_tepo.checkpoint.store import CheckpointError
+    from megatron_tepo.environments.sandbox import SandboxUnavailable
 
-    return (UserError, ValueError, OSError, NotImplementedError, CheckpointError, ModuleNotFoundError)
+    return (UserError, ValueError, OSError, NotImplementedError, CheckpointError, SandboxUnavailable,
+            ModuleNotFoundError)
 
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, ModuleNotFoundError):
         return missing_package_message(exc)
     text = " ".join(str(exc).split()) or type(exc).__name__  # one line
-    if isinstance(exc, (UserError,)) or type(exc).__name__ in ("ConfigError", "FitError"):
+    if isinstance(exc, (UserError,)) or type(exc).__name__ in ("ConfigError", "FitError", "SandboxUnavailable"):
         return text
     return f"{type(exc).__name__}: {text}"
 

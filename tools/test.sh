@@ -208,16 +208,10 @@ run_lanes() {  # run_lanes <python> [pytest args...]: appends to failed
 
 # Debian's bubblewrap, which the Python tool's sandbox runs tool code in (tests/environments: they FAIL
 # without it, saying so; MTEPO_ALLOW_NO_BWRAP=1 skips them instead). Installed here as root with
-# apt-get, as tools/slurm_cluster.sh installs its packages; elsewhere one line says what to run.
+# apt-get (tools/install_bubblewrap.sh, which the tool example's run.sh calls too); elsewhere one line
+# says what to run.
 bubblewrap_install() {
-  command -v bwrap >/dev/null 2>&1 && return 0
-  if ((EUID != 0)); then
-    echo "tools/test.sh: bubblewrap (bwrap) is missing and this is not root: \`sudo apt-get install -y bubblewrap\`; the sandbox tests will fail" >&2
-    return 0
-  fi
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
-    || { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null 2>&1; } \
-    || echo "tools/test.sh: apt-get install bubblewrap failed: the sandbox tests will fail" >&2
+  bash "$repo/tools/install_bubblewrap.sh" tools/test.sh "the sandbox tests will fail" || true
 }
 
 failed=()

@@ -81,6 +81,11 @@ def main(argv=None):
     from megatron_tepo.config import dump_config, load_config
 
     cfg = load_config(args.config or [REPO / "examples/tiny_tepo/config.yaml"], args.overrides)
+    from megatron_tepo.cli import prog, user_errors
+    from megatron_tepo.trainer.main import check_environment
+
+    with user_errors(prog()):  # the tool's sandbox before the warm-up (minutes): one line, exit 2, if it cannot start
+        check_environment(cfg)
     torch.manual_seed(cfg.train.seed)
     out = Path(cfg.train.output_dir)
     if not out.is_absolute():

@@ -21,7 +21,10 @@ also check the job's pythons, PYTHON for the trainer and the SGLang python the s
 (megatron_tepo/launch/pythons.py: a CPU build of torch, no Transformer Engine where the layout needs
 it, SGLang's CPU build are refused, naming the variable to set); with ``--dry-run`` (a preview: a
 login node's python may well be a CPU one) that refusal is one line of the report and the check
-goes on.
+goes on. A run with a tool environment (``environment.name`` not ``none``) also has its sandbox made
+here once, running ``print(1)`` (megatron_tepo/environments/choice.py's ``check_sandbox``): one that
+cannot start (bwrap missing, user namespaces forbidden) stops the job before any server starts; in a
+dry run it is one line.
 The formulas: docs/LAUNCH.md ("The fit-check arithmetic"); the code: megatron_tepo/launch/.
 """
 import argparse
@@ -64,6 +67,7 @@ def _run(args) -> int:
         report = check_fit(spec.shape(), spec.cfg, spec.launch, raise_error=False)
         print(f"fit check of {spec.path} (architecture from {spec.architecture_source})", file=report_out)
         print(report.render(), file=report_out)
+        _say_sandbox_memory(spec, report_out)
         check_fit(spec.shape(), spec.cfg, spec.launch)
         if args.trainer_python:
             from megatron_tepo.launch.pythons import check_pythons
@@ -75,6 +79,7 @@ def _run(args) -> int:
                 if not args.dry_run:
                     raise
                 print(f"DRY RUN: a real run would stop here: {exc}", file=report_out)
+            _check_sandbox_here(spec.cfg, args.dry_run, report_out)
     except (ConfigError, FitError, NotImplementedError, ValueError) as exc:
         if args.traceback:
             raise
@@ -85,6 +90,41 @@ def _run(args) -> int:
     if args.print_shell:
         print(render_shell(spec))
     return 0
+
+
+def _say_sandbox_memory(spec, out) -> None:
+    """One line of the report for a run with bubblewrap sandboxes: their worst case on the driver's
+    node against the share of its memory they may take (``check_fit`` refuses more)."""
+    from megatron_tepo.launch.fit import node_host_memory
+    from megatron_tepo.launch.memory import SANDBOX_MEMORY_SHARE, GiB, sandbox_memory
+
+    sb = sandbox_memory(spec.cfg)
+    if sb is None:
+        return
+    host = node_host_memory(spec.launch)
+    limit = (f"at most {SANDBOX_MEMORY_SHARE:.0%} of {host.bytes / GiB:.1f} GiB ({host.source})" if host.bytes
+             else f"at most {SANDBOX_MEMORY_SHARE:.0%} of the node's memory, {host.source}")
+    print(f"tool sandboxes: {sb.concurrent} at once x {sb.per_sandbox / GiB:.2f} GiB = {sb.total / GiB:.1f} GiB "
+          f"on the driver's node ({limit})", file=out)
+
+
+def _check_sandbox_here(cfg, dry_run: bool, out) -> None:
+    """A run with a tool environment: its sandbox is made here once and runs ``print(1)`` (this is the
+    job's first node, where the driver's episodes run, before any server starts); one that cannot
+    start stops the job (``FitError``: exit 2), or, in a dry run, is one line and the check goes on."""
+    if cfg.environment.name == "none":
+        return
+    from megatron_tepo.config.validation import sandbox_settings
+    from megatron_tepo.environments.choice import check_sandbox
+    from megatron_tepo.environments.sandbox import SandboxUnavailable
+    from megatron_tepo.launch import FitError
+
+    try:
+        print(check_sandbox(sandbox_settings(cfg), "environment.sandbox"), file=out)
+    except SandboxUnavailable as exc:
+        if not dry_run:
+            raise FitError(str(exc)) from None
+        print(f"DRY RUN: a real run would stop here: {exc}", file=out)
 
 
 cli = main  # (the name the tests use)

@@ -21,11 +21,23 @@ with no isolation at all (:class:`LocalSubprocessSandbox`, only on an explicit s
 - limits: a bootstrap sets ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_NOFILE`` and
   ``RLIMIT_CORE`` and then ``exec``s the code, so they hold for it and all it starts. The process
   limit holds because the sandbox has its own user namespace (the kernel counts processes per user
-  namespace and uid) and its uid maps to a uid other than 0: a trainer running as root starts bwrap
-  as ``run_as_uid`` (``nobody``), since the kernel enforces ``RLIMIT_NPROC`` on no process of the
-  host's uid 0. Memory is bound per process (``RLIMIT_AS``), so a sandbox holds at most
-  ``processes x memory_mb`` plus its tmpfs; a cgroup would bound the sum, but clusters rarely
-  delegate one to the job (this machine's cgroup v1 is writable by root; that is not relied on).
+  namespace and uid) and its uid maps to a uid other than 0: a trainer running as the host's root
+  starts bwrap as ``run_as_uid`` (``nobody``), since the kernel enforces ``RLIMIT_NPROC`` on no
+  process of the host's uid 0. A trainer that is root only in a user namespace mapping its uid 0 to
+  another host uid (enroot's and pyxis's ``--container-remap-root``: ``0 <uid> 1``, no other uid
+  mapped, so no switch to ``run_as_uid`` could work) starts bwrap as itself: the kernel counts the
+  sandbox's processes against that host uid (seen here under ``unshare --user --map-root-user`` as
+  uid 1000). Where the switch is needed and ``run_as_uid`` is not mapped (a container whose root is
+  the host's, with a root-only map), the error names ``run_as_uid``; a container that masks
+  ``/proc`` (Docker's default: bwrap's "Can't mount proc") has its own line. ``RLIMIT_NPROC``
+  counts per user namespace only from Linux 5.14: on older kernels all the sandboxes (and every
+  other process of their uid) share one count, said once in a warning when a sandbox is made
+  (:func:`nproc_caveat`).
+  Memory is bound per process (``RLIMIT_AS``), so a sandbox holds at most ``processes x memory_mb``
+  plus its tmpfs; a cgroup would bound the sum, but clusters rarely delegate one to the job (this
+  machine's cgroup v1 is writable by root; its cgroup v2 has no memory controller; neither is relied
+  on). The sum of the sandboxes at once is bounded by the launch instead: the fit check refuses more
+  than a share of the driver node's memory (``megatron_tepo/launch/fit.py``).
   Output is read as it comes, kept within ``shown_bytes`` per stream, and the run is stopped past
   ``output_bytes``. Wall time: the sandbox's PID 1 is killed, which makes the kernel kill every
   process of its PID namespace; bwrap exits with it (``--die-with-parent`` also kills the sandbox
@@ -55,6 +67,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
+import re
 import selectors
 import shutil
 import signal
@@ -68,7 +82,8 @@ from megatron_tepo.environments.sandbox import (OutputCap, SandboxUnavailable, T
                                                 limit_message)
 from megatron_tepo.environments.settings import SandboxConfig
 
-__all__ = ["BubblewrapSandbox", "LocalSubprocessSandbox", "processes_in_pid_namespace", "SANDBOX_ENV"]
+__all__ = ["BubblewrapSandbox", "LocalSubprocessSandbox", "processes_in_pid_namespace", "SANDBOX_ENV", "read_uid_map",
+           "host_uid", "nproc_caveat"]
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +181,56 @@ def processes_in_pid_namespace(inode: int) -> List[int]:
         if name.isdigit() and _pid_namespace(int(name)) == inode:
             found.append(int(name))
     return found
+
+
+def read_uid_map(path: str = "/proc/self/uid_map") -> Optional[List[str]]:
+    """This process's user namespace's uid map (``inside outside count`` lines), ``None`` if unreadable."""
+    try:
+        with open(path, encoding="ascii") as f:
+            return [" ".join(line.split()) for line in f if line.strip()]
+    except OSError:
+        return None
+
+
+def host_uid(uid: int, uid_map: Optional[List[str]]) -> Optional[int]:
+    """The uid that ``uid`` of this user namespace is in its parent's (the host's, one level up), from
+    :func:`read_uid_map`'s lines; ``None`` when the map holds no such uid, or is unreadable."""
+    for line in uid_map or ():
+        try:
+            inside, outside, count = (int(x) for x in line.split())
+        except ValueError:
+            continue
+        if inside <= uid < inside + count:
+            return outside + uid - inside
+    return None
+
+
+def nproc_caveat(release: str, uid: int, where: str = "sandbox") -> Optional[str]:
+    """The line that says, on a kernel older than 5.14 (``release``: ``platform.release()``'s form),
+    that ``RLIMIT_NPROC`` counts all the processes of the host uid ``uid`` bwrap runs as, not those of
+    one sandbox's user namespace (per user namespace only from Linux 5.14: RHEL 8 and Ubuntu 20.04
+    have older ones); ``None`` on 5.14 and later, or a release it cannot read."""
+    m = re.match(r"(\d+)\.(\d+)", release)
+    if m is None or (int(m.group(1)), int(m.group(2))) >= (5, 14):
+        return None
+    return (f"{where}.processes: on Linux {release} (< 5.14) RLIMIT_NPROC counts every process and thread of "
+            f"uid {uid}, not one sandbox's: all the sandboxes running at once share one count of "
+            f"{where}.processes, with every other process of that uid (a non-root trainer's own threads too), "
+            f"so tool code may fail to start a thread or a process; a kernel >= 5.14 counts per sandbox")
+
+
+_SAID: set = set()  # the caveats said in this process (once each)
+_SAID_LOCK = threading.Lock()
+
+
+def _say_once(line: Optional[str]) -> None:
+    if line is None:
+        return
+    with _SAID_LOCK:
+        if line in _SAID:
+            return
+        _SAID.add(line)
+    log.warning("%s", line)
 
 
 def _pidfd(pid: int) -> Optional[int]:
@@ -413,15 +478,31 @@ class BubblewrapSandbox(_ProcessSandbox):
                 raise SandboxUnavailable(f"{where}.python: {path} is outside the folders the sandbox binds "
                                          f"({', '.join(binds)}): add its folder to {where}.ro_binds")
         self._popen_kw = {}
-        if os.geteuid() == 0:  # RLIMIT_NPROC binds no process of the host's uid 0
+        uid_map = read_uid_map()
+        if os.geteuid() == 0 and host_uid(0, uid_map) in (0, None):  # RLIMIT_NPROC binds no process of the host's uid 0
             self._popen_kw = dict(user=cfg.run_as_uid, group=cfg.run_as_uid, extra_groups=[])
         self._mounts = self._mount_args(binds)
+        runs_as = cfg.run_as_uid if self._popen_kw else os.getuid()
+        shown_uid = host_uid(runs_as, uid_map)
+        _say_once(nproc_caveat(platform.release(), runs_as if shown_uid is None else shown_uid, where))
         trial = self._run("print('ok')", "")
         if trial.sandbox_failed or trial.stdout != "ok\n":
             why = (trial.error or trial.stderr or trial.stdout).strip().splitlines()
             if why and "Unknown option" in why[0]:
                 raise SandboxUnavailable(f"{where}.bwrap: {bwrap} lacks an option the sandbox uses ({why[0]}): "
                                          "bubblewrap >= 0.8 is needed (Debian 12's)")
+            if self._popen_kw and host_uid(cfg.run_as_uid, uid_map) is None:
+                raise SandboxUnavailable(
+                    f"{where}.run_as_uid: this user namespace maps no uid {cfg.run_as_uid} (uid_map "
+                    f"{' | '.join(uid_map or ['unreadable'])!r}), and a root trainer whose uid 0 is the host's runs "
+                    f"bwrap as it ({why[0] if why else 'no output'}): set {where}.run_as_uid to a mapped uid other "
+                    f"than 0, start the container with more uids mapped, or as a non-root user (or remapped root: "
+                    f"enroot/pyxis --container-remap-root), or set {where}.kind=remote")
+            if why and "Can't mount proc" in why[0]:
+                raise SandboxUnavailable(
+                    f"{where}.kind=bubblewrap: bwrap cannot mount /proc here ({why[0]}): the container masks "
+                    "/proc (Docker's default, containers/bubblewrap#505): start it with --security-opt "
+                    f"systempaths=unconfined (and seccomp/AppArmor that allow user namespaces), or set {where}.kind=remote")
             as_uid = (f", or set {where}.run_as_uid to a uid this machine maps (bwrap runs as uid "
                       f"{cfg.run_as_uid} under a root trainer)") if self._popen_kw else ""
             raise SandboxUnavailable(

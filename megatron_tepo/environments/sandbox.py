@@ -35,7 +35,8 @@ LIMITS = ("wall", "cpu", "memory", "processes", "output", "disk")
 
 class SandboxUnavailable(RuntimeError):
     """The sandbox cannot run here (bwrap missing, user namespaces forbidden, no service URL); the
-    message is one line naming the setting to change."""
+    message is one line naming the setting to change. A user error for the command-line tools
+    (``megatron_tepo/cli.py``: exit status 2, and a Slurm job is not requeued for it)."""
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,10 @@ class SandboxConfig:
       with the packages the system installed (``apt-get install python3-numpy python3-sympy`` ...).
     - ``ro_binds``: more host folders bound read-only at the same path (an interpreter's own tree).
     - ``bwrap``: the bubblewrap executable.
-    - ``run_as_uid``: the uid bwrap runs as when the trainer runs as root (``RLIMIT_NPROC`` binds no
-      process of uid 0, so a root trainer's sandboxes run as this uid; 65534 is ``nobody``).
+    - ``run_as_uid``: the uid bwrap runs as when the trainer runs as the host's root (``RLIMIT_NPROC``
+      binds no process of the host's uid 0, so such a trainer's sandboxes run as this uid; 65534 is
+      ``nobody``). A trainer that is root only inside a user namespace mapping uid 0 to another host
+      uid (enroot/pyxis ``--container-remap-root``) runs bwrap as itself, and this is not used.
     - ``remote_url``: the SandboxFusion service's base URL (``http://host:8080``; ``/run_code`` is added).
     - ``remote_retries``: tries of one run on a connection error, a time-out, HTTP 429/5xx or the
       service's ``SandboxError``; ``remote_timeout_margin_s``: added to ``wall_seconds`` for one HTTP

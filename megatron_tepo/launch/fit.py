@@ -14,16 +14,17 @@ import socket
 from typing import Mapping, Optional
 
 from megatron_tepo.config import RunConfig
-from megatron_tepo.config.validation import episode_turns
-from megatron_tepo.launch.memory import (TRAINER_ALLOC_CONF, GiB, HostMemory, actor_memory, colocated_memory,
-                                        server_memory)
+from megatron_tepo.config.validation import episode_turns, sandbox_settings
+from megatron_tepo.launch.memory import (SANDBOX_MEMORY_SHARE, TRAINER_ALLOC_CONF, GiB, HostMemory, actor_memory,
+                                        colocated_memory, sandbox_memory, server_memory)
 from megatron_tepo.launch.report import FitReport
 from megatron_tepo.launch.schema import LaunchLayout
 from megatron_tepo.launch.shape import ModelShape
 from megatron_tepo.layout import validate_layout
 from megatron_tepo.time_limits import request_limit_s, round_limit_s, waves
 
-__all__ = ["FitError", "check_layout", "check_fit", "check_time_limits", "settle_colocated", "node_host_memory"]
+__all__ = ["FitError", "check_layout", "check_fit", "check_time_limits", "settle_colocated", "node_host_memory",
+           "check_sandbox_memory"]
 
 
 class FitError(ValueError):
@@ -90,13 +91,34 @@ def check_time_limits(cfg: RunConfig, launch: LaunchLayout) -> None:
                        f"raise it (or 0: off), or add servers")
 
 
+def check_sandbox_memory(cfg: RunConfig, launch: LaunchLayout, host: Optional[HostMemory] = None) -> None:
+    """The tool sandboxes' worst case on the driver's node (:func:`~megatron_tepo.launch.memory.sandbox_memory`)
+    within :data:`~megatron_tepo.launch.memory.SANDBOX_MEMORY_SHARE` of the node's memory (``host``,
+    by default :func:`node_host_memory`: unknown outside the job, then not checked); else
+    :class:`FitError` naming the fields. (Their rlimits bound each process, not the sum: this bounds
+    the sum.)"""
+    sb = sandbox_memory(cfg)
+    host = node_host_memory(launch) if host is None else host
+    if sb is None or not host.bytes or sb.total <= SANDBOX_MEMORY_SHARE * host.bytes:
+        return
+    s = sandbox_settings(cfg)
+    raise FitError(
+        f"environment.sandbox: the tool sandboxes can take {sb.total / GiB:.1f} GiB of the driver's node at once, "
+        f"more than {SANDBOX_MEMORY_SHARE:.0%} of its {host.bytes / GiB:.1f} GiB ({host.source}): "
+        f"{sb.concurrent} at once (the fewer of environment.tool_workers={cfg.environment.tool_workers} and "
+        f"environment.sandbox.max_concurrent={s.max_concurrent}) x (environment.sandbox.processes={s.processes} x "
+        f"environment.sandbox.memory_mb={s.memory_mb} MB + 2 x environment.sandbox.tmp_mb={s.tmp_mb} MB) = "
+        f"{sb.per_sandbox / GiB:.2f} GiB each; lower them")
+
 
 def check_fit(m: ModelShape, cfg: RunConfig, launch: LaunchLayout, raise_error: bool = True) -> FitReport:
     """Compute the report; raise :class:`FitError` naming the settings to change if it does not fit
-    (the memory, and the rollout's time limits against the watchdog)."""
+    (the memory, the rollout's time limits against the watchdog, the tool sandboxes' host memory)."""
     check_layout(m, cfg, launch)
     if raise_error and cfg.rollout.engine == "sglang":
         check_time_limits(cfg, launch)
+    if raise_error:
+        check_sandbox_memory(cfg, launch)
     if launch.device == "cpu":
         return FitReport(m, None, None, launch, cfg)
     if launch.rollout.server.max_running_requests < 1:  # (0: SGLang's own number, which is not priced)

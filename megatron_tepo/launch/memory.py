@@ -3,7 +3,8 @@ backward (:func:`layer_activation_bytes`), the LM head's working set (:func:`lm_
 largest pipeline stage (:func:`actor_memory`, priced from the run config's ``actor`` section, what
 the trainer hands to the actor) and of one SGLang server GPU (:func:`server_memory`); for a
 colocated layout (the servers on the actor's GPUs, taking turns) the peak of each phase of a step
-at each offload level and the servers' derived ``mem_fraction_static`` (:func:`colocated_memory`).
+at each offload level and the servers' derived ``mem_fraction_static`` (:func:`colocated_memory`);
+on the host, the worst case of the tool sandboxes on the driver's node (:func:`sandbox_memory`).
 Pure arithmetic; the formulas, their conventions and what they leave out are in docs/LAUNCH.md ("The
 fit-check arithmetic"); tests/launch/test_fit_vs_actor.py checks the weight, gradient and optimizer
 bytes against a built actor. Left out: deciding whether it fits (:mod:`megatron_tepo.launch.fit`)
@@ -24,7 +25,8 @@ from megatron_tepo.routing import routing_dtype
 __all__ = ["GiB", "param_counts", "total_params", "layer_activation_bytes", "logits_bytes", "lm_head_bytes",
            "fused_block_columns", "fused_head_bytes", "context_tokens", "cp_attention_bytes", "ActorMemory",
            "ServerMemory", "actor_memory", "server_memory", "OFFLOAD_ORDER", "PhasePeaks", "ColocatedMemory",
-           "colocated_memory", "HostMemory", "STAGING_ROUNDING"]
+           "colocated_memory", "HostMemory", "STAGING_ROUNDING", "SandboxMemory", "sandbox_memory",
+           "SANDBOX_MEMORY_SHARE"]
 
 GiB = 2 ** 30
 
@@ -534,3 +536,42 @@ def colocated_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout,
     return ColocatedMemory(server=s, fraction=fraction, pool=pool, server_reserve=reserve, server_released=released,
                            buckets=buckets, actor_reserve=a.reserve, seq_bytes=seq, levels=levels, level=level,
                            least=least, gpu=gpu, host=host)
+
+
+# --------------------------------------------------------------------------------------------
+# The tool sandboxes (host memory of the driver's node)
+# --------------------------------------------------------------------------------------------
+
+#: the share of the driver node's memory that the tool sandboxes may take at most, all at once (the
+#: rest is the training ranks', beside them in the job's cgroup, whom the OOM killer may pick)
+SANDBOX_MEMORY_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class SandboxMemory:
+    """The most a run's bubblewrap sandboxes can hold at once on the driver's node (bytes): each of
+    ``concurrent`` sandboxes (``min(environment.tool_workers, environment.sandbox.max_concurrent)``)
+    ``processes x memory_mb`` of address space (``RLIMIT_NPROC`` x ``RLIMIT_AS``) and its two tmpfs
+    (``/tmp`` and ``/dev/shm``, ``tmp_mb`` each, in memory)."""
+    concurrent: int
+    per_sandbox: float
+
+    @property
+    def total(self) -> float:
+        return self.concurrent * self.per_sandbox
+
+
+def sandbox_memory(cfg: RunConfig) -> Optional[SandboxMemory]:
+    """The worst case of ``cfg``'s tool sandboxes (:class:`SandboxMemory`); ``None`` without an
+    environment, or where no bound lives on the node (``kind: remote``: the service's memory;
+    ``kind: none``: no process count, said when it is made)."""
+    if cfg.environment.name == "none":
+        return None
+    from megatron_tepo.config.validation import sandbox_settings
+
+    sb = sandbox_settings(cfg)
+    if sb.kind != "bubblewrap":
+        return None
+    mib = 2 ** 20
+    return SandboxMemory(min(cfg.environment.tool_workers, sb.max_concurrent),
+                         float(sb.processes * sb.memory_mb * mib + 2 * sb.tmp_mb * mib))

@@ -92,6 +92,19 @@ def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool
         raise
 
 
+def check_environment(cfg: RunConfig) -> None:
+    """A run whose ``environment`` calls a tool: its sandbox is made once and runs ``print(1)``
+    (:func:`~megatron_tepo.environments.choice.check_sandbox`), before anything expensive starts; one
+    that cannot start is a :class:`~megatron_tepo.environments.sandbox.SandboxUnavailable`, a user error
+    (exit 2, no requeue). Nothing without an environment."""
+    if cfg.environment.name == "none":
+        return
+    from megatron_tepo.config.validation import sandbox_settings
+    from megatron_tepo.environments.choice import check_sandbox
+
+    print(f"[megatron_tepo] {check_sandbox(sandbox_settings(cfg), 'environment.sandbox')}", flush=True)
+
+
 def build_actor_and_engine(cfg: RunConfig, model_dir: str, pad_token_id: int):
     """The policy (every rank: the ``megatron`` backend of :func:`~megatron_tepo.trainer.policy.build_policy`)
     and the rollout engine (the driver, global rank 0; a follower that only takes part in the
@@ -150,6 +163,7 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
     driver = int(os.environ.get("RANK", "0")) == 0
     if driver:
         engine_factory(cfg.rollout.engine).check(cfg.rollout)  # fail before the actor is built
+        check_environment(cfg)  # the tool's sandbox too (the episodes run on the driver)
     out = Path(cfg.train.output_dir)
     ckpt_root = out / "checkpoints"
     latest = find_latest_checkpoint(ckpt_root) if cfg.train.resume else None

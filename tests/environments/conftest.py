@@ -62,6 +62,21 @@ def assert_nothing_left(result):
 
 HANG = "import time\nprint('sleeping', flush=True)\ntime.sleep(3600)\n"
 
+#: code that starts as many sleeping children as it can (up to 200) and says how many, and why it stopped
+SLEEPING_CHILDREN = """\
+import os, time
+n = 0
+try:
+    for _ in range(200):
+        if os.fork() == 0:
+            time.sleep(600)
+            os._exit(0)
+        n += 1
+except OSError as e:
+    print("stopped:", e.strerror)
+print("children:", n)
+"""
+
 
 def beside_a_hang(sb, quick: int = 4):
     """Runs :data:`HANG` and ``quick`` runs of ``print(i * i)`` from threads at once, the quick ones

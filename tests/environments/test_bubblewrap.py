@@ -21,7 +21,7 @@ import pytest
 
 from megatron_tepo.environments import SandboxConfig, SandboxUnavailable, make_sandbox
 from megatron_tepo.environments.processes import SANDBOX_ENV, BubblewrapSandbox, processes_in_pid_namespace
-from tests.environments.conftest import assert_nothing_left, beside_a_hang
+from tests.environments.conftest import SLEEPING_CHILDREN, assert_nothing_left, beside_a_hang
 
 pytestmark = pytest.mark.second_lane  # about 30 s of sandboxes: the first lane has none to spare
 
@@ -99,19 +99,7 @@ def test_fork_bomb_that_catches_its_errors(bwrap):
 def test_the_process_count_is_bounded(sandbox):
     """The code starts as many sleeping children as it can: fewer than the limit (its init and
     itself count too), where an unbounded sandbox would start all 200."""
-    r = run(sandbox, """\
-        import os, time
-        n = 0
-        try:
-            for _ in range(200):
-                if os.fork() == 0:
-                    time.sleep(600)
-                    os._exit(0)
-                n += 1
-        except OSError as e:
-            print("stopped:", e.strerror)
-        print("children:", n)
-        """)
+    r = run(sandbox, SLEEPING_CHILDREN)
     assert r.stdout.startswith("stopped: Resource temporarily unavailable\n"), r.stdout
     assert int(r.stdout.split("children:")[1]) <= 16 - 2
     assert r.error is None  # the code caught the error and exited 0: the sandbox killed its 14 sleepers
