@@ -815,7 +815,8 @@ def step_qwen3_5(smoke: bool) -> dict:
         errs = {n: _rel(mine[n], ref[n]) for n in common_names}
         gdn = {n: e for n, e in errs.items() if ".linear_attn." in n}
         worst_gdn, worst_all = max(gdn.values(), default=float("nan")), max(errs.values(), default=float("nan"))
-        figures["weight_grads"] = {"reference": "transformers in fp64", "compared": len(errs), "unmatched": sorted(set(mine) ^ set(ref))[:8],
+        figures["weight_grads"] = {"reference": "transformers in fp64", "compared": len(errs),
+                                   "unmatched": sorted(set(mine) ^ set(ref))[:8],
                                    "gated_deltanet_max_rel_err": worst_gdn, "all_max_rel_err": worst_all,
                                    "worst": {n: errs[n] for n in sorted(errs, key=errs.get)[-4:]}}
         grad_ok = bool(gdn) and worst_all <= tol_k and not (set(mine) ^ set(ref))

@@ -15,9 +15,10 @@ colocated layout's servers start with): whether the package is installed
 metadata (``importlib.metadata``), which the launch checks against the settings that need a later
 release (``megatron_tepo/rollout/sglang/versions.py``). What a Qwen3.5 hybrid's Gated DeltaNet
 needs (``megatron_tepo/gdn_kernels.py``): flash-linear-attention's kernels (the ``fla`` module of
-fla-core: installed or not), Triton's version (the ``triton`` distribution, or ``pytorch-triton``
-where a nightly torch brings it) and tilelang (installed or not). Left out: whether a GPU is there (the
-job's nodes have them; where this runs may not), the driver, apex.
+fla-core: installed or not), Triton's version (the ``triton`` distribution, or ``pytorch-triton`` or
+``pytorch-triton-rocm`` where a nightly or ROCm torch brings it) and tilelang (installed or not).
+Left out: whether a GPU is there (the job's nodes have them; where this runs may not), the driver,
+apex.
 """
 import ast
 import importlib.metadata
@@ -73,7 +74,8 @@ def probe() -> dict:
     return {"executable": sys.executable, "prefix": sys.prefix, "torch": torch_build(),
             "transformer_engine": installed("transformer_engine"), "sglang": installed("sglang"),
             "sglang_version": version("sglang"), "torch_memory_saver": installed("torch_memory_saver"),
-            "fla": installed("fla"), "triton_version": version("triton") or version("pytorch-triton"),
+            "fla": installed("fla"),
+            "triton_version": version("triton") or version("pytorch-triton") or version("pytorch-triton-rocm"),
             "tilelang": installed("tilelang")}
 
 
