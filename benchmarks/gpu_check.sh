@@ -13,8 +13,9 @@
 #    vocab_op, lm_head, disk_sync, ipc_handles (the export buffer opened by CUDA IPC from a second process,
 #    with the trainer's expandable segments on), hf_load, main_job, async_save (a save through each writer with
 #    expandable segments on: the staging it took), routing_replay (r3 and r2 on a tiny Qwen3-MoE), qwen3_5
-#    (flash-linear-attention's Gated DeltaNet kernels against the actor's stand-in, a small Qwen3.5 on
-#    HybridModel against transformers, its train step beside the same-size dense Qwen3). NVRx's
+#    (flash-linear-attention's Gated DeltaNet kernels and the actor's stand-in against transformers, forward
+#    and backward; a small Qwen3.5 on HybridModel against transformers, log-probs and every weight's gradient;
+#    its bf16 train step beside the same-size dense Qwen3's, time and peak memory). NVRx's
 #    checkpoint code, unpacked by gpu_wheels.sh in .gpu/nvrx, goes on PYTHONPATH. Each step's output goes to OUT/<step>.log and one JSON
 #    line to OUT/summary.jsonl; a failing step does not stop the next.
 # 3. Prints the figures and the targets (PASS / MISS) and writes them to OUT/report.md.
@@ -51,7 +52,7 @@ for f in summary.jsonl report.md tests.log actor_step.log vocab_op.log lm_head.l
 done
 
 # each step's own limit, seconds (the budget may cut it shorter)
-declare -A limit=([tests]=150 [actor_step]=240 [vocab_op]=90 [lm_head]=90 [disk_sync]=60 [ipc_handles]=60 [hf_load]=90 [main_job]=150 [async_save]=90 [routing_replay]=240 [qwen3_5]=150)
+declare -A limit=([tests]=150 [actor_step]=240 [vocab_op]=90 [lm_head]=90 [disk_sync]=60 [ipc_handles]=60 [hf_load]=90 [main_job]=150 [async_save]=90 [routing_replay]=240 [qwen3_5]=240)
 if [[ ${#smoke_flag[@]} -gt 0 ]]; then
   for k in "${!limit[@]}"; do limit[$k]=600; done
   budget="${GPU_CHECK_BUDGET_S:-3000}"

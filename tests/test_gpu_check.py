@@ -88,21 +88,28 @@ def test_smoke_run_records_every_cheap_step_with_figures(tmp_path):
     assert head["gemms_ms"] > 0 and head["fused"]["x_gemms"] > 0 and head["materialized"]["x_gemms"] > 0, head
     shard = by["lm_head"]["figures"]["14B shard"]  # (the Qwen3-14B shape's stand-in: one TP rank's weight shard)
     assert shard["backward_ms"] > 0 and shard["fit_check_bytes"] > 0 and shard["peak_bytes"] is None, shard
-    # Qwen3.5 (#53): the stand-in against transformers' torch path, the HybridModel actor against
-    # transformers, both train steps timed
+    # Qwen3.5 (#53, #56): the stand-in against transformers' torch path (outputs and every input's
+    # gradient), the HybridModel actor against transformers (log-probs, then every weight's gradient, the
+    # Gated DeltaNet layers' among them, against transformers in fp64), both train steps timed
     q35 = by["qwen3_5"]["figures"]
-    assert max(q35["kernels"]["rel_err"].values()) < 1e-5 and q35["gdn_kernels_in_the_actor"] == "torch stand-in", q35
+    stand_in = q35["kernels"]["kernels"]["stand-in"]
+    assert len(stand_in["rel_err"]) == 9 and max(stand_in["rel_err"].values()) < 1e-5, q35
+    assert q35["kernels"]["backward_refused"] is None and q35["gdn_kernels_in_the_actor"] == "torch stand-in", q35
     assert q35["max_abs_diff_log_probs"] < 1e-4 and q35["max_abs_diff_entropy"] < 1e-4, q35
+    grads = q35["weight_grads"]
+    assert grads["compared"] > 0 and grads["unmatched"] == [] and grads["all_max_rel_err"] < 2e-3, grads
+    assert any(".linear_attn." in n for n in grads["worst"]), grads
     assert q35["train_step_s"]["qwen3_5"] > 0 and q35["train_step_s"]["qwen3_dense"] > 0, q35
+    assert q35["train_step_peak_gib"] == {"qwen3_5": None, "qwen3_dense": None}  # (CUDA's allocator measures it)
     # the targets are there, with values, and not judged in a smoke run
     targets = [t for name in CHEAP for t in by[name]["targets"]]
-    assert len(targets) == 20 and all(t["pass"] is None for t in targets)
+    assert len(targets) == 21 and all(t["pass"] is None for t in targets)
     assert sum("pinned host memory (GB/s)" in t["name"] for t in by["actor_step"]["targets"]) == 2
     # every figure is there, but the vocab op's and the LM head's memory: CUDA's allocator statistics measure it
     assert all(t["value"] is not None for t in targets
                if "extra memory" not in t["name"] and "peak memory" not in t["name"]), targets
     report = (out / "report.md").read_text()
-    assert "SMOKE" in report and report.count("n/a (smoke)") == 20 and "steps failed: none" in report
+    assert "SMOKE" in report and report.count("n/a (smoke)") == 21 and "steps failed: none" in report
     assert "steps failed: none" in proc.stdout
 
 

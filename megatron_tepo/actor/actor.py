@@ -70,6 +70,7 @@ CPU. Checkpoints: :meth:`MegatronActor.save_checkpoint` / :meth:`MegatronActor.l
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -480,10 +481,40 @@ class MegatronActor:
         from megatron_tepo.actor.checkpointing import AsyncSaves, choose_async_writer, save_actor_checkpoint
 
         self.sync_params()
-        if asynchronous and getattr(self, "_async_saves", None) is None:
-            self._async_saves = AsyncSaves(choose_async_writer())
+        if asynchronous and getattr(self, "_async_saves", None) is None:  # (/dev/shm room: this node's ranks)
+            node_bytes = self.checkpoint_bytes() * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            self._async_saves = AsyncSaves(choose_async_writer(staged_bytes=node_bytes))
         return save_actor_checkpoint(self, directory, extra_state, write_extra,
                                      saves=self._async_saves if asynchronous else None, on_publish=on_publish)
+
+    def checkpoint_bytes(self) -> int:
+        """The bytes of this rank's tensors a checkpoint holds: the model's parameters and the
+        optimizer's main parameters and states, each tensor once; a parameter whose Adam moments are not
+        made yet (before the first step) counts them (two of its main parameter's size)."""
+        seen, total = set(), 0
+
+        def add(t) -> None:
+            nonlocal total
+            key = (str(t.device), t.data_ptr(), t.numel())
+            if t.numel() and key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+
+        for chunk in self.model:
+            for p in chunk.parameters():
+                add(p)
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(opt, "optimizer", None)
+            for group in getattr(inner, "param_groups", ()):
+                for p in group["params"]:
+                    add(p)
+                    state = inner.state.get(p) or {}
+                    for v in state.values():
+                        if torch.is_tensor(v) and v.numel() > 1:
+                            add(v)
+                    if not state:
+                        total += 2 * p.numel() * 4
+        return total
 
     def finalize_checkpoints(self, blocking: bool = False) -> int:
         """Collective: publish the asynchronous saves whose files are written (``blocking``: wait

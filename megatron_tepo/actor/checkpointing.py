@@ -118,11 +118,13 @@ def _sharded_state_dict(actor, is_loading: bool, with_optimizer: bool = True) ->
 
 def choose_async_writer(save_fn=None, nvrx_version: Optional[str] = "probe", wanted: Optional[str] = None,
                         expandable: Optional[bool] = None, host_shm: Optional[bool] = None,
-                        on_gpu: Optional[bool] = None) -> AsyncWriter:
+                        on_gpu: Optional[bool] = None, staged_bytes: Optional[int] = None,
+                        statvfs=None) -> AsyncWriter:
     """The asynchronous saves' writer (:func:`megatron_tepo.megatron.async_save.choose_async_writer`,
-    the one choice; its arguments are for tests); one that cannot be had is a :class:`CheckpointError`."""
+    the one choice; ``staged_bytes``: what this node's ranks stage in one save; the other arguments are
+    for tests); one that cannot be had is a :class:`CheckpointError`."""
     return async_save.choose_async_writer(save_fn, nvrx_version, wanted, expandable, host_shm, on_gpu,
-                                          error=CheckpointError)
+                                          error=CheckpointError, staged_bytes=staged_bytes, statvfs=statvfs)
 
 
 def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict] = None,

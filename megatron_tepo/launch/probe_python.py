@@ -3,7 +3,7 @@
     <python> megatron_tepo/launch/probe_python.py
     {"executable": ..., "prefix": ..., "torch": {"version": "2.6.0+cu126", "cuda": "12.6", "hip": null} | null,
      "transformer_engine": true|false, "sglang": true|false, "sglang_version": "0.5.23" | null,
-     "torch_memory_saver": true|false}
+     "torch_memory_saver": true|false, "fla": true|false, "triton_version": "3.6.0" | null, "tilelang": true|false}
 
 Run by path under the python it describes, which need not have megatron_tepo (an SGLang venv): the
 standard library only, and it imports nothing it reports on. torch's build comes from its
@@ -13,8 +13,12 @@ node without a GPU. Transformer Engine, SGLang and its memory saver (``torch_mem
 colocated layout's servers start with): whether the package is installed
 (``importlib.util.find_spec``), not whether it imports; SGLang's version from its installed
 metadata (``importlib.metadata``), which the launch checks against the settings that need a later
-release (``megatron_tepo/rollout/sglang/versions.py``). Left out: whether a GPU is there (the
-job's nodes have them; where this runs may not), the driver, apex.
+release (``megatron_tepo/rollout/sglang/versions.py``). What a Qwen3.5 hybrid's Gated DeltaNet
+needs (``megatron_tepo/gdn_kernels.py``): flash-linear-attention's kernels (the ``fla`` module of
+fla-core: installed or not), Triton's version (the ``triton`` distribution, or ``pytorch-triton`` or
+``pytorch-triton-rocm`` where a nightly or ROCm torch brings it) and tilelang (installed or not).
+Left out: whether a GPU is there (the job's nodes have them; where this runs may not), the driver,
+apex.
 """
 import ast
 import importlib.metadata
@@ -69,7 +73,10 @@ def version(name: str):
 def probe() -> dict:
     return {"executable": sys.executable, "prefix": sys.prefix, "torch": torch_build(),
             "transformer_engine": installed("transformer_engine"), "sglang": installed("sglang"),
-            "sglang_version": version("sglang"), "torch_memory_saver": installed("torch_memory_saver")}
+            "sglang_version": version("sglang"), "torch_memory_saver": installed("torch_memory_saver"),
+            "fla": installed("fla"),
+            "triton_version": version("triton") or version("pytorch-triton") or version("pytorch-triton-rocm"),
+            "tilelang": installed("tilelang")}
 
 
 if __name__ == "__main__":

@@ -12,14 +12,18 @@ variable to set:
 
 * the trainer's python: a CPU build of torch (``torch.version.cuda`` and ``.hip`` both None), or
   no Transformer Engine where the run needs it (``actor.sequence_parallel: true``, or
-  ``actor.attention: te``; ``auto`` takes SDPA without it);
+  ``actor.attention: te``; ``auto`` takes SDPA without it); for a model with Gated DeltaNet layers
+  (Qwen3.5), what they need on a GPU (``megatron_tepo/gdn_kernels.py``, the rule the actor's hybrid
+  builder reads too): fla-core, and on Hopper GPUs (``nvidia-smi``'s compute capability, where it
+  answers) a Triton whose gated backward fla computes right (< 3.4.0 or >= 3.7.1) or tilelang --
+  unless ``MTEPO_GDN_KERNELS=torch`` asks for the pure-torch stand-in;
 * the SGLang python (``rollout.engine: sglang`` only), found as the serve command finds it
   (``MTEPO_SGLANG_PYTHON``, else ``<repo>/.venv-sglang/bin/python`` where it exists, else the
   trainer's python): one that cannot import sglang, the CPU build (its venv carries the mark of
   ``tools/install_sglang_cpu.sh``), or one with a CPU build of torch;
 * on any device, the SGLang python's version against the settings of the job that need a later
   SGLang than the declared floor (``megatron_tepo/rollout/sglang/versions.py``: ``actor.routing_replay:
-  r3`` needs 0.5.7, ``launch.device: cpu`` 0.5.14), read from its installed metadata before any
+  r3`` needs 0.5.7, ``launch.device: cpu`` 0.5.14, a Qwen3.5 model 0.5.9), read from its installed metadata before any
   server starts (an older SGLang's servers would die parsing their arguments). A ``cpu`` job is
   probed only when such a setting besides the device is on (its SGLang is tools/install_sglang_cpu.sh's
   0.5.23 otherwise).
@@ -37,10 +41,11 @@ import subprocess
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from megatron_tepo.gdn_kernels import kernels_problem
 from megatron_tepo.launch.fit import FitError
 from megatron_tepo.launch.spec import LaunchSpec
 
-__all__ = ["PROBE", "probe_python", "check_pythons"]
+__all__ = ["PROBE", "probe_python", "check_pythons", "gpu_capabilities"]
 
 PROBE = Path(__file__).resolve().with_name("probe_python.py")
 SGLANG_HINT = "a python with a CUDA build of SGLang (pyproject.toml's sglang extra)"
@@ -100,22 +105,51 @@ def _trainer(spec: LaunchSpec, python: str, setting: str, found: List[str]) -> L
     except ValueError as exc:
         return [f"the trainer's python {exc}: set {setting} to {TRAINER_HINT}"]
     te = bool(info.get("transformer_engine"))
-    found.append(f"trainer python: {python}: {_torch(info)}, Transformer Engine {'installed' if te else 'not installed'}")
+    hybrid = spec.shape().linear_layers > 0
+    kernels = (f", fla-core {'installed' if info.get('fla') else 'not installed'}, Triton "
+               f"{info.get('triton_version') or 'not installed'}, tilelang "
+               f"{'installed' if info.get('tilelang') else 'not installed'}") if hybrid else ""
+    found.append(f"trainer python: {python}: {_torch(info)}, Transformer Engine {'installed' if te else 'not installed'}"
+                 f"{kernels}")
     if not _gpu_torch(info):
         return [f"launch.device: cuda, but {who} has {_torch(info)}: set {setting} to {TRAINER_HINT}"]
     need = _te_needed(spec)
     if need and not te:
         return [f"{need[0]} needs Transformer Engine, which {who} does not have: set {setting} to "
                 f"{TRAINER_HINT}{need[1]}"]
+    if hybrid:
+        problem = kernels_problem(fla=bool(info.get("fla")), triton_version=info.get("triton_version"),
+                                  tilelang=bool(info.get("tilelang")), capabilities=gpu_capabilities())
+        if problem:
+            return [f"{spec.shape().family}'s Gated DeltaNet layers, trained in {who}: {problem}"]
     return []
+
+
+def gpu_capabilities(timeout: float = 30.0) -> Optional[List[Tuple[int, int]]]:
+    """The compute capabilities of this machine's GPUs (``nvidia-smi --query-gpu=compute_cap``: no
+    CUDA initialisation here), or None where they cannot be read (no ``nvidia-smi``, a login node
+    without GPUs: the Hopper rule is then checked by the trainer when it builds the model)."""
+    try:
+        res = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    caps = []
+    for line in res.stdout.split() if res.returncode == 0 else ():
+        major, _, minor = line.strip().partition(".")
+        if not (major.isdigit() and minor.isdigit()):
+            return None
+        caps.append((int(major), int(minor)))
+    return caps or None
 
 
 def version_bound(spec: LaunchSpec) -> List[str]:
     """The settings of ``spec`` that need a later SGLang than the declared floor (keys of
     ``versions.MIN_VERSIONS``)."""
-    from megatron_tepo.rollout.sglang.versions import CPU, R3
+    from megatron_tepo.rollout.sglang.versions import CPU, QWEN3_5, QWEN3_5_FAMILIES, R3
 
-    return [s for s, on in ((R3, spec.cfg.actor.routing_replay == "r3"), (CPU, spec.launch.device == "cpu")) if on]
+    return [s for s, on in ((R3, spec.cfg.actor.routing_replay == "r3"), (CPU, spec.launch.device == "cpu"),
+                            (QWEN3_5, spec.shape().family in QWEN3_5_FAMILIES)) if on]
 
 
 def _sglang(spec: LaunchSpec, trainer_python: str, found: List[str]) -> List[str]:

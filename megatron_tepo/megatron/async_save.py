@@ -11,7 +11,9 @@ when a save's files are written (the checkpoint's marker, its rename) is the cal
 function on that request (:mod:`megatron_tepo.actor.checkpointing`). A writer that cannot be had
 raises the caller's ``error`` class.
 
-Left out: the checkpoint's folders and marker, synchronous saves.
+NVRx's host-shm staging is taken only where ``/dev/shm`` holds what a save stages (:func:`shm_shortfall`;
+the caller says the bytes). Left out: the checkpoint's folders and marker, synchronous saves, other
+tenants of ``/dev/shm`` growing between the choice and a later save.
 """
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["ASYNC_WRITER_ENV", "STAGINGS", "NVRX_WORKER_CONTEXT_GIB", "AsyncWriter", "choose_async_writer",
-           "AsyncSaves"]
+__all__ = ["ASYNC_WRITER_ENV", "STAGINGS", "NVRX_WORKER_CONTEXT_GIB", "SHM_PATH", "AsyncWriter", "shm_shortfall",
+           "choose_async_writer", "AsyncSaves"]
 
 
 #: ``MTEPO_ASYNC_WRITER``: ``auto`` (the default: :func:`choose_async_writer`'s rule), ``mcore`` or ``nvrx``
@@ -97,10 +99,44 @@ def _host_shm_strategy():
     return TorchDistSaveShardedStrategy(cpu_shm_mode=True)
 
 
+#: where host shared memory is (NVRx's ``host_shm`` staging puts a save's tensors there)
+SHM_PATH = "/dev/shm"
+
+
+def shm_shortfall(staged_bytes: Optional[int], statvfs=None, path: str = SHM_PATH) -> Optional[str]:
+    """Why ``path`` (``/dev/shm``) cannot hold ``staged_bytes`` (what this node's ranks stage there in
+    one save), or None when it can or the bytes are not known. Its free space is ``os.statvfs``'s
+    (``statvfs``: for tests). Plain Docker gives a container 64 MB unless started with ``--shm-size``
+    or ``--ipc=host``; pyxis / enroot share the host's."""
+    if staged_bytes is None:
+        return None
+    try:
+        st = (statvfs or os.statvfs)(path)
+    except OSError as exc:
+        return f"{path} cannot be read ({exc.strerror or exc})"
+    free = st.f_bavail * st.f_frsize
+    if free >= staged_bytes:
+        return None
+    return (f"{path} has {free / 2**20:.0f} MiB free and a save stages {staged_bytes / 2**30:.2f} GiB of this node's "
+            f"tensors there (plain Docker gives 64 MB unless the container is started with --shm-size or --ipc=host)")
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (collective where a process group is up: every rank makes
+    the same choice of writer)."""
+    if not dist.is_initialized():
+        return flag
+    device = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    t = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def choose_async_writer(save_fn=None, nvrx_version: Optional[str] = "probe",
                         wanted: Optional[str] = None, expandable: Optional[bool] = None,
                         host_shm: Optional[bool] = None, on_gpu: Optional[bool] = None,
-                        error: type = RuntimeError) -> AsyncWriter:
+                        error: type = RuntimeError, staged_bytes: Optional[int] = None,
+                        statvfs=None) -> AsyncWriter:
     """THE choice of the asynchronous saves' writer and of how the tensors reach it: NVRx's where
     megatron-core's ``dist_checkpointing.save`` takes ``async_strategy`` (>= 0.19, which deprecates
     its own writer) and nvidia-resiliency-ext is importable with what megatron-core needs;
@@ -112,15 +148,18 @@ def choose_async_writer(save_fn=None, nvrx_version: Optional[str] = "probe",
     the receiver opens with ``pidfd_getfd``, which containers without ptrace and Yama
     ``ptrace_scope=1`` refuse (pytorch#165685: the first save fails). So with expandable segments (or
     NVRx's writer gets host shared memory (``staging`` ``host_shm``), and where this stack cannot do
-    that, megatron-core's own writer (host copies, a forked writer) is used instead; CUDA IPC
-    (``cuda_ipc``) only with ordinary segments. Without CUDA the tensors are on the host already
+    that, megatron-core's own writer (host copies, a forked writer) is used instead -- and also where
+    ``/dev/shm`` has less room than a save stages (``staged_bytes``: this node's ranks' checkpoint
+    bytes; :func:`shm_shortfall`; decided on every rank alike: plain Docker's 64 MB failed the first
+    save); CUDA IPC (``cuda_ipc``) only with ordinary segments. Without CUDA the tensors are on the host already
     (``host_copy``: NVRx's writer gets copies, and makes no CUDA context).
 
     ``save_fn`` (default megatron-core's ``dist_checkpointing.save``), ``nvrx_version`` (default:
     probed; None: not installed), ``wanted`` (default ``$MTEPO_ASYNC_WRITER`` or ``auto``),
     ``expandable`` (default: the CUDA allocator's setting now), ``host_shm`` (whether the stack can
-    stage in host shared memory; default: probed) and ``on_gpu`` (default: whether CUDA is there) are
-    for tests. A ``wanted`` that is not known, or NVRx's writer asked for where it cannot be had, raises
+    stage in host shared memory; default: probed), ``on_gpu`` (default: whether CUDA is there) and
+    ``statvfs`` (default ``os.statvfs``) are for tests; ``staged_bytes`` None: ``/dev/shm`` is not
+    checked. A ``wanted`` that is not known, or NVRx's writer asked for where it cannot be had, raises
     ``error`` (the actor's :class:`~megatron_tepo.checkpoint.store.CheckpointError`)."""
     import inspect
 
@@ -149,13 +188,18 @@ def choose_async_writer(save_fn=None, nvrx_version: Optional[str] = "probe",
             if not expandable:
                 return AsyncWriter("nvrx", kwargs, f"{named}; GPU tensors by CUDA IPC", "cuda_ipc")
             host_shm = _nvrx_stages_in_host_memory() if host_shm is None else host_shm
-            if host_shm:
+            short = shm_shortfall(staged_bytes, statvfs) if host_shm else None
+            if host_shm and staged_bytes is not None and _any_rank(short is not None):
+                why = (f"{named} would stage GPU tensors in host shared memory (expandable segments cannot go by "
+                       f"CUDA IPC where pidfd_getfd is refused), but {short or 'another node has too little /dev/shm'}")
+            elif host_shm:
                 return AsyncWriter("nvrx", {**kwargs, "sharded_strategy": _host_shm_strategy()},
                                    f"{named}; GPU tensors staged in host shared memory: expandable segments cannot "
                                    f"go by CUDA IPC where pidfd_getfd is refused", "host_shm")
-            why = (f"{named} with megatron-core {mcore_version()} cannot stage GPU tensors in host shared memory "
-                   f"(NVRx >= 0.7's use_cpu_shm_for_gpu_tensors, megatron-core >= 0.19.2's cpu_shm_mode), and "
-                   f"expandable segments cannot go by CUDA IPC where pidfd_getfd is refused (pytorch#165685)")
+            else:
+                why = (f"{named} with megatron-core {mcore_version()} cannot stage GPU tensors in host shared memory "
+                       f"(NVRx >= 0.7's use_cpu_shm_for_gpu_tensors, megatron-core >= 0.19.2's cpu_shm_mode), and "
+                       f"expandable segments cannot go by CUDA IPC where pidfd_getfd is refused (pytorch#165685)")
     if wanted == "nvrx":
         raise error(f"{ASYNC_WRITER_ENV}=nvrx: NVRx's writer cannot be had here: {why}")
     return AsyncWriter(mcore.name, mcore.save_kwargs, why, mcore.staging)

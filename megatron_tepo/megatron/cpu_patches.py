@@ -18,8 +18,9 @@ necessary (:data:`CONDITIONS`), and only on the megatron-core versions whose cod
     kernels, or ``MTEPO_GDN_KERNELS=torch`` asks for the stand-in) -- patch 9 (``gdn_kernels``):
     megatron's Gated DeltaNet on the pure-torch stand-in of :mod:`.gated_delta_rule`; otherwise
     ``fla``'s kernels are never replaced. Where ``fla`` would refuse their backward
-    (:func:`fla_backward_refusal`: Hopper with Triton in [3.4.0, 3.7.1), no tilelang) the hybrid
-    builder refuses the model at build time instead of the first backward.
+    (:func:`fla_backward_refusal`: Hopper with Triton in [3.4.0, 3.7.1), no tilelang; the rule is
+    :mod:`megatron_tepo.gdn_kernels`, which the launch reads too) the hybrid builder refuses the
+    model at build time instead of the first backward.
 
 :func:`apply_cpu_patches` evaluates each condition through :data:`CONDITION_PROBES` (tests
 monkeypatch :func:`cuda_available` / :func:`te_available`). Every patch records what it
@@ -57,10 +58,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import os
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
+
+from megatron_tepo.gdn_kernels import stand_in_chosen
 
 __all__ = ["PATCHES", "CONDITIONS", "CONDITION_PROBES", "VERSIONS", "TARGETS", "apply_cpu_patches",
            "revert_cpu_patches", "applied_patches", "cuda_available", "te_available", "fla_available",
@@ -430,14 +432,15 @@ def fla_backward_refusal(capability=None, triton_version=None, tilelang=None) ->
     fla 0.6 raises in its first backward (``chunk_bwd_dqkwg``, gated) on Hopper (compute capability
     9.x) with 3.4.0 <= Triton < 3.7.1 (which computes it wrong there: fla issue #640) unless its
     tilelang backend is installed; the GPU check met it on an H200 with Triton 3.6.0 (2026-11-28).
-    The arguments (the device's capability, Triton's version, whether tilelang imports) default to
-    this machine's; None where CUDA or ``fla`` is missing (the stand-in runs then)."""
+    The rule is :func:`megatron_tepo.gdn_kernels.backward_refusal`, the one the launch's check of
+    the trainer's python reads too. The arguments (the device's capability, Triton's version,
+    whether tilelang imports) default to this machine's; None where CUDA or ``fla`` is missing (the
+    stand-in runs then) or ``MTEPO_GDN_KERNELS=torch`` asks for the stand-in."""
     import importlib.util
-    import os
 
-    from packaging.version import Version
+    from megatron_tepo import gdn_kernels
 
-    if os.environ.get("MTEPO_GDN_KERNELS") == "torch":
+    if gdn_kernels.stand_in_chosen():
         return None
     if capability is None:
         if not (cuda_available() and fla_available()):
@@ -449,18 +452,14 @@ def fla_backward_refusal(capability=None, triton_version=None, tilelang=None) ->
         triton_version = triton.__version__
     if tilelang is None:
         tilelang = importlib.util.find_spec("tilelang") is not None
-    if capability[0] != 9 or tilelang or not Version("3.4.0") <= Version(triton_version) < Version("3.7.1"):
-        return None
-    return (f"flash-linear-attention refuses the Gated DeltaNet backward on a Hopper GPU with Triton "
-            f"{triton_version} (3.4.0 <= Triton < 3.7.1 computes it wrong there: fla issue #640)")
+    return gdn_kernels.backward_refusal(capability, triton_version, tilelang)
 
 
 #: condition name -> "is the work-around needed here?"
 CONDITION_PROBES: Dict[str, Callable[[], bool]] = {
     "no_cuda": lambda: not cuda_available(),
     "no_te": lambda: not te_available(),
-    "no_gdn_kernels": lambda: (os.environ.get("MTEPO_GDN_KERNELS") == "torch"
-                               or not (cuda_available() and fla_available())),
+    "no_gdn_kernels": lambda: stand_in_chosen() or not (cuda_available() and fla_available()),
 }
 
 PATCHES: Dict[str, Callable[[], None]] = {

@@ -28,6 +28,12 @@ the converters and routing replay see the same names on either builder. Megatron
 ``sharded_state_dict`` keys (the torch_dist checkpoints) are the stack's: a checkpoint is loaded
 by the builder that wrote it (its marker and sidecar record it).
 
+Gated DeltaNet kernels: where flash-linear-attention would refuse its backward
+(``megatron_tepo/gdn_kernels.py``, the rule the launch checks too) the builder refuses the model
+with the ways out; on a GPU without fla-core (the pure-torch stand-in in place:
+``cpu_patches.gdn_kernels``) it says so once, loudly, unless ``MTEPO_GDN_KERNELS=torch`` chose it
+(:func:`say_stand_in_on_gpu`).
+
 Without ``actor.fusions`` the ``torch.compile``-d helpers of megatron's Gated DeltaNet and of its
 attention's output gate (``jit_fuser``; gated attention only) run eagerly (:func:`eager_fusers`):
 a CPU run compiles nothing.
@@ -123,6 +129,28 @@ def gated_delta_net_class():
     return GatedDeltaNet
 
 
+_SAID_STAND_IN: list = []  # whether this process said it trains on the stand-in (once)
+
+
+def say_stand_in_on_gpu() -> None:
+    """On a GPU, the Gated DeltaNet on the pure-torch stand-in (fla-core missing) is said once, on
+    rank 0, as a warning line naming why it is slow and how to get fla-core, unless the user chose
+    it (``MTEPO_GDN_KERNELS=torch``). On CPU, where the stand-in is the only way, nothing is said."""
+    import sys
+
+    import torch.distributed as dist
+
+    from megatron_tepo.gdn_kernels import stand_in_chosen, stand_in_warning
+    from megatron_tepo.megatron.cpu_patches import cuda_available
+
+    if _SAID_STAND_IN or stand_in_chosen() or not cuda_available():
+        return
+    _SAID_STAND_IN.append(True)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[megatron_tepo] {stand_in_warning('fla-core is not installed in this python')}", file=sys.stderr,
+              flush=True)
+
+
 def _gdn_layer_spec(attention_layer, te: bool, fused: bool):
     """The Gated DeltaNet sublayer: the attention sublayer's input norm (none with ``te``: fused
     into ``in_proj``), megatron's ``GatedDeltaNet`` with :class:`GatedOutputNorm`."""
@@ -189,12 +217,15 @@ def hybrid_stack_spec(family_cfg: GPTFamilyConfig, actor: ActorConfig, *, moe_gr
         if gated_delta_net_class() is None:
             raise ValueError(f"{family_cfg.family}: Gated DeltaNet layers need megatron-core's GatedDeltaNet "
                              f"(megatron-core >= 0.19), which this megatron-core does not have")
+        from megatron_tepo.gdn_kernels import WAYS_OUT
         from megatron_tepo.megatron.cpu_patches import applied_patches, fla_backward_refusal
 
-        refusal = None if "gdn_kernels" in applied_patches() else fla_backward_refusal()
+        stand_in = "gdn_kernels" in applied_patches()
+        refusal = None if stand_in else fla_backward_refusal()
         if refusal:  # (fla raises in the first backward, after the first rollout: say so now)
-            raise ValueError(f"{family_cfg.family}: {refusal}: install Triton >= 3.7.1 or tilelang, or set "
-                             f"MTEPO_GDN_KERNELS=torch to train on the pure-torch stand-in (slower)")
+            raise ValueError(f"{family_cfg.family}: {refusal}: {WAYS_OUT}")
+        if stand_in:
+            say_stand_in_on_gpu()
         gdn_layer = _gdn_layer_spec(attention_layer, actor.attention == "te", fused)
     sub = dict(attention_layer=attention_layer, mlp_layer=mlp_layer)
     if moe_layer is not None:

@@ -22,17 +22,20 @@ exec {real} "$@"
 
 def standin_python(folder: Path, *, cuda: Optional[str] = "12.6", te: bool = True, sglang: bool = False,
                    memory_saver: Optional[bool] = None, sglang_version: Optional[str] = None,
+                   fla: bool = True, triton_version: Optional[str] = "3.7.1", tilelang: bool = False,
                    real: str = sys.executable, cases: str = "") -> Path:
     """``cases``: more arms of the script's ``case "$*" in`` (matched on all its arguments);
     ``memory_saver``: whether torch_memory_saver is installed (default: with sglang, as SGLang's
     CUDA install brings it); ``sglang_version``: its SGLang's version (default: 0.5.23, the tests'
-    own, with sglang)."""
+    own, with sglang); ``fla`` (fla-core), ``triton_version`` and ``tilelang``: what a Qwen3.5's
+    Gated DeltaNet needs (default: fla-core with a Triton whose backward fla computes right)."""
     py = folder / "bin" / "python"
     py.parent.mkdir(parents=True, exist_ok=True)
     torch = {"version": f"2.6.0+cu{cuda.replace('.', '')}" if cuda else "2.6.0+cpu", "cuda": cuda, "hip": None}
     answer = json.dumps({"executable": str(py), "prefix": str(folder), "torch": torch, "transformer_engine": te,
                          "sglang": sglang, "sglang_version": sglang_version or ("0.5.23" if sglang else None),
-                         "torch_memory_saver": sglang if memory_saver is None else memory_saver})
+                         "torch_memory_saver": sglang if memory_saver is None else memory_saver,
+                         "fla": fla, "triton_version": triton_version, "tilelang": tilelang})
     py.write_text(SCRIPT.format(answer=shlex.quote(answer), real=shlex.quote(real), cases=cases))
     py.chmod(0o755)
     return py

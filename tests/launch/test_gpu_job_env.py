@@ -204,6 +204,90 @@ def test_an_sglang_too_old_for_routing_replay_is_refused_before_any_server_start
     assert found[-1] == f"SGLang python: {py} (MTEPO_SGLANG_PYTHON): torch 2.6.0+cu126 (CUDA 12.6), sglang {serves}"
 
 
+def _fake_nvidia_smi(tmp_path, monkeypatch, capability):
+    """An ``nvidia-smi`` on PATH that reports two GPUs of compute ``capability`` (``"9.0"``: Hopper)."""
+    bin_ = tmp_path / "fake-bin"
+    bin_.mkdir(exist_ok=True)
+    smi = bin_ / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\ncase \"$*\" in *compute_cap*) printf '{capability}\\n{capability}\\n' ;; *) exit 9 ;; esac\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}{os.pathsep}{os.environ['PATH']}")
+
+
+@pytest.mark.parametrize("trainer,capability,needle", [
+    (dict(fla=False), None, "fla-core is not installed: pip install fla-core"),
+    (dict(triton_version="3.6.0"), "9.0", "flash-linear-attention refuses the Gated DeltaNet backward on a Hopper "
+                                          "GPU with Triton 3.6.0"),
+], ids=["no-fla-core", "hopper-triton-3.6"])
+def test_a_qwen3_5_launch_is_refused_before_any_server_when_its_gated_deltanet_cannot_train(
+        tmp_path, monkeypatch, trainer, capability, needle):
+    """Issue #56 rows 4-5: a Qwen3.5 job whose trainer's python lacks fla-core (the run would train on
+    the pure-torch stand-in) or, on Hopper, has a Triton in [3.4.0, 3.7.1) without tilelang (the
+    actor refused the model only after the servers had loaded) is refused by the fit check, one line
+    naming the python and the ways out; MTEPO_GDN_KERNELS=torch (the stand-in asked for by name),
+    tilelang, a Triton outside the range or a GPU other than Hopper pass. A model without Gated
+    DeltaNet layers is not asked."""
+    monkeypatch.delenv("MTEPO_GDN_KERNELS", raising=False)
+    if capability:
+        _fake_nvidia_smi(tmp_path, monkeypatch, capability)
+    _sglang(tmp_path, monkeypatch)
+    py = standin_python(tmp_path / "trainer-venv", **trainer)
+    with pytest.raises(FitError) as err:
+        check_pythons(_spec("qwen3.5_27b"), str(py))
+    msg = str(err.value)
+    assert msg.startswith(f"qwen3_5's Gated DeltaNet layers, trained in the trainer's python {py}: ")
+    assert needle in msg and "set MTEPO_GDN_KERNELS=torch" in msg and "\n" not in msg
+    found = check_pythons(_spec("qwen3_14b"), str(py))  # no Gated DeltaNet: not asked
+    assert "fla-core" not in found[0]
+    monkeypatch.setenv("MTEPO_GDN_KERNELS", "torch")
+    found = check_pythons(_spec("qwen3.5_27b"), str(py))
+    assert found[0].startswith(f"trainer python: {py}: torch 2.6.0+cu126 (CUDA 12.6), Transformer Engine installed, "
+                               f"fla-core {'not ' if trainer.get('fla') is False else ''}installed, Triton ")
+    monkeypatch.delenv("MTEPO_GDN_KERNELS")
+    if capability:  # the other ways out of the refused backward
+        for kw in (dict(tilelang=True), dict(triton_version="3.7.1"), dict(triton_version="3.3.1")):
+            ok = standin_python(tmp_path / f"trainer-{len(kw)}-{sorted(kw.items())[0][1]}", **{**trainer, **kw})
+            assert check_pythons(_spec("qwen3.5_27b"), str(ok)), kw
+        _fake_nvidia_smi(tmp_path, monkeypatch, "10.0")  # Blackwell: fla computes it right
+        assert check_pythons(_spec("qwen3.5_27b"), str(py))
+
+
+def test_the_hybrid_builder_and_the_launch_read_one_rule(monkeypatch):
+    """One source of truth: the actor's build-time refusal (cpu_patches.fla_backward_refusal) and the
+    launch's check both answer through megatron_tepo.gdn_kernels."""
+    from megatron_tepo import gdn_kernels
+    from megatron_tepo.megatron import cpu_patches
+
+    monkeypatch.delenv("MTEPO_GDN_KERNELS", raising=False)
+    monkeypatch.setattr(gdn_kernels, "BAD_TRITON", ((3, 0, 0), (3, 1, 0)))
+    assert cpu_patches.fla_backward_refusal((9, 0), "3.0.5", False) and not cpu_patches.fla_backward_refusal(
+        (9, 0), "3.6.0", False)
+    assert gdn_kernels.kernels_problem(fla=True, triton_version="3.0.5", tilelang=False, capabilities=[(9, 0)])
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_an_sglang_older_than_qwen3_5_is_refused_before_any_server_starts(tmp_path, monkeypatch, device):
+    """Issue #56 row 6: SGLang's qwen3_5 models came in 0.5.9; an older SGLang's servers die on an
+    unknown architecture after the allocation. The fit check refuses it for a Qwen3.5 model (dense or
+    MoE), one line naming the model, the minimum and the variable; 0.5.9 serves it; other models are
+    not bound by it."""
+    monkeypatch.setenv("MTEPO_GDN_KERNELS", "torch")
+    py = _sglang(tmp_path, monkeypatch, sglang_version="0.5.8.post1")
+    trainer = str(standin_python(tmp_path / "trainer-venv"))
+    for name in ("qwen3.5_27b", "qwen3.5_35b_a3b"):
+        spec = _spec(name, f"launch.device={device}", "actor.routing_replay=off")
+        with pytest.raises(FitError) as err:
+            check_pythons(spec, trainer)
+        msg = str(err.value)
+        assert ("a Qwen3.5 model needs SGLang >= 0.5.9 (its qwen3_5 models, Qwen3_5ForConditionalGeneration and "
+                "Qwen3_5MoeForConditionalGeneration)") in msg, msg
+        assert f"found 0.5.8.post1 in the SGLang python {py} (MTEPO_SGLANG_PYTHON)" in msg and "\n" not in msg
+    if device == "cuda":
+        assert check_pythons(_spec("qwen3_14b"), trainer)  # not a Qwen3.5: the declared floor is enough
+        _sglang(tmp_path, monkeypatch, sglang_version="0.5.9")
+        assert check_pythons(_spec("qwen3.5_27b"), trainer)[-1].endswith("sglang 0.5.9")
+
+
 @pytest.mark.sglang
 def test_the_real_sglang_venv_serves_routing_replay(tmp_path, monkeypatch):
     """The CPU SGLang the tests run (0.5.23) passes the same check, read from its own metadata."""

@@ -96,6 +96,63 @@ def test_the_strategy_that_reaches_the_writer_for_each_allocator_setting(monkeyp
     assert (m.name, m.staging) == ("mcore", "host_copy")
 
 
+def _statvfs(free_bytes):
+    """An ``os.statvfs`` stand-in: ``free_bytes`` available to an unprivileged writer."""
+    import os
+
+    def statvfs(path):
+        assert path == "/dev/shm", path
+        return os.statvfs_result((4096, 4096, 1 << 20, free_bytes // 4096, free_bytes // 4096, 0, 0, 0, 0, 255))
+    return statvfs
+
+
+def test_host_shm_staging_needs_room_in_dev_shm(monkeypatch):
+    """Issue #56 row 9: NVRx's host-shm staging copies a save's GPU tensors into /dev/shm, which plain
+    Docker makes 64 MB unless the container is started larger: the first save failed there. The choice
+    now checks /dev/shm's free space against what a save stages (this node's checkpoint bytes) and
+    falls back to megatron-core's writer, saying why, when it is too small; with room it stages there
+    as before, and NVRx asked for by name is refused naming /dev/shm."""
+    from megatron_tepo.actor.checkpointing import choose_async_writer
+    from megatron_tepo.megatron.async_save import mcore_has_cpu_shm_mode
+
+    if not mcore_has_cpu_shm_mode():
+        pytest.skip("this megatron-core (< 0.19.2) has no cpu_shm_mode: the host-shm strategy cannot be built")
+    monkeypatch.delenv("MTEPO_ASYNC_WRITER", raising=False)
+    gpu = dict(nvrx_version="0.7.0", expandable=True, host_shm=True, on_gpu=True)
+    w = choose_async_writer(save_0_19, staged_bytes=3 << 30, statvfs=_statvfs(64 << 20), **gpu)
+    assert (w.name, w.staging, w.save_kwargs["async_strategy"]) == ("mcore", "host_copy", "mcore")
+    assert "/dev/shm has 64 MiB free and a save stages 3.00 GiB" in w.why and "--shm-size" in w.why
+    w = choose_async_writer(save_0_19, staged_bytes=3 << 30, statvfs=_statvfs(500 << 30), **gpu)
+    assert (w.name, w.staging) == ("nvrx", "host_shm")
+    with pytest.raises(CheckpointError, match="NVRx's writer cannot be had here: .*/dev/shm has 64 MiB free"):
+        choose_async_writer(save_0_19, wanted="nvrx", staged_bytes=3 << 30, statvfs=_statvfs(64 << 20), **gpu)
+
+
+def test_the_actor_counts_what_a_checkpoint_holds():
+    """What the choice is told: the model's parameters and the optimizer's main parameters and Adam
+    moments (before the first step: counted as they will be), each tensor once."""
+    import torch
+
+    from megatron_tepo.actor.actor import MegatronActor
+
+    class Opt:
+        def __init__(self, params, state):
+            self.param_groups, self.state = [{"params": params}], state
+
+    w = torch.nn.Linear(10, 10, bias=False)  # 100 fp32 parameters
+    actor = MegatronActor.__new__(MegatronActor)
+
+    def train_model(optimizer):  # (the actor's model and optimizer are its TrainModel's)
+        return type("TrainModel", (), {"model": [w], "optimizer": type("Wrapped", (), {"optimizer": optimizer})()})()
+
+    actor.train_model = train_model(Opt([w.weight], {}))
+    assert actor.checkpoint_bytes() == 400 + 2 * 400  # the same tensor as main parameter: counted once
+    main = torch.zeros(100, dtype=torch.float32)
+    moments = {"exp_avg": torch.zeros(100), "exp_avg_sq": torch.zeros(100), "step": torch.tensor(1.0)}
+    actor.train_model = train_model(Opt([main], {main: moments}))
+    assert actor.checkpoint_bytes() == 400 + 400 + 800
+
+
 @pytest.mark.timeout(300)
 def test_an_nvrx_save_staged_in_host_shared_memory_writes_a_checkpoint_that_loads(tmp_path):
     """The host-shm path for real (NVRx 0.7's writer, megatron-core 0.19.2's strategy; on CPU, the

@@ -359,3 +359,39 @@ def test_fla_backward_refusal_is_known_before_the_first_backward(monkeypatch):
     monkeypatch.setenv("MTEPO_GDN_KERNELS", "torch")
     assert cpu_patches.CONDITION_PROBES["no_gdn_kernels"]()
     assert cpu_patches.fla_backward_refusal((9, 0), "3.6.0", False) is None
+
+
+@needs_gdn
+def test_the_stand_in_on_a_gpu_is_said_once_unless_chosen(monkeypatch, capsys):
+    """Issue #56 row 5: on a GPU without fla-core the Gated DeltaNet silently ran on the pure-torch
+    stand-in (a Python loop over 64-token chunks, fp32). Building a Qwen3.5 stack there now says so
+    once, as one warning line naming why it is slow and how to get fla-core; not when the user chose
+    it (MTEPO_GDN_KERNELS=torch), and not on CPU (the main job stays quiet)."""
+    from megatron_tepo.config import ActorConfig
+    from megatron_tepo.megatron import cpu_patches, hybrid
+    from megatron_tepo.megatron.gpt import resolve_actor_config
+    from megatron_tepo.models import family_config_from_hf
+
+    actor = resolve_actor_config(ActorConfig(precision="fp32", attention="sdpa"), cuda=False, te=False)
+    fam = family_config_from_hf(tiny_hf_config("qwen3_5"), spec="local")
+    monkeypatch.setattr(cpu_patches, "applied_patches", lambda: ["gdn_kernels"])  # (fla-core missing)
+    monkeypatch.setattr(hybrid, "_SAID_STAND_IN", [], raising=False)
+
+    def said(cuda, chosen):
+        monkeypatch.setattr(cpu_patches, "cuda_available", lambda: cuda)
+        if chosen:
+            monkeypatch.setenv("MTEPO_GDN_KERNELS", "torch")
+        else:
+            monkeypatch.delenv("MTEPO_GDN_KERNELS", raising=False)
+        capsys.readouterr()
+        for _ in range(2):
+            hybrid.hybrid_stack_spec(fam, actor)
+        out = capsys.readouterr()
+        return [line for line in (out.out + out.err).splitlines() if "stand-in" in line]
+
+    assert said(cuda=False, chosen=False) == []  # CPU: the stand-in is the only way, nothing said
+    assert said(cuda=True, chosen=True) == []  # asked for by name
+    lines = said(cuda=True, chosen=False)
+    assert len(lines) == 1 and "WARNING" in lines[0] and "pip install fla-core" in lines[0], lines
+    assert "fla-core is not installed" in lines[0] and "MTEPO_GDN_KERNELS=torch" in lines[0]
+    assert said(cuda=True, chosen=False) == []  # once per process

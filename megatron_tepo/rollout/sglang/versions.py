@@ -16,10 +16,18 @@ the releases' own sources:
   ``--cuda-graph-backend-prefill`` (:func:`~megatron_tepo.rollout.sglang.options.server_command`):
   first in 0.5.14 (0.5.6 - 0.5.13 name it ``--disable-cuda-graph``). tools/install_sglang_cpu.sh
   installs 0.5.23.
+* a Qwen3.5 model (HF ``model_type`` ``qwen3_5`` / ``qwen3_5_moe``, the project's families of the
+  same names) -- SGLang's ``qwen3_5`` models (``python/sglang/srt/models/qwen3_5.py``:
+  ``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForConditionalGeneration``): first in 0.5.9
+  (absent from 0.5.8.post1's wheel, which has ``qwen3_next.py`` only). On an older SGLang the
+  servers die on an unknown architecture after loading nothing.
 
 Who checks: the launch, before any server starts (the fit check reads the SGLang python's version:
 ``megatron_tepo/launch/pythons.py``), and the fleet, for servers it attaches to by URL with
-routing replay on (each server's ``/server_info`` reports its ``version``: ``fleet.py``).
+routing replay on (each server's ``/server_info`` reports its ``version``: ``fleet.py``). A Qwen3.5
+model is the launch's check only: a server the fleet attaches to that answers has loaded the model
+already, and one the fleet starts itself on an older SGLang dies before it is healthy, naming the
+architecture in its log.
 
 Left out: the upper bound (``<0.6``, the first minor not read), and versions that are not releases
 (a source checkout's ``0.5.24.dev0`` counts as 0.5.24).
@@ -29,17 +37,21 @@ from __future__ import annotations
 import re
 from typing import Dict, Iterable, Optional, Tuple
 
-__all__ = ["DECLARED_MINIMUM", "R3", "CPU", "MIN_VERSIONS", "parse_version", "version_problem", "check_version"]
+__all__ = ["DECLARED_MINIMUM", "R3", "CPU", "QWEN3_5", "QWEN3_5_FAMILIES", "MIN_VERSIONS", "parse_version", "version_problem", "check_version"]
 
 #: the floor of pyproject.toml's ``sglang`` extra (tests/rollout/test_dependency_ranges.py holds them equal)
 DECLARED_MINIMUM = "0.5.6"
 
 R3 = "actor.routing_replay: r3"
 CPU = "launch.device: cpu"
+QWEN3_5 = "a Qwen3.5 model"
+#: the model families (``GPTFamilyConfig.family``, the HF ``model_type``) that need :data:`QWEN3_5`'s release
+QWEN3_5_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 #: setting (as the user writes it) -> (the first SGLang release that has what it needs, what that is)
 MIN_VERSIONS: Dict[str, Tuple[str, str]] = {
     R3: ("0.5.7", "--enable-return-routed-experts"),
     CPU: ("0.5.14", "the CPU servers' --cuda-graph-backend-decode/-prefill"),
+    QWEN3_5: ("0.5.9", "its qwen3_5 models, Qwen3_5ForConditionalGeneration and Qwen3_5MoeForConditionalGeneration"),
 }
 
 
