@@ -154,8 +154,10 @@ class Request:
             self.episode[k] = self.episode.get(k, 0) + v if isinstance(v, (int, float)) else v
 
     def restart(self) -> None:
-        """Drop the response so far (it is older than the staleness bound allows)."""
-        self.token_ids, self.log_probs, self.versions, self.loss_mask, self.episode = [], [], [], [], {}
+        """Drop the response so far (it is older than the staleness bound allows); an episode's data
+        row stays (its environment opens it again)."""
+        row = {"row": self.episode["row"]} if "row" in self.episode else {}
+        self.token_ids, self.log_probs, self.versions, self.loss_mask, self.episode = [], [], [], [], row
 
     def to_sample(self, finish_reason: str) -> "Sample":
         """The response so far as a :class:`Sample` (with its versions, and an episode's loss mask

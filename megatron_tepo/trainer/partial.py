@@ -60,8 +60,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron_tepo.algorithms import filter_groups
-from megatron_tepo.rewards import scores_and_counts
-from megatron_tepo.rollout.episode import final_turn
+from megatron_tepo.trainer.scoring import sandbox_failed, score_samples
 from megatron_tepo.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, Sample, SamplingParams,
                                           from_state, to_state)
 
@@ -303,7 +302,10 @@ class RolloutBuffer:
         index = self.order[self.cursor]
         self.cursor += 1
         prompt = list(self.task.train_prompts[index])
-        g = GroupState(self.next_gid, index, [Request(prompt, self.params.max_new_tokens, key=(self.next_gid, k))
+        rows = getattr(self.task, "train_rows", None)  # (an episode engine opens each episode from its row)
+        record = {"row": rows[index]} if rows is not None and getattr(self.engine, "takes_rows", False) else {}
+        g = GroupState(self.next_gid, index, [Request(prompt, self.params.max_new_tokens, key=(self.next_gid, k),
+                                                      episode=dict(record))
                                               for k in range(self.n)], [None] * self.n)
         self.groups[g.gid] = g
         self.next_gid += 1
@@ -347,11 +349,16 @@ class RolloutBuffer:
     def _score(self, g: GroupState) -> None:
         """A complete group: its rewards; dropped when they are all equal (dynamic sampling)."""
         answer = self.task.train_answers[g.prompt_index]
-        scores, counts = scores_and_counts(self.task.reward_fn([final_turn(r.to_sample(FINISH_STOP)) for r in g.requests],
-                                                               [answer] * self.n))
+        rows = getattr(self.task, "train_rows", None)
+        samples = [r.to_sample(FINISH_STOP) for r in g.requests]
+        scores, counts = score_samples(self.task.reward_fn, samples, [answer] * self.n,
+                                       [rows[g.prompt_index]] * self.n if rows is not None else None)
         g.rewards, g.counts = torch.tensor(scores, dtype=torch.float32), counts
         self._stats["groups_generated"] += 1
-        if self.cfg.rollout.dynamic_sampling and not bool(filter_groups(g.rewards, self.n).keep_groups[0]):
+        failed = sandbox_failed(samples)  # (the sandbox's failure: never trained on)
+        if failed:
+            self._stats["groups_sandbox_failed"] = self._stats.get("groups_sandbox_failed", 0) + 1
+        if failed or (self.cfg.rollout.dynamic_sampling and not bool(filter_groups(g.rewards, self.n).keep_groups[0])):
             self._stats["groups_dropped"] += 1
             self.dropped.append([g.gid, g.prompt_index])
             del self.groups[g.gid]
