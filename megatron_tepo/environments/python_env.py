@@ -12,11 +12,11 @@ Left out: any tool but Python, state kept between calls (each call runs alone: t
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from megatron_tepo.environments.base import Environment, Reply
 from megatron_tepo.environments.python_tool import find_tool_calls, render_result
-from megatron_tepo.environments.sandbox import Sandbox
+from megatron_tepo.environments.sandbox import Sandbox, ToolResult
 
 __all__ = ["PythonTool", "cap_calls", "capped_message"]
 
@@ -47,6 +47,11 @@ class PythonTool(Environment):
         self.sandbox, self.fmt, self.max_calls = sandbox, fmt, max_calls_per_turn
 
     def respond(self, turn: str, turn_index: int) -> Reply:
+        return self.answer(turn, self.sandbox.run)
+
+    def answer(self, turn: str, run: Callable[[str], ToolResult]) -> Reply:
+        """The reply to ``turn``: each of its calls' code run by ``run`` (the sandbox's, or a
+        session's: :mod:`.python_session`), the results one after the other."""
         calls = find_tool_calls(turn, self.fmt)
         if not calls:
             return Reply(done=True)
@@ -57,7 +62,7 @@ class PythonTool(Environment):
                 answers.append(call.error or "Error: the tool call could not be read.")
                 errors += 1
                 continue
-            result = self.sandbox.run(call.code)
+            result = run(call.code)
             answers.append(render_result(result))
             failed += result.sandbox_failed  # (the sandbox's failure: not counted as the model's error)
             errors += not result.ok and not result.sandbox_failed

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from megatron_tepo.environments.base import Environment, Reply
-from megatron_tepo.environments.python_env import cap_calls, capped_message
-from megatron_tepo.environments.python_tool import find_tool_calls, render_result
-from megatron_tepo.environments.sandbox import Sandbox
+from megatron_tepo.environments.base import Reply
+from megatron_tepo.environments.python_env import PythonTool
+from megatron_tepo.environments.sandbox import Sandbox, ToolResult
 
 __all__ = ["PythonSession", "session_program"]
 
@@ -42,7 +41,7 @@ def session_program(cells: List[str], code: str) -> str:
             f"exec(compile({code!r}, '<call>', 'exec'), _g)\n")
 
 
-class PythonSession(Environment):
+class PythonSession(PythonTool):
     """The Python tool with variables that live across one episode's calls (see the module
     docstring); ``fmt``: the call format; ``max_calls_per_turn`` as the plain tool's."""
 
@@ -50,42 +49,23 @@ class PythonSession(Environment):
 
     def __init__(self, sandbox: Sandbox, fmt: str = "fenced", max_calls_per_turn: Optional[int] = None,
                  max_cells: int = 16, max_episode_seconds: float = 60.0):
-        find_tool_calls("", fmt)
-        self.sandbox, self.fmt, self.max_calls = sandbox, fmt, max_calls_per_turn
+        super().__init__(sandbox, fmt, max_calls_per_turn)
         self.max_cells, self.max_episode_seconds = int(max_cells), float(max_episode_seconds)
 
     def start(self, row: Dict[str, Any], messages: List[Dict[str, str]]) -> Dict[str, Any]:
         return {"cells": [], "seconds": 0.0}
 
     def step(self, state: Dict[str, Any], turn: str, turn_index: int) -> Reply:
-        calls = find_tool_calls(turn, self.fmt)
-        if not calls:
-            return Reply(done=True)
-        calls, capped = cap_calls(calls, self.max_calls)
-        answers, errors, timeouts, seconds, failed = [], 0, 0, 0.0, 0
-        for call in calls:
-            if call.code is None:
-                answers.append(call.error or "Error: the tool call could not be read.")
-                errors += 1
-                continue
-            if len(state["cells"]) >= self.max_cells or state["seconds"] >= self.max_episode_seconds:
-                answers.append(f"Error: this session's limit is reached ({self.max_cells} calls, "
-                               f"{self.max_episode_seconds:g} s of tool time): the call was not run.")
-                errors += 1
-                continue
-            result = self.sandbox.run(session_program(state["cells"], call.code))
-            answers.append(render_result(result))
-            state["seconds"] += result.seconds
-            failed += result.sandbox_failed
-            errors += not result.ok and not result.sandbox_failed
-            timeouts += result.limit == "wall"
-            seconds += result.seconds
-            if not result.sandbox_failed:
-                state["cells"].append(call.code)
-        if capped:
-            answers.append(capped_message(capped, self.max_calls))
-        return Reply(done=False, message="\n".join(answers), tool_calls=len(calls), tool_errors=errors,
-                     tool_timeouts=timeouts, tool_seconds=seconds, sandbox_failures=failed, capped_calls=capped)
+        return self.answer(turn, lambda code: self._run(state, code))
 
-    def close(self) -> None:
-        self.sandbox.close()
+    def _run(self, state: Dict[str, Any], code: str) -> ToolResult:
+        """One call of the episode: its earlier calls replayed, then ``code``; refused past the
+        episode's limits."""
+        if len(state["cells"]) >= self.max_cells or state["seconds"] >= self.max_episode_seconds:
+            return ToolResult("", "", None, 0.0, error=f"Error: this session's limit is reached ({self.max_cells} "
+                              f"calls, {self.max_episode_seconds:g} s of tool time): the call was not run.")
+        result = self.sandbox.run(session_program(state["cells"], code))
+        state["seconds"] += result.seconds
+        if not result.sandbox_failed:
+            state["cells"].append(code)
+        return result
