@@ -26,9 +26,11 @@ def score_samples(reward_fn: RewardFn, samples: Sequence, answers: Sequence[str]
     """(rewards, the reward's counts) of ``samples``: an episode's environment reward
     (:func:`~megatron_tepo.rollout.episode.environment_reward`) where it gave one; the others scored
     by ``reward_fn`` on their final turns (with ``rows`` and the episodes' records where it takes
-    them). ``reward_fn`` is not called when every sample has the environment's reward."""
+    them); an episode ended by a sandbox failure 0, unscored (its group is not trained on).
+    ``reward_fn`` is not called when no sample is left to it."""
     env = [environment_reward(s) for s in samples]
-    todo = [i for i, r in enumerate(env) if r is None]
+    failed = [episode_record(s).get("end") == "sandbox_failure" for s in samples]  # (not trained on: not scored)
+    todo = [i for i, r in enumerate(env) if r is None and not failed[i]]
     scores: List[float] = [0.0 if r is None else r for r in env]
     counts: Dict[str, int] = {}
     if todo:

@@ -220,3 +220,42 @@ def test_an_environment_by_import_path_is_validated_in_the_config_and_built_with
     with pytest.raises(ValueError, match=re.escape("environment.args: my_env.py:Mine: got an unexpected keyword "
                                                    "argument 'speed'")):
         make_environment("my_env.py:Mine", SandboxConfig(), args={"speed": 2})
+
+
+def test_the_rollout_buffer_opens_each_episode_from_its_row_and_keeps_the_environments_reward():
+    """Partial rollout (trainer/partial.py): each drawn prompt's requests carry its row to the episode
+    engine, the environment's episode reward is the group's reward (the task's is not asked), and a
+    group ended by a sandbox failure is dropped and counted."""
+    from megatron_tepo.config import from_dict
+    from megatron_tepo.trainer.partial import RolloutBuffer
+    from megatron_tepo.trainer.rollouts import Task
+
+    class ByRow(Environment):
+        name = "by_row"
+
+        def start(self, row, messages):
+            return {"id": row["id"]}
+
+        def step(self, state, turn, turn_index):
+            if state["id"] == 0:
+                return Reply(done=False, message="x", tool_calls=1, sandbox_failures=1)
+            return Reply(done=True, episode_reward=0.25 * (state["id"] % 3) + 0.25 * (turn == "5"))
+
+    engine = EpisodeEngine(ScriptEngine(lambda p: ids(str(5 + (len(p) % 2))) + [EOS]), ByRow(), FMT, EpisodeLimits())
+    rows = [{"id": i} for i in range(4)]
+    task = Task([list(PROMPT)] * 2 + [list(PROMPT) + [24]] * 2, ["x"] * 4,
+                lambda r, a: pytest.fail("the environment gave every reward"), [EOS], train_rows=rows)
+    cfg = from_dict({"rollout": {"n_samples": 2, "prompts_per_step": 3, "max_new_tokens": 64, "partial_rollout": True,
+                                 "max_staleness": 1, "dynamic_sampling": False, "max_inflight_groups": 4},
+                     "train": {"mini_batch_prompts": 3, "seed": 0}})
+    buf = RolloutBuffer(engine, task, cfg, version=1)
+    buf.start()
+    try:
+        prompts, groups, rewards, stats = buf.take(1)
+    finally:
+        buf.close()
+    got = {g[0].meta["episode"]["env"]["state"]["id"]: r for g, r in zip(groups, rewards.view(-1, 2).tolist())}
+    assert 0 not in got and len(got) == 3 and stats["groups_sandbox_failed"] == 1
+    for i, r in got.items():
+        turn = "5" if len(task.train_prompts[i]) % 2 == 0 else "6"  # (the script answers by the prompt's length)
+        assert r == [0.25 * (i % 3) + 0.25 * (turn == "5")] * 2

@@ -83,6 +83,7 @@ def test_rows_reach_the_episode_engine_and_the_reward_and_a_sandbox_failure_drop
     task = Task([[i] for i in range(3)], [""] * 3, reward, [], train_rows=rows)
     prompts, groups, rewards, stats = generate_groups(Rows(), task, [0, 1, 2], cfg, random.Random(0))
     assert seen["engine"] == rows
-    assert seen["reward"][0] == [{"id": 0}, {"id": 0}, {"id": 1}, {"id": 1}, {"id": 2}]  # (2, 0: the env's)
+    # (0: the sandbox failed, not scored; 2, 0: the environment's reward)
+    assert seen["reward"][0] == [{"id": 1}, {"id": 1}, {"id": 2}]
     assert [p[0] for p in prompts] == [1, 2] and rewards.tolist() == [0.5, 0.0, 1.0, 0.0]
     assert stats["groups_sandbox_failed"] == 1 and stats["groups_dropped"] == 1
