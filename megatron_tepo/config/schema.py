@@ -336,10 +336,19 @@ class ModelConfig:
 class DataConfig:
     """Prompt files (JSONL or Parquet; plain ``{prompt, answer}`` or the DAPO-Math form)."""
 
+    def template_kwargs(self) -> Dict[str, Any]:
+        """The chat template's arguments: ``tools=`` (when any) and ``chat_template_kwargs``."""
+        return {**({"tools": list(self.tools)} if self.tools else {}), **dict(self.chat_template_kwargs)}
+
     train_files: List[str] = field(default_factory=list)
     eval_files: List[str] = field(default_factory=list)
     apply_chat_template: bool = True
     on_bad_row: Literal["error", "skip"] = "error"  # skip: count and report malformed rows
+    # the tools the chat template shows the model (JSON schemas, its tools= argument) and the template's other
+    # arguments (e.g. enable_thinking: false); the prompts, the episodes' turn boundaries and the comparator
+    # all render with them
+    tools: List[Dict[str, Any]] = field(default_factory=list)
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -14,7 +14,8 @@ a string, read from ``reward_model.ground_truth`` in the DAPO form). The trainer
 its ``answer`` "".
 
 With a tokenizer, the prompt is rendered with its chat template (a plain string becomes one user
-message) when ``apply_chat_template`` and the tokenizer has one, else taken as raw text; prompts
+message) when ``apply_chat_template`` and the tokenizer has one, with ``template_kwargs`` (the
+config's ``data.tools`` as ``tools=`` and ``data.chat_template_kwargs``), else taken as raw text; prompts
 longer than ``max_prompt_len`` tokens are dropped and counted. A malformed row is a
 :class:`DataError` naming the file and line (row number for Parquet), or, with
 ``on_bad_row="skip"``, skipped and counted.
@@ -114,10 +115,10 @@ def _parse_row(row: Any, require_answer: bool = True) -> Tuple[Union[str, List[d
     return prompt, answer
 
 
-def _tokenize(prompt, tokenizer, apply_chat_template: bool) -> List[int]:
+def _tokenize(prompt, tokenizer, apply_chat_template: bool, template_kwargs: Optional[Dict[str, Any]] = None) -> List[int]:
     if apply_chat_template and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers >= 5 returns an encoding
             ids = ids["input_ids"]
         return list(ids)
@@ -127,7 +128,8 @@ def _tokenize(prompt, tokenizer, apply_chat_template: bool) -> List[int]:
 
 def load_prompts(paths: Union[str, Path, Sequence[Union[str, Path]]], tokenizer=None, *,
                  max_prompt_len: Optional[int] = None, apply_chat_template: bool = True,
-                 on_bad_row: str = "error", require_answer: bool = True) -> PromptSet:
+                 on_bad_row: str = "error", require_answer: bool = True,
+                 template_kwargs: Optional[Dict[str, Any]] = None) -> PromptSet:
     """Read prompt files into a :class:`PromptSet` (see the module docstring)."""
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
@@ -148,7 +150,7 @@ def load_prompts(paths: Union[str, Path, Sequence[Union[str, Path]]], tokenizer=
                 out.num_bad_rows += 1
                 out.bad_rows.append(f"{where}: {exc}")
                 continue
-            ids = _tokenize(prompt, tokenizer, apply_chat_template) if tokenizer is not None else None
+            ids = _tokenize(prompt, tokenizer, apply_chat_template, template_kwargs) if tokenizer is not None else None
             if ids is not None and max_prompt_len is not None and len(ids) > max_prompt_len:
                 out.num_too_long += 1
                 continue

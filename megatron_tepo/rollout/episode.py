@@ -94,15 +94,16 @@ class TurnFormat:
     _PROBE = "\u2063MTEPO-TOOL-MESSAGE\u2063"
     _TURN = "\u2063MTEPO-ASSISTANT-TURN\u2063"
 
-    def __init__(self, tokenizer, stop_token_id: int, role: str = "tool"):
+    def __init__(self, tokenizer, stop_token_id: int, role: str = "tool", template_kwargs: Optional[Dict] = None):
         self.tokenizer, self.stop_token_id, self.role = tokenizer, int(stop_token_id), role
+        self.template_kwargs = dict(template_kwargs or {})  # (the prompts' own: data.tools, data.chat_template_kwargs)
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"environment: the tokenizer has no chat template to put the tool's answer in "
                              f"(tokenizer_config.json's chat_template)")
         stop_text = tokenizer.decode([self.stop_token_id])
         conv = [{"role": "user", "content": "q"}, {"role": "assistant", "content": self._TURN},
                 {"role": role, "content": self._PROBE}]
-        text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
         after = text.split(self._TURN, 1)[1]
         end = after.find(stop_text)
         if end < 0 or self._PROBE not in after:
@@ -235,7 +236,7 @@ class EpisodeEngine(RolloutEngine):
         out = episode_metrics(samples)
         if not samples:
             return out
-        kinds = [compare_with_template(self.fmt.tokenizer, p, s, self.fmt.stop_token_id)
+        kinds = [compare_with_template(self.fmt.tokenizer, p, s, self.fmt.stop_token_id, self.fmt.template_kwargs)
                  for p, g in zip(prompts, groups) for s in g]
         for kind in ("equal", "retokenized", "thinking", "error"):
             out[f"template_{kind}_rate"] = kinds.count(kind) / len(kinds)
@@ -516,7 +517,8 @@ def prompt_messages(row: Dict) -> List[Dict[str, str]]:
     return [dict(m) for m in prompt] if isinstance(prompt, list) else []
 
 
-def compare_with_template(tokenizer, prompt_ids: Sequence[int], sample, stop_token_id: int) -> str:
+def compare_with_template(tokenizer, prompt_ids: Sequence[int], sample, stop_token_id: int,
+                          template_kwargs: Optional[Dict] = None) -> str:
     """How an episode's trained response ids differ from the chat template's rendering of the same
     conversation (the prompt's user message read back from its text; each model turn an assistant
     message, each environment answer a tool message): ``equal``; ``retokenized`` (the same text in
@@ -540,10 +542,11 @@ def compare_with_template(tokenizer, prompt_ids: Sequence[int], sample, stop_tok
             conv.append({"role": "tool", "content": messages[m] if m < len(messages) else ""})
             m += 1
         i = j
-    user = _messages_of(tokenizer, tokenizer.decode(list(prompt_ids), skip_special_tokens=False))
-    head = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    kw = dict(template_kwargs or {})  # (the template's arguments the prompts were rendered with)
+    user = _messages_of(tokenizer, tokenizer.decode(list(prompt_ids), skip_special_tokens=False), kw)
+    head = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, **kw)
     full = tokenizer.apply_chat_template(user + conv, tokenize=False,
-                                         add_generation_prompt=bool(conv) and conv[-1]["role"] == "tool")
+                                         add_generation_prompt=bool(conv) and conv[-1]["role"] == "tool", **kw)
     if not full.startswith(head):
         return "error"
     rendered, trained = full[len(head):], tokenizer.decode(ids, skip_special_tokens=False)
@@ -559,12 +562,12 @@ def compare_with_template(tokenizer, prompt_ids: Sequence[int], sample, stop_tok
     return "error"
 
 
-def _messages_of(tokenizer, prompt_text: str) -> List[Dict[str, str]]:
+def _messages_of(tokenizer, prompt_text: str, template_kwargs: Optional[Dict] = None) -> List[Dict[str, str]]:
     """The prompt as the messages that rendered it: one user message (the data loader's form), read
     back from between the template's boundaries."""
     probe = "\u2063MTEPO-USER\u2063"
     shape = tokenizer.apply_chat_template([{"role": "user", "content": probe}], tokenize=False,
-                                          add_generation_prompt=True)
+                                          add_generation_prompt=True, **(template_kwargs or {}))
     before, after = shape.split(probe, 1)
     if prompt_text.startswith(before) and prompt_text.endswith(after):
         return [{"role": "user", "content": prompt_text[len(before):len(prompt_text) - len(after)]}]
@@ -583,9 +586,10 @@ def _without_thinking(text: str) -> str:
     return re.sub(r"<think>.*?</think>\s*", "", text, flags=re.S).strip()
 
 
-def with_environment(engine, env_cfg, sandbox, tokenizer, stop_token_id: int):
+def with_environment(engine, env_cfg, sandbox, tokenizer, stop_token_id: int, template_kwargs: Optional[Dict] = None):
     """``engine`` running the episodes of the run config's ``environment`` section (``env_cfg``; its
-    sandbox's typed settings ``sandbox``) in ``tokenizer``'s chat template; ``engine`` itself when the
+    sandbox's typed settings ``sandbox``) in ``tokenizer``'s chat template (rendered with
+    ``template_kwargs``, the prompts' own: ``data.tools``, ``data.chat_template_kwargs``); ``engine`` itself when the
     environment is ``none`` (one turn: the rollout as it always was). Said once in the log."""
     if env_cfg.name == "none":
         return engine
@@ -596,4 +600,4 @@ def with_environment(engine, env_cfg, sandbox, tokenizer, stop_token_id: int):
     limits = EpisodeLimits(env_cfg.max_turns, env_cfg.max_turn_tokens, env_cfg.tool_workers, env_cfg.on_sandbox_failure)
     print(f"[megatron_tepo] multi-turn episodes: environment {env_cfg.name} ({env_cfg.format} tool calls, sandbox "
           f"{sandbox.kind}), at most {limits.max_turns} turns, {limits.tool_workers} tool calls at once", flush=True)
-    return EpisodeEngine(engine, env, TurnFormat(tokenizer, stop_token_id), limits)
+    return EpisodeEngine(engine, env, TurnFormat(tokenizer, stop_token_id, template_kwargs=template_kwargs), limits)

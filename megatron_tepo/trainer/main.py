@@ -41,7 +41,8 @@ def build_task(cfg: RunConfig, tokenizer, pool):
     if not cfg.data.train_files:
         raise ValueError("data.train_files: no training prompt files given")
     kw = dict(max_prompt_len=cfg.rollout.max_prompt_len, apply_chat_template=cfg.data.apply_chat_template,
-              on_bad_row=cfg.data.on_bad_row, require_answer=not cfg.reward.function)
+              on_bad_row=cfg.data.on_bad_row, require_answer=not cfg.reward.function,
+              template_kwargs=cfg.data.template_kwargs())
     train = load_prompts(cfg.data.train_files, tokenizer, **kw)
     evals = load_prompts(cfg.data.eval_files, tokenizer, **kw) if cfg.data.eval_files else None
     if not train.records:
@@ -101,7 +102,8 @@ def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     try:  # multi-turn episodes: the engine runs each turn, the environment answers between them
-        return with_environment(engine, cfg.environment, sandbox_settings(cfg), tokenizer, tokenizer.eos_token_id)
+        return with_environment(engine, cfg.environment, sandbox_settings(cfg), tokenizer, tokenizer.eos_token_id,
+                                cfg.data.template_kwargs())
     except BaseException:
         engine.close()
         raise

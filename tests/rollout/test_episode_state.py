@@ -259,3 +259,43 @@ def test_the_rollout_buffer_opens_each_episode_from_its_row_and_keeps_the_enviro
     for i, r in got.items():
         turn = "5" if len(task.train_prompts[i]) % 2 == 0 else "6"  # (the script answers by the prompt's length)
         assert r == [0.25 * (i % 3) + 0.25 * (turn == "5")] * 2
+
+
+def test_the_prompts_the_turn_boundaries_and_the_comparator_render_with_the_templates_arguments(tmp_path):
+    """#58 item 4 (its first part): ``data.tools`` and ``data.chat_template_kwargs`` reach the chat
+    template of the prompts, of the environment's turn boundaries and of the comparator, which then
+    reports no error; without them the comparator sees another conversation."""
+    import json
+
+    from megatron_tepo.config import from_dict
+    from megatron_tepo.data import load_prompts
+    from megatron_tepo.rollout.episode import compare_with_template
+    from tests.rollout.test_episode import CALL, ANSWER, tir
+
+    tok = tir.hf_tokenizer()
+    tok.chat_template = ("{%- if tools -%}{{- '<|im_start|>user\\n' + (tools | length | string) + '<|im_end|>\\n' -}}"
+                         "{%- endif -%}{%- if short is defined and short -%}{{- '<|im_start|>user\\n7<|im_end|>\\n' -}}"
+                         "{%- endif -%}" + tir.CHAT_TEMPLATE)
+    data = from_dict({"data": {"tools": [{"name": "python"}, {"name": "calc"}],
+                               "chat_template_kwargs": {"short": True}}}).data
+    kw = data.template_kwargs()
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "37*45", "answer": "1665"}) + "\n")
+    (record,) = load_prompts(path, tok, template_kwargs=kw).records
+    msgs = [{"role": "user", "content": "37*45"}]
+    text = tok.apply_chat_template(msgs, tools=kw["tools"], short=True, add_generation_prompt=True, tokenize=False)
+    assert record.input_ids == tok(text, add_special_tokens=False)["input_ids"]
+    assert record.input_ids != load_prompts(path, tok).records[0].input_ids
+    assert tok.decode(record.input_ids).startswith("<|im_start|>user\n2<|im_end|>\n<|im_start|>user\n7<|im_end|>")
+    fmt = TurnFormat(tok, EOS, template_kwargs=kw)
+    script = lambda p: CALL if "<tool_response>" not in tok.decode(p) else ANSWER  # noqa: E731
+    engine = EpisodeEngine(ScriptEngine(script), __import__("tests.rollout.test_episode", fromlist=["Scripted"]).Scripted(),
+                           fmt, EpisodeLimits())
+    groups = engine.generate([record.input_ids], n=1, max_new_tokens=64, stop_token_ids=[EOS])
+    assert compare_with_template(tok, record.input_ids, groups[0][0], EOS, kw) == "equal"
+    assert engine.step_metrics([record.input_ids], groups)["template_equal_rate"] == 1.0
+    # the comparator reads the prompt's user message back only through the same arguments
+    from megatron_tepo.rollout.episode import _messages_of
+
+    text = tok.decode(record.input_ids, skip_special_tokens=False)
+    assert _messages_of(tok, text, kw) == msgs and _messages_of(tok, text) != msgs
