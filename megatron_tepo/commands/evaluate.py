@@ -122,7 +122,7 @@ def run(model_dir: str, benchmarks: dict, *, workers: int = 2, timeout_s: float 
             temperature = spec["temperature"] if spec["temperature"] > 0 else GREEDY_T
             scores = evaluate(engine, [r.input_ids for r in records], [r.answer for r in records], reward_fn,
                               stop, n=spec["n"], temperature=temperature, top_p=spec["top_p"],
-                              max_new_tokens=spec["max_new_tokens"])
+                              max_new_tokens=spec["max_new_tokens"], rows=[r.row for r in records])
             counts = {f"num_{k.removeprefix('reward_')}": scores.pop(k) for k in COUNT_NAMES}  # the report's names
             report[name] = {**scores, "num_prompts": len(records), "n": spec["n"],
                             "temperature": spec["temperature"], "top_p": spec["top_p"],

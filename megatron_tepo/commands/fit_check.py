@@ -112,10 +112,11 @@ def _check_sandbox_here(cfg, dry_run: bool, out) -> None:
     """A run with a tool environment: its sandbox is made here once and runs ``print(1)`` (this is the
     job's first node, where the driver's episodes run, before any server starts); one that cannot
     start stops the job (``FitError``: exit 2), or, in a dry run, is one line and the check goes on."""
-    if cfg.environment.name == "none":
-        return
     from megatron_tepo.config.validation import sandbox_settings
-    from megatron_tepo.environments.choice import check_sandbox
+    from megatron_tepo.environments.choice import check_sandbox, uses_sandbox
+
+    if not uses_sandbox(cfg.environment.name):
+        return
     from megatron_tepo.environments.sandbox import SandboxUnavailable
     from megatron_tepo.launch import FitError
 

@@ -37,7 +37,12 @@ PANELS = [
     ("throughput", ["tokens_per_s"], "trained response tokens / s"),
     # multi-turn episodes (rollout/episode.py: environment.name other than none)
     ("turns and tool calls", ["episode_turns_mean", "episode_tool_calls_mean"], "per episode"),
-    ("tool calls, errors and time-outs", ["tool_calls", "tool_errors", "tool_timeouts"], "calls a step"),
+    ("tool calls, errors and time-outs", ["tool_calls", "tool_errors", "tool_timeouts", "tool_sandbox_failures",
+                                          "tool_calls_capped"], "calls a step"),
+    ("why episodes ended", ["episode_end_answered", "episode_end_turn_cap", "episode_end_max_turns",
+                            "episode_end_budget", "episode_end_error", "episode_end_sandbox_failure"],
+     "fraction of episodes"),
+    ("environment reward per turn", ["env_turn_reward_mean"], "reward"),
     ("tool time", ["tool_seconds"], "seconds a step (summed over calls)"),
     ("response tokens by source", ["tokens_model", "tokens_env"], "tokens a step"),
     ("template comparator", ["template_error_rate", "template_thinking_rate", "template_retokenized_rate",

@@ -10,7 +10,7 @@ rules of the parallel layout (:mod:`megatron_tepo.layout`, whose :class:`Paralle
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional, Union
 
 from megatron_tepo.layout import ParallelLayout
 
@@ -363,10 +363,19 @@ class ModelConfig:
 class DataConfig:
     """Prompt files (JSONL or Parquet; plain ``{prompt, answer}`` or the DAPO-Math form)."""
 
+    def template_kwargs(self) -> Dict[str, Any]:
+        """The chat template's arguments: ``tools=`` (when any) and ``chat_template_kwargs``."""
+        return {**({"tools": list(self.tools)} if self.tools else {}), **dict(self.chat_template_kwargs)}
+
     train_files: List[str] = field(default_factory=list)
     eval_files: List[str] = field(default_factory=list)
     apply_chat_template: bool = True
     on_bad_row: Literal["error", "skip"] = "error"  # skip: count and report malformed rows
+    # the tools the chat template shows the model (JSON schemas, its tools= argument) and the template's other
+    # arguments (e.g. enable_thinking: false); the prompts, the episodes' turn boundaries and the comparator
+    # all render with them
+    tools: List[Dict[str, Any]] = field(default_factory=list)
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -376,6 +385,9 @@ class RewardConfig:
     the answer (toy tasks such as tools/make_tiny_model.py's)."""
 
     kind: Literal["math_verify", "exact_match"] = "math_verify"
+    # a user's reward by import path, 'my_pkg.my_module:score' or 'path/to/file.py:score'
+    # (megatron_tepo/rewards/custom.py: its signature; docs/TASKS.md); when set it replaces kind
+    function: str = ""
     workers: int = 2
     timeout_s: float = 5.0  # per answer; a time-out is reward 0 and is counted
 
@@ -389,8 +401,16 @@ class EnvironmentConfig:
     template's tool turn (not trained) and goes on, until a turn calls nothing (its final answer) or a
     limit is reached."""
 
-    name: Literal["none", "python"] = "none"
+    # a shipped environment by name, or a user's class by import path ('my_pkg.my_module:MyEnv',
+    # 'path/to/file.py:MyEnv'; megatron_tepo/environments/base.py: what it implements), built with args
+    name: Union[Literal["none", "python", "python_session", "code_tests", "guess_number"], str] = "none"
+    args: Dict[str, Any] = field(default_factory=dict)
     format: Literal["fenced", "qwen3"] = "fenced"
+    # tool calls a turn may make (the rest are not run, and the model is told); None: no cap
+    max_calls_per_turn: Optional[int] = None
+    # a call the sandbox itself failed (never the model's doing): drop_group (the episode's group is not
+    # trained on; tool_sandbox_failures counts it) or fail (the step fails, naming it)
+    on_sandbox_failure: Literal["drop_group", "fail"] = "drop_group"
     max_turns: int = 4  # model turns per episode; past it the episode ends (finish: length)
     # a turn's tokens at most (the environment then answers it as it stands); None: the episode's budget
     # (rollout.max_new_tokens counts every token of the episode: the model's and the environment's)

@@ -92,9 +92,17 @@ def _check_environment(cfg: RunConfig) -> None:
     _positive(e, "environment", ["max_turns", "tool_workers"])
     if e.max_turn_tokens is not None:
         _positive(e, "environment", ["max_turn_tokens"])
+    if e.max_calls_per_turn is not None:
+        _positive(e, "environment", ["max_calls_per_turn"])
     sandbox_settings(cfg)
     if e.name == "none":
         return
+    from megatron_tepo.environments.choice import environment_class
+
+    try:  # a shipped name, or a user's class by import path: found and an Environment
+        environment_class(e.name, "environment.name")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if cfg.actor.routing_replay == "r3":
         raise ConfigError(f"environment.name: {e.name!r} runs multi-turn episodes, whose tool turns the engine "
                           f"prefills without returning their routing, which actor.routing_replay: r3 replays; use "
@@ -184,6 +192,15 @@ def validate(cfg: RunConfig) -> None:
                           "algorithm.old_log_prob: rollout skips; use r3 or old_log_prob: recompute")
     _check_environment(cfg)
     _positive(cfg.reward, "reward", ["workers", "timeout_s"])
+    if cfg.reward.function:
+        from megatron_tepo.environments.user_code import load_object
+
+        try:
+            fn = load_object(cfg.reward.function, "reward.function")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if not callable(fn):
+            raise ConfigError(f"reward.function: {cfg.reward.function!r} is not callable")
     _positive(cfg.fault, "fault", ["probe_timeout_s"])
     _positive(cfg.fault, "fault", ["server_restarts", "restart_backoff_s", "server_return_timeout_s",
                                    "watchdog_generate_s", "watchdog_collective_s", "watchdog_sync_s",

@@ -6,8 +6,16 @@ Two row forms are accepted, per row:
 - DAPO-Math / verl: ``{"prompt": [{"role": "user", "content": "..."}], "reward_model":
   {"ground_truth": "5"}}`` (``prompt`` a list of chat messages).
 
+Every row keeps all its fields: :attr:`PromptRecord.row` is the row itself as read (the test
+cases, the secret, the document id ... besides ``prompt``; ``answer`` holds the reference answer as
+a string, read from ``reward_model.ground_truth`` in the DAPO form). The trainer hands it to a
+``reward.function`` and to an environment's episodes (docs/TASKS.md). With
+``require_answer=False`` (a task whose reward reads other fields) a row without an answer is kept,
+its ``answer`` "".
+
 With a tokenizer, the prompt is rendered with its chat template (a plain string becomes one user
-message) when ``apply_chat_template`` and the tokenizer has one, else taken as raw text; prompts
+message) when ``apply_chat_template`` and the tokenizer has one, with ``template_kwargs`` (the
+config's ``data.tools`` as ``tools=`` and ``data.chat_template_kwargs``), else taken as raw text; prompts
 longer than ``max_prompt_len`` tokens are dropped and counted. A malformed row is a
 :class:`DataError` naming the file and line (row number for Parquet), or, with
 ``on_bad_row="skip"``, skipped and counted.
@@ -20,7 +28,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 __all__ = ["DataError", "PromptRecord", "PromptSet", "load_prompts"]
 
@@ -35,6 +43,7 @@ class PromptRecord:
     answer: str
     input_ids: Optional[List[int]] = None
     source: str = ""  # "file:line"
+    row: Dict[str, Any] = field(default_factory=dict)  # the row as read, every field (``answer`` a string)
 
 
 @dataclass
@@ -71,7 +80,7 @@ def _rows(path: Path) -> Iterator[Tuple[int, Any]]:
         raise DataError(f"{path}: unsupported file type {suffix!r} (use .jsonl or .parquet)")
 
 
-def _parse_row(row: Any) -> Tuple[Union[str, List[dict]], str]:
+def _parse_row(row: Any, require_answer: bool = True) -> Tuple[Union[str, List[dict]], str]:
     if isinstance(row, DataError):
         raise row
     if not isinstance(row, dict):
@@ -95,6 +104,8 @@ def _parse_row(row: Any) -> Tuple[Union[str, List[dict]], str]:
         answer = row["answer"]
     elif isinstance(row.get("reward_model"), dict) and "ground_truth" in row["reward_model"]:
         answer = row["reward_model"]["ground_truth"]
+    elif not require_answer:
+        return prompt, ""
     else:
         raise DataError("missing field 'answer' (or 'reward_model.ground_truth')")
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
@@ -104,10 +115,10 @@ def _parse_row(row: Any) -> Tuple[Union[str, List[dict]], str]:
     return prompt, answer
 
 
-def _tokenize(prompt, tokenizer, apply_chat_template: bool) -> List[int]:
+def _tokenize(prompt, tokenizer, apply_chat_template: bool, template_kwargs: Optional[Dict[str, Any]] = None) -> List[int]:
     if apply_chat_template and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers >= 5 returns an encoding
             ids = ids["input_ids"]
         return list(ids)
@@ -117,7 +128,8 @@ def _tokenize(prompt, tokenizer, apply_chat_template: bool) -> List[int]:
 
 def load_prompts(paths: Union[str, Path, Sequence[Union[str, Path]]], tokenizer=None, *,
                  max_prompt_len: Optional[int] = None, apply_chat_template: bool = True,
-                 on_bad_row: str = "error") -> PromptSet:
+                 on_bad_row: str = "error", require_answer: bool = True,
+                 template_kwargs: Optional[Dict[str, Any]] = None) -> PromptSet:
     """Read prompt files into a :class:`PromptSet` (see the module docstring)."""
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
@@ -131,16 +143,16 @@ def load_prompts(paths: Union[str, Path, Sequence[Union[str, Path]]], tokenizer=
         for line_no, row in _rows(path):
             where = f"{path}:{line_no}"
             try:
-                prompt, answer = _parse_row(row)
+                prompt, answer = _parse_row(row, require_answer)
             except DataError as exc:
                 if on_bad_row == "error":
                     raise DataError(f"{where}: {exc}") from None
                 out.num_bad_rows += 1
                 out.bad_rows.append(f"{where}: {exc}")
                 continue
-            ids = _tokenize(prompt, tokenizer, apply_chat_template) if tokenizer is not None else None
+            ids = _tokenize(prompt, tokenizer, apply_chat_template, template_kwargs) if tokenizer is not None else None
             if ids is not None and max_prompt_len is not None and len(ids) > max_prompt_len:
                 out.num_too_long += 1
                 continue
-            out.records.append(PromptRecord(prompt, answer, ids, where))
+            out.records.append(PromptRecord(prompt, answer, ids, where, {**row, "answer": answer}))
     return out

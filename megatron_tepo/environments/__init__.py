@@ -19,9 +19,15 @@ message, and goes on.
   service's URL, the pool size); :mod:`.choice`: :func:`make_sandbox`, the sandbox they ask for.
 - :mod:`.python_tool`: the tool's pure pieces: find the code in a model turn, tell whether a turn is
   a tool call, render a result as the text the model reads.
+- Task templates (docs/TASKS.md), each with state per episode (:class:`Environment`'s ``start`` /
+  ``step`` / ``finish``): :mod:`.python_session` (a Python session: one episode's variables across its
+  calls), :mod:`.code_tests` (the row's unit tests; the reward is the share that pass),
+  :mod:`.guess_number` (a game whose secret is the row's, no tool code).
+- :mod:`.user_code`: a user's class or function by import path (``environment.name``,
+  ``reward.function``).
 
-Each run is alone: nothing carries over from one call to the next (no stateful kernel: a variable
-set in one call is gone in the next). Left out here: the episode loop, the chat template's turn
+Each sandbox run is alone: nothing carries over from one call to the next in the sandbox itself (the
+session replays an episode's earlier calls). Left out here: the episode loop, the chat template's turn
 boundaries around the tool's answer and the loss mask (the episode seam's:
 :mod:`megatron_tepo.rollout.episode`), and any tool but Python.
 

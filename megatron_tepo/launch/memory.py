@@ -564,10 +564,12 @@ class SandboxMemory:
 def sandbox_memory(cfg: RunConfig) -> Optional[SandboxMemory]:
     """The worst case of ``cfg``'s tool sandboxes (:class:`SandboxMemory`); ``None`` without an
     environment, or where no bound lives on the node (``kind: remote``: the service's memory;
-    ``kind: none``: no process count, said when it is made)."""
-    if cfg.environment.name == "none":
-        return None
+    ``kind: none``: no process count, said when it is made), or for an environment that runs no code."""
     from megatron_tepo.config.validation import sandbox_settings
+    from megatron_tepo.environments.choice import uses_sandbox
+
+    if not uses_sandbox(cfg.environment.name):
+        return None
 
     sb = sandbox_settings(cfg)
     if sb.kind != "bubblewrap":

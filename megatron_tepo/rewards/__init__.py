@@ -1,5 +1,7 @@
 """Verifiable rewards: boxed-answer extraction and math-verify equivalence (``reward.kind:
-math_verify``), and exact match of the whole response (``reward.kind: exact_match``).
+math_verify``), exact match of the whole response (``reward.kind: exact_match``), and a user's
+function by import path (``reward.function``: :mod:`.custom`, which sees the data row and the
+episode's record too).
 
 :func:`token_reward` is the one reward on token ids, used by the trainer and by ``evaluate``: each
 response decoded with the tokenizer, then scored by kind."""
@@ -8,7 +10,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 from .math import COUNT_NAMES, MathRewardPool, RewardBatchResult, extract_boxed, math_verify_reward
 
 __all__ = ["MathRewardPool", "RewardBatchResult", "extract_boxed", "math_verify_reward", "exact_match_rewards",
-           "token_reward", "REWARD_KINDS", "COUNT_NAMES", "RewardFn", "scores_and_counts"]
+           "token_reward", "REWARD_KINDS", "COUNT_NAMES", "RewardFn", "scores_and_counts", "call_reward"]
 
 #: A reward on token ids: ``fn(response token ids per sample, answer per sample)`` -> one reward
 #: per sample, as a list, or as a :class:`RewardBatchResult` whose counts then join the metrics.
@@ -49,3 +51,11 @@ def scores_and_counts(result: Union[Sequence[float], RewardBatchResult]) -> Tupl
     if isinstance(result, RewardBatchResult):
         return list(result.rewards), result.counts()
     return [float(r) for r in result], {}
+
+
+def call_reward(fn: RewardFn, responses, answers, rows=None, episodes=None):
+    """``fn(responses, answers)``, with the data rows and the episodes' records too where ``fn``
+    takes them (``fn.takes_rows``: a ``reward.function``'s, :func:`.custom.function_reward`)."""
+    if getattr(fn, "takes_rows", False):
+        return fn(responses, answers, rows=rows, episodes=episodes)
+    return fn(responses, answers)

@@ -120,7 +120,8 @@ def _worker(conn, reward_fn, parent_pid: int) -> None:
         conn.send(("start", i, time.monotonic()))
         try:
             reward, status = reward_fn(response, answer)
-            out = ("done", i, float(reward), str(status))
+            # (a batched user function gives a list: rewards/custom.py)
+            out = ("done", i, [float(r) for r in reward] if isinstance(reward, list) else float(reward), str(status))
         except Exception:  # noqa: BLE001 -- a checker failure is reward 0, counted
             out = ("done", i, 0.0, "error")
         conn.send(out)

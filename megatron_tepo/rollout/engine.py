@@ -173,8 +173,10 @@ class Request:
             self.episode[k] = self.episode.get(k, 0) + v if isinstance(v, (int, float)) else v
 
     def restart(self) -> None:
-        """Drop the response so far (it is older than the staleness bound allows)."""
-        self.token_ids, self.log_probs, self.versions, self.loss_mask, self.episode = [], [], [], None, {}
+        """Drop the response so far (it is older than the staleness bound allows); an episode's data
+        row stays (its environment opens it again)."""
+        row = {"row": self.episode["row"]} if "row" in self.episode else {}
+        self.token_ids, self.log_probs, self.versions, self.loss_mask, self.episode = [], [], [], None, row
 
     def to_sample(self, finish_reason: str) -> "Sample":
         """The response so far as a :class:`Sample` (with its versions, and an episode's loss mask
@@ -203,6 +205,10 @@ class RolloutEngine(abc.ABC):
     # ---------------------------------------------------------------- interruptible generation
     #: whether :meth:`submit`, :meth:`collect` and :meth:`interrupt` work (partial rollout)
     interruptible: bool = False
+
+    #: whether :meth:`generate` takes ``rows=`` (each prompt's data row) and :meth:`submit` reads a
+    #: request's ``episode["row"]``: an engine whose episodes open from their rows (multi-turn)
+    takes_rows: bool = False
 
     #: what :meth:`update_weights` pushes the weights with, where the engine has one (the SGLang
     #: fleet's :class:`~megatron_tepo.rollout.sglang.weight_sync.WeightSync`, a follower rank's);

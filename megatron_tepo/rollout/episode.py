@@ -21,6 +21,14 @@ step off, partial rollout) runs episodes without knowing it. An episode:
    re-tokenising the conversation. An answer that does not fit the budget, or a turn past
    ``max_turns``, ends the episode (finish ``length``).
 
+**State per episode** (:class:`~megatron_tepo.environments.Environment`'s ``start`` / ``step`` /
+``finish``): an episode is opened from its data row (``Request.episode["row"]``, put there by the
+caller: :meth:`EpisodeEngine.generate`'s ``rows``, the rollout buffer) when first submitted; its
+state, the environment's rewards per turn and for the episode ride in ``Request.episode["env"]``
+(the whole record, replaced at each segment), so an interrupt, a resume and a checkpoint carry it.
+Every episode ends with a reason (``Request.episode["end"]``: :data:`END_REASONS`), counted in the
+metrics.
+
 A sample of an episode carries ``loss_mask`` and, in ``meta["episode"]``, its counts (``turns``,
 ``tool_calls``, ``tool_errors``, ``tool_timeouts``, ``tool_seconds``, ``env_tokens``) and the
 environment's messages (``messages``, for :func:`compare_with_template`); a request's counts ride in
@@ -38,6 +46,7 @@ the config), images, an environment that rewrites earlier turns (the ids only gr
 """
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,10 +60,16 @@ from megatron_tepo.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_ST
                                           RolloutEngine, Sample, SamplingParams, make_params)
 
 __all__ = ["EpisodeEngine", "EpisodeLimits", "TurnFormat", "episode_metrics", "final_turn", "current_turn",
-           "compare_with_template", "COUNTS", "with_environment"]
+           "compare_with_template", "COUNTS", "with_environment", "END_REASONS", "environment_reward", "prompt_messages"]
 
 #: an episode's counts (``Sample.meta["episode"]``, ``Request.episode``)
-COUNTS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds", "env_tokens")
+COUNTS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds", "env_tokens", "tool_sandbox_failures",
+          "tool_calls_capped")
+
+#: why an episode ended (``Sample.meta["episode"]["end"]``): a turn the environment took as the final
+#: answer; a turn cut at ``max_turn_tokens`` that called nothing; a call on the last of ``max_turns``;
+#: the token budget spent; the environment's error; the sandbox's failure (not the model's doing)
+END_REASONS = ("answered", "turn_cap", "max_turns", "budget", "error", "sandbox_failure")
 
 
 @dataclass(frozen=True)
@@ -64,6 +79,7 @@ class EpisodeLimits:
     max_turns: int = 4
     max_turn_tokens: Optional[int] = None
     tool_workers: int = 8
+    on_sandbox_failure: str = "drop_group"  # or "fail": the step fails, naming the sandbox's failure
 
 
 class TurnFormat:
@@ -78,15 +94,16 @@ class TurnFormat:
     _PROBE = "\u2063MTEPO-TOOL-MESSAGE\u2063"
     _TURN = "\u2063MTEPO-ASSISTANT-TURN\u2063"
 
-    def __init__(self, tokenizer, stop_token_id: int, role: str = "tool"):
+    def __init__(self, tokenizer, stop_token_id: int, role: str = "tool", template_kwargs: Optional[Dict] = None):
         self.tokenizer, self.stop_token_id, self.role = tokenizer, int(stop_token_id), role
+        self.template_kwargs = dict(template_kwargs or {})  # (the prompts' own: data.tools, data.chat_template_kwargs)
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"environment: the tokenizer has no chat template to put the tool's answer in "
                              f"(tokenizer_config.json's chat_template)")
         stop_text = tokenizer.decode([self.stop_token_id])
         conv = [{"role": "user", "content": "q"}, {"role": "assistant", "content": self._TURN},
                 {"role": role, "content": self._PROBE}]
-        text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
         after = text.split(self._TURN, 1)[1]
         end = after.find(stop_text)
         if end < 0 or self._PROBE not in after:
@@ -130,9 +147,15 @@ class _Episode:
     # a request submitted again mid-turn (cut by an interrupt): the ids of its current turn generated
     # before, which the turn's text and its cap count with the rest (empty once that turn ended)
     carried: List[int] = field(default_factory=list)
+    # the environment's record of the episode: its state (what survives a checkpoint), rewards per turn
+    # and for the episode; None until opened (Environment.start)
+    env: Optional[Dict] = None
+    capped: bool = False  # the last turn was cut at max_turn_tokens
 
     def __post_init__(self):
         self.carried = current_turn(self.req.token_ids, self.req.loss_mask)
+        if isinstance(self.req.episode.get("env"), dict):
+            self.env = copy.deepcopy(self.req.episode["env"])
 
     def turn_ids(self) -> List[int]:
         """The current turn's ids: the part generated before a resubmit and the rest."""
@@ -154,9 +177,14 @@ class _Episode:
         for k, v in kw.items():
             self.counts[k] = self.counts.get(k, 0) + v
 
-    def sample(self, reason: str) -> Sample:
+    def sample(self, reason: str, end: Optional[str] = None) -> Sample:
+        record = dict(self.counts)
+        if self.env is not None:
+            record["env"] = copy.deepcopy(self.env)
+        if end is not None:
+            record["end"] = end
         return Sample(list(self.tokens), list(self.log_probs), reason, loss_mask=list(self.mask),
-                      meta={"episode": dict(self.counts)})
+                      meta={"episode": record})
 
 
 class EpisodeEngine(RolloutEngine):
@@ -218,7 +246,7 @@ class EpisodeEngine(RolloutEngine):
         out = episode_metrics(samples)
         if not samples:
             return out
-        kinds = [compare_with_template(self.fmt.tokenizer, p, s, self.fmt.stop_token_id)
+        kinds = [compare_with_template(self.fmt.tokenizer, p, s, self.fmt.stop_token_id, self.fmt.template_kwargs)
                  for p, g in zip(prompts, groups) for s in g]
         for kind in ("equal", "retokenized", "thinking", "error"):
             out[f"template_{kind}_rate"] = kinds.count(kind) / len(kinds)
@@ -230,11 +258,17 @@ class EpisodeEngine(RolloutEngine):
         self.engine.close()
 
     # ------------------------------------------------------------------ episodes
+    #: ``generate`` takes the data rows its episodes open from (``rows``); the trainer passes them
+    takes_rows = True
+
     def generate(self, prompts: List[List[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
-                 max_new_tokens: int = 128, stop_token_ids: Sequence[int] = ()) -> List[Group]:
-        """``n`` episodes per prompt, run to their ends; one group per prompt, in prompt order."""
+                 max_new_tokens: int = 128, stop_token_ids: Sequence[int] = (),
+                 rows: Optional[Sequence[Dict]] = None) -> List[Group]:
+        """``n`` episodes per prompt, run to their ends; one group per prompt, in prompt order.
+        ``rows``: each prompt's data row (the environment opens its episodes from it)."""
         sp = make_params(n, temperature, top_p, max_new_tokens, stop_token_ids)
-        reqs = [Request(list(p), sp.max_new_tokens, key=(i, k)) for i, p in enumerate(prompts) for k in range(sp.n)]
+        reqs = [Request(list(p), sp.max_new_tokens, key=(i, k), episode={"row": rows[i]} if rows is not None else {})
+                for i, p in enumerate(prompts) for k in range(sp.n)]
         self.submit(reqs, SamplingParams(1, sp.temperature, sp.top_p, sp.max_new_tokens, sp.stop_token_ids))
         done: Dict[tuple, Sample] = {}
         while len(done) < len(reqs):
@@ -254,7 +288,27 @@ class EpisodeEngine(RolloutEngine):
         with self._lock:
             for ep in eps:
                 self._episodes[id(ep)] = ep
-        self._turns(eps)
+        self._turns([ep for ep in eps if self._open(ep)])
+
+    def _open(self, ep: _Episode) -> bool:
+        """A new episode opened by the environment from its row (``Environment.start``); False when
+        that failed (the episode comes back with the error)."""
+        if ep.env is not None:
+            return True
+        row = ep.req.episode.get("row") or {}
+        try:
+            state = self.env.start(dict(row), prompt_messages(row))
+        except Exception as exc:  # noqa: BLE001 -- named in the episode's error
+            self._fail(ep, exc)
+            return False
+        ep.env = {"state": state if state is not None else {}}
+        return True
+
+    def _fail(self, ep: _Episode, exc: BaseException) -> None:
+        with self._lock:
+            self._episodes.pop(id(ep), None)
+            self._ready.append((ep.req, Sample([], [], FINISH_ABORT, meta={
+                "error": f"environment {self.env.name}: {type(exc).__name__}: {exc}", "episode": {"end": "error"}})))
 
     def collect(self, timeout: float = 0.0) -> List[Tuple[Request, Sample]]:
         """The episodes that ended since the last call, each with everything generated since its
@@ -296,7 +350,7 @@ class EpisodeEngine(RolloutEngine):
                 continue
             cap = ep.budget if left is None else min(ep.budget, left)
             if cap < 1:
-                self._end(ep, FINISH_LENGTH)
+                self._end(ep, FINISH_LENGTH, "budget")
                 continue
             todo.append(Request(ep.req.prompt + ep.req.token_ids + ep.tokens, cap, key=id(ep)))
         if todo:
@@ -329,11 +383,11 @@ class EpisodeEngine(RolloutEngine):
         turn = ep.turn_ids()
         capped = reason == FINISH_LENGTH and len(turn) >= (self.limits.max_turn_tokens or 0)
         if reason == FINISH_LENGTH and not (capped and ep.budget > 0):
-            self._end(ep, FINISH_LENGTH)  # the episode's budget is spent
+            self._end(ep, FINISH_LENGTH, "budget")  # the episode's budget is spent
             return
         ep.count(turns=1)
-        ep.carried = []
-        ep.tool = self._pool.submit(self.env.respond, self.fmt.turn_text(turn), ep.turns() - 1)
+        ep.carried, ep.capped = [], capped
+        ep.tool = self._pool.submit(self.env.step, ep.env["state"], self.fmt.turn_text(turn), ep.turns() - 1)
 
     def _answers(self, submit: bool) -> None:
         """The environment's answers that are in: appended (or the episode ended); with ``submit``, the
@@ -346,21 +400,33 @@ class EpisodeEngine(RolloutEngine):
             try:
                 reply: Reply = future.result()
             except Exception as exc:  # noqa: BLE001 -- a failing environment fails its episode, named
-                with self._lock:
-                    self._episodes.pop(id(ep), None)
-                    self._ready.append((ep.req, Sample([], [], FINISH_ABORT, meta={
-                        "error": f"environment {self.env.name}: {type(exc).__name__}: {exc}"})))
+                self._finish(ep)
+                self._fail(ep, exc)
                 continue
             ep.count(tool_calls=reply.tool_calls, tool_errors=reply.tool_errors, tool_timeouts=reply.tool_timeouts,
-                     tool_seconds=reply.tool_seconds)
+                     tool_seconds=reply.tool_seconds, tool_sandbox_failures=reply.sandbox_failures,
+                     tool_calls_capped=reply.capped_calls)
+            if reply.reward is not None:
+                ep.env.setdefault("turn_rewards", []).append(float(reply.reward))
+            if reply.episode_reward is not None:
+                ep.env["reward"] = float(reply.episode_reward)
+            if reply.sandbox_failures:  # never the model's doing: not trained on, or the step fails
+                if self.limits.on_sandbox_failure == "fail":
+                    self._finish(ep)
+                    self._fail(ep, RuntimeError(f"the sandbox failed ({reply.sandbox_failures} call(s)) and "
+                                                f"environment.on_sandbox_failure is 'fail': {reply.message[:200]}"))
+                else:
+                    self._end(ep, FINISH_STOP, "sandbox_failure")
+                continue
             if reply.done:
-                self._end(ep, FINISH_STOP)
+                self._end(ep, FINISH_STOP, "turn_cap" if ep.capped else "answered")
                 continue
             ids = self.fmt.answer_ids(reply.message)
             if ep.tokens[-1:] != [self.fmt.stop_token_id]:  # a turn cut at its cap: closed for the model
                 ids = [self.fmt.stop_token_id] + ids
             if len(ids) >= ep.budget or ep.turns() >= self.limits.max_turns:
-                self._end(ep, FINISH_LENGTH)  # no room for the answer and a turn after it, or no turn left
+                # no room for the answer and a turn after it, or no turn left
+                self._end(ep, FINISH_LENGTH, "max_turns" if ep.turns() >= self.limits.max_turns else "budget")
                 continue
             ep.add(ids, [], model=False)
             ep.count(env_tokens=len(ids))
@@ -369,10 +435,30 @@ class EpisodeEngine(RolloutEngine):
         if submit:
             self._turns(nexts)
 
-    def _end(self, ep: _Episode, reason: str) -> None:
+    def _end(self, ep: _Episode, reason: str, why: str) -> None:
+        """The episode ended (``why``: :data:`END_REASONS`): the environment frees it and may give
+        its reward."""
+        try:
+            self._finish(ep, raise_=True)
+        except Exception as exc:  # noqa: BLE001 -- named in the episode's error
+            self._fail(ep, exc)
+            return
         with self._lock:
             self._episodes.pop(id(ep), None)
-            self._ready.append((ep.req, ep.sample(reason)))
+            self._ready.append((ep.req, ep.sample(reason, why)))
+
+    def _finish(self, ep: _Episode, raise_: bool = False) -> None:
+        """``Environment.finish`` of an opened episode; a number it returns is the episode's reward."""
+        if ep.env is None:
+            return
+        try:
+            reward = self.env.finish(ep.env["state"])
+        except Exception:
+            if raise_:
+                raise
+            return
+        if reward is not None:
+            ep.env["reward"] = float(reward)
 
 
 # ---------------------------------------------------------------------- what a step reads of episodes
@@ -404,7 +490,12 @@ def episode_metrics(samples: Iterable) -> Dict[str, float]:
         return {}
     model = sum(sum(s.loss_mask) for s in samples if getattr(s, "loss_mask", None) is not None)
     n = len(eps)
-    return {"episode_turns_mean": sum(e.get("turns", 0) for e in eps) / n,
+    ends = {f"episode_end_{why}": sum(e.get("end") == why for e in eps) / n for why in END_REASONS}
+    turn_rewards = [r for e in eps for r in (e.get("env") or {}).get("turn_rewards", [])]
+    env = {"env_turn_reward_mean": sum(turn_rewards) / len(turn_rewards)} if turn_rewards else {}
+    return {**ends, **env,
+            "tool_sandbox_failures": float(sum(e.get("tool_sandbox_failures", 0) for e in eps)),
+            "tool_calls_capped": float(sum(e.get("tool_calls_capped", 0) for e in eps)),"episode_turns_mean": sum(e.get("turns", 0) for e in eps) / n,
             "episode_tool_calls_mean": sum(e.get("tool_calls", 0) for e in eps) / n,
             "tool_calls": float(sum(e.get("tool_calls", 0) for e in eps)),
             "tool_errors": float(sum(e.get("tool_errors", 0) for e in eps)),
@@ -413,7 +504,25 @@ def episode_metrics(samples: Iterable) -> Dict[str, float]:
             "tokens_model": float(model), "tokens_env": float(sum(e.get("env_tokens", 0) for e in eps))}
 
 
-def compare_with_template(tokenizer, prompt_ids: Sequence[int], sample, stop_token_id: int) -> str:
+def environment_reward(sample) -> Optional[float]:
+    """The episode's reward the environment gave (``Reply.episode_reward`` or ``finish``'s), or None:
+    the task's reward on the final turn then."""
+    meta = getattr(sample, "meta", None)
+    env = meta.get("episode", {}).get("env") if isinstance(meta, dict) else None
+    reward = env.get("reward") if isinstance(env, dict) else None
+    return None if reward is None else float(reward)
+
+
+def prompt_messages(row: Dict) -> List[Dict[str, str]]:
+    """A data row's prompt as chat messages (a string: one user message); [] without one."""
+    prompt = row.get("prompt") if isinstance(row, dict) else None
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [dict(m) for m in prompt] if isinstance(prompt, list) else []
+
+
+def compare_with_template(tokenizer, prompt_ids: Sequence[int], sample, stop_token_id: int,
+                          template_kwargs: Optional[Dict] = None) -> str:
     """How an episode's trained response ids differ from the chat template's rendering of the same
     conversation (the prompt's user message read back from its text; each model turn an assistant
     message, each environment answer a tool message): ``equal``; ``retokenized`` (the same text in
@@ -437,10 +546,11 @@ def compare_with_template(tokenizer, prompt_ids: Sequence[int], sample, stop_tok
             conv.append({"role": "tool", "content": messages[m] if m < len(messages) else ""})
             m += 1
         i = j
-    user = _messages_of(tokenizer, tokenizer.decode(list(prompt_ids), skip_special_tokens=False))
-    head = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    kw = dict(template_kwargs or {})  # (the template's arguments the prompts were rendered with)
+    user = _messages_of(tokenizer, tokenizer.decode(list(prompt_ids), skip_special_tokens=False), kw)
+    head = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, **kw)
     full = tokenizer.apply_chat_template(user + conv, tokenize=False,
-                                         add_generation_prompt=bool(conv) and conv[-1]["role"] == "tool")
+                                         add_generation_prompt=bool(conv) and conv[-1]["role"] == "tool", **kw)
     if not full.startswith(head):
         return "error"
     rendered, trained = full[len(head):], tokenizer.decode(ids, skip_special_tokens=False)
@@ -456,12 +566,12 @@ def compare_with_template(tokenizer, prompt_ids: Sequence[int], sample, stop_tok
     return "error"
 
 
-def _messages_of(tokenizer, prompt_text: str) -> List[Dict[str, str]]:
+def _messages_of(tokenizer, prompt_text: str, template_kwargs: Optional[Dict] = None) -> List[Dict[str, str]]:
     """The prompt as the messages that rendered it: one user message (the data loader's form), read
     back from between the template's boundaries."""
     probe = "\u2063MTEPO-USER\u2063"
     shape = tokenizer.apply_chat_template([{"role": "user", "content": probe}], tokenize=False,
-                                          add_generation_prompt=True)
+                                          add_generation_prompt=True, **(template_kwargs or {}))
     before, after = shape.split(probe, 1)
     if prompt_text.startswith(before) and prompt_text.endswith(after):
         return [{"role": "user", "content": prompt_text[len(before):len(prompt_text) - len(after)]}]
@@ -480,16 +590,18 @@ def _without_thinking(text: str) -> str:
     return re.sub(r"<think>.*?</think>\s*", "", text, flags=re.S).strip()
 
 
-def with_environment(engine, env_cfg, sandbox, tokenizer, stop_token_id: int):
+def with_environment(engine, env_cfg, sandbox, tokenizer, stop_token_id: int, template_kwargs: Optional[Dict] = None):
     """``engine`` running the episodes of the run config's ``environment`` section (``env_cfg``; its
-    sandbox's typed settings ``sandbox``) in ``tokenizer``'s chat template; ``engine`` itself when the
+    sandbox's typed settings ``sandbox``) in ``tokenizer``'s chat template (rendered with
+    ``template_kwargs``, the prompts' own: ``data.tools``, ``data.chat_template_kwargs``); ``engine`` itself when the
     environment is ``none`` (one turn: the rollout as it always was). Said once in the log."""
     if env_cfg.name == "none":
         return engine
     from megatron_tepo.environments.choice import make_environment
 
-    env = make_environment(env_cfg.name, sandbox, env_cfg.format)
-    limits = EpisodeLimits(env_cfg.max_turns, env_cfg.max_turn_tokens, env_cfg.tool_workers)
+    env = make_environment(env_cfg.name, sandbox, env_cfg.format, args=dict(env_cfg.args),
+                           max_calls_per_turn=env_cfg.max_calls_per_turn)
+    limits = EpisodeLimits(env_cfg.max_turns, env_cfg.max_turn_tokens, env_cfg.tool_workers, env_cfg.on_sandbox_failure)
     print(f"[megatron_tepo] multi-turn episodes: environment {env_cfg.name} ({env_cfg.format} tool calls, sandbox "
           f"{sandbox.kind}), at most {limits.max_turns} turns, {limits.tool_workers} tool calls at once", flush=True)
-    return EpisodeEngine(engine, env, TurnFormat(tokenizer, stop_token_id), limits)
+    return EpisodeEngine(engine, env, TurnFormat(tokenizer, stop_token_id, template_kwargs=template_kwargs), limits)

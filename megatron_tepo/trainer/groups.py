@@ -1,8 +1,8 @@
 """The one group producer of every schedule: the prompts a run draws, how it samples them, how a
 group is scored and judged, and what a step's rollout reports.
 
-* :class:`Task` -- tokenized prompts with answers (and, per prompt, an optional record: the data
-  row's other fields), the reward, how responses end.
+* :class:`Task` -- tokenized prompts with answers (and, per prompt, an optional data row: every
+  field of it), the reward, how responses end.
 * :class:`PromptStream` -- the prompts' order and its RNG, one per run (the run state saves it in
   each checkpoint: :mod:`megatron_tepo.trainer.run_state`).
 * :class:`GroupProducer` -- built once per run from the task and the config: the sampling
@@ -25,18 +25,20 @@ replaced by a prompt drawn at random. A prompt at a time (partial rollout): the 
 end, then a new one starts. Both are the draws the two schedules made before they shared a producer,
 so a run's prompts, and its metrics, stay what they were.
 
-A prompt's record (:attr:`Task.train_records`) travels with its group: to the reward (a task with
-records calls its reward with each sample's record as a third argument) and into the step's
-rollout (:attr:`Generated.records`, one per group).
+A prompt's data row (:attr:`Task.train_rows`) travels with its group: to the engine (an episode
+engine opens each episode from it: :attr:`~megatron_tepo.rollout.engine.RolloutEngine.takes_rows`),
+to the reward (:func:`~megatron_tepo.trainer.scoring.score_samples`: a ``reward.function`` reads it)
+and into the step's rollout (:attr:`Generated.records`, one per group).
 
 A multi-turn engine (:class:`~megatron_tepo.rollout.episode.EpisodeEngine`) returns whole episodes:
-the reward reads each one's final turn (:func:`~megatron_tepo.rollout.episode.final_turn`), and the
-step's statistics add the engine's own (:meth:`~megatron_tepo.rollout.engine.RolloutEngine.step_metrics`,
+the environment's reward is an episode's where it gives one, else the task's reward reads its final
+turn (:func:`~megatron_tepo.rollout.episode.final_turn`); a group with an episode ended by a sandbox
+failure is never trained on (``groups_sandbox_failed``); the step's statistics add the engine's own
+(:meth:`~megatron_tepo.rollout.engine.RolloutEngine.step_metrics`,
 :meth:`~megatron_tepo.rollout.engine.RolloutEngine.health_metrics`).
 
-Left out: reward models (the rewards are functions of the final turn's tokens, the answer and the
-record), records of held-out prompts, the schedules' timing (:mod:`.sources`) and the partial
-buffer's requests (:mod:`.partial`).
+Left out: reward models, the schedules' timing (:mod:`.sources`) and the partial buffer's requests
+(:mod:`.partial`).
 """
 from __future__ import annotations
 
@@ -49,18 +51,19 @@ import torch
 
 from megatron_tepo.algorithms import filter_groups
 from megatron_tepo.config import RunConfig
-from megatron_tepo.rewards import RewardFn, scores_and_counts
+from megatron_tepo.rewards import RewardFn
 from megatron_tepo.rollout.engine import RolloutEngine, SamplingParams
-from megatron_tepo.rollout.episode import final_turn
+from megatron_tepo.trainer.scoring import sandbox_failed, score_samples
 
-__all__ = ["Task", "Generated", "PromptStream", "GroupProducer", "generate_groups", "add_counts"]
+__all__ = ["Task", "Generated", "PromptStream", "GroupProducer", "generate_groups", "add_counts", "rows_for"]
 
 
 @dataclass
 class Task:
     """What to train on: tokenized prompts with answers, a reward, and how responses end.
-    ``train_records``: one per training prompt, the data row's other fields (None: none kept); a task
-    with records calls ``reward_fn(responses, answers, records)``, one record per sample."""
+    ``train_rows`` / ``eval_rows``: one per prompt, the data row, every field
+    (:class:`~megatron_tepo.data.prompts.PromptRecord`'s ``row``; None: none kept): what a
+    ``reward.function`` and an environment's episodes read."""
     train_prompts: List[List[int]]
     train_answers: List[str]
     reward_fn: RewardFn  # (response token ids per sample, answer per sample) -> rewards (and counts)
@@ -68,24 +71,26 @@ class Task:
     pad_token_id: int = 0
     eval_prompts: Optional[List[List[int]]] = None
     eval_answers: Optional[List[str]] = None
-    train_records: Optional[List[Dict[str, Any]]] = None
+    train_rows: Optional[List[Dict[str, Any]]] = None
+    eval_rows: Optional[List[Dict[str, Any]]] = None
 
     def __post_init__(self):
-        if self.train_records is not None and len(self.train_records) != len(self.train_prompts):
-            raise ValueError(f"Task.train_records: {len(self.train_records)} records for "
+        if self.train_rows is not None and len(self.train_rows) != len(self.train_prompts):
+            raise ValueError(f"Task.train_rows: {len(self.train_rows)} rows for "
                              f"{len(self.train_prompts)} prompts (one per prompt)")
 
     def record(self, index: int) -> Optional[Dict[str, Any]]:
-        """Training prompt ``index``'s record (None without records)."""
-        return None if self.train_records is None else self.train_records[index]
+        """Training prompt ``index``'s data row (None without rows)."""
+        return None if self.train_rows is None else self.train_rows[index]
 
-    def reward(self, responses: List[List[int]], indices: List[int]):
-        """The reward of each response; ``indices``: each response's prompt. The prompt's answer,
-        and with records its record, go with it."""
-        answers = [self.train_answers[i] for i in indices]
-        if self.train_records is None:
-            return self.reward_fn(responses, answers)
-        return self.reward_fn(responses, answers, [self.train_records[i] for i in indices])
+    def rows(self, indices: List[int]) -> Optional[List[Dict[str, Any]]]:
+        """The data rows of the training prompts ``indices`` (None without rows)."""
+        return None if self.train_rows is None else [self.train_rows[i] for i in indices]
+
+    def score(self, samples: list, indices: List[int]):
+        """(rewards, the reward's counts) of ``samples``; ``indices``: each sample's prompt, whose
+        answer and row go with it (:func:`~megatron_tepo.trainer.scoring.score_samples`)."""
+        return score_samples(self.reward_fn, samples, [self.train_answers[i] for i in indices], self.rows(indices))
 
 
 class Generated(NamedTuple):
@@ -170,11 +175,15 @@ class GroupProducer:
     def judge(self, indices: List[int], groups: list) -> Tuple[torch.Tensor, Dict, List[bool]]:
         """The groups of the prompts ``indices`` (in order), scored: the rewards (one tensor, group
         after group), the reward's counts, and which groups to keep (dynamic sampling drops those
-        whose rewards are all equal: the one place it is applied)."""
-        responses = [final_turn(s) for g in groups for s in g]  # (an episode's final answer: its last turn)
-        scores, counts = scores_and_counts(self.task.reward(responses, [i for i in indices for _ in range(self.n)]))
+        whose rewards are all equal: the one place it is applied; a group with an episode ended by a
+        sandbox failure is never kept, counted in ``groups_sandbox_failed``)."""
+        scores, counts = self.task.score([s for g in groups for s in g], [i for i in indices for _ in range(self.n)])
         rewards = torch.tensor(scores, dtype=torch.float32)
         keep = filter_groups(rewards, self.n).keep_groups.tolist() if self.dynamic_sampling else [True] * len(groups)
+        failed = [sandbox_failed(g) for g in groups]  # (the sandbox's failure, not the model's: never trained on)
+        if any(failed):
+            counts = {**counts, "groups_sandbox_failed": counts.get("groups_sandbox_failed", 0) + sum(failed)}
+            keep = [k and not f for k, f in zip(keep, failed)]
         return rewards, counts, keep
 
     def rounds(self, engine: RolloutEngine, first: List[int]) -> Tuple[List[int], list, torch.Tensor, Dict]:
@@ -192,7 +201,7 @@ class GroupProducer:
             batch_idx = [queue.pop(0) if queue else self.stream.any() for _ in range(need)]
             groups = engine.generate([self.task.train_prompts[i] for i in batch_idx], n=p.n,
                                      temperature=p.temperature, top_p=p.top_p, max_new_tokens=p.max_new_tokens,
-                                     stop_token_ids=p.stop_token_ids)
+                                     stop_token_ids=p.stop_token_ids, **rows_for(engine, self.task.rows(batch_idx)))
             rewards, counts, keep = self.judge(batch_idx, groups)
             add_counts(stats, counts)
             stats["groups_generated"] += len(groups)
@@ -232,3 +241,9 @@ def generate_groups(engine: RolloutEngine, task: Task, indices: List[int], cfg: 
     idx, groups, rewards, stats = GroupProducer(task, cfg, PromptStream(len(task.train_prompts), rng)).rounds(
         engine, indices)
     return [task.train_prompts[i] for i in idx], groups, rewards, stats
+
+
+def rows_for(engine: RolloutEngine, rows: Optional[List[Dict[str, Any]]]) -> Dict:
+    """``generate``'s ``rows`` argument for an engine that takes them (an episode engine: its
+    environment opens each episode from its row); none for the others."""
+    return {"rows": rows} if rows is not None and engine.takes_rows else {}

@@ -35,12 +35,14 @@ from megatron_tepo.trainer.stalls import NoUpdateError, no_update_cause  # noqa:
 def build_task(cfg: RunConfig, tokenizer, pool):
     from megatron_tepo.data import load_prompts
     from megatron_tepo.rewards import token_reward
+    from megatron_tepo.rewards.custom import function_reward
     from megatron_tepo.trainer.rollouts import Task
 
     if not cfg.data.train_files:
         raise ValueError("data.train_files: no training prompt files given")
     kw = dict(max_prompt_len=cfg.rollout.max_prompt_len, apply_chat_template=cfg.data.apply_chat_template,
-              on_bad_row=cfg.data.on_bad_row)
+              on_bad_row=cfg.data.on_bad_row, require_answer=not cfg.reward.function,
+              template_kwargs=cfg.data.template_kwargs())
     train = load_prompts(cfg.data.train_files, tokenizer, **kw)
     evals = load_prompts(cfg.data.eval_files, tokenizer, **kw) if cfg.data.eval_files else None
     if not train.records:
@@ -48,13 +50,27 @@ def build_task(cfg: RunConfig, tokenizer, pool):
                          f"({train.num_too_long} too long, {train.num_bad_rows} malformed)")
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop[0] if stop else 0)
+    reward = (function_reward(cfg.reward.function, tokenizer, pool) if cfg.reward.function
+              else token_reward(cfg.reward.kind, tokenizer, pool))
     task = Task([r.input_ids for r in train.records], [r.answer for r in train.records],
-                token_reward(cfg.reward.kind, tokenizer, pool), stop, pad,
+                reward, stop, pad,
                 [r.input_ids for r in evals.records] if evals else None,
-                [r.answer for r in evals.records] if evals else None)
+                [r.answer for r in evals.records] if evals else None,
+                [r.row for r in train.records], [r.row for r in evals.records] if evals else None)
     data_stats = {"train_prompts": len(train), "train_too_long": train.num_too_long,
                   "train_bad_rows": train.num_bad_rows}
     return task, data_stats
+
+
+def reward_pool(cfg: RunConfig):
+    """The reward's process pool: math-verify's, or the user's ``reward.function`` in it (its
+    time-outs, errors and counts as math-verify's)."""
+    from megatron_tepo.rewards import MathRewardPool
+    from megatron_tepo.rewards.custom import ImportedReward
+
+    if cfg.reward.function:
+        return MathRewardPool(cfg.reward.workers, cfg.reward.timeout_s, reward_fn=ImportedReward(cfg.reward.function))
+    return MathRewardPool(cfg.reward.workers, cfg.reward.timeout_s)
 
 
 def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool = True):
@@ -86,7 +102,8 @@ def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     try:  # multi-turn episodes: the engine runs each turn, the environment answers between them
-        return with_environment(engine, cfg.environment, sandbox_settings(cfg), tokenizer, tokenizer.eos_token_id)
+        return with_environment(engine, cfg.environment, sandbox_settings(cfg), tokenizer, tokenizer.eos_token_id,
+                                cfg.data.template_kwargs())
     except BaseException:
         engine.close()
         raise
@@ -96,11 +113,13 @@ def check_environment(cfg: RunConfig) -> None:
     """A run whose ``environment`` calls a tool: its sandbox is made once and runs ``print(1)``
     (:func:`~megatron_tepo.environments.choice.check_sandbox`), before anything expensive starts; one
     that cannot start is a :class:`~megatron_tepo.environments.sandbox.SandboxUnavailable`, a user error
-    (exit 2, no requeue). Nothing without an environment."""
-    if cfg.environment.name == "none":
-        return
+    (exit 2, no requeue). Nothing without an environment, or for one that runs no code (its
+    constructor takes no sandbox: :func:`~megatron_tepo.environments.choice.uses_sandbox`)."""
     from megatron_tepo.config.validation import sandbox_settings
-    from megatron_tepo.environments.choice import check_sandbox
+    from megatron_tepo.environments.choice import check_sandbox, uses_sandbox
+
+    if not uses_sandbox(cfg.environment.name):
+        return
 
     print(f"[megatron_tepo] {check_sandbox(sandbox_settings(cfg), 'environment.sandbox')}", flush=True)
 
@@ -155,7 +174,7 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
 
     from megatron_tepo.checkpoint.store import find_latest_checkpoint
     from megatron_tepo.metrics import MetricsLogger
-    from megatron_tepo.rewards import COUNT_NAMES, MathRewardPool
+    from megatron_tepo.rewards import COUNT_NAMES
     from megatron_tepo.trainer.loop import evaluate, train
 
     from megatron_tepo.rollout.registry import engine_factory
@@ -176,8 +195,8 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
         dump_config(cfg, out / "config.yaml")  # (after the checks: it is what runs)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     torch.manual_seed(cfg.train.seed)
-    scoring = driver and cfg.reward.kind == "math_verify"
-    with (MathRewardPool(cfg.reward.workers, cfg.reward.timeout_s) if scoring else contextlib.nullcontext()) as pool:
+    scoring = driver and (cfg.reward.kind == "math_verify" or bool(cfg.reward.function))
+    with (reward_pool(cfg) if scoring else contextlib.nullcontext()) as pool:
         task, data_stats = build_task(cfg, tokenizer, pool)
         actor, engine = build_actor_and_engine(cfg, cfg.model.path, task.pad_token_id)
         if cfg.train.allow_config_change:
@@ -190,8 +209,8 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
             if not task.eval_prompts:
                 return {}
             return {f"eval/{k}": v for k, v in evaluate(engine, task.eval_prompts, task.eval_answers, task.reward_fn,
-                                                           task.stop_token_ids,
-                                                           max_new_tokens=cfg.rollout.max_new_tokens).items()}
+                                                           task.stop_token_ids, max_new_tokens=cfg.rollout.max_new_tokens,
+                                                           rows=task.eval_rows).items()}
 
         def on_step(step, metrics):
             if metrics.get("updates", 1.0) == 0:

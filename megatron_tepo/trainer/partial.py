@@ -298,7 +298,10 @@ class RolloutBuffer:
     def _draw(self) -> GroupState:
         index = self.stream.next()
         prompt = list(self.task.train_prompts[index])
-        g = GroupState(self.next_gid, index, [Request(prompt, self.params.max_new_tokens, key=(self.next_gid, k))
+        row = self.task.record(index)  # (an episode engine opens each episode from its row)
+        record = {"row": row} if row is not None and self.engine.takes_rows else {}
+        g = GroupState(self.next_gid, index, [Request(prompt, self.params.max_new_tokens, key=(self.next_gid, k),
+                                                      episode=dict(record))
                                               for k in range(self.n)], [None] * self.n)
         self.groups[g.gid] = g
         self.next_gid += 1
@@ -341,9 +344,13 @@ class RolloutBuffer:
 
     def _score(self, g: GroupState) -> None:
         """A complete group, judged by the producer: its rewards; dropped when they are all equal
-        (dynamic sampling)."""
-        g.rewards, g.counts, (keep,) = self.producer.judge([g.prompt_index], [[r.to_sample(FINISH_STOP)
-                                                                                for r in g.requests]])
+        (dynamic sampling) or when an episode of it ended on a sandbox failure (counted)."""
+        g.rewards, counts, (keep,) = self.producer.judge([g.prompt_index], [[r.to_sample(FINISH_STOP)
+                                                                              for r in g.requests]])
+        failed = counts.pop("groups_sandbox_failed", 0)
+        g.counts = counts
+        if failed:
+            self._stats["groups_sandbox_failed"] = self._stats.get("groups_sandbox_failed", 0) + failed
         self._stats["groups_generated"] += 1
         if not keep:
             self._stats["groups_dropped"] += 1

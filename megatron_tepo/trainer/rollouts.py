@@ -1,24 +1,26 @@
 """A step's rollout on the driver, besides its groups: the held-out evaluation and the weight sync
 into the engine.
 
-* :func:`evaluate` -- avg@n and pass@n over held-out prompts; :func:`sync_weights` -- the actor's
-  weights into the engine (collective).
+* :func:`evaluate` -- avg@n and pass@n over held-out prompts (each episode opened from its data row
+  where the task keeps rows); :func:`sync_weights` -- the actor's weights into the engine (collective).
 * The task and the groups a step trains on (:class:`Task`, :class:`Generated`,
   :func:`generate_groups`) are the group producer's (:mod:`megatron_tepo.trainer.groups`), named
   here too.
 
-Left out: reward models (the rewards are functions of the final turn's tokens and the answer).
+Left out: reward models (the rewards are functions of the final turn, the answer and the row, or the
+environment's: :mod:`megatron_tepo.trainer.scoring`).
 """
 from __future__ import annotations
 
 import time
-from typing import Dict
+from typing import Dict, List, Optional
 
 import torch
 
-from megatron_tepo.rewards import RewardFn, scores_and_counts
-from megatron_tepo.rollout.episode import episode_metrics, final_turn
-from megatron_tepo.trainer.groups import Generated, Task, generate_groups
+from megatron_tepo.rewards import RewardFn
+from megatron_tepo.rollout.episode import episode_metrics
+from megatron_tepo.trainer.groups import Generated, Task, generate_groups, rows_for
+from megatron_tepo.trainer.scoring import score_samples
 
 __all__ = ["Task", "Generated", "generate_groups", "evaluate", "sync_weights"]
 
@@ -33,16 +35,17 @@ def sync_weights(actor, engine) -> float:
 
 
 def evaluate(engine, prompts, answers, reward_fn: RewardFn, stop_token_ids, *, n: int = 1,
-             temperature: float = 1e-5, top_p: float = 1.0, max_new_tokens: int = 16) -> Dict[str, float]:
+             temperature: float = 1e-5, top_p: float = 1.0, max_new_tokens: int = 16,
+             rows: Optional[List[Dict]] = None) -> Dict[str, float]:
     """avg@n (mean reward) and pass@n (any sample correct) over held-out prompts, the reward's
     counts when it gives them (:data:`~megatron_tepo.rewards.COUNT_NAMES`), and with an environment
     the episodes' counts (:func:`~megatron_tepo.rollout.episode.episode_metrics`: tool calls, errors,
-    turns)."""
+    turns). ``rows``: each prompt's data row (the reward and the episodes read them)."""
     groups = engine.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                             stop_token_ids=stop_token_ids)
+                             stop_token_ids=stop_token_ids, **rows_for(engine, rows))
     samples = [s for g in groups for s in g]
-    scores, counts = scores_and_counts(reward_fn([final_turn(s) for s in samples],
-                                                 [a for a in answers for _ in range(n)]))
+    scores, counts = score_samples(reward_fn, samples, [a for a in answers for _ in range(n)],
+                                   [x for x in rows for _ in range(n)] if rows is not None else None)
     rewards = torch.tensor(scores).view(len(prompts), n)
     return {f"avg@{n}": float(rewards.mean()), f"pass@{n}": float((rewards.max(1).values > 0).float().mean()),
             **counts, **episode_metrics(samples)}

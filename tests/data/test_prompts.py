@@ -81,3 +81,18 @@ def test_missing_file_and_bad_suffix(tmp_path):
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(DataError, match="unsupported file type '.csv'"):
         load_prompts(tmp_path / "x.csv")
+
+
+def test_a_row_keeps_every_field_and_an_answer_may_be_left_out_on_request(tmp_path):
+    """#58 item 1: the row's other fields (tests, a secret, an id) reach the reward and the environment."""
+    path = tmp_path / "task.jsonl"
+    write_jsonl(path, [{"prompt": "guess", "answer": 7, "secret": 37, "tests": ["assert f(1) == 2"]},
+                       {"prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": "5"}, "id": "b"}])
+    rows = [r.row for r in load_prompts(path).records]
+    assert rows[0] == {"prompt": "guess", "answer": "7", "secret": 37, "tests": ["assert f(1) == 2"]}
+    assert rows[1]["id"] == "b" and rows[1]["answer"] == "5" and rows[1]["reward_model"] == {"ground_truth": "5"}
+    write_jsonl(path, [{"prompt": "guess", "secret": 37}])
+    with pytest.raises(DataError, match="missing field 'answer'"):
+        load_prompts(path)
+    (record,) = load_prompts(path, require_answer=False).records
+    assert record.answer == "" and record.row == {"prompt": "guess", "secret": 37, "answer": ""}

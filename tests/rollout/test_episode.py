@@ -120,7 +120,9 @@ def test_a_two_turn_episode_is_token_in_token_out_with_the_tools_tokens_masked()
     assert engine.engine.sent == [PROMPT, PROMPT + CALL + answer]
     assert PROMPT + s.token_ids == tir.tool_trace(TOK, "37*45", "1665")[0]
     assert s.meta["episode"] == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0,
-                                 "tool_seconds": 0.25, "env_tokens": len(answer), "messages": ["1665"]}
+                                 "tool_seconds": 0.25, "env_tokens": len(answer), "messages": ["1665"],
+                                 "tool_sandbox_failures": 0, "tool_calls_capped": 0, "end": "answered",
+                                 "env": {"state": {}}}
     assert engine.env.turns == [("```python\nprint(37*45)\n```", 0), ("1665", 1)]
     assert final_turn(s) == ANSWER
     assert compare_with_template(TOK, PROMPT, s, EOS) == "equal"

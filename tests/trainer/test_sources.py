@@ -230,26 +230,26 @@ def test_every_schedule_trains_only_on_groups_the_producer_kept(name, producer_c
     assert 0 < sum(m["groups_dropped"] for m in history) <= len(dropped)
 
 
-def test_a_prompts_record_reaches_its_reward_and_its_group(tmp_path):
-    """A task with records (the data row's other fields): the reward is called with each sample's
-    record, and the step's rollout carries each group's, through a checkpoint's pending rollout too."""
+def test_a_prompts_row_reaches_its_reward_and_its_group(tmp_path):
+    """A task with rows (each prompt's data row): a reward that takes rows is called with each
+    sample's row, and the step's rollout carries each group's, through a checkpoint's pending rollout too."""
     seen = []
 
-    def reward(responses, answers, records):
-        seen.extend(records)
+    def reward(responses, answers, rows=None, episodes=None):
+        seen.extend(rows)
         return [float(r[1]) for r in responses]
 
-    records = [{"row": i, "topic": f"t{i % 3}"} for i in range(8)]
-    task = Task([[i + 3] for i in range(8)], ["a"] * 8, reward, stop_token_ids=[0], pad_token_id=0,
-                train_records=records)
+    reward.takes_rows = True
+    rows = [{"row": i, "topic": f"t{i % 3}"} for i in range(8)]
+    task = Task([[i + 3] for i in range(8)], ["a"] * 8, reward, stop_token_ids=[0], pad_token_id=0, train_rows=rows)
     got = GroupProducer(task, _cfg(1)).step(CountingEngine(), 1)
-    rows = [r["row"] for r in got.records]
-    assert [p[0] - 3 for p in got.prompts] == rows and seen == [records[i] for i in rows for _ in range(2)]
+    kept = [r["row"] for r in got.records]
+    assert [p[0] - 3 for p in got.prompts] == kept and seen == [rows[i] for i in kept for _ in range(2)]
     source = OneStepOff()
     source.write_state(got, tmp_path / source.state_file)
     assert source.read_state(tmp_path / source.state_file).records == got.records
-    with pytest.raises(ValueError, match=r"Task.train_records: 3 records for 8 prompts"):
-        Task([[i] for i in range(8)], ["a"] * 8, reward, [0], train_records=records[:3])
+    with pytest.raises(ValueError, match=r"Task.train_rows: 3 rows for 8 prompts"):
+        Task([[i] for i in range(8)], ["a"] * 8, reward, [0], train_rows=rows[:3])
 
 
 # ------------------------------------------------------------------ the engine contract
