@@ -17,7 +17,8 @@
   (every regular file that is not a weight file).
 * :func:`expected_hf_tensors` / :func:`check_hf_tensors` -- the names and shapes the HF config
   implies (from the transformers model built on the ``meta`` device, no memory; MoE experts that
-  transformers >= 5 fuses in memory are listed one tensor per expert, as checkpoints store them),
+  transformers >= 5 stacks in memory are listed one tensor per expert, as ``save_pretrained`` stores
+  them and a reader of a stacked checkpoint serves them),
   and a check of a checkpoint against them that names every missing / unexpected / wrongly shaped
   tensor.
 
@@ -60,7 +61,12 @@ class LazyHFCheckpoint:
     Qwen3.5's ``model.language_model.layers.0.*`` is ``model.layers.0.*`` here); :meth:`names`
     lists the text model's tensors only, :meth:`carried_names` the others (vision tower, MTP
     layers) under their stored names, which :meth:`get` also reads; :meth:`stored_name` gives a
-    tensor's name in the files. Without ``naming`` every name is the stored one."""
+    tensor's name in the files. A naming with ``stacked_experts`` serves a layer's stacked routed
+    experts (``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` / ``down_proj`` ``[E, H, I]``: the published
+    Qwen3.5-MoE layout) as one tensor per expert, the names the mapping uses, each read from its own
+    contiguous bytes of the stacked tensor (:func:`~megatron_tepo.models.common.unstack_experts`);
+    :meth:`stored_tensors` lists the files' tensors as stored. Without ``naming`` every name is the
+    stored one."""
 
     def __init__(self, path, naming=None):
         self.path = Path(path)
@@ -98,24 +104,40 @@ class LazyHFCheckpoint:
         self._carried_set: set = set()
         self.naming = naming
         self._stored: Dict[str, str] = {}  # this reader's name -> the stored one, where they differ
+        self._stored_meta = dict(self._meta)  # the stored tensors: stored name -> (shape, dtype)
         self._carried: List[str] = []
         if naming is not None:
             self._rename(naming)
 
     def _rename(self, naming) -> None:
-        """Key every table by the text model's name (a carried tensor keeps its stored name)."""
+        """Key every table by the text model's name (a carried tensor keeps its stored name); a
+        stacked expert tensor (``naming.expert_pieces``) becomes its per-expert tensors, each a
+        contiguous byte range of it."""
         file_of, meta, span = {}, {}, {}
         for stored in self._meta:
             text = naming.text_name(stored)
             key = stored if text is None else text
-            if key in meta:
-                raise ValueError(f"HF tensors {self._stored.get(key, key)!r} and {stored!r} in {self.path} are both "
-                                 f"the text model's {key!r}")
-            if text is None:
-                self._carried.append(stored)
-            elif text != stored:
-                self._stored[key] = stored
-            file_of[key], meta[key], span[key] = self._file_of[stored], self._meta[stored], self._span[stored]
+            shape, dt = self._meta[stored]
+            try:
+                pieces = naming.expert_pieces(key, shape) if text is not None else None
+            except ValueError as exc:
+                raise ValueError(f"{exc} (in {self._file_of[stored]})") from None
+            if pieces is None:
+                entries = [(key, shape, self._span[stored])]
+            else:  # [E, R, C]: expert e's rows [a, b) are bytes (e * R + a) * C ... of the stored tensor
+                start, rows, row_bytes = self._span[stored][0], shape[1], shape[2] * dt.itemsize
+                entries = [(name, (b - a, shape[2]),
+                            (start + (e * rows + a) * row_bytes, start + (e * rows + b) * row_bytes))
+                           for name, e, (a, b) in pieces]
+            for name, piece_shape, piece_span in entries:
+                if name in meta:
+                    raise ValueError(f"HF tensors {self._stored.get(name, name)!r} and {stored!r} in {self.path} are "
+                                     f"both the text model's {name!r}")
+                if text is None:
+                    self._carried.append(stored)
+                elif name != stored:
+                    self._stored[name] = stored
+                file_of[name], meta[name], span[name] = self._file_of[stored], (piece_shape, dt), piece_span
         self._file_of, self._meta, self._span = file_of, meta, span
         self._carried_set = set(self._carried)
 
@@ -147,8 +169,14 @@ class LazyHFCheckpoint:
         return list(self._carried)
 
     def stored_name(self, name: str) -> str:
-        """The name in the files of tensor ``name`` (as :meth:`names` / :meth:`carried_names` give it)."""
+        """The name in the files of tensor ``name`` (as :meth:`names` / :meth:`carried_names` give it;
+        an expert's piece of a stacked tensor: the stacked tensor's)."""
         return self._stored.get(name, name)
+
+    def stored_tensors(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        """Every tensor as the files store it: stored name -> (shape, dtype) (a stacked expert tensor
+        once, whole; the text model's and the carried ones)."""
+        return dict(self._stored_meta)
 
     def shape(self, name: str) -> Tuple[int, ...]:
         return self._meta[name][0]
@@ -436,23 +464,20 @@ def expected_hf_tensors(hf_config) -> Dict[str, Tuple[int, ...]]:
 
 
 def checkpoint_shapes(shapes: Dict[str, Tuple[int, ...]]) -> Dict[str, Tuple[int, ...]]:
-    """In-memory names/shapes -> checkpoint names/shapes. transformers >= 5 keeps MoE experts
-    fused in memory (``mlp.experts.gate_up_proj`` [E, 2I, H], gate first; ``mlp.experts.down_proj``
-    [E, H, I]) but ``save_pretrained`` / hub safetensors store one tensor per expert
-    (``mlp.experts.{e}.gate_proj|up_proj|down_proj.weight``), which is what the mapping uses."""
+    """In-memory names/shapes -> the names/shapes the mapping uses. transformers >= 5 keeps MoE
+    experts stacked in memory (``mlp.experts.gate_up_proj`` [E, 2I, H], gate first;
+    ``mlp.experts.down_proj`` [E, H, I]: :func:`~megatron_tepo.models.common.unstack_experts`);
+    ``save_pretrained`` stores one tensor per expert (``mlp.experts.{e}.gate_proj|up_proj|down_proj.weight``),
+    the names the mapping uses and a reader of a stacked checkpoint gives."""
+    from megatron_tepo.models.common import unstack_experts
+
     out: Dict[str, Tuple[int, ...]] = {}
     for name, shape in shapes.items():
-        if name.endswith("mlp.experts.gate_up_proj") and len(shape) == 3:
-            prefix = name[: -len("gate_up_proj")]
-            for e in range(shape[0]):
-                out[f"{prefix}{e}.gate_proj.weight"] = (shape[1] // 2, shape[2])
-                out[f"{prefix}{e}.up_proj.weight"] = (shape[1] // 2, shape[2])
-        elif name.endswith("mlp.experts.down_proj") and len(shape) == 3:
-            prefix = name[: -len("down_proj")]
-            for e in range(shape[0]):
-                out[f"{prefix}{e}.down_proj.weight"] = (shape[1], shape[2])
-        else:
+        pieces = unstack_experts(name, shape)
+        if pieces is None:
             out[name] = shape
+        for piece, _, (a, b) in pieces or ():
+            out[piece] = (b - a, shape[2])
     return out
 
 

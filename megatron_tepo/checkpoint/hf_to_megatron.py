@@ -45,7 +45,9 @@ its ``hf_source/carried.safetensors``.
   placement, then megatron-core's own ``dist_checkpointing.save``; ~2.2x the model at TP=1):
   the tests compare both outputs item by item.
 
-MoE (Qwen3-MoE, sequential experts, one HF tensor per expert as checkpoints store them): import
+MoE (sequential experts, one HF tensor per expert as the mapping names them; a Qwen3.5-MoE folder
+that stores them stacked, as the published ones do, is read so by :func:`~.hf_io.open_hf_checkpoint`,
+each expert's bytes alone): import
 runs at ``ep`` > 1 (each rank builds, reads and saves only the experts it holds; the others pass
 as meta stand-ins like other stages' tensors) -- on CPU at TP=PP=1 only, see
 ``models/qwen3_moe/README.md``; the checkpoint's expert tensors are sharded by global expert

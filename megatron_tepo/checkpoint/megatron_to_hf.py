@@ -27,7 +27,8 @@ tower ``model.visual.*``, the MTP layer ``mtp.*``; :class:`~megatron_tepo.models
 is written back as it was: its config, the trained text weights under its names, and the carried
 tensors bit for bit -- the live actor's export reads them from the source directory, the
 checkpoint converter from the copy each checkpoint holds (``hf_source/carried.safetensors``:
-:mod:`.sidecars`).
+:mod:`.sidecars`). A source that stores its MoE experts stacked (the published Qwen3.5-MoE:
+``mlp.experts.gate_up_proj`` / ``down_proj``) gets them back stacked (:class:`HFDirWriter`).
 
 Left out: the Transformer-Engine spec on export (the checkpoint keys are the same for both specs;
 export builds the local spec), grouped-GEMM expert layouts, virtual pipeline stages, optimizer
@@ -75,13 +76,46 @@ class HFDirWriter:
         self.tmp.mkdir(parents=True)
         self.writer = ShardedSafetensorsWriter(self.tmp, max_shard_bytes)
         self.written: set = set()
+        self._stacks: dict = {}  # stacked expert tensor being filled -> (its buffer, the pieces in)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """``tensor`` (the text model's tensor ``name``) is copied (it may be a view into a reused
-        buffer), under the source's name for it."""
-        self._add(self.naming.stored_name(name) if self.naming is not None else name, tensor)
+        buffer), under the source's name for it -- an expert's tensor into its layer's stacked
+        tensor where the source stored the experts so (:meth:`_into_stack`)."""
+        stored = self.naming.stored_name(name) if self.naming is not None else name
+        if stored in self.expected or not self._into_stack(name, tensor):
+            self._add(stored, tensor)
         if name == "model.embed_tokens.weight" and self.tie and "lm_head.weight" in self.expected:
             self.add("lm_head.weight", tensor)  # the source stored the tied copy too
+
+    def _into_stack(self, name: str, tensor: torch.Tensor) -> bool:
+        """Per-expert tensor ``name`` copied into the stacked tensor the source stored its layer's
+        experts in (``naming.expert_slot``: ``mlp.experts.gate_up_proj`` / ``down_proj``), which is
+        written once every expert's pieces are in (one layer's stacked experts held at a time when
+        the stream goes layer by layer); False where the source has no such stacked tensor."""
+        slot = self.naming.expert_slot(name) if self.naming is not None else None
+        stored = self.naming.stored_name(slot[0]) if slot is not None else None
+        if stored not in self.expected:
+            return False
+        _, expert, piece, pieces = slot
+        want = self.expected[stored]
+        if stored not in self._stacks:
+            self._stacks[stored] = (torch.empty(want["shape"], dtype=dtype_from_name(want["dtype"])), set())
+        buf, done = self._stacks[stored]
+        rows = buf.shape[1] // pieces
+        dest = buf[expert, piece * rows:(piece + 1) * rows] if expert < buf.shape[0] else None
+        if dest is None or tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"exported HF tensor {name!r} has shape {tuple(tensor.shape)}, but the source stores "
+                             f"its layer's experts stacked in {stored!r} of shape {tuple(want['shape'])}")
+        if (expert, piece) in done:
+            raise ValueError(f"HF tensor {name!r} written twice")
+        dest.copy_(tensor)
+        done.add((expert, piece))
+        if len(done) == buf.shape[0] * pieces:
+            del self._stacks[stored]
+            self.writer.add(stored, buf)
+            self.written.add(stored)
+        return True
 
     def add_carried(self, reader: LazyHFCheckpoint) -> None:
         """The tensors the actor does not train (``reader.carried_names()``: a vision tower, MTP
@@ -103,7 +137,10 @@ class HFDirWriter:
     def close(self) -> Path:
         missing = [n for n in self.expected if n not in self.written]
         if missing:
-            raise ValueError(f"the export did not give HF tensor(s) {missing[:8]}")
+            partial = [f"{n} ({len(self._stacks[n][1])} piece(s) given for its {self._stacks[n][0].shape[0]} experts)"
+                       for n in missing if n in self._stacks]
+            raise ValueError(f"the export did not give HF tensor(s) {missing[:8]}"
+                             + (f"; stacked experts incomplete: {partial[:4]}" if partial else ""))
         self.writer.close()
         copy_side_files(self.side_files, self.tmp)
         finalize_dir(self.tmp, self.out, self.force)

@@ -58,9 +58,9 @@ __all__ = ["INFO_NAME", "HF_SOURCE", "CARRIED", "FORMAT", "hf_tensor_table", "wr
 
 def hf_tensor_table(ckpt: LazyHFCheckpoint) -> Dict[str, dict]:
     """HF tensor name -> ``{"dtype": name, "shape": [..]}`` of every tensor of a checkpoint (the
-    text model's and the carried ones), under the names in its files, from its headers."""
-    return {ckpt.stored_name(n): {"dtype": dtype_name(ckpt.dtype(n)), "shape": list(ckpt.shape(n))}
-            for n in ckpt.names() + ckpt.carried_names()}
+    text model's and the carried ones), as its files store them (stacked experts stacked), from
+    its headers."""
+    return {n: {"dtype": dtype_name(dt), "shape": list(shape)} for n, (shape, dt) in ckpt.stored_tensors().items()}
 
 
 def write_carried(ckpt: LazyHFCheckpoint, directory) -> int:

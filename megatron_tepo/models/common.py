@@ -502,10 +502,24 @@ class CheckpointNaming:
     ``model.`` (a multimodal checkpoint's ``model.language_model.``; None: under ``model.`` itself);
     ``carried``: the name prefixes of its other parts (a vision tower, multi-token-prediction layers),
     which the actor does not train and an export writes back unchanged. The one place a stored name
-    is translated (:meth:`text_name`, :meth:`stored_name`)."""
+    is translated (:meth:`text_name`, :meth:`stored_name`). ``stacked_experts``: the checkpoint may
+    keep a layer's routed experts stacked (:func:`unstack_experts`; the published Qwen3.5-MoE ones),
+    which a reader serves, and a writer of the same layout takes, one tensor per expert
+    (:meth:`expert_pieces`)."""
 
     text_prefix: Optional[str] = None
     carried: Tuple[str, ...] = ()
+    stacked_experts: bool = False
+
+    def expert_pieces(self, text: str, shape) -> Optional[list]:
+        """:func:`unstack_experts` of the text model's tensor ``text`` where this naming reads stacked
+        experts; None for any other tensor."""
+        return unstack_experts(text, shape) if self.stacked_experts else None
+
+    def expert_slot(self, text: str) -> Optional[Tuple[str, int, int, int]]:
+        """:func:`stacked_expert_slot` of the text model's per-expert tensor ``text`` where this naming
+        reads stacked experts (a writer then checks whether the source stored them so); else None."""
+        return stacked_expert_slot(text) if self.stacked_experts else None
 
     def is_carried(self, stored: str) -> bool:
         return stored.startswith(self.carried) if self.carried else False
@@ -526,6 +540,49 @@ class CheckpointNaming:
 
 #: a checkpoint of the text model alone (a ``*ForCausalLM``): its names are the mapping's
 PLAIN_NAMING = CheckpointNaming()
+
+
+#: a layer's routed experts stacked over the experts (the published Qwen3.5 / 3.6 MoE checkpoints,
+#: and transformers >= 5 in memory): ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (each expert's
+#: ``gate_proj`` rows, then its ``up_proj`` rows) and ``mlp.experts.down_proj`` ``[E, H, I]``, no
+#: ``.weight``, each expert's matrix ``[out, in]`` as ``nn.Linear`` holds it (transformers 5.24's
+#: ``Qwen3_5MoeExperts`` and its ``qwen2_moe`` conversion: ``MergeModulelist(dim=0)``,
+#: ``Concatenate(dim=1)``); stacked name -> the per-expert tensors (the mapping's) each expert's matrix
+#: holds, in row order
+STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+_STACKED = re.compile(r"^(.*\.mlp\.experts\.)(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def unstack_experts(name: str, shape) -> Optional[list]:
+    """The per-expert tensors inside stacked expert tensor ``name`` (:data:`STACKED_EXPERTS`) of
+    ``shape`` ``[E, rows, columns]``: ``[(per-expert name, expert, (first row, end row) of that
+    expert's matrix)]``, expert by expert, each expert's pieces in row order -- each piece is
+    contiguous in the stacked tensor. None for any other name; a shape that cannot hold them (not
+    3-D, rows not divisible by the pieces): ValueError naming the tensor."""
+    m = _STACKED.match(name)
+    if m is None:
+        return None
+    parts = STACKED_EXPERTS[m.group(2)]
+    shape = tuple(int(d) for d in shape)
+    if len(shape) != 3 or shape[1] % len(parts):
+        raise ValueError(f"stacked expert tensor {name!r} has shape {shape}, expected [experts, "
+                         f"{' + '.join(['rows'] * len(parts))}, columns] ({', '.join(parts)} of each expert)")
+    rows = shape[1] // len(parts)
+    return [(f"{m.group(1)}{e}.{p}.weight", e, (j * rows, (j + 1) * rows))
+            for e in range(shape[0]) for j, p in enumerate(parts)]
+
+
+def stacked_expert_slot(name: str) -> Optional[Tuple[str, int, int, int]]:
+    """Inverse of :func:`unstack_experts` by name: per-expert ``...mlp.experts.{e}.{proj}.weight`` ->
+    ``(stacked name, e, its piece's index, pieces per expert)``; None for any other name."""
+    m = _PER_EXPERT.match(name)
+    if m is None:
+        return None
+    for stacked, parts in STACKED_EXPERTS.items():
+        if m.group(3) in parts:
+            return f"{m.group(1)}{stacked}", int(m.group(2)), parts.index(m.group(3)), len(parts)
+    return None
 
 
 def plain_naming(hf_config) -> CheckpointNaming:

@@ -123,3 +123,30 @@ def smollm2_dir() -> Path:
     transformers.AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf.name).save_pretrained(str(tmp))
     os.replace(tmp, out)
     return out
+
+
+
+def stack_experts(out) -> list:
+    """Rewrite the HF checkpoint in ``out`` (as ``save_pretrained`` writes it: one tensor per expert)
+    in the published Qwen3.5-MoE layout, by hand (:func:`tests.megatron.helpers.stacked_experts`,
+    file by file: a layer's experts are in one file here); the index rewritten. Returns the stacked
+    names."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.megatron.helpers import stacked_experts
+
+    out, stacked, weight_map = Path(out), [], {}
+    for f in sorted(out.glob("*.safetensors")):
+        before = load_file(str(f))
+        after = stacked_experts(before)
+        stacked += [n for n in after if n not in before]
+        save_file(after, str(f), metadata={"format": "pt"})
+        weight_map.update({n: f.name for n in after})
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = weight_map
+        index.write_text(json.dumps(data, indent=2))
+    return stacked

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.checkpoint.fixtures import VARIANTS, load_hf_tensors, make_hf_dir, variant_id
+from tests.checkpoint.fixtures import VARIANTS, causal_lm, load_hf_tensors, make_hf_dir, stack_experts, variant_id
 from tests.dist_utils import torchrun
 
 WORKER = Path(__file__).with_name("convert_worker.py")
@@ -131,14 +131,17 @@ def test_qwen3_5_tp2_and_ep2_logits_and_roundtrip(tmp_path):
     ``model.language_model.``, a tiny vision tower, ``mtp.*`` tensors): its text model converted at
     TP=2 with the HF logits, exported with every tensor bit for bit (the vision and MTP ones: the
     checkpoint's ``hf_source/carried.safetensors``), its config.json as it was, loading as
-    ``Qwen3_5ForConditionalGeneration``."""
+    ``Qwen3_5ForConditionalGeneration``. The MoE at EP=2 is a folder that stores its experts stacked,
+    as the published ones do (#56 row 2): its logits are transformers' own load of that folder, and
+    it exports stacked, bit for bit."""
     import json
 
     import transformers
 
     names = _build(tmp_path, QWEN3_5_VARIANTS) + ",qwen3_5-cg"
     cg = make_hf_dir(tmp_path / "hf-qwen3_5-cg", "qwen3_5", False, seed=5, conditional_generation=True)
-    moe = variant_id("qwen3_5_moe", False)
+    moe = variant_id("qwen3_5_moe", False) + "-stacked"
+    stacked = stack_experts(make_hf_dir(tmp_path / f"hf-{moe}", "qwen3_5_moe", False, seed=6))
     for args, where in (((("2", "1", names)), "tp2"), ((("1", "1", moe, "--ep", "2")), "ep2")):
         results = torchrun(WORKER, 2, "import", str(tmp_path), *args[:3], "--logits", *args[3:],
                            tmp_path=tmp_path / where)
@@ -148,6 +151,12 @@ def test_qwen3_5_tp2_and_ep2_logits_and_roundtrip(tmp_path):
     for suffix, which in (("tp2pp1", names), ("tp1pp1ep2", moe)):
         (res,) = torchrun(WORKER, 1, "export", str(tmp_path), suffix, which, tmp_path=tmp_path / f"exp-{suffix}")
         _assert_bitwise(res)
+    back_moe = tmp_path / f"back-{moe}-tp1pp1ep2"
+    assert set(stacked) <= set(load_hf_tensors(back_moe)) and len(stacked) == 8
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # transformers reloads the export with 0.0 difference
+        assert torch.equal(causal_lm(back_moe)(input_ids=ids).logits,
+                           causal_lm(tmp_path / f"hf-{moe}")(input_ids=ids).logits)
     back = tmp_path / "back-qwen3_5-cg-tp2pp1"
     assert len([n for n in load_hf_tensors(back) if n.startswith(("model.visual.", "mtp."))]) > 20
     assert json.loads((back / "config.json").read_text()) == json.loads((cg / "config.json").read_text())

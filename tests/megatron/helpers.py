@@ -117,6 +117,29 @@ def checkpoint_names(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor
     return out
 
 
+def stacked_experts(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Inverse of :func:`checkpoint_names`, by hand: each layer's ``mlp.experts.{e}.gate_proj`` /
+    ``up_proj`` / ``down_proj.weight`` -> ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (each expert's
+    gate rows, then its up rows) and ``mlp.experts.down_proj`` ``[E, H, I]``, no ``.weight``: the
+    published Qwen3.5-MoE checkpoints' layout (and transformers' in memory); other tensors as given."""
+    import re
+
+    expert = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    out, groups = {}, {}
+    for name, t in tensors.items():
+        m = expert.match(name)
+        if m is None:
+            out[name] = t
+        else:
+            groups.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
+    for head, parts in groups.items():
+        n = 1 + max(e for e, _ in parts)
+        out[head + "gate_up_proj"] = torch.stack([torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]])
+                                                  for e in range(n)])
+        out[head + "down_proj"] = torch.stack([parts[(e, "down_proj")] for e in range(n)])
+    return out
+
+
 def hf_state(model) -> Dict[str, torch.Tensor]:
     """The model's tensors as a checkpoint holds them (tied lm_head dropped)."""
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -234,13 +234,20 @@ def test_qwen3_5_matches_hf_at_tp1_tp2_pp2_cp2(tmp_path):
         {"family": "qwen3_5", "tie": True, "tp": 1, "pp": 2, "loss": {"name": "grpo"}},
         {"family": "qwen3_5", "tie": False, "tp": 1, "pp": 1, "cp": 2, "loss": {"name": "grpo"}, "cp_check": True},
         # the MoE at TP 2 (megatron's MoE layer needs sequence parallelism there): the Gated DeltaNet
-        # on sequence-parallel input, the experts and the gated shared expert split over the ranks
+        # on sequence-parallel input, the experts and the gated shared expert split over the ranks;
+        # loaded from a folder that stores the experts stacked, as the published checkpoints do
+        # (#56 row 2), and exported so after the step
         {"family": "qwen3_5_moe", "tie": False, "tp": 2, "pp": 1, "loss": {"name": "grpo"},
-         "actor": {"precision": "fp32", "attention": "sdpa", "pack_sequences": True, "sequence_parallel": True}},
+         "actor": {"precision": "fp32", "attention": "sdpa", "pack_sequences": True, "sequence_parallel": True},
+         "from_dir": True, "stacked": True, "export_check": True},
     ]
     per_rank = [r["cases"] for r in torchrun(EQUIVALENCE, 2, json.dumps(cases), tmp_path=tmp_path, timeout=560)]
     _check(per_rank)
     assert sorted(r[2]["pp_rank"] for r in per_rank) == [0, 1]
+    exported = [r[4]["export"] for r in per_rank]  # the stacked MoE: rank 0 writes the export
+    assert exported[1] is None and exported[0]["same_names_as_source"], exported
+    assert len(exported[0]["stacked"]) == 2 * 4, exported  # gate_up_proj and down_proj of each layer
+    assert exported[0]["not_trained_params"] == [] and exported[0]["reload_differs"] == [], exported
 
 
 @needs_gdn

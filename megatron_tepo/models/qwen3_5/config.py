@@ -13,7 +13,9 @@ Both the text-only ``Qwen3_5ForCausalLM`` config (``model_type`` ``qwen3_5_text`
 published ``Qwen3_5ForConditionalGeneration`` one (``qwen3_5``, the text model under
 ``text_config``) are read; only the text model is trained. A conditional-generation checkpoint
 keeps the text model's tensors under ``model.language_model.`` beside the vision tower and the
-multi-token-prediction layers, which are carried unchanged (:func:`checkpoint_naming`). The multimodal RoPE (``mrope_section``)
+multi-token-prediction layers, which are carried unchanged (:func:`checkpoint_naming`); the MoE's
+routed experts may be stored stacked (the published ones: ``mlp.experts.gate_up_proj`` /
+``down_proj``) or one tensor per expert, both read in the per-expert names (``stacked_experts``). The multimodal RoPE (``mrope_section``)
 is plain RoPE on text, where all three position components are equal.
 
 Left out (NotImplementedError naming the setting): ``attention_bias``, activations other than
@@ -21,13 +23,19 @@ silu, RoPE types other than the default, dense layers inside the MoE stack.
 """
 from __future__ import annotations
 
-from ..common import (LAYER_TYPES, PLAIN_NAMING, CheckpointNaming, GPTFamilyConfig, LinearAttentionConfig, MoEConfig,
+from ..common import (LAYER_TYPES, CheckpointNaming, GPTFamilyConfig, LinearAttentionConfig, MoEConfig,
                       _get, rope_settings)
 
 #: the published ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``
 #: checkpoints: the text model under ``model.language_model.`` (``lm_head.weight`` at the top), beside
-#: the vision tower (``model.visual.*``) and the multi-token-prediction layer(s) (``mtp.*``), carried
-CONDITIONAL_GENERATION = CheckpointNaming(text_prefix="model.language_model.", carried=("model.visual.", "mtp."))
+#: the vision tower (``model.visual.*``) and the multi-token-prediction layer(s) (``mtp.*``), carried;
+#: the MoE's routed experts stacked (``model.language_model.layers.{i}.mlp.experts.gate_up_proj`` /
+#: ``down_proj``, as the published ones) or one tensor per expert (as transformers' ``save_pretrained``)
+CONDITIONAL_GENERATION = CheckpointNaming(text_prefix="model.language_model.", carried=("model.visual.", "mtp."),
+                                          stacked_experts=True)
+#: a text-only checkpoint (``Qwen3_5ForCausalLM`` / the MoE one): the text model's names, the experts
+#: stacked or not
+TEXT_ONLY = CheckpointNaming(stacked_experts=True)
 
 
 #: the ``model_type`` of a conditional-generation config (its text model's: ``qwen3_5_text`` / ``qwen3_5_moe_text``)
@@ -56,9 +64,10 @@ def text_config(hf_config):
 
 def checkpoint_naming(hf_config) -> CheckpointNaming:
     """How a Qwen3.5 checkpoint names its tensors: a conditional-generation config (a ``text_config``)
-    stores them as :data:`CONDITIONAL_GENERATION` does, a text-only one as the text model (neither:
+    stores them as :data:`CONDITIONAL_GENERATION` does, a text-only one as the text model
+    (:data:`TEXT_ONLY`); either may stack the MoE's experts (neither kind of config:
     :func:`text_config`'s ValueError)."""
-    return PLAIN_NAMING if text_config(hf_config) is hf_config else CONDITIONAL_GENERATION
+    return TEXT_ONLY if text_config(hf_config) is hf_config else CONDITIONAL_GENERATION
 
 
 def layer_types(text, num_layers: int) -> tuple:

@@ -18,8 +18,10 @@ Gated attention layer: Qwen3's names (:func:`~..common.attention_mapping`), but 
 head's query then its output gate: ``linear_qkv`` is a ``qgkv`` group (per query group: its
 queries, their gates, its key, its value: megatron's ``attention_output_gate`` layout).
 
-MLP: dense (Qwen3's SwiGLU names), or MoE: Qwen3-MoE's router and per-expert names (checkpoint
-names, one tensor per expert; ``{e}`` the global expert index) and the shared expert::
+MLP: dense (Qwen3's SwiGLU names), or MoE: Qwen3-MoE's router and per-expert names (one tensor per
+expert, as ``save_pretrained`` writes them; ``{e}`` the global expert index -- a checkpoint that
+stores them stacked, as the published ones do, is read and written in these names by its
+:class:`~..common.CheckpointNaming`, ``stacked_experts``) and the shared expert::
 
   mlp.shared_expert.gate_proj / up_proj.weight <-> mlp.shared_experts.linear_fc1.weight
   mlp.shared_expert.down_proj.weight           <-> mlp.shared_experts.linear_fc2.weight

@@ -11,7 +11,10 @@ log-probs, entropy, loss and gradients; ``recompute_check``: a second actor with
 materialized on the same actor (``head_only``: nothing else is compared). ``cp``: the context-parallel
 size; ``cp_check``: the same start at ``cp: 1`` (its ranks then data-parallel) gives the same
 log-probs, entropy, loss and gradients as the context-parallel actor. ``short``: two rows shorter
-than 4 tokens (1 and 3: fewer than 2 x cp chunks at cp 2, some chunks all padding).
+than 4 tokens (1 and 3: fewer than 2 x cp chunks at cp 2, some chunks all padding). ``from_dir``: the
+actor loads a saved folder; ``stacked``: its MoE experts stored stacked (transformers' in-memory
+state dict, the published Qwen3.5-MoE layout); ``export_check``: after the step, ``export_hf`` of
+that folder (rank 0 reports: :func:`_export_check`).
 """
 import atexit
 import json
@@ -27,6 +30,7 @@ import torch
 from megatron_tepo.algorithms import PolicyLoss
 from tests.dist_utils import write_result
 from tests.megatron.helpers import (
+    checkpoint_names,
     hf_log_probs,
     hf_param_names,
     hf_reference_step,
@@ -34,6 +38,7 @@ from tests.megatron.helpers import (
     make_batch,
     make_hf_model,
     max_rel_err,
+    stacked_experts,
     tiny_hf_config,
 )
 
@@ -115,6 +120,36 @@ def _cp_check(case, mine, source_cfg, source_weights, optim, settings, batch, lo
             "grad_names": sorted(theirs[3])}
 
 
+def _load_dir(path) -> dict:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _export_check(actor, source, params):
+    """``export_hf`` of the actor that loaded ``source`` (collective; rank 0 reports, None elsewhere):
+    whether the export has the source's stored names, the trained parameters (``params``, per expert)
+    stacked as the source stacked them bit for bit, and transformers' reload of it the same tensors."""
+    import transformers
+
+    path = tempfile.mkdtemp(prefix="mtepo_export_")
+    atexit.register(shutil.rmtree, path, True)
+    if actor.export_hf(os.path.join(path, "export"), source) is None:
+        return None
+    got, want = _load_dir(os.path.join(path, "export")), stacked_experts(params)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(path, "export"), dtype=torch.float32)
+    state = reloaded.state_dict()
+    return {"same_names_as_source": sorted(got) == sorted(_load_dir(source)),
+            "stacked": sorted(n for n in got if n.endswith(("experts.gate_up_proj", "experts.down_proj"))),
+            "not_trained_params": sorted(n for n in want if not (n in got and torch.equal(got[n], want[n]))),
+            "reload_differs": sorted(n for n in got if not torch.equal(state[n], got[n]))}
+
+
 def _short_rows(batch):
     """Row 1: one prompt and two response tokens (3 in all); the last row (no response): one token."""
     batch.prompt_lens[1], batch.prompt_lens[-1] = 1, 1
@@ -151,7 +186,12 @@ def run_case(case):
         path = tempfile.mkdtemp(prefix="mtepo_hf_")
         atexit.register(shutil.rmtree, path, True)
         hf_cfg.to_json_file(os.path.join(path, "config.json"))
-        save_file(source_weights, os.path.join(path, "model.safetensors"))
+        stored = source_weights
+        if case.get("stacked"):  # the experts as transformers holds them (the published layout)
+            stored = {n: t.detach().clone() for n, t in model.state_dict().items()
+                      if not (case["tie"] and n == "lm_head.weight")}
+            assert checkpoint_names(stored).keys() == source_weights.keys() and stored.keys() != source_weights.keys()
+        save_file(stored, os.path.join(path, "model.safetensors"))
         source_cfg = source_weights = path
     layout = ParallelLayout(tp=case["tp"], pp=case["pp"], ep=case.get("ep", 1), cp=case.get("cp", 1))
     settings = dict(ACTOR, max_tokens_per_micro_batch=case.get("mb_tokens", 64), **case.get("actor", {}))
@@ -217,6 +257,8 @@ def run_case(case):
     out["param_abs_err"] = {n: float((params[n] - ref_after[n]).abs().max()) for n in params}
     out["param_rel_err"] = {n: max_rel_err(params[n], ref_after[n]) for n in params}
     out["min_param_update"] = min(float((ref_after[n] - initial[n]).abs().max()) for n in params)
+    if case.get("export_check"):
+        out["export"] = _export_check(actor, source_cfg, params)
     mparams = dict(gather_full_tensors(actor.model, "param"))
     if case["tie"] and "output_layer.weight" in mparams:
         out["tied_copy_param_abs_err"] = float((mparams["output_layer.weight"]
