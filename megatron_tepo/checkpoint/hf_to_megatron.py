@@ -235,7 +235,7 @@ def convert_hf_to_megatron(hf_dir, out_dir, tp: int = 1, pp: int = 1, ep: int = 
     memory; the tests compare the two. ``model_builder`` (as ``actor.model_builder``; ``auto``:
     what the actor builds on this megatron-core) lays out the checkpoint's keys; the sidecar
     records it."""
-    from megatron_tepo.megatron.gpt import resolve_model_builder
+    from megatron_tepo.megatron.resolve import resolve_model_builder
 
     ensure_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()

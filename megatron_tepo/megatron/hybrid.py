@@ -1,6 +1,6 @@
 """Build this rank's megatron-core ``HybridModel`` stage: the model stack's second builder, beside
 :func:`megatron_tepo.megatron.gpt.build_gpt_chunk`, chosen by ``actor.model_builder``
-(:func:`~megatron_tepo.megatron.gpt.resolve_actor_config`: ``hybrid`` wherever megatron-core has
+(:func:`~megatron_tepo.megatron.resolve.resolve_actor_config`: ``hybrid`` wherever megatron-core has
 ``HybridModel``, 0.18 on; ``gpt`` on 0.16.1 / 0.17).
 
 A ``HybridStack`` is a list of single-purpose layers named by a pattern of symbols; every decoder
@@ -239,7 +239,7 @@ def build_hybrid_chunk(config, family_cfg: GPTFamilyConfig, pre_process: bool, p
     over ``pp`` stages, default ``config.pipeline_model_parallel_size``)."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    from megatron_tepo.megatron.gpt import require_resolved
+    from megatron_tepo.megatron.resolve import require_resolved
 
     require_resolved(actor)
     pp = pp or config.pipeline_model_parallel_size

@@ -71,7 +71,7 @@ def resolve_family(hf_config) -> FamilySpec:
 def family_config_from_hf(hf_config, spec: str) -> GPTFamilyConfig:
     """Translate an HF config for the layer spec ``spec`` ("te" or "local", which names the norm
     tensors; the actor derives it from its resolved ``actor.attention``:
-    :func:`megatron_tepo.megatron.gpt.family_spec`)."""
+    :func:`megatron_tepo.megatron.resolve.family_spec`)."""
     return resolve_family(hf_config).from_hf_config(hf_config, spec=spec)
 
 

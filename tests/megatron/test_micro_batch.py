@@ -135,7 +135,7 @@ def test_sdpa_core_attention_packed_equals_one_sequence_at_a_time():
 def test_settings_are_checked_before_any_process_group():
     from megatron_tepo.actor.actor import plan_actor
     from megatron_tepo.layout import ParallelLayout
-    from megatron_tepo.megatron.gpt import resolve_actor_config
+    from megatron_tepo.megatron.resolve import resolve_actor_config
 
     hf = tiny_hf_config("qwen3")
     with pytest.raises(ValueError, match="pack_sequences=true needs actor.attention sdpa or te"):
