@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron_tepo.buckets import BucketHandoff, BucketStream, ExportBuffers, FlatBucket
 from megatron_tepo.cuda_alloc import no_expandable_segments
 from megatron_tepo.models import GPTFamilyConfig, layer_mapping
-from megatron_tepo.models.common import MegatronToHFLayout
+from megatron_tepo.models.converters import MegatronToHFLayout
 from megatron_tepo.megatron.parallel import expert_group, pipeline_group
 from megatron_tepo.megatron.sharding import (gated_split, expert_indices, group_for, is_expert_param, layer_offsets,
                                            local_tensor, parallel_groups, shard_pieces, to_global_name, tp_partition,
@@ -246,7 +246,7 @@ def iter_flat_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_byt
     """This rank's stage as buckets of HF tensors in flat buffers: the bucketed form of
     ``megatron_to_hf(gather_full_tensors(...))``, bit for bit the same tensors (cast to ``dtype``).
 
-    ``layout_fn(global megatron name, full shape)``: :class:`~megatron_tepo.models.common.MegatronToHFLayout`.
+    ``layout_fn(global megatron name, full shape)``: :class:`~megatron_tepo.models.converters.MegatronToHFLayout`.
     Per bucket (at most ``bucket_bytes`` of HF tensors; one tensor larger than that goes alone):
     each rank casts its shards to ``dtype`` (floating tensors; None keeps the source dtype) into
     one send buffer (``dst``: straight into its receive row), ONE collective over the

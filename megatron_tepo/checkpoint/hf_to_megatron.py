@@ -76,7 +76,7 @@ from megatron_tepo.megatron import dist_checkpoint
 from megatron_tepo.megatron.parallel import initialize_parallel, pipeline_ends
 from megatron_tepo.megatron.sharding import expert_indices, layer_offsets, load_megatron_state_into
 from megatron_tepo.models import family_config_from_hf, hf_to_megatron, layer_mapping
-from megatron_tepo.models.common import MegatronToHFLayout
+from megatron_tepo.models.converters import MegatronToHFLayout
 
 from .common import (agree, build_model, check_out_dir, ensure_process_group, finalize_dir, log_progress,
                      read_config_json, tmp_dir_for, trim_heap)

@@ -128,7 +128,7 @@ class RoutingReplay:
         """Swap the ``RouterReplay`` of every router in ``chunks`` (built with
         ``moe_enable_routing_replay``) for a ``ReplaySlot``; the model's MoE layers, top-k and experts
         are the routing contract's (``shape``: the family config's
-        :meth:`~megatron_tepo.models.common.GPTFamilyConfig.routing_shape`), which megatron's config
+        :meth:`~megatron_tepo.models.family.GPTFamilyConfig.routing_shape`), which megatron's config
         must agree with."""
         from megatron_tepo.megatron.sharding import hf_layer_of
 

@@ -27,7 +27,7 @@ Left out: inference / kitchen / MLA specs.
 from __future__ import annotations
 
 import importlib.util
-from megatron_tepo.models.common import GPTFamilyConfig
+from megatron_tepo.models.family import GPTFamilyConfig
 
 __all__ = ["ATTENTIONS", "te_available", "family_spec_name", "layer_spec", "block_spec", "sdpa_core_attention",
            "SequenceParallelTorchNorm", "ZeroCenteredRMSNorm"]

@@ -12,7 +12,7 @@ from megatron_tepo.models import (
     megatron_to_hf,
     resolve_family,
 )
-from megatron_tepo.models.common import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
+from megatron_tepo.models.fused import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from megatron_tepo.models.qwen3_moe.config import moe_config_from_hf
 from megatron_tepo.megatron.sharding import shard_tensor, unshard_tensors
 from tests.megatron.helpers import hf_state, make_hf_model, tiny_hf_config

@@ -118,7 +118,7 @@ def test_every_hf_tensor_maps_once_and_back_bit_for_bit():
     """The tiny models' HF tensors -> Megatron -> HF: the same names, the same bits (both specs'
     norm names; the MoE's experts and shared expert); the export layout and the TP sections."""
     from megatron_tepo.models import family_config_from_hf, hf_to_megatron, layer_mapping, megatron_to_hf
-    from megatron_tepo.models.common import MegatronToHFLayout
+    from megatron_tepo.models.converters import MegatronToHFLayout
     from tests.megatron.helpers import hf_state, make_hf_model
 
     for family in ("qwen3_5", "qwen3_5_moe"):

@@ -14,7 +14,7 @@ Gated DeltaNet layer (megatron's ``GatedDeltaNet`` in ``self_attention``)::
 Tensor parallelism splits ``in_proj`` and ``conv1d`` section by section (each rank holds its heads'
 share of each of q, k, v, ...: ``tp_sections``), ``A_log`` / ``dt_bias`` by value head.
 
-Gated attention layer: Qwen3's names (:func:`~..common.attention_mapping`), but ``q_proj`` holds each
+Gated attention layer: Qwen3's names (:func:`~..names.attention_mapping`), but ``q_proj`` holds each
 head's query then its output gate: ``linear_qkv`` is a ``qgkv`` group (per query group: its
 queries, their gates, its key, its value: megatron's ``attention_output_gate`` layout).
 
@@ -30,7 +30,8 @@ names only, no arithmetic, so the round trip is bit for bit.
 """
 from __future__ import annotations
 
-from ..common import FusedGroup, GPTFamilyConfig, LayerMapping, attention_mapping, norm_names
+from ..family import GPTFamilyConfig
+from ..names import FusedGroup, LayerMapping, attention_mapping, norm_names
 
 
 def gdn_mapping(cfg: GPTFamilyConfig) -> LayerMapping:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..common import GPTFamilyConfig, MoEConfig, _get
+from ..family import GPTFamilyConfig, MoEConfig, _get
 from ..qwen3.config import from_hf_config as qwen3_config
 
 
