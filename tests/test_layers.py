@@ -90,6 +90,31 @@ def test_the_seams_hold():
     assert broken == {}
 
 
+#: megatron-core's own field names for a family's architecture (``TransformerConfig``, ``GPTModel``),
+#: none of which is an HF config's name: megatron/family_kwargs.py spells them, models/ never does
+MEGATRON_FIELDS = {"kv_channels", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff",
+                   "moe_router_load_balancing_type", "moe_shared_expert_intermediate_size", "add_qkv_bias",
+                   "layernorm_zero_centered_gamma", "gated_linear_unit", "attention_softmax_in_fp32",
+                   "share_embeddings_and_output_weights", "position_embedding_type", "max_sequence_length"}
+
+
+def test_the_models_spell_no_megatron_core_field():
+    """models/ knows HF configs and names; megatron's config fields are the megatron backend's. Read
+    from the code (keyword arguments, strings), not from docstrings or comments."""
+    import ast
+
+    found = {}
+    for f in sorted((PKG / "models").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            name = (node.arg if isinstance(node, ast.keyword) else
+                    node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None)
+            if name in MEGATRON_FIELDS:
+                found.setdefault(str(f.relative_to(PKG)), set()).add(name)
+    assert found == {}
+    spelled = (PKG / "megatron" / "family_kwargs.py").read_text()
+    assert all(name in spelled for name in MEGATRON_FIELDS)  # the list names megatron's fields
+
+
 def test_the_checkpoint_package_keeps_its_public_names():
     """convert.py was split (hf_to_megatron, megatron_to_hf, dcp_reader, sidecars, common): the
     package still answers every name callers imported from it before."""

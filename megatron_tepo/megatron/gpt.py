@@ -66,6 +66,7 @@ import torch
 
 from megatron_tepo.config import ActorConfig
 from megatron_tepo.megatron.compat import whole_layer_cuda_graph_kwargs
+from megatron_tepo.megatron.family_kwargs import gpt_model_kwargs, transformer_config_kwargs
 from megatron_tepo.models import GPTFamilyConfig
 from megatron_tepo.megatron.resolve import (FP32_ACTOR, builder_problem, moe_token_dispatcher, require_resolved,
                                             routing_replay_problem)
@@ -95,7 +96,7 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     require_resolved(actor)
-    kw = family_cfg.transformer_config_kwargs()  # with the MoE sizes and router settings
+    kw = transformer_config_kwargs(family_cfg)  # with the MoE sizes and router settings
     per = 1
     if actor.model_builder == "hybrid":  # each HF layer is two layers of the stack (megatron/hybrid.py)
         from megatron_tepo.megatron.hybrid import SUBLAYERS
@@ -173,7 +174,7 @@ def build_gpt_chunk(config, family_cfg: GPTFamilyConfig, pre_process: bool, post
                       moe_grouped_gemm=bool(getattr(config, "moe_grouped_gemm", False)),
                       sequence_parallel=bool(config.sequence_parallel))
     model = GPTModel(config=config, transformer_layer_spec=block_spec(spec, config), pre_process=pre_process,
-                     post_process=post_process, **family_cfg.gpt_model_kwargs())
+                     post_process=post_process, **gpt_model_kwargs(family_cfg))
     if not config.perform_initialization:
         # megatron sets its layers' TP attributes only inside the init it skipped
         from megatron_tepo.megatron.sharding import mark_tensor_parallel_attributes

@@ -45,6 +45,7 @@ from typing import Optional
 import torch
 
 from megatron_tepo.config import ActorConfig
+from megatron_tepo.megatron.family_kwargs import gpt_model_kwargs
 from megatron_tepo.models import GPTFamilyConfig
 
 __all__ = ["SUBLAYERS", "layer_pattern", "hybrid_stack_spec", "build_hybrid_chunk",
@@ -245,7 +246,7 @@ def build_hybrid_chunk(config, family_cfg: GPTFamilyConfig, pre_process: bool, p
     pp = pp or config.pipeline_model_parallel_size
     spec = hybrid_stack_spec(family_cfg, actor, moe_grouped_gemm=bool(getattr(config, "moe_grouped_gemm", False)),
                              sequence_parallel=bool(config.sequence_parallel))
-    kw = family_cfg.gpt_model_kwargs()
+    kw = gpt_model_kwargs(family_cfg)
     rope_scaling = {k: kw.pop(k) for k in ("rope_scaling", "rope_scaling_factor") if k in kw}
     model = HybridModel(config=config, hybrid_stack_spec=spec, hybrid_layer_pattern=layer_pattern(family_cfg, pp),
                         pre_process=pre_process, post_process=post_process, **kw)

@@ -8,7 +8,7 @@ settings typed in its ``moe`` field, :class:`MoEConfig`) and its per-layer name 
 (``layer_mapping``); shared GPT code by job: the family config (:mod:`.family`), the fused-tensor
 ops (:mod:`.fused`), the name tables (:mod:`.names`) and the converters (:mod:`.converters`). What megatron's layer spec and
 ``TransformerConfig`` need of a family comes from its config
-(:meth:`GPTFamilyConfig.layer_spec_kwargs`, :meth:`GPTFamilyConfig.transformer_config_kwargs`). Which rank holds which slice (TP/PP/EP placement), the layer spec and
+(in megatron's words: :mod:`megatron_tepo.megatron.family_kwargs`). Which rank holds which slice (TP/PP/EP placement), the layer spec and
 the loading of HF weights into model chunks are the megatron backend's: :mod:`megatron_tepo.megatron`.
 
 Public API:

@@ -22,8 +22,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-import torch.nn.functional as F
-
 from megatron_tepo.layout import ModelShape
 from megatron_tepo.routing import RoutingShape
 
@@ -46,7 +44,7 @@ class MoEConfig:
     one-output linear of the input when ``shared_expert_gate`` (Qwen3.5-MoE; megatron's
     ``moe_shared_expert_gate``). Every decoder layer is an MoE layer (a family with dense layers in
     its MoE stack is refused by its config). Left out: capacity factors (token dropping),
-    load-balancing and z-losses (:meth:`transformer_config_kwargs` turns them off: RL fine-tuning),
+    load-balancing and z-losses (:func:`megatron_tepo.megatron.family_kwargs.moe_kwargs` turns them off: RL fine-tuning),
     grouped-GEMM and dispatcher choices (runtime: :func:`megatron_tepo.megatron.gpt.transformer_config`).
     """
 
@@ -72,22 +70,6 @@ class MoEConfig:
         if self.router_score_function not in SCORE_FUNCTIONS:
             raise ValueError(f"MoEConfig: router_score_function must be one of {SCORE_FUNCTIONS}, "
                              f"got {self.router_score_function!r}")
-
-    def transformer_config_kwargs(self) -> Dict[str, Any]:
-        """The MoE fields of ``megatron.core.transformer.TransformerConfig``."""
-        kw = dict(
-            num_moe_experts=self.num_experts,
-            moe_router_topk=self.router_topk,
-            moe_ffn_hidden_size=self.ffn_hidden_size,
-            moe_router_pre_softmax=self.router_pre_softmax,
-            moe_router_score_function=self.router_score_function,
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-        )
-        if self.shared_expert_ffn_hidden_size:
-            kw.update(moe_shared_expert_intermediate_size=self.shared_expert_ffn_hidden_size,
-                      moe_shared_expert_gate=self.shared_expert_gate)
-        return kw
 
 
 #: HF ``layer_types`` of a hybrid model's decoder layers: Gated DeltaNet, softmax attention
@@ -130,11 +112,6 @@ class LinearAttentionConfig:
     def conv_sections(self) -> Tuple[int, ...]:
         """The channels of the convolution: query, key, value."""
         return (self.qk_dim, self.qk_dim, self.v_dim)
-
-    def transformer_config_kwargs(self) -> Dict[str, Any]:
-        return dict(linear_conv_kernel_dim=self.conv_kernel, linear_key_head_dim=self.key_head_dim,
-                    linear_value_head_dim=self.value_head_dim, linear_num_key_heads=self.num_key_heads,
-                    linear_num_value_heads=self.num_value_heads)
 
 
 @dataclass(frozen=True)
@@ -250,53 +227,6 @@ class GPTFamilyConfig:
 
     def with_spec(self, spec: str) -> "GPTFamilyConfig":
         return dataclasses.replace(self, spec=spec)
-
-    def transformer_config_kwargs(self) -> Dict[str, Any]:
-        """Architecture kwargs for ``megatron.core.transformer.TransformerConfig`` (with the MoE
-        fields of :meth:`MoEConfig.transformer_config_kwargs` when ``moe`` is set)."""
-        return dict(
-            num_layers=self.num_layers,
-            hidden_size=self.hidden_size,
-            ffn_hidden_size=self.ffn_hidden_size,
-            num_attention_heads=self.num_attention_heads,
-            num_query_groups=self.num_query_groups,
-            kv_channels=self.head_dim,
-            normalization="RMSNorm",
-            layernorm_epsilon=self.norm_eps,
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            add_bias_linear=False,
-            add_qkv_bias=self.qkv_bias,
-            qk_layernorm=self.qk_layernorm,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            attention_softmax_in_fp32=True,
-            **(self.moe.transformer_config_kwargs() if self.moe is not None else {}),
-            **(dict(layernorm_zero_centered_gamma=True) if self.zero_centered_norms else {}),
-            **(dict(attention_output_gate=True) if self.attention_output_gate else {}),
-            **(self.linear_attention.transformer_config_kwargs() if self.linear_attention is not None else {}),
-        )
-
-    def layer_spec_kwargs(self) -> Dict[str, Any]:
-        """What megatron's ``get_gpt_layer_*_spec`` functions need of the architecture."""
-        return dict(num_experts=self.moe.num_experts if self.moe is not None else None,
-                    qk_layernorm=self.qk_layernorm)
-
-    def gpt_model_kwargs(self) -> Dict[str, Any]:
-        """Kwargs for ``megatron.core.models.gpt.GPTModel`` (besides config / spec / pre/post)."""
-        kw = dict(
-            vocab_size=self.vocab_size,
-            max_sequence_length=self.max_position_embeddings,
-            position_embedding_type="rope",
-            rotary_percent=self.rotary_percent,
-            rotary_base=int(self.rotary_base) if float(self.rotary_base).is_integer() else self.rotary_base,
-            share_embeddings_and_output_weights=self.tie_word_embeddings,
-        )
-        if self.rope_scaling_factor is not None:
-            kw.update(rope_scaling=True, rope_scaling_factor=self.rope_scaling_factor)
-        if self.seq_len_interpolation_factor is not None:
-            kw.update(seq_len_interpolation_factor=self.seq_len_interpolation_factor)
-        return kw
 
 
 def _get(hf_config, name, default=None):

@@ -103,7 +103,7 @@ class FamilySpec:
     """One family as the registry (:mod:`megatron_tepo.models`) sees it, torchtitan's ``ModelSpec``
     kept small: the HF names it answers to, its HF config -> :class:`GPTFamilyConfig` translation
     (which also carries what the layer spec and ``TransformerConfig`` need:
-    :meth:`GPTFamilyConfig.layer_spec_kwargs`, :meth:`GPTFamilyConfig.transformer_config_kwargs`)
+    in megatron's words: :mod:`megatron_tepo.megatron.family_kwargs`)
     its per-layer HF <-> Megatron name table, and how its checkpoints name their tensors
     (``checkpoint_naming``: :class:`CheckpointNaming`). Building models is the megatron backend's."""
 
