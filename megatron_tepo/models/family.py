@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
+from megatron_tepo.layer_kinds import ATTENTION, BY_LAYER_TYPE, LayerKind
 from megatron_tepo.layout import ModelShape
 from megatron_tepo.routing import RoutingShape
 
@@ -72,8 +73,9 @@ class MoEConfig:
                              f"got {self.router_score_function!r}")
 
 
-#: HF ``layer_types`` of a hybrid model's decoder layers: Gated DeltaNet, softmax attention
-LAYER_TYPES = ("linear_attention", "full_attention")
+#: HF ``layer_types`` of a hybrid model's decoder layers, one per row of the layer-kind table
+#: (:mod:`megatron_tepo.layer_kinds`): softmax attention, Gated DeltaNet
+LAYER_TYPES = tuple(BY_LAYER_TYPE)
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,11 @@ class GPTFamilyConfig:
         moe, linear = d.get("moe"), d.get("linear_attention")
         return cls(**{**d, "moe": MoEConfig(**moe) if moe is not None else None,
                       "linear_attention": LinearAttentionConfig(**linear) if linear is not None else None})
+
+    def layer_kind(self, layer: int) -> LayerKind:
+        """HF decoder layer ``layer``'s token mixer: its row of the layer-kind table (attention
+        wherever ``layer_types`` is None)."""
+        return BY_LAYER_TYPE[self.layer_types[layer]] if self.layer_types is not None else ATTENTION
 
     def is_linear(self, layer: int) -> bool:
         """Whether HF decoder layer ``layer`` is a Gated DeltaNet layer."""

@@ -30,6 +30,8 @@ names only, no arithmetic, so the round trip is bit for bit.
 """
 from __future__ import annotations
 
+from megatron_tepo.layer_kinds import ATTENTION, GATED_DELTANET
+
 from ..family import GPTFamilyConfig
 from ..names import FusedGroup, LayerMapping, attention_mapping, norm_names
 
@@ -54,6 +56,10 @@ def gated_attention_mapping(cfg: GPTFamilyConfig) -> LayerMapping:
     renames, fused = attention_mapping(cfg)
     fused = tuple(FusedGroup(g.megatron, g.hf, "qgkv") if g.kind == "qkv" else g for g in fused)
     return LayerMapping(renames, fused)
+
+
+#: each token mixer of the layer-kind table (:mod:`megatron_tepo.layer_kinds`, by name) -> its name table
+MIXER_MAPPINGS = {GATED_DELTANET.name: gdn_mapping, ATTENTION.name: gated_attention_mapping}
 
 
 def mlp_mapping(cfg: GPTFamilyConfig) -> LayerMapping:
@@ -91,6 +97,5 @@ def layer_mapping(cfg: GPTFamilyConfig) -> LayerMapping:
         raise ValueError(f"{cfg.family}: the Qwen3.5 mapping needs a family config with layer_types and "
                          f"linear_attention set")
     mlp = mlp_mapping(cfg)
-    gdn, attention = _join(gdn_mapping(cfg), mlp), _join(gated_attention_mapping(cfg), mlp)
-    return LayerMapping({}, (), by_layer=tuple(gdn if cfg.is_linear(i) else attention
-                                               for i in range(cfg.num_layers)))
+    tables = {kind: _join(mixer(cfg), mlp) for kind, mixer in MIXER_MAPPINGS.items()}
+    return LayerMapping({}, (), by_layer=tuple(tables[cfg.layer_kind(i).name] for i in range(cfg.num_layers)))
