@@ -87,7 +87,6 @@ from megatron_tepo.checkpoint.hf_io import LazyHFCheckpoint, open_hf_checkpoint
 from megatron_tepo.megatron.model import (TrainModel, actor_transformer_config, build_lr_scheduler, build_train_model,
                                           plan_actor)
 from megatron_tepo.megatron.lm_head import scored_log_probs, sum_over_context
-from megatron_tepo.token_layout import positions_to_rows, scored_positions
 
 __all__ = ["OptimConfig", "ActorConfig", "MegatronActor", "plan_actor", "actor_transformer_config", "build_lr_scheduler",
            "token_log_probs"]
@@ -229,54 +228,16 @@ class MegatronActor:
         position that scores a token has routing in this stage's layers, every id an expert."""
         if action != "replay":
             return batch if batch.routed_experts is None else dataclasses.replace(batch, routed_experts=None)
-        routed = batch.routed_experts
-        mode = self.settings.routing_replay
-        if routed is None:
-            what = ("the engine's routing (Sample.routed_experts)" if mode == "r3"
-                    else "the routing that compute_log_probs recorded")
-            raise ValueError(f"routed_experts: the batch has none, and actor.routing_replay {mode} replays {what}")
-        replay = self.train_model.replay
-        layers = [layer for layer, _ in replay.slots]
-        if routed.shape[2:] != (replay.num_layers, replay.topk):
-            raise ValueError(f"routed_experts: must be [B, L, {replay.num_layers}, {replay.topk}] (moe_layers, topk "
-                             f"of this model), got {tuple(routed.shape)}")
-        mine = routed[:, :, layers]
-        if int(mine.max()) >= replay.num_experts:
-            raise ValueError(f"routed_experts: expert id {int(mine.max())} >= the model's {replay.num_experts} experts")
-        scored = scored_positions(batch.seq_lens(), routed.shape[1])
-        missing = scored & (mine < 0).flatten(2).any(-1)
-        if bool(missing.any()):
-            row, pos = (int(i) for i in missing.nonzero()[0])
-            raise ValueError(f"routed_experts: row {row} has no routing at position {pos} (of {int(missing.sum())} "
-                             f"positions without it); routing replay needs every prompt and response position "
-                             f"but each sequence's last")
+        self.train_model.replay.check_input(batch.routed_experts, batch.seq_lens(), self.settings.routing_replay)
         return batch
 
     def _recorded_routing(self, batch: RolloutBatch, mbs: List[MicroBatch]) -> torch.Tensor:
         """``[B, L, moe_layers, topk]``: what a recording pass's routers chose at each position of
-        ``batch`` (this pipeline stage's layers; -1 elsewhere)."""
-        replay = self.train_model.replay
-        layers = torch.tensor([layer for layer, _ in replay.slots])
-        width = batch.input_ids.shape[1]
-        out = torch.full((batch.batch_size, width, replay.num_layers, replay.topk), -1,
-                         dtype=replay.shape.dtype)
-        for mb, recorded in zip(mbs, replay.recorded):
-            if replay.sp_size > 1:  # each TP rank routed its share of the tokens
-                parts = [torch.empty_like(recorded) for _ in range(replay.sp_size)]
-                dist.all_gather(parts, recorded.contiguous(), group=self.tp_group)
-                recorded = torch.cat(parts)
-            if mb.cp_splits is not None:  # each CP rank routed its chunks: back to the whole layout
-                parts = [torch.empty_like(recorded) for _ in range(self.layout.cp)]
-                dist.all_gather(parts, recorded.contiguous(), group=self.train_model.cp_group)
-                recorded = mb.context_gather([p.cpu() for p in parts])
-            if not mb.rows:
-                continue
-            rows = positions_to_rows(recorded.cpu(), width=width, **mb.side_layout())[: len(mb.rows)]
-            index = torch.as_tensor(mb.rows, dtype=torch.long)
-            grid = out[index]
-            grid[:, :, layers] = rows.to(out.dtype)
-            out[index] = grid
-        return out
+        ``batch`` (this pipeline stage's layers; -1 elsewhere:
+        :meth:`~megatron_tepo.megatron.routing_replay.RoutingReplay.gathered_recording`)."""
+        return self.train_model.replay.gathered_recording(mbs, batch.batch_size, batch.input_ids.shape[1],
+                                                          tp_group=self.tp_group, cp_group=self.train_model.cp_group,
+                                                          cp=self.layout.cp)
 
     def _micro_batches(self, batch: RolloutBatch) -> List[MicroBatch]:
         packed = self.settings.pack_sequences
