@@ -443,8 +443,9 @@ class MegatronActor:
         self.sync_params()
         if asynchronous and getattr(self, "_async_saves", None) is None:
             self._async_saves = AsyncSaves(choose_async_writer())
-        return save_actor_checkpoint(self, directory, extra_state, write_extra,
-                                     saves=self._async_saves if asynchronous else None, on_publish=on_publish)
+        return save_actor_checkpoint(self.train_model, directory, extra_state, write_extra,
+                                     saves=self._async_saves if asynchronous else None, on_publish=on_publish,
+                                     optim=self.optim_cfg)
 
     def finalize_checkpoints(self, blocking: bool = False) -> int:
         """Collective: publish the asynchronous saves whose files are written (``blocking``: wait
@@ -459,6 +460,11 @@ class MegatronActor:
         self.scheduler.use_checkpoint_opt_param_scheduler = False
         self.scheduler.override_opt_param_scheduler = True
         self.keep_optim_settings = True
+
+    def _keep_settings(self):
+        """What a checkpoint load calls to keep this actor's optimizer settings
+        (:meth:`prefer_settings_over_checkpoint`), or None to keep the saved ones."""
+        return self.apply_optim_settings if getattr(self, "keep_optim_settings", False) else None
 
     def apply_optim_settings(self) -> None:
         """``optim``'s peak / floor LR (megatron keeps them per parameter group) and Adam's betas
@@ -476,7 +482,8 @@ class MegatronActor:
         ``(None, None)`` when there is none (:func:`~megatron_tepo.actor.checkpointing.load_newest_checkpoint`)."""
         from megatron_tepo.actor.checkpointing import load_newest_checkpoint
 
-        return load_newest_checkpoint(self, root, report)
+        return load_newest_checkpoint(self.train_model, root, report, optim=self.optim_cfg,
+                                      keep_settings=self._keep_settings())
 
     def write_conversion_files(self, directory, source_model: str) -> None:
         """The sidecars that make a checkpoint in ``directory`` convertible back to the HF model
@@ -500,7 +507,8 @@ class MegatronActor:
         refused. ``model_only``: just the weights, resharded to this actor's TP/PP."""
         from megatron_tepo.actor.checkpointing import load_actor_checkpoint
 
-        return load_actor_checkpoint(self, directory, model_only=model_only)
+        return load_actor_checkpoint(self.train_model, directory, model_only=model_only, optim=self.optim_cfg,
+                                     keep_settings=self._keep_settings())
 
     def export_hf_state(self, what: str = "param", dtype=None):
         """This pipeline stage's parameters (or grads) as HF ``(name, full tensor)``, every MoE
