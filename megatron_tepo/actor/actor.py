@@ -79,7 +79,7 @@ import torch.distributed as dist
 from megatron_tepo.algorithms import PolicyLoss
 from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.actor.batching import equalize_micro_batch_count, plan_micro_batches, plan_packed_micro_batches
-from megatron_tepo.token_layout import MicroBatch, build_micro_batch
+from megatron_tepo.token_layout import MicroBatch, micro_batches
 from megatron_tepo.layout import ParallelLayout
 from megatron_tepo.config import ActorConfig, OptimConfig
 from megatron_tepo.actor.export import export_hf_state
@@ -240,25 +240,16 @@ class MegatronActor:
                                                           cp=self.layout.cp)
 
     def _micro_batches(self, batch: RolloutBatch) -> List[MicroBatch]:
+        """This rank's micro-batches of ``batch``: planned here (the token budget, the same count on
+        every DP rank), laid out in one call (:func:`~megatron_tepo.token_layout.micro_batches`)."""
         packed = self.settings.pack_sequences
         planner = plan_packed_micro_batches if packed else plan_micro_batches
         plan = planner(batch.seq_lens().tolist(), self.settings.max_tokens_per_micro_batch)
         plan = equalize_micro_batch_count(plan, self.train_model.dp_group)
         # sequence parallelism splits the tokens (packed) / positions (padded) over the TP ranks
-        multiple = self.layout.tp if self.settings.sequence_parallel else 1
-        cp = self.layout.cp
-        mbs = [build_micro_batch(batch, rows, packed=packed, pad_multiple=1 if cp > 1 else multiple)
-               for rows in plan]
-        if cp > 1:  # each rank's share (MicroBatch.context_shard), a multiple of the SP split
-            mbs = [mb.with_context_tokens(cp, multiple=multiple) for mb in mbs]
-            if self._needs_equal_shapes():
-                mbs = self._pad_to_common_shapes(mbs)
-            rank = self.train_model.cp_rank
-            mbs = [mb.context_shard(cp, rank) for mb in mbs]
-        elif self._needs_equal_shapes():
-            mbs = self._pad_to_common_shapes(mbs)
-        # every micro-batch's inputs queued to the device before the first forward (pinned, async)
-        return [mb.staged(self.device) for mb in mbs]
+        return micro_batches(batch, plan, packed=packed, sp=self.layout.tp if self.settings.sequence_parallel else 1,
+                             cp=self.layout.cp, cp_rank=self.train_model.cp_rank,
+                             group_max=self._max_over_dp if self._needs_equal_shapes() else None, device=self.device)
 
     def _needs_equal_shapes(self) -> bool:
         """The MoE allgather dispatcher all-gathers tokens over the expert-parallel group, which
@@ -266,20 +257,12 @@ class MegatronActor:
         return (self.family_cfg.moe is not None and self.layout.ep > 1
                 and self.config.moe_token_dispatcher_type == "allgather")
 
-    def _pad_to_common_shapes(self, mbs: List[MicroBatch]) -> List[MicroBatch]:
-        """Pad micro-batch i to the largest shape of micro-batch i over the DP group (a pad
-        segment when packed; dummy rows and pad columns after every real token otherwise: causal
-        attention and per-token routing leave the real tokens untouched). With context
-        parallelism, to the largest share of one CP rank (before the split)."""
-        cp = self.layout.cp
-        if cp > 1:
-            local = torch.tensor([mb.context_tokens(cp) for mb in mbs], device=self.device)
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.train_model.dp_group)
-            multiple = self.layout.tp if self.settings.sequence_parallel else 1
-            return [mb.with_context_tokens(cp, int(t), multiple) for mb, t in zip(mbs, local.tolist())]
-        shapes = torch.tensor([mb.shape for mb in mbs], device=self.device)
-        dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=self.train_model.dp_group)
-        return [mb.padded_to(int(r), int(s)) for mb, (r, s) in zip(mbs, shapes.tolist())]
+    def _max_over_dp(self, sizes: List[List[int]]) -> List[List[int]]:
+        """The DP group's maximum of each entry of ``sizes`` (micro-batch i's shape, or its share of
+        one CP rank: every DP rank pads micro-batch i to the largest)."""
+        t = torch.tensor(sizes, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.train_model.dp_group)
+        return t.tolist()
 
     def _log_probs_of(self, mb: MicroBatch, output: torch.Tensor, temperature: float):
         """``[b, R]`` log-probs and entropy of ``mb``'s rows; with context parallelism every CP
