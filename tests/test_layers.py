@@ -1,7 +1,7 @@
 """The package's layers point one way. Read from the source (every import, lazy ones included):
-the top-level modules and packages of ``megatron_tepo`` import each other without a cycle, and the
-seams the restructuring drew hold: the models know names, not ranks (nothing of the megatron
-backend); the megatron backend knows nothing of the actor, the checkpoint tools or the trainer;
+the top-level modules and packages of ``megatron_tepo`` import each other without a cycle, and so do
+all its modules, one by one; the seams the restructuring drew hold: the models know names, not ranks (nothing of the megatron
+backend, none of megatron-core's field names); the megatron backend knows nothing of the actor, the checkpoint tools or the trainer;
 ``checkpoint/`` and ``cli.py`` import nothing from ``actor/`` or ``trainer/``; ``launch/`` nothing of
 megatron-core's side, the actor or the trainer (the SGLang fleet's process code in ``rollout/`` it may);
 ``environments/`` (the tool sandbox) nothing else of the package; megatron-core (and NVRx's checkpoint
