@@ -79,6 +79,8 @@ def test_the_seams_hold():
         "checkpoint": {"actor", "trainer"},
         "cli": {"actor", "trainer"},
         "layout": set(edges) - {"layout"},
+        # the layer-kind table is read by models/, megatron/ and launch/: it reads only the shape
+        "layer_kinds": _units() - {"layer_kinds", "layout"},
         # launch/ may import rollout/: the nemo-run launcher's steps reuse the SGLang fleet's process
         # code (its health wait and its stop of a server's process group) instead of a copy
         "launch": {"actor", "megatron", "trainer"},
