@@ -179,14 +179,13 @@ class MegatronActor:
         tm = self.train_model
         self.family_cfg, self.device = tm.family_cfg, tm.device
 
-    # the megatron stack's objects, as the checkpoints, the export and the tests read them: the
+    # the megatron stack's objects, as the actor itself, the trainer (dp_rank, dp_size) and the tests read them: the
     # train model's own (read there and, for ``settings``, written there)
     model = _OfTrainModel()
     optimizer = _OfTrainModel()
     scheduler = _OfTrainModel()
     config = _OfTrainModel()
     settings = _OfTrainModel()
-    _ps = _OfTrainModel()
     tp_group = _OfTrainModel()
     dp_rank = _OfTrainModel()
     dp_size = _OfTrainModel()
