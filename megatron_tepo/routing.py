@@ -2,7 +2,7 @@
 many experts each token takes, and the integer dtype its expert ids travel in.
 
 :class:`RoutingShape` is made in one place, the model family's config
-(:meth:`megatron_tepo.models.common.GPTFamilyConfig.routing_shape`: the family knows which of its
+(:meth:`megatron_tepo.models.family.GPTFamilyConfig.routing_shape`: the family knows which of its
 decoder layers are MoE layers and their top-k). Everything else reads it from there:
 
 - the SGLang fleet decodes a server's ``routed_experts`` with it (``rollout/sglang/routing.py``:

@@ -50,14 +50,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from megatron_tepo.batch import PER_TOKEN_FIELDS, RolloutBatch
 from megatron_tepo.layout import cp_chunk, cp_padded, cp_position, cp_rank_tokens, cp_segment, cp_share
 
-__all__ = ["MicroBatch", "build_micro_batch", "empty_rows", "SideInputs", "ContextSplit", "context_split",
+__all__ = ["MicroBatch", "build_micro_batch", "micro_batches", "empty_rows", "SideInputs", "ContextSplit", "context_split",
            "lay_out_positions", "positions_to_rows", "scored_positions"]
 
 
@@ -417,6 +417,31 @@ def build_micro_batch(batch: RolloutBatch, rows: Sequence[int], packed: bool,
     length = max(2, int(data.seq_lens().max()))
     length += -length % pad_multiple
     return _with_side(_padded_rows(rows, data, length))
+
+
+def micro_batches(batch: RolloutBatch, plan: Sequence[Sequence[int]], *, packed: bool, sp: int = 1, cp: int = 1,
+                  cp_rank: int = 0, group_max: Optional[Callable[[List[List[int]]], List[List[int]]]] = None,
+                  device: Optional[torch.device] = None) -> List[MicroBatch]:
+    """This rank's micro-batches of ``batch``, one per entry of ``plan`` (its rows), laid out in one
+    call: built (:func:`build_micro_batch`; a multiple of ``sp`` tokens or positions, sequence
+    parallelism's split over the TP ranks), with context parallelism (``cp`` > 1) sized for ``cp``
+    shares of a multiple of ``sp`` each and cut to rank ``cp_rank``'s
+    (:meth:`MicroBatch.context_shard`). ``group_max`` (None: each micro-batch its own shape) makes
+    micro-batch ``i`` the same shape on every rank of a group: it is given each micro-batch's local
+    ``[rows, length]`` (with CP: ``[one rank's share of tokens]``) and answers the group's maximum of
+    each, to which the micro-batch is padded (the caller's collective; a pad segment when packed).
+    ``device``: every micro-batch's inputs queued to it (pinned, asynchronous) before any forward."""
+    mbs = [build_micro_batch(batch, rows, packed=packed, pad_multiple=1 if cp > 1 else sp) for rows in plan]
+    if cp > 1:
+        mbs = [mb.with_context_tokens(cp, multiple=sp) for mb in mbs]
+        if group_max is not None:
+            tokens = group_max([[mb.context_tokens(cp)] for mb in mbs])
+            mbs = [mb.with_context_tokens(cp, int(t), sp) for mb, (t,) in zip(mbs, tokens)]
+        mbs = [mb.context_shard(cp, cp_rank) for mb in mbs]
+    elif group_max is not None:
+        shapes = group_max([list(mb.shape) for mb in mbs])
+        mbs = [mb.padded_to(int(r), int(s)) for mb, (r, s) in zip(mbs, shapes)]
+    return mbs if device is None else [mb.staged(device) for mb in mbs]
 
 
 def _with_side(mb: MicroBatch) -> MicroBatch:

@@ -1,7 +1,7 @@
 """The package's layers point one way. Read from the source (every import, lazy ones included):
-the top-level modules and packages of ``megatron_tepo`` import each other without a cycle, and the
-seams the restructuring drew hold: the models know names, not ranks (nothing of the megatron
-backend); the megatron backend knows nothing of the actor, the checkpoint tools or the trainer;
+the top-level modules and packages of ``megatron_tepo`` import each other without a cycle, and so do
+all its modules, one by one; the seams the restructuring drew hold: the models know names, not ranks (nothing of the megatron
+backend, none of megatron-core's field names); the megatron backend knows nothing of the actor, the checkpoint tools or the trainer;
 ``checkpoint/`` and ``cli.py`` import nothing from ``actor/`` or ``trainer/``; ``launch/`` nothing of
 megatron-core's side, the actor or the trainer (the SGLang fleet's process code in ``rollout/`` it may);
 ``environments/`` (the tool sandbox) nothing else of the package; megatron-core (and NVRx's checkpoint
@@ -49,6 +49,28 @@ def test_no_cycle_between_top_level_units():
     assert cycle is None, f"import cycle: {' -> '.join(cycle)} ({edges[cycle[-2]][cycle[-1]]})"
 
 
+def _module_graph():
+    """Every module of the package -> the package's modules it imports (a package is its
+    ``__init__``). A module's import of its own enclosing package is left out: Python runs the
+    package before the module, so that is no circle."""
+    def name(path: Path) -> str:
+        parts = ("megatron_tepo",) + path.relative_to(PKG).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    files = {name(f): f for f in PKG.rglob("*.py")}
+    return {n: {m for m in imported_modules(f) if m in files and m != n and not n.startswith(m + ".")}
+            for n, f in files.items()}
+
+
+def test_no_cycle_between_modules():
+    """No two modules of the package import each other, directly or through others, inside a unit
+    too (megatron/gpt.py and megatron/hybrid.py once did)."""
+    edges = _module_graph()
+    assert "megatron_tepo.megatron.spec" in edges["megatron_tepo.megatron.gpt"]  # the reader sees imports
+    cycle = import_cycle(edges)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
 def test_the_seams_hold():
     edges = _graph()
     forbidden = {
@@ -57,6 +79,8 @@ def test_the_seams_hold():
         "checkpoint": {"actor", "trainer"},
         "cli": {"actor", "trainer"},
         "layout": set(edges) - {"layout"},
+        # the layer-kind table is read by models/, megatron/ and launch/: it reads only the shape
+        "layer_kinds": _units() - {"layer_kinds", "layout"},
         # launch/ may import rollout/: the nemo-run launcher's steps reuse the SGLang fleet's process
         # code (its health wait and its stop of a server's process group) instead of a copy
         "launch": {"actor", "megatron", "trainer"},
@@ -66,6 +90,31 @@ def test_the_seams_hold():
     broken = {f"{u} -> {v}": sorted(edges[u][v]) for u, bad in forbidden.items() for v in edges.get(u, {})
               if v in bad}
     assert broken == {}
+
+
+#: megatron-core's own field names for a family's architecture (``TransformerConfig``, ``GPTModel``),
+#: none of which is an HF config's name: megatron/family_kwargs.py spells them, models/ never does
+MEGATRON_FIELDS = {"kv_channels", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff",
+                   "moe_router_load_balancing_type", "moe_shared_expert_intermediate_size", "add_qkv_bias",
+                   "layernorm_zero_centered_gamma", "gated_linear_unit", "attention_softmax_in_fp32",
+                   "share_embeddings_and_output_weights", "position_embedding_type", "max_sequence_length"}
+
+
+def test_the_models_spell_no_megatron_core_field():
+    """models/ knows HF configs and names; megatron's config fields are the megatron backend's. Read
+    from the code (keyword arguments, strings), not from docstrings or comments."""
+    import ast
+
+    found = {}
+    for f in sorted((PKG / "models").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            name = (node.arg if isinstance(node, ast.keyword) else
+                    node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None)
+            if name in MEGATRON_FIELDS:
+                found.setdefault(str(f.relative_to(PKG)), set()).add(name)
+    assert found == {}
+    spelled = (PKG / "megatron" / "family_kwargs.py").read_text()
+    assert all(name in spelled for name in MEGATRON_FIELDS)  # the list names megatron's fields
 
 
 def test_the_checkpoint_package_keeps_its_public_names():

@@ -43,7 +43,7 @@ def test_the_gpt_model_deprecation_is_answered_not_silenced():
     """megatron-core 0.19's ``GPTModel IS DEPRECATED`` is no longer dropped: the actor builds a
     ``HybridModel`` wherever megatron-core has one (``actor.model_builder: auto``), so the line
     shows only where a user asks for a ``GPTModel`` -- and then it should."""
-    from megatron_tepo.megatron.gpt import resolve_model_builder
+    from megatron_tepo.megatron.resolve import resolve_model_builder
     from megatron_tepo.megatron.compat import hybrid_model_available
 
     assert _logged("megatron.core.models.gpt.gpt_model", GPT) == [GPT]

@@ -80,7 +80,7 @@ import torch.distributed as dist
 from megatron_tepo.algorithms import PolicyLoss
 from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.actor.batching import equalize_micro_batch_count, plan_micro_batches, plan_packed_micro_batches
-from megatron_tepo.token_layout import MicroBatch, build_micro_batch
+from megatron_tepo.token_layout import MicroBatch, micro_batches
 from megatron_tepo.layout import ParallelLayout
 from megatron_tepo.config import ActorConfig, OptimConfig
 from megatron_tepo.actor.export import export_hf_state
@@ -88,7 +88,6 @@ from megatron_tepo.checkpoint.hf_io import LazyHFCheckpoint, open_hf_checkpoint
 from megatron_tepo.megatron.model import (TrainModel, actor_transformer_config, build_lr_scheduler, build_train_model,
                                           plan_actor)
 from megatron_tepo.megatron.lm_head import scored_log_probs, sum_over_context
-from megatron_tepo.token_layout import positions_to_rows, scored_positions
 
 __all__ = ["OptimConfig", "ActorConfig", "MegatronActor", "plan_actor", "actor_transformer_config", "build_lr_scheduler",
            "token_log_probs"]
@@ -181,14 +180,13 @@ class MegatronActor:
         tm = self.train_model
         self.family_cfg, self.device = tm.family_cfg, tm.device
 
-    # the megatron stack's objects, as the checkpoints, the export and the tests read them: the
+    # the megatron stack's objects, as the actor itself, the trainer (dp_rank, dp_size) and the tests read them: the
     # train model's own (read there and, for ``settings``, written there)
     model = _OfTrainModel()
     optimizer = _OfTrainModel()
     scheduler = _OfTrainModel()
     config = _OfTrainModel()
     settings = _OfTrainModel()
-    _ps = _OfTrainModel()
     tp_group = _OfTrainModel()
     dp_rank = _OfTrainModel()
     dp_size = _OfTrainModel()
@@ -230,75 +228,28 @@ class MegatronActor:
         position that scores a token has routing in this stage's layers, every id an expert."""
         if action != "replay":
             return batch if batch.routed_experts is None else dataclasses.replace(batch, routed_experts=None)
-        routed = batch.routed_experts
-        mode = self.settings.routing_replay
-        if routed is None:
-            what = ("the engine's routing (Sample.routed_experts)" if mode == "r3"
-                    else "the routing that compute_log_probs recorded")
-            raise ValueError(f"routed_experts: the batch has none, and actor.routing_replay {mode} replays {what}")
-        replay = self.train_model.replay
-        layers = [layer for layer, _ in replay.slots]
-        if routed.shape[2:] != (replay.num_layers, replay.topk):
-            raise ValueError(f"routed_experts: must be [B, L, {replay.num_layers}, {replay.topk}] (moe_layers, topk "
-                             f"of this model), got {tuple(routed.shape)}")
-        mine = routed[:, :, layers]
-        if int(mine.max()) >= replay.num_experts:
-            raise ValueError(f"routed_experts: expert id {int(mine.max())} >= the model's {replay.num_experts} experts")
-        scored = scored_positions(batch.seq_lens(), routed.shape[1])
-        missing = scored & (mine < 0).flatten(2).any(-1)
-        if bool(missing.any()):
-            row, pos = (int(i) for i in missing.nonzero()[0])
-            raise ValueError(f"routed_experts: row {row} has no routing at position {pos} (of {int(missing.sum())} "
-                             f"positions without it); routing replay needs every prompt and response position "
-                             f"but each sequence's last")
+        self.train_model.replay.check_input(batch.routed_experts, batch.seq_lens(), self.settings.routing_replay)
         return batch
 
     def _recorded_routing(self, batch: RolloutBatch, mbs: List[MicroBatch]) -> torch.Tensor:
         """``[B, L, moe_layers, topk]``: what a recording pass's routers chose at each position of
-        ``batch`` (this pipeline stage's layers; -1 elsewhere)."""
-        replay = self.train_model.replay
-        layers = torch.tensor([layer for layer, _ in replay.slots])
-        width = batch.input_ids.shape[1]
-        out = torch.full((batch.batch_size, width, replay.num_layers, replay.topk), -1,
-                         dtype=replay.shape.dtype)
-        for mb, recorded in zip(mbs, replay.recorded):
-            if replay.sp_size > 1:  # each TP rank routed its share of the tokens
-                parts = [torch.empty_like(recorded) for _ in range(replay.sp_size)]
-                dist.all_gather(parts, recorded.contiguous(), group=self.tp_group)
-                recorded = torch.cat(parts)
-            if mb.cp_splits is not None:  # each CP rank routed its chunks: back to the whole layout
-                parts = [torch.empty_like(recorded) for _ in range(self.layout.cp)]
-                dist.all_gather(parts, recorded.contiguous(), group=self.train_model.cp_group)
-                recorded = mb.context_gather([p.cpu() for p in parts])
-            if not mb.rows:
-                continue
-            rows = positions_to_rows(recorded.cpu(), width=width, **mb.side_layout())[: len(mb.rows)]
-            index = torch.as_tensor(mb.rows, dtype=torch.long)
-            grid = out[index]
-            grid[:, :, layers] = rows.to(out.dtype)
-            out[index] = grid
-        return out
+        ``batch`` (this pipeline stage's layers; -1 elsewhere:
+        :meth:`~megatron_tepo.megatron.routing_replay.RoutingReplay.gathered_recording`)."""
+        return self.train_model.replay.gathered_recording(mbs, batch.batch_size, batch.input_ids.shape[1],
+                                                          tp_group=self.tp_group, cp_group=self.train_model.cp_group,
+                                                          cp=self.layout.cp)
 
     def _micro_batches(self, batch: RolloutBatch) -> List[MicroBatch]:
+        """This rank's micro-batches of ``batch``: planned here (the token budget, the same count on
+        every DP rank), laid out in one call (:func:`~megatron_tepo.token_layout.micro_batches`)."""
         packed = self.settings.pack_sequences
         planner = plan_packed_micro_batches if packed else plan_micro_batches
         plan = planner(batch.seq_lens().tolist(), self.settings.max_tokens_per_micro_batch)
         plan = equalize_micro_batch_count(plan, self.train_model.dp_group)
         # sequence parallelism splits the tokens (packed) / positions (padded) over the TP ranks
-        multiple = self.layout.tp if self.settings.sequence_parallel else 1
-        cp = self.layout.cp
-        mbs = [build_micro_batch(batch, rows, packed=packed, pad_multiple=1 if cp > 1 else multiple)
-               for rows in plan]
-        if cp > 1:  # each rank's share (MicroBatch.context_shard), a multiple of the SP split
-            mbs = [mb.with_context_tokens(cp, multiple=multiple) for mb in mbs]
-            if self._needs_equal_shapes():
-                mbs = self._pad_to_common_shapes(mbs)
-            rank = self.train_model.cp_rank
-            mbs = [mb.context_shard(cp, rank) for mb in mbs]
-        elif self._needs_equal_shapes():
-            mbs = self._pad_to_common_shapes(mbs)
-        # every micro-batch's inputs queued to the device before the first forward (pinned, async)
-        return [mb.staged(self.device) for mb in mbs]
+        return micro_batches(batch, plan, packed=packed, sp=self.layout.tp if self.settings.sequence_parallel else 1,
+                             cp=self.layout.cp, cp_rank=self.train_model.cp_rank,
+                             group_max=self._max_over_dp if self._needs_equal_shapes() else None, device=self.device)
 
     def _needs_equal_shapes(self) -> bool:
         """The MoE allgather dispatcher all-gathers tokens over the expert-parallel group, which
@@ -306,20 +257,12 @@ class MegatronActor:
         return (self.family_cfg.moe is not None and self.layout.ep > 1
                 and self.config.moe_token_dispatcher_type == "allgather")
 
-    def _pad_to_common_shapes(self, mbs: List[MicroBatch]) -> List[MicroBatch]:
-        """Pad micro-batch i to the largest shape of micro-batch i over the DP group (a pad
-        segment when packed; dummy rows and pad columns after every real token otherwise: causal
-        attention and per-token routing leave the real tokens untouched). With context
-        parallelism, to the largest share of one CP rank (before the split)."""
-        cp = self.layout.cp
-        if cp > 1:
-            local = torch.tensor([mb.context_tokens(cp) for mb in mbs], device=self.device)
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.train_model.dp_group)
-            multiple = self.layout.tp if self.settings.sequence_parallel else 1
-            return [mb.with_context_tokens(cp, int(t), multiple) for mb, t in zip(mbs, local.tolist())]
-        shapes = torch.tensor([mb.shape for mb in mbs], device=self.device)
-        dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=self.train_model.dp_group)
-        return [mb.padded_to(int(r), int(s)) for mb, (r, s) in zip(mbs, shapes.tolist())]
+    def _max_over_dp(self, sizes: List[List[int]]) -> List[List[int]]:
+        """The DP group's maximum of each entry of ``sizes`` (micro-batch i's shape, or its share of
+        one CP rank: every DP rank pads micro-batch i to the largest)."""
+        t = torch.tensor(sizes, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.train_model.dp_group)
+        return t.tolist()
 
     def _log_probs_of(self, mb: MicroBatch, output: torch.Tensor, temperature: float):
         """``[b, R]`` log-probs and entropy of ``mb``'s rows; with context parallelism every CP
@@ -484,8 +427,9 @@ class MegatronActor:
         if asynchronous and getattr(self, "_async_saves", None) is None:  # (/dev/shm room: this node's ranks)
             node_bytes = self.checkpoint_bytes() * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             self._async_saves = AsyncSaves(choose_async_writer(staged_bytes=node_bytes))
-        return save_actor_checkpoint(self, directory, extra_state, write_extra,
-                                     saves=self._async_saves if asynchronous else None, on_publish=on_publish)
+        return save_actor_checkpoint(self.train_model, directory, extra_state, write_extra,
+                                     saves=self._async_saves if asynchronous else None, on_publish=on_publish,
+                                     optim=self.optim_cfg)
 
     def checkpoint_bytes(self) -> int:
         """The bytes of this rank's tensors a checkpoint holds: the model's parameters and the
@@ -530,6 +474,11 @@ class MegatronActor:
         self.scheduler.override_opt_param_scheduler = True
         self.keep_optim_settings = True
 
+    def _keep_settings(self):
+        """What a checkpoint load calls to keep this actor's optimizer settings
+        (:meth:`prefer_settings_over_checkpoint`), or None to keep the saved ones."""
+        return self.apply_optim_settings if getattr(self, "keep_optim_settings", False) else None
+
     def apply_optim_settings(self) -> None:
         """``optim``'s peak / floor LR (megatron keeps them per parameter group) and Adam's betas
         and eps into every parameter group (after a load restored the saved ones)."""
@@ -546,7 +495,8 @@ class MegatronActor:
         ``(None, None)`` when there is none (:func:`~megatron_tepo.actor.checkpointing.load_newest_checkpoint`)."""
         from megatron_tepo.actor.checkpointing import load_newest_checkpoint
 
-        return load_newest_checkpoint(self, root, report)
+        return load_newest_checkpoint(self.train_model, root, report, optim=self.optim_cfg,
+                                      keep_settings=self._keep_settings())
 
     def write_conversion_files(self, directory, source_model: str) -> None:
         """The sidecars that make a checkpoint in ``directory`` convertible back to the HF model
@@ -570,7 +520,8 @@ class MegatronActor:
         refused. ``model_only``: just the weights, resharded to this actor's TP/PP."""
         from megatron_tepo.actor.checkpointing import load_actor_checkpoint
 
-        return load_actor_checkpoint(self, directory, model_only=model_only)
+        return load_actor_checkpoint(self.train_model, directory, model_only=model_only, optim=self.optim_cfg,
+                                     keep_settings=self._keep_settings())
 
     def export_hf_state(self, what: str = "param", dtype=None):
         """This pipeline stage's parameters (or grads) as HF ``(name, full tensor)``, every MoE

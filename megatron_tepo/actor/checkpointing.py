@@ -43,6 +43,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_tepo.config import OptimConfig
 from megatron_tepo.checkpoint.store import (COMPLETE_MARKER, EXTRA_STATE, FORMAT, RNG_DIR, CheckpointError,
                                              PathLike, check_checkpoint_files, global_rank, fsync_dir,
                                              list_complete_checkpoints, read_marker, write_file_atomic)
@@ -79,40 +80,42 @@ def _agree_ok(error: Optional[BaseException]) -> None:
     raise_if_any_rank_failed(error, "checkpoint", CheckpointError)
 
 
-def actor_layout(actor) -> Dict[str, Any]:
-    ps = actor._ps
+def actor_layout(train_model, optim: OptimConfig) -> Dict[str, Any]:
+    """The layout a checkpoint of ``train_model`` records (and a full load must find again)."""
+    ps = train_model._ps
     return {
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
         "ep": ps.get_expert_model_parallel_world_size(),
         "dp": ps.get_data_parallel_world_size(),
-        "distributed_optimizer": bool(actor.optim_cfg.use_distributed_optimizer),
-        "precision": actor.settings.precision,
-        "model_builder": actor.settings.model_builder,
+        "distributed_optimizer": bool(optim.use_distributed_optimizer),
+        "precision": train_model.settings.precision,
+        "model_builder": train_model.settings.model_builder,
     }
 
 
-def _model_sharded_state_dict(actor):
-    chunks = [c.module for c in actor.model]  # (megatron DDP has no sharded_state_dict of its own)
+def _model_sharded_state_dict(train_model):
+    chunks = [c.module for c in train_model.model]  # (megatron DDP has no sharded_state_dict of its own)
     if len(chunks) != 1:
         raise NotImplementedError("checkpointing supports one model chunk per rank (no virtual PP)")
     return chunks[0].sharded_state_dict()
 
 
-def _optimizer_metadata(actor) -> Optional[dict]:
-    return dict(DIST_OPT_METADATA) if actor.optim_cfg.use_distributed_optimizer else None
+def _optimizer_metadata(optim: OptimConfig) -> Optional[dict]:
+    return dict(DIST_OPT_METADATA) if optim.use_distributed_optimizer else None
 
 
-def _sharded_state_dict(actor, is_loading: bool, with_optimizer: bool = True) -> Dict[str, Any]:
-    model_sd = _model_sharded_state_dict(actor)
+def _sharded_state_dict(train_model, optim: OptimConfig, is_loading: bool,
+                        with_optimizer: bool = True) -> Dict[str, Any]:
+    model_sd = _model_sharded_state_dict(train_model)
     if with_optimizer and is_loading:
-        dist_checkpoint.ensure_torch_adam_state(actor.optimizer)
+        dist_checkpoint.ensure_torch_adam_state(train_model.optimizer)
     state: Dict[str, Any] = {"model": model_sd}
     if with_optimizer:
-        state["optimizer"] = actor.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=_optimizer_metadata(actor))
-        state["scheduler"] = actor.scheduler.state_dict()
+        state["optimizer"] = train_model.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=_optimizer_metadata(optim))
+        state["scheduler"] = train_model.scheduler.state_dict()
     return state
 
 
@@ -127,11 +130,13 @@ def choose_async_writer(save_fn=None, nvrx_version: Optional[str] = "probe", wan
                                           error=CheckpointError, staged_bytes=staged_bytes, statvfs=statvfs)
 
 
-def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict] = None,
+def save_actor_checkpoint(train_model, directory: PathLike, extra_state: Optional[dict] = None,
                           write_extra: Optional[Callable[[Path], None]] = None,
                           saves: Optional[AsyncSaves] = None,
-                          on_publish: Optional[Callable[[Path], None]] = None) -> Path:
-    """Collective: write ``actor``'s full training state to ``directory`` atomically (see module doc).
+                          on_publish: Optional[Callable[[Path], None]] = None, *, optim: OptimConfig) -> Path:
+    """Collective: write the full training state of ``train_model`` (the actor's
+    :class:`~megatron_tepo.megatron.model.TrainModel`, its optimizer built from ``optim``) to
+    ``directory`` atomically (see module doc).
     An existing ``directory`` is replaced (only once the new checkpoint is complete).
     ``write_extra(tmp_dir)`` runs on rank 0 before the marker: more files that are part of the
     checkpoint (the trainer's run config and conversion sidecars); ``on_publish(directory)`` runs on
@@ -149,7 +154,7 @@ def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict
         saves.finalize(blocking=True)  # at most one save in flight
     final = Path(directory).absolute()
     extra_json = json.dumps(extra_state if extra_state is not None else {}, sort_keys=True)  # fail early
-    layout = actor_layout(actor)
+    layout = actor_layout(train_model, optim)
     tag = _broadcast_obj(f"{os.getpid()}-{uuid.uuid4().hex[:8]}" if global_rank() == 0 else None)
     tmp = final.with_name(f"{final.name}.tmp-{tag}")
 
@@ -165,7 +170,7 @@ def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict
     # The RNG states as they are now; restored right after the save so that saving is
     # RNG-neutral (the run continues exactly as a run resumed from this checkpoint does).
     rng = get_rng_state()
-    state = _sharded_state_dict(actor, is_loading=False)
+    state = _sharded_state_dict(train_model, optim, is_loading=False)
     request = dist_checkpoint.save(state, tmp, content_metadata={"format": FORMAT},
                                    **(saves.writer.save_kwargs if saves is not None else {}))
     set_rng_state(rng)
@@ -207,8 +212,12 @@ def save_actor_checkpoint(actor, directory: PathLike, extra_state: Optional[dict
     return final
 
 
-def load_actor_checkpoint(actor, directory: PathLike, model_only: bool = False) -> dict:
-    """Collective: restore ``actor`` from ``directory``; returns the saved ``extra_state``.
+def load_actor_checkpoint(train_model, directory: PathLike, model_only: bool = False, *, optim: OptimConfig,
+                          keep_settings: Optional[Callable[[], None]] = None) -> dict:
+    """Collective: restore ``train_model`` (its optimizer built from ``optim``) from ``directory``;
+    returns the saved ``extra_state``. ``keep_settings``: called after the optimizer's state is
+    restored, to put this run's optimizer settings back in place of the saved ones
+    (:meth:`MegatronActor.prefer_settings_over_checkpoint`); None keeps the saved ones.
 
     Full load (default): model, optimizer, LR scheduler and this rank's RNG states; the layout
     (TP/PP/EP/DP, world size, distributed optimizer) must equal the saved one. ``model_only``:
@@ -221,15 +230,15 @@ def load_actor_checkpoint(actor, directory: PathLike, model_only: bool = False) 
         info = read_marker(d)
         info["layout"].setdefault("precision", "fp32")  # (written before bf16 existed)
         info["layout"].setdefault("model_builder", "gpt")  # (written when every model was a GPTModel)
-        saved_builder, builder = info["layout"]["model_builder"], actor.settings.model_builder
+        saved_builder, builder = info["layout"]["model_builder"], train_model.settings.model_builder
         if saved_builder != builder:  # megatron's sharded keys differ between the two models
             raise CheckpointError(
                 f"{d} was written by a {saved_builder} model and this actor builds a {builder} one "
                 f"(actor.model_builder): their parameters are stored under other names; resume with "
                 f"actor.model_builder: {saved_builder}")
-        if not model_only and info["layout"] != actor_layout(actor):
+        if not model_only and info["layout"] != actor_layout(train_model, optim):
             raise CheckpointError(
-                f"{d} was saved at layout {info['layout']}, this actor is {actor_layout(actor)}: a full "
+                f"{d} was saved at layout {info['layout']}, this actor is {actor_layout(train_model, optim)}: a full "
                 f"load (optimizer, scheduler, RNG) needs the same layout; pass model_only=True to load "
                 f"only the model weights (resharded)")
         check_checkpoint_files(d, rng=not model_only)
@@ -237,34 +246,36 @@ def load_actor_checkpoint(actor, directory: PathLike, model_only: bool = False) 
         err = e
     _agree_ok(err)
 
-    state = _sharded_state_dict(actor, is_loading=True, with_optimizer=not model_only)
+    state = _sharded_state_dict(train_model, optim, is_loading=True, with_optimizer=not model_only)
     # no_grad: the distributed optimizer copies into fp32 main params that view leaf parameters
     with torch.no_grad():
         loaded = dist_checkpoint.load(state, d)
-        for chunk in actor.model:
+        for chunk in train_model.model:
             chunk.module.load_state_dict(loaded["model"])
         if not model_only:
+            optimizer, scheduler = train_model.optimizer, train_model.scheduler
             loaded_optimizer = loaded["optimizer"]
-            saved_steps = dist_checkpoint.saved_adam_steps(actor.optimizer, loaded_optimizer, CheckpointError)
-            if getattr(actor, "keep_optim_settings", False):  # this run's LR replaces the saved one below
+            saved_steps = dist_checkpoint.saved_adam_steps(optimizer, loaded_optimizer, CheckpointError)
+            if keep_settings is not None:  # this run's LR replaces the saved one below
                 from megatron_tepo.megatron.compat import adopt_current_lr_in_saved_groups
 
-                adopt_current_lr_in_saved_groups(loaded_optimizer, actor.optimizer)
-            actor.optimizer.load_state_dict(loaded_optimizer)
-            dist_checkpoint.fix_torch_adam_steps(actor.optimizer, saved_steps)
-            refresh_fused_adam(actor.optimizer)  # fused AdamW reads its step counts on the device
-            actor.scheduler.num_steps = 0  # load_state_dict ADDS the saved step count
-            actor.scheduler.load_state_dict(loaded["scheduler"])
-            if getattr(actor, "keep_optim_settings", False):  # (see MegatronActor.prefer_settings_over_checkpoint)
-                actor.apply_optim_settings()
-                actor.scheduler.step(increment=0)  # this actor's LR / weight decay from the next step on
+                adopt_current_lr_in_saved_groups(loaded_optimizer, optimizer)
+            optimizer.load_state_dict(loaded_optimizer)
+            dist_checkpoint.fix_torch_adam_steps(optimizer, saved_steps)
+            refresh_fused_adam(optimizer)  # fused AdamW reads its step counts on the device
+            scheduler.num_steps = 0  # load_state_dict ADDS the saved step count
+            scheduler.load_state_dict(loaded["scheduler"])
+            if keep_settings is not None:  # (see MegatronActor.prefer_settings_over_checkpoint)
+                keep_settings()
+                scheduler.step(increment=0)  # this actor's LR / weight decay from the next step on
     if not model_only:
         set_rng_state(torch.load(d / RNG_DIR / f"rank{global_rank()}.pt", weights_only=False))
     _barrier()
     return json.loads((d / EXTRA_STATE).read_text())
 
 
-def load_newest_checkpoint(actor, root: PathLike, report: Optional[Callable[[str], None]] = None):
+def load_newest_checkpoint(train_model, root: PathLike, report: Optional[Callable[[str], None]] = None, *,
+                           optim: OptimConfig, keep_settings: Optional[Callable[[], None]] = None):
     """Collective: load the newest complete checkpoint under ``root`` whose files are all there
     and readable (:func:`check_checkpoint_files`, on every rank; the ranks agree). A damaged one
     is reported in one line naming the file (``report``) and the next older one is tried.
@@ -283,7 +294,7 @@ def load_newest_checkpoint(actor, root: PathLike, report: Optional[Callable[[str
             dist.all_gather_object(errs, str(err) if err else None)
         bad = next((e for e in errs if e), None)
         if bad is None:
-            return d, load_actor_checkpoint(actor, d)
+            return d, load_actor_checkpoint(train_model, d, optim=optim, keep_settings=keep_settings)
         problems.append(bad)
         if report is not None:
             report(f"checkpoint {d.name} is damaged, not resuming from it: {bad}")

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from megatron_tepo.buckets import BucketHandoff, BucketStream, ExportBuffers, FlatBucket
 from megatron_tepo.cuda_alloc import no_expandable_segments
 from megatron_tepo.models import GPTFamilyConfig, layer_mapping
-from megatron_tepo.models.common import MegatronToHFLayout
 from megatron_tepo.megatron.lora import is_adapter, merged_weight
+from megatron_tepo.models.converters import MegatronToHFLayout
 from megatron_tepo.megatron.parallel import expert_group, pipeline_group
 from megatron_tepo.megatron.sharding import (gated_split, expert_indices, group_for, is_expert_param, layer_offsets,
                                            local_tensor, parallel_groups, shard_pieces, to_global_name, tp_partition,
@@ -251,7 +251,7 @@ def iter_flat_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_byt
     """This rank's stage as buckets of HF tensors in flat buffers: the bucketed form of
     ``megatron_to_hf(gather_full_tensors(...))``, bit for bit the same tensors (cast to ``dtype``).
 
-    ``layout_fn(global megatron name, full shape)``: :class:`~megatron_tepo.models.common.MegatronToHFLayout`.
+    ``layout_fn(global megatron name, full shape)``: :class:`~megatron_tepo.models.converters.MegatronToHFLayout`.
     Per bucket (at most ``bucket_bytes`` of HF tensors; one tensor larger than that goes alone):
     each rank casts its shards to ``dtype`` (floating tensors; None keeps the source dtype) into
     one send buffer (``dst``: straight into its receive row), ONE collective over the
@@ -350,47 +350,10 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
     me = dist.get_rank()
     gather_mode = dst is not None
 
-    items: List[_Item] = []
-    chunk_offsets = []
-    for ci, chunk in enumerate(model_chunks):
-        inner = unwrap_model(chunk)
-        offsets, experts = layer_offsets(inner), expert_indices(inner)
-        chunk_offsets.append(offsets)
-        for lname, param in inner.named_parameters():
-            if is_adapter(param) or (what == "grad" and not param.requires_grad):
-                continue  # (LoRA: the adapters travel merged into their base weight, which has no gradient)
-            gname = to_global_name(lname, offsets, experts)
-            local = local_tensor(param, what, gname)
-            merged = merged_weight(param) if what == "param" else None
-            local = local if merged is None else merged  # an adapted linear's W + s*B*A
-            expert = is_expert_param(param)
-            group = group_for(param, groups)
-            size = dist.get_world_size(group)
-            part = tp_partition(param, gated_split(getattr(layout_fn, "gated", None), gname)) if size > 1 else None
-            full = list(param.shape)
-            if part is not None:
-                full[part[0]] *= size
-            layout = layout_fn(gname, full)
-            if not layout:
-                continue
-            wire = dtype if (dtype is not None and local.is_floating_point()) else local.dtype
-            items.append(_Item(lname, ci, local, wire, part, group, size, tuple(full), layout, expert))
-
+    items, chunk_offsets = _stage_items(model_chunks, layout_fn, dtype, what, groups)
     ep_stage = ep > 1 and any(it.expert for it in items)
-    # who takes part, per kind (the same answer on every member of each group involved)
     dense_tp = groups[0]
-    if not gather_mode:
-        need = {False: True, True: True}
-    else:
-        dense_n = dist.get_world_size(dense_tp)
-        need_dense = dst in _ranks(dense_tp) if dense_n > 1 else me == dst
-        if ep_stage:
-            # an expert-TP all-gather involves ranks of other EP groups: all of them take part
-            need_exp = dist.get_world_size(groups[1]) > 1 or dst in _ranks(ep_group)
-        else:
-            etp = groups[1]
-            need_exp = dst in _ranks(etp) if dist.get_world_size(etp) > 1 else me == dst
-        need = {False: need_dense, True: need_exp}
+    need = _participation(dst, groups, ep_group, ep_stage)
     # every EP rank's expert indices (to name the experts the EP collective brings)
     stage2 = ep_stage and (not gather_mode or dst in _ranks(ep_group))
     ep_maps = None
@@ -399,18 +362,7 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
         ep_maps = [None] * ep
         dist.all_gather_object(ep_maps, mine, group=ep_group)
 
-    # buckets: planned over ALL items (same boundaries on every rank of a stage), kinds never mixed
-    plan: List[List[_Item]] = []
-    cur, size_b = [], 0
-    for it in items:
-        nb = it.full_bytes * (ep if (it.expert and ep_stage) else 1)
-        if cur and (cur[0].expert != it.expert or size_b + nb > bucket_bytes or size_b % it.wire.itemsize):
-            plan.append(cur)
-            cur, size_b = [], 0
-        cur.append(it)
-        size_b += nb
-    if cur:
-        plan.append(cur)
+    plan = _plan_buckets(items, bucket_bytes, ep if ep_stage else 1)
 
     device = _device_of(model_chunks)
     # co-located CPU ranks: dense buckets assembled in shared memory by every TP rank (see the
@@ -419,25 +371,13 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
     shm_ok = [not bucket[0].expert and bucket[0].size > 1 and all(
         it.part is None or it.part[0] == 0 or all(r is None for _, r in it.layout) for it in bucket)
         for bucket in plan]
-    caps: Dict[str, int] = {}
     shm_cap = max((_out_bytes(b) for b, ok in zip(plan, shm_ok) if ok), default=0)
     use_shm = False
     if gather_mode and reuse and need[False] and shm_cap:
         held = sum(t.numel() for k, t in (keep.held.items() if keep is not None else ())
                    if k[0] == "shared")
         use_shm = _colocated(dense_tp, dst, max(0, 2 * shm_cap - held), device)
-    for bucket, ok in zip(plan, shm_ok):
-        if ok and use_shm:
-            caps["shared"] = max(caps.get("shared", 0), _out_bytes(bucket))
-            continue
-        if need[bucket[0].expert]:
-            send = sum(it.local_bytes for it in bucket if it.part is not None)
-            out = _out_bytes(bucket)
-            roles = {"send": send, "recv": send * bucket[0].size}
-            roles.update({"local_out": out, "out": out * ep} if bucket[0].expert and ep_stage else {"out": out})
-            for role, n in roles.items():
-                caps[role] = max(caps.get(role, 0), n)
-    bufs = _Buffers(reuse, caps, device, keep)
+    bufs = _Buffers(reuse, _buffer_caps(plan, shm_ok, use_shm, need, ep if ep_stage else 1), device, keep)
     send = recv = rows = out = final = slots = None
     n_shared = 0
     for bucket, ok in zip(plan, shm_ok):
@@ -538,6 +478,94 @@ def _iter_stage_buckets(model_chunks: List[torch.nn.Module], layout_fn, bucket_b
     handoff.settle()
     if n_shared:  # dst asked past its last bucket: done with the shared buffers, which the next
         dist.barrier(group=dense_tp)  # export on the other ranks may start writing again
+
+
+def _stage_items(model_chunks: List[torch.nn.Module], layout_fn, dtype: Optional[torch.dtype], what: str,
+                 groups) -> Tuple[List[_Item], list]:
+    """Every parameter (or gradient: ``what``) of this stage's chunks that the HF model has, as an
+    :class:`_Item` (its local tensor, wire dtype, TP split and group, full shape, HF layout), and
+    each chunk's layer offsets (to name the experts another EP rank holds)."""
+    items: List[_Item] = []
+    chunk_offsets = []
+    for ci, chunk in enumerate(model_chunks):
+        inner = unwrap_model(chunk)
+        offsets, experts = layer_offsets(inner), expert_indices(inner)
+        chunk_offsets.append(offsets)
+        for lname, param in inner.named_parameters():
+            if is_adapter(param) or (what == "grad" and not param.requires_grad):
+                continue  # (LoRA: the adapters travel merged into their base weight, which has no gradient)
+            gname = to_global_name(lname, offsets, experts)
+            local = local_tensor(param, what, gname)
+            merged = merged_weight(param) if what == "param" else None
+            local = local if merged is None else merged  # an adapted linear's W + s*B*A
+            expert = is_expert_param(param)
+            group = group_for(param, groups)
+            size = dist.get_world_size(group)
+            part = tp_partition(param, gated_split(getattr(layout_fn, "gated", None), gname)) if size > 1 else None
+            full = list(param.shape)
+            if part is not None:
+                full[part[0]] *= size
+            layout = layout_fn(gname, full)
+            if not layout:
+                continue
+            wire = dtype if (dtype is not None and local.is_floating_point()) else local.dtype
+            items.append(_Item(lname, ci, local, wire, part, group, size, tuple(full), layout, expert))
+    return items, chunk_offsets
+
+
+def _participation(dst: Optional[int], groups, ep_group, ep_stage: bool) -> Dict[bool, bool]:
+    """Whether this rank takes part in the dense (``False``) and the expert (``True``) buckets: the
+    same answer on every member of each group involved (every rank without a ``dst``)."""
+    if dst is None:
+        return {False: True, True: True}
+    me = dist.get_rank()
+    dense_tp = groups[0]
+    dense_n = dist.get_world_size(dense_tp)
+    need_dense = dst in _ranks(dense_tp) if dense_n > 1 else me == dst
+    if ep_stage:
+        # an expert-TP all-gather involves ranks of other EP groups: all of them take part
+        need_exp = dist.get_world_size(groups[1]) > 1 or dst in _ranks(ep_group)
+    else:
+        etp = groups[1]
+        need_exp = dst in _ranks(etp) if dist.get_world_size(etp) > 1 else me == dst
+    return {False: need_dense, True: need_exp}
+
+
+def _plan_buckets(items: List[_Item], bucket_bytes: int, ep: int) -> List[List[_Item]]:
+    """The buckets, planned over ALL items (the same boundaries on every rank of a stage), kinds never
+    mixed; an expert item counts ``ep`` times (every EP rank's experts travel in its bucket)."""
+    plan: List[List[_Item]] = []
+    cur, size_b = [], 0
+    for it in items:
+        nb = it.full_bytes * (ep if it.expert else 1)
+        if cur and (cur[0].expert != it.expert or size_b + nb > bucket_bytes or size_b % it.wire.itemsize):
+            plan.append(cur)
+            cur, size_b = [], 0
+        cur.append(it)
+        size_b += nb
+    if cur:
+        plan.append(cur)
+    return plan
+
+
+def _buffer_caps(plan: List[List[_Item]], shm_ok: List[bool], use_shm: bool, need: Dict[bool, bool],
+                 ep: int) -> Dict[str, int]:
+    """The largest bytes each buffer role holds over the buckets this rank takes part in (``shared``:
+    the co-located ranks' shared-memory bucket; ``send`` / ``recv``: the shards; ``out``, with EP
+    ``local_out``: the assembled bucket)."""
+    caps: Dict[str, int] = {}
+    for bucket, ok in zip(plan, shm_ok):
+        if ok and use_shm:
+            caps["shared"] = max(caps.get("shared", 0), _out_bytes(bucket))
+            continue
+        if need[bucket[0].expert]:
+            send = sum(it.local_bytes for it in bucket if it.part is not None)
+            out = _out_bytes(bucket)
+            roles = {"send": send, "recv": send * bucket[0].size}
+            roles.update({"local_out": out, "out": out * ep} if bucket[0].expert and ep > 1 else {"out": out})
+            for role, n in roles.items():
+                caps[role] = max(caps.get(role, 0), n)
+    return caps
 
 
 def _device_of(model_chunks) -> torch.device:

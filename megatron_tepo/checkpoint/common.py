@@ -123,7 +123,8 @@ def build_model(family_cfg, params_dtype: torch.dtype = torch.float32, initializ
     them); it is what the meta-device export model uses."""
     import dataclasses
 
-    from megatron_tepo.megatron.gpt import FP32_ACTOR, build_chunk, resolve_model_builder, transformer_config
+    from megatron_tepo.megatron.gpt import build_chunk, transformer_config
+    from megatron_tepo.megatron.resolve import FP32_ACTOR, resolve_model_builder
 
     actor = dataclasses.replace(FP32_ACTOR, model_builder=resolve_model_builder(model_builder))
     config = transformer_config(family_cfg, **parallel_sizes(), actor=actor, params_dtype=params_dtype,

@@ -64,7 +64,7 @@ class LazyHFCheckpoint:
     tensor's name in the files. A naming with ``stacked_experts`` serves a layer's stacked routed
     experts (``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` / ``down_proj`` ``[E, H, I]``: the published
     Qwen3.5-MoE layout) as one tensor per expert, the names the mapping uses, each read from its own
-    contiguous bytes of the stacked tensor (:func:`~megatron_tepo.models.common.unstack_experts`);
+    contiguous bytes of the stacked tensor (:func:`~megatron_tepo.models.names.unstack_experts`);
     :meth:`stored_tensors` lists the files' tensors as stored. Without ``naming`` every name is the
     stored one."""
 
@@ -466,10 +466,10 @@ def expected_hf_tensors(hf_config) -> Dict[str, Tuple[int, ...]]:
 def checkpoint_shapes(shapes: Dict[str, Tuple[int, ...]]) -> Dict[str, Tuple[int, ...]]:
     """In-memory names/shapes -> the names/shapes the mapping uses. transformers >= 5 keeps MoE
     experts stacked in memory (``mlp.experts.gate_up_proj`` [E, 2I, H], gate first;
-    ``mlp.experts.down_proj`` [E, H, I]: :func:`~megatron_tepo.models.common.unstack_experts`);
+    ``mlp.experts.down_proj`` [E, H, I]: :func:`~megatron_tepo.models.names.unstack_experts`);
     ``save_pretrained`` stores one tensor per expert (``mlp.experts.{e}.gate_proj|up_proj|down_proj.weight``),
     the names the mapping uses and a reader of a stacked checkpoint gives."""
-    from megatron_tepo.models.common import unstack_experts
+    from megatron_tepo.models.names import unstack_experts
 
     out: Dict[str, Tuple[int, ...]] = {}
     for name, shape in shapes.items():

@@ -78,7 +78,7 @@ from megatron_tepo.megatron import dist_checkpoint
 from megatron_tepo.megatron.parallel import initialize_parallel, pipeline_ends
 from megatron_tepo.megatron.sharding import expert_indices, layer_offsets, load_megatron_state_into
 from megatron_tepo.models import family_config_from_hf, hf_to_megatron, layer_mapping
-from megatron_tepo.models.common import MegatronToHFLayout
+from megatron_tepo.models.converters import MegatronToHFLayout
 
 from .common import (agree, build_model, check_out_dir, ensure_process_group, finalize_dir, log_progress,
                      read_config_json, tmp_dir_for, trim_heap)
@@ -237,7 +237,7 @@ def convert_hf_to_megatron(hf_dir, out_dir, tp: int = 1, pp: int = 1, ep: int = 
     memory; the tests compare the two. ``model_builder`` (as ``actor.model_builder``; ``auto``:
     what the actor builds on this megatron-core) lays out the checkpoint's keys; the sidecar
     records it."""
-    from megatron_tepo.megatron.gpt import resolve_model_builder
+    from megatron_tepo.megatron.resolve import resolve_model_builder
 
     ensure_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -19,6 +19,7 @@ from megatron_tepo.config import OFFLOAD_LEVELS, RunConfig
 from megatron_tepo.cuda_alloc import expandable_in
 from megatron_tepo.launch.schema import LaunchLayout
 from megatron_tepo.launch.shape import ModelShape
+from megatron_tepo.layer_kinds import ATTENTION, other_mixers
 from megatron_tepo.layout import cp_padded, cp_rank_tokens, cp_share
 from megatron_tepo.routing import routing_dtype
 
@@ -34,36 +35,6 @@ GiB = 2 ** 30
 # --------------------------------------------------------------------------------------------
 # Parameters
 # --------------------------------------------------------------------------------------------
-def _attention_params(m: ModelShape, t: int) -> int:
-    """A softmax-attention mixer's parameters on one GPU, its input norm included (``q_proj`` twice as
-    wide with the output gate: each head's query and gate)."""
-    h, d = m.hidden_size, m.head_dim
-    q = (2 if m.attention_output_gate else 1) * m.num_attention_heads * d
-    attn = (h * q + 2 * h * m.num_key_value_heads * d + m.num_attention_heads * d * h) // t + h
-    if m.attention_bias:
-        attn += (m.num_attention_heads + 2 * m.num_key_value_heads) * d // t
-    if m.qk_norm:
-        attn += 2 * d
-    return attn
-
-
-def _linear_dims(m: ModelShape) -> Tuple[int, int, int]:
-    """A Gated DeltaNet layer's (query/key width, value width, value heads)."""
-    return (m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads * m.linear_value_head_dim,
-            m.linear_num_value_heads)
-
-
-def _linear_attention_params(m: ModelShape, t: int) -> int:
-    """A Gated DeltaNet mixer's parameters on one GPU (megatron's ``GatedDeltaNet``): ``in_proj``
-    (query, key, value, output gate, beta, alpha), the causal convolution over query, key and value,
-    ``A_log`` and ``dt_bias`` per value head, the output norm (one value head wide) and ``out_proj``,
-    all but the norms split by TP; its input norm."""
-    h = m.hidden_size
-    qk, v, nv = _linear_dims(m)
-    return (h * (2 * qk + 2 * v + 2 * nv) + (2 * qk + v) * m.linear_conv_kernel + 2 * nv + v * h) // t \
-        + m.linear_value_head_dim + h
-
-
 def _mlp_params(m: ModelShape, t: int, e: int) -> Tuple[int, int]:
     """(non-expert, expert) parameters of one layer's MLP on one GPU, its input norm included: the
     router and a shared expert (and its gate) beside the routed experts of an MoE layer."""
@@ -74,20 +45,17 @@ def _mlp_params(m: ModelShape, t: int, e: int) -> Tuple[int, int]:
     return 3 * h * m.intermediate_size // t + h, 0
 
 
-def _stage_linear_layers(m: ModelShape, n: int) -> int:
-    """The Gated DeltaNet layers among a pipeline stage's ``n`` layers (spread evenly: Qwen3.5's every
-    fourth layer is attention, so a stage of a multiple of 4 layers holds exactly its share)."""
-    return m.linear_layers * n // m.num_hidden_layers if m.linear_layers else 0
-
-
 def param_counts(m: ModelShape, t: int = 1, p: int = 1, e: int = 1) -> Dict[str, Tuple[int, int]]:
     """(non-expert, expert) parameters on one GPU of the first and of the last pipeline stage;
-    ``t=p=e=1`` gives the whole model (``"first"`` == ``"last"``). A hybrid's Gated DeltaNet layers
-    are priced as such (:func:`_stage_linear_layers` of each stage's)."""
+    ``t=p=e=1`` gives the whole model (``"first"`` == ``"last"``). A hybrid's mixers are priced by
+    kind (:mod:`megatron_tepo.layer_kinds`), each kind's layers spread evenly over the stages
+    (Qwen3.5's every fourth layer is attention, so a stage of a multiple of 4 layers holds exactly its
+    share), attention taking the rest."""
     mlp, expert = _mlp_params(m, t, e)
     n = m.num_hidden_layers // p
-    lin = _stage_linear_layers(m, n)
-    layers = (n - lin) * _attention_params(m, t) + (lin * _linear_attention_params(m, t) if lin else 0) + n * mlp
+    others = [(k, layers * n // m.num_hidden_layers) for k, layers in other_mixers(m)]
+    layers = (n - sum(c for _, c in others)) * ATTENTION.params(m, t) \
+        + sum(c * k.params(m, t) for k, c in others if c) + n * mlp
     emb = m.vocab_size * m.hidden_size // t
     first = layers + emb
     last = layers + m.hidden_size + (emb if (not m.tie_word_embeddings or p > 1) else 0)
@@ -109,22 +77,18 @@ def layer_activation_bytes(m: ModelShape, t: int, sp: bool, elem: int = 2, fused
     """Bytes per token of one layer kept for backward (docs/LAUNCH.md): ``elem`` bytes per
     activation element, ``fused`` SwiGLU, ``unfused_seq`` the padded row length when the
     attention materialises its scores (0: flash-style), ``selective`` core-attention recompute. A
-    hybrid's layers are averaged: its Gated DeltaNet layers' share at their own price."""
-    h, d = m.hidden_size, m.head_dim
+    hybrid's mixers are averaged: each kind's share of the layers at its own price
+    (:mod:`megatron_tepo.layer_kinds`)."""
+    h = m.hidden_size
     whole = 4 * h  # two norm inputs + two linear inputs
-    sharded = (m.num_attention_heads + 2 * m.num_key_value_heads) * d + (1 if selective else 2) * m.num_attention_heads * d
-    if m.attention_output_gate:  # the gate's half of linear_qkv's output and the gated core output
-        sharded += 2 * m.num_attention_heads * d
-    if m.qk_norm:
-        sharded += (m.num_attention_heads + m.num_key_value_heads) * d
-    extra_bytes_sharded = 0 if selective else 4 * m.num_attention_heads
-    if unfused_seq and not selective:
-        extra_bytes_sharded += (4 + (elem if elem < 4 else 0)) * m.num_attention_heads * unfused_seq
-    if m.linear_layers:  # Gated DeltaNet layers in place of that many attention mixers
-        share = m.linear_layers / m.num_hidden_layers
-        sharded_lin, extra_lin = _linear_attention_activations(m)
-        sharded = (1 - share) * sharded + share * sharded_lin
-        extra_bytes_sharded = (1 - share) * extra_bytes_sharded + share * extra_lin
+    sharded, extra_bytes_sharded = ATTENTION.activations(m, elem, unfused_seq, selective)
+    others = other_mixers(m)
+    if others:  # other mixers in place of that many attention mixers
+        shares = [layers / m.num_hidden_layers for _, layers in others]
+        rows = [k.activations(m, elem, unfused_seq, selective) for k, _ in others]
+        rest = 1 - sum(shares)
+        sharded = rest * sharded + sum(share * row[0] for share, row in zip(shares, rows))
+        extra_bytes_sharded = rest * extra_bytes_sharded + sum(share * row[1] for share, row in zip(shares, rows))
     extra_bytes_whole = 0
     if m.is_moe:
         whole += m.num_experts_per_tok * h  # dispatched tokens (not split by TP)
@@ -135,16 +99,6 @@ def layer_activation_bytes(m: ModelShape, t: int, sp: bool, elem: int = 2, fused
     if sp:
         return (elem * (whole + sharded) + extra_bytes_sharded + extra_bytes_whole) / t
     return elem * whole + extra_bytes_whole + (elem * sharded + extra_bytes_sharded) / t
-
-
-def _linear_attention_activations(m: ModelShape) -> Tuple[int, int]:
-    """A Gated DeltaNet mixer's activations kept per token, split by TP: (elements in the
-    activations' dtype, extra bytes): ``in_proj``'s output (query, key, value, gate, beta, alpha), the
-    convolution's output (query, key, value), the scan's output and the gated norm's; beta and the
-    decay in fp32. The scan's chunk states (one ``key x value`` matrix per value head every 64 tokens)
-    are recomputed in its backward (flash-linear-attention), not kept."""
-    qk, v, nv = _linear_dims(m)
-    return (2 * qk + 2 * v + 2 * nv) + (2 * qk + v) + 2 * v, 8 * nv
 
 
 def logits_bytes(m: ModelShape, t: int, elem: int = 2) -> float:
@@ -347,7 +301,7 @@ def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout,
     # one attention layer's (a hybrid's Gated DeltaNet layers take megatron's own CP path, an all-to-all
     # of their heads: priced as the layer's activations at the rank's tokens)
     gather = cp_attention_bytes(m, t, r, cp, min(s, longest), elem, te=act.attention == "te") \
-        * (1 - m.linear_layers / m.num_hidden_layers)
+        * (1 - sum(layers for _, layers in other_mixers(m)) / m.num_hidden_layers)
     if act.recompute == "full":
         kept = elem * m.hidden_size / t if sp else elem * m.hidden_size
         working = per_layer * r * min(act.recompute_num_layers, n)  # one block re-run at a time
@@ -388,27 +342,21 @@ def server_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout) -> Server
     server = launch.rollout.server
     ts = server.tp
     dense, expert = param_counts(m, ts, 1, 1)["first"]
-    attention_layers = m.num_hidden_layers - m.linear_layers  # (a hybrid's others keep no KV cache)
+    attention_layers = ATTENTION.layers(m)  # (a hybrid's others keep no KV cache)
     kv_per_token = 2 * attention_layers * math.ceil(m.num_key_value_heads / ts) * m.head_dim * 2
     kv_tokens = server.max_running_requests * (cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens)
     return ServerMemory(params=dense + expert, weights=2 * (dense + expert), kv_bytes_per_token=kv_per_token,
                         kv_tokens=kv_tokens, kv_cache=float(kv_per_token * kv_tokens),
                         budget=server.mem_fraction_static * launch.gpu_mem_gib * GiB,
                         servers=launch.servers, state_bytes_per_request=linear_state_bytes(m, ts),
-                        state_requests=server.max_running_requests if m.linear_layers else 0)
+                        state_requests=server.max_running_requests if linear_state_bytes(m, ts) else 0)
 
 
 def linear_state_bytes(m: ModelShape, ts: int) -> int:
-    """One request's recurrent state on one GPU of a TP-``ts`` server, over a hybrid's Gated DeltaNet
-    layers: the convolution's last ``kernel - 1`` inputs (query, key, value) in bf16 and each value
-    head's ``key_head_dim x value_head_dim`` matrix in fp32 (Qwen3.5's ``mamba_ssm_dtype``); 0
-    without such layers."""
-    if not m.linear_layers:
-        return 0
-    qk, v, nv = _linear_dims(m)
-    conv = 2 * math.ceil((2 * qk + v) / ts) * (m.linear_conv_kernel - 1)
-    ssm = 4 * math.ceil(nv / ts) * m.linear_key_head_dim * m.linear_value_head_dim
-    return m.linear_layers * (conv + ssm)
+    """One request's recurrent state on one GPU of a TP-``ts`` server, over a hybrid's layers that keep
+    one (each kind's ``state_bytes`` per layer: :mod:`megatron_tepo.layer_kinds`; a Gated DeltaNet's
+    convolution inputs and scan matrices); 0 without such layers."""
+    return sum(layers * k.state_bytes(m, ts) for k, layers in other_mixers(m))
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ turns a :class:`~megatron_tepo.models.GPTFamilyConfig`, a parallel layout and th
 :class:`~megatron_tepo.config.ActorConfig` into a ``TransformerConfig`` and a model chunk. The
 actor and the checkpoint converter both use it.
 
-* :func:`resolve_actor_config` turns ``auto`` into what runs here: ``attention: auto`` -> ``te``
+* :func:`~megatron_tepo.megatron.resolve.resolve_actor_config` (:mod:`.resolve`, the steps both builders share) turns ``auto`` into what runs here: ``attention: auto`` -> ``te``
   when Transformer Engine imports, else ``sdpa``; ``fusions: auto`` -> on with CUDA, off on CPU;
   ``gradient_accumulation_fusion: auto`` -> on with TE and apex's ``fused_weight_gradient_mlp_cuda``;
   ``moe_grouped_gemm: auto`` -> on with TE; ``packed_attention: auto`` -> ``varlen`` on CUDA in
@@ -16,9 +16,9 @@ actor and the checkpoint converter both use it.
   ``recompute_num_layers`` layers; ``selective``: the core attention), sequence parallelism and
   the fusions, all as megatron's own ``TransformerConfig`` fields; for an MoE family (its
   :class:`~megatron_tepo.models.MoEConfig`) also the runtime MoE settings: the token dispatcher
-  of this machine (:func:`moe_token_dispatcher`), grouped GEMM, no permute fusion, and
+  of this machine (:func:`~megatron_tepo.megatron.resolve.moe_token_dispatcher`), grouped GEMM, no permute fusion, and
   ``moe_enable_routing_replay`` when ``actor.routing_replay`` is on (a dense family refuses it:
-  :func:`routing_replay_problem`).
+  :func:`~megatron_tepo.megatron.resolve.routing_replay_problem`).
 * :func:`build_chunk`: the one construction function -- a stage of the model the resolved
   ``actor.model_builder`` names: :func:`build_gpt_chunk`, a ``GPTModel`` on the layer spec of
   :mod:`.spec` for the resolved attention (te: Transformer Engine's spec; sdpa: the local spec
@@ -29,7 +29,7 @@ actor and the checkpoint converter both use it.
   counts the stack's layers (two per HF layer) and ``recompute_num_layers`` is scaled with it, so
   ``actor.recompute_num_layers`` counts HF layers on either builder.
 
-``auto`` is decided once, by :func:`resolve_actor_config` (the actor's plan); the builders here
+``auto`` is decided once, by :func:`~megatron_tepo.megatron.resolve.resolve_actor_config` (the actor's plan); the builders here
 refuse a config that still holds one.
 
 ``actor.fusions`` turns on the fusions that need neither Transformer Engine nor apex, megatron's
@@ -66,147 +66,13 @@ import torch
 
 from megatron_tepo.config import ActorConfig
 from megatron_tepo.megatron.compat import whole_layer_cuda_graph_kwargs
+from megatron_tepo.megatron.family_kwargs import gpt_model_kwargs, transformer_config_kwargs
 from megatron_tepo.models import GPTFamilyConfig
-from megatron_tepo.megatron.spec import block_spec, family_spec_name, layer_spec, te_available
+from megatron_tepo.megatron.resolve import (FP32_ACTOR, builder_problem, moe_token_dispatcher, require_resolved,
+                                            routing_replay_problem)
+from megatron_tepo.megatron.spec import block_spec, layer_spec
 
-__all__ = ["resolve_actor_config", "resolve_model_builder", "family_spec", "transformer_config", "build_chunk",
-           "build_gpt_chunk", "FP32_ACTOR", "moe_token_dispatcher"]
-
-#: Settings whose ``auto`` values :func:`resolve_actor_config` decides (once: the actor's plan).
-AUTO_FIELDS = ("attention", "fusions", "gradient_accumulation_fusion", "moe_grouped_gemm", "packed_attention",
-               "model_builder")
-#: What the checkpoint converter and other non-training builders use: fp32, no recompute, nothing
-#: that needs Transformer Engine or CUDA.
-FP32_ACTOR = ActorConfig(precision="fp32", attention="unfused", pack_sequences=False, fusions="off",
-                         gradient_accumulation_fusion="off", moe_grouped_gemm="off", packed_attention="loop",
-                         model_builder="gpt")
-
-
-def resolve_model_builder(builder: str = "auto") -> str:
-    """``actor.model_builder`` made concrete: ``auto`` -> ``hybrid`` where megatron-core has
-    ``HybridModel``, else ``gpt``; ``hybrid`` where it has none is a ValueError naming the setting."""
-    from megatron_tepo.megatron.compat import hybrid_model_available, mcore_version
-
-    if builder == "auto":
-        return "hybrid" if hybrid_model_available() else "gpt"
-    if builder == "hybrid" and not hybrid_model_available():
-        raise ValueError(f"actor.model_builder: hybrid needs megatron-core's HybridModel (megatron-core >= 0.18), "
-                         f"and this is megatron-core {mcore_version()}; use gpt or auto")
-    if builder not in ("hybrid", "gpt"):
-        raise ValueError(f"actor.model_builder: {builder!r} must be auto, hybrid or gpt")
-    return builder
-
-
-def resolve_actor_config(actor: ActorConfig, cuda: Optional[bool] = None,
-                         te: Optional[bool] = None) -> ActorConfig:
-    """``actor`` with ``auto`` settings made concrete for this machine; refuses ``te`` without
-    Transformer Engine (a ValueError naming the setting)."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    te = te_available() if te is None else te
-    attention = actor.attention
-    if attention == "auto":
-        attention = "te" if te else "sdpa"
-    if attention == "te" and not te:
-        raise ValueError("actor.attention: te needs Transformer Engine, which does not import here "
-                         "(use sdpa, the default without it)")
-    fusions = actor.fusions
-    if fusions == "auto":
-        fusions = "on" if cuda else "off"
-    apex = grad_accum_fusion_available() if te else False
-    gaf = actor.gradient_accumulation_fusion
-    if gaf == "auto":
-        gaf = "on" if te and apex else "off"
-    if gaf == "on" and not (te and apex):
-        raise ValueError("actor.gradient_accumulation_fusion: on needs Transformer Engine and apex's "
-                         "fused_weight_gradient_mlp_cuda (megatron's output layer refuses it without them); "
-                         "use auto or off")
-    grouped = actor.moe_grouped_gemm
-    if grouped == "auto":
-        grouped = "on" if te else "off"
-    if grouped == "on" and not te:
-        raise ValueError("actor.moe_grouped_gemm: on needs Transformer Engine (TEGroupedMLP); use auto or off")
-    packed = actor.packed_attention
-    if packed == "auto":
-        packed = "loop"
-        if cuda and actor.precision == "bf16" and varlen_available():
-            packed = "varlen"
-        elif cuda and flex_available():
-            packed = "flex"
-    if packed == "varlen" and not varlen_available():
-        raise ValueError("actor.packed_attention: varlen needs torch.nn.attention.varlen (torch >= 2.10); "
-                         "use flex, loop or auto")
-    if packed == "flex" and not flex_available():
-        raise ValueError("actor.packed_attention: flex needs torch.nn.attention.flex_attention; use loop or auto")
-    return dataclasses.replace(actor, attention=attention, fusions=fusions, gradient_accumulation_fusion=gaf,
-                               moe_grouped_gemm=grouped, packed_attention=packed,
-                               model_builder=resolve_model_builder(actor.model_builder))
-
-
-def grad_accum_fusion_available() -> bool:
-    """apex's ``fused_weight_gradient_mlp_cuda`` imports (megatron's ColumnParallelLinear needs it
-    for ``gradient_accumulation_fusion``)."""
-    import importlib.util
-
-    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
-
-
-def varlen_available() -> bool:
-    from megatron_tepo.megatron.attention import varlen_attn_fn
-
-    return varlen_attn_fn() is not None
-
-
-def flex_available() -> bool:
-    from megatron_tepo.megatron.attention import flex_attention_fns
-
-    return flex_attention_fns() is not None
-
-
-def family_spec(actor: ActorConfig) -> str:
-    """The layer spec name of a resolved actor config ("te" or "local"): it also names the HF
-    mapping's norm tensors (:attr:`GPTFamilyConfig.spec`)."""
-    return family_spec_name(actor.attention)
-
-
-def moe_token_dispatcher(cuda: Optional[bool] = None) -> str:
-    """megatron's MoE token dispatcher here: ``alltoall`` with CUDA, ``allgather`` on CPU (the
-    alltoall dispatcher creates a ``torch.cuda.Stream``; see models/qwen3_moe/README.md)."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    return "alltoall" if cuda else "allgather"
-
-
-def routing_replay_problem(family_cfg: GPTFamilyConfig, actor: ActorConfig) -> str:
-    """Why ``actor.routing_replay`` cannot run on ``family_cfg``, or ""."""
-    if actor.routing_replay != "off" and family_cfg.moe is None:
-        return (f"actor.routing_replay: {actor.routing_replay} replays MoE routing, and {family_cfg.family} is a "
-                f"dense model (no routed experts); set routing_replay: off")
-    return ""
-
-
-def builder_problem(family_cfg: GPTFamilyConfig, actor: ActorConfig) -> str:
-    """Why the resolved ``actor.model_builder`` cannot build ``family_cfg``, or "": a model with
-    Gated DeltaNet layers, gated attention or zero-centred norms (Qwen3.5) is a ``HybridModel``
-    only (the local GPT spec has none of them)."""
-    needs = [what for what, has in (("Gated DeltaNet layers", family_cfg.linear_attention is not None),
-                                    ("gated attention", family_cfg.attention_output_gate),
-                                    ("zero-centred norms", family_cfg.zero_centered_norms)) if has]
-    if needs and actor.model_builder != "hybrid":
-        from megatron_tepo.megatron.compat import hybrid_model_available, mcore_version
-
-        where = ("set actor.model_builder: hybrid (or auto)" if hybrid_model_available()
-                 else f"megatron-core {mcore_version()} has no HybridModel: install megatron-core >= 0.19")
-        return (f"actor.model_builder: {family_cfg.family} ({', '.join(needs)}) is built as megatron's HybridModel, "
-                f"not a {actor.model_builder} model; {where}")
-    return ""
-
-
-def require_resolved(actor: ActorConfig) -> ActorConfig:
-    """``actor`` itself when no setting is left ``auto``; a ValueError naming them otherwise."""
-    left = [f"actor.{name}" for name in AUTO_FIELDS if getattr(actor, name) == "auto"]
-    if left:
-        raise ValueError(f"{', '.join(left)}: still 'auto'; resolve_actor_config decides auto settings "
-                         f"once, for the machine the actor runs on, before anything is built")
-    return actor
+__all__ = ["transformer_config", "build_chunk", "build_gpt_chunk"]
 
 
 def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int = 1, cp: int = 1,
@@ -214,7 +80,7 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
                        initialize: bool = True, variable_seq_lengths: bool = False,
                        calculate_per_token_loss: bool = False, on_gpu: bool = False):
     """megatron ``TransformerConfig`` for ``family_cfg`` at this layout with ``actor``'s settings
-    (resolved already: :func:`resolve_actor_config`). ``params_dtype`` overrides the parameters'
+    (resolved already: :func:`~megatron_tepo.megatron.resolve.resolve_actor_config`). ``params_dtype`` overrides the parameters'
     dtype only (the checkpoint converter stores bf16 checkpoints in bf16 without bf16 compute).
 
     ``initialize=False`` skips megatron's weight init (no random numbers; the parameters are
@@ -230,7 +96,7 @@ def transformer_config(family_cfg: GPTFamilyConfig, *, tp: int, pp: int, ep: int
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     require_resolved(actor)
-    kw = family_cfg.transformer_config_kwargs()  # with the MoE sizes and router settings
+    kw = transformer_config_kwargs(family_cfg)  # with the MoE sizes and router settings
     per = 1
     if actor.model_builder == "hybrid":  # each HF layer is two layers of the stack (megatron/hybrid.py)
         from megatron_tepo.megatron.hybrid import SUBLAYERS
@@ -308,7 +174,7 @@ def build_gpt_chunk(config, family_cfg: GPTFamilyConfig, pre_process: bool, post
                       moe_grouped_gemm=bool(getattr(config, "moe_grouped_gemm", False)),
                       sequence_parallel=bool(config.sequence_parallel))
     model = GPTModel(config=config, transformer_layer_spec=block_spec(spec, config), pre_process=pre_process,
-                     post_process=post_process, **family_cfg.gpt_model_kwargs())
+                     post_process=post_process, **gpt_model_kwargs(family_cfg))
     if not config.perform_initialization:
         # megatron sets its layers' TP attributes only inside the init it skipped
         from megatron_tepo.megatron.sharding import mark_tensor_parallel_attributes

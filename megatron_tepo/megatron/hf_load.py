@@ -15,7 +15,7 @@ from typing import List, Optional
 import torch
 
 from megatron_tepo.models import GPTFamilyConfig, hf_to_megatron, layer_mapping
-from megatron_tepo.models.common import MegatronToHFLayout, expected_hf_names
+from megatron_tepo.models.converters import MegatronToHFLayout, expected_hf_names
 
 from .sharding import EMBEDDING, checkpoint_slices_equal, load_checkpoint_slices_into, load_megatron_state_into
 

@@ -1,11 +1,12 @@
 """Build this rank's megatron-core ``HybridModel`` stage: the model stack's second builder, beside
 :func:`megatron_tepo.megatron.gpt.build_gpt_chunk`, chosen by ``actor.model_builder``
-(:func:`~megatron_tepo.megatron.gpt.resolve_actor_config`: ``hybrid`` wherever megatron-core has
+(:func:`~megatron_tepo.megatron.resolve.resolve_actor_config`: ``hybrid`` wherever megatron-core has
 ``HybridModel``, 0.18 on; ``gpt`` on 0.16.1 / 0.17).
 
 A ``HybridStack`` is a list of single-purpose layers named by a pattern of symbols; every decoder
 layer of a Hugging Face model is two of them here, its token mixer then its MLP
-(:data:`SUBLAYERS`): ``*`` attention or ``G`` Gated DeltaNet, then ``-`` a dense MLP or ``E`` an
+(:data:`SUBLAYERS`): ``*`` attention or ``G`` Gated DeltaNet (each token mixer's symbol is its row's in the
+layer-kind table, :mod:`megatron_tepo.layer_kinds`; its sublayer spec a row of :data:`MIXER_SPECS`), then ``-`` a dense MLP or ``E`` an
 MoE layer (:func:`layer_pattern`; ``|`` between pipeline stages, which never split a decoder
 layer). HF layer ``i`` is stack layers ``2i`` and ``2i + 1``.
 
@@ -51,9 +52,11 @@ from typing import Optional
 import torch
 
 from megatron_tepo.config import ActorConfig
+from megatron_tepo.layer_kinds import ATTENTION, GATED_DELTANET
+from megatron_tepo.megatron.family_kwargs import gpt_model_kwargs
 from megatron_tepo.models import GPTFamilyConfig
 
-__all__ = ["SUBLAYERS", "layer_pattern", "hybrid_stack_spec", "build_hybrid_chunk",
+__all__ = ["SUBLAYERS", "MIXER_SPECS", "layer_pattern", "hybrid_stack_spec", "build_hybrid_chunk",
            "GatedOutputNorm", "local_hybrid_stack", "eager_fusers"]
 
 #: stack layers per HF decoder layer: the token mixer, then the MLP
@@ -61,8 +64,9 @@ SUBLAYERS = 2
 
 
 def mixer_symbol(family_cfg: GPTFamilyConfig, layer: int) -> str:
-    """``G`` for a Gated DeltaNet layer, ``*`` for attention."""
-    return "G" if family_cfg.is_linear(layer) else "*"
+    """The symbol of the layer's token mixer in the layer-kind table (:mod:`megatron_tepo.layer_kinds`):
+    ``G`` for a Gated DeltaNet layer, ``*`` for attention."""
+    return family_cfg.layer_kind(layer).symbol
 
 
 def mlp_symbol(family_cfg: GPTFamilyConfig, layer: int) -> str:
@@ -177,6 +181,30 @@ def _gdn_layer_spec(attention_layer, te: bool, fused: bool):
         self_attn_bda=get_bias_dropout_add))
 
 
+def _gdn_sublayer(family_cfg: GPTFamilyConfig, attention_layer, te: bool, fused: bool):
+    """The Gated DeltaNet sublayer for ``family_cfg``, or a ValueError where megatron-core has no
+    ``GatedDeltaNet`` or fla's backward would refuse this GPU."""
+    if gated_delta_net_class() is None:
+        raise ValueError(f"{family_cfg.family}: Gated DeltaNet layers need megatron-core's GatedDeltaNet "
+                         f"(megatron-core >= 0.19), which this megatron-core does not have")
+    from megatron_tepo.gdn_kernels import WAYS_OUT
+    from megatron_tepo.megatron.cpu_patches import applied_patches, fla_backward_refusal
+
+    stand_in = GATED_DELTANET.cpu_stand_in in applied_patches()
+    refusal = None if stand_in else fla_backward_refusal()
+    if refusal:  # (fla raises in the first backward, after the first rollout: say so now)
+        raise ValueError(f"{family_cfg.family}: {refusal}: {WAYS_OUT}")
+    if stand_in:
+        say_stand_in_on_gpu()
+    return _gdn_layer_spec(attention_layer, te, fused)
+
+
+#: the megatron side of the layer-kind table (:mod:`megatron_tepo.layer_kinds`): each token mixer
+#: but attention (the GPT spec's own) -> (its ``HybridStackSubmodules`` field, the function that
+#: makes its sublayer spec: ``(family_cfg, attention sublayer, te, fused) -> ModuleSpec``)
+MIXER_SPECS = {GATED_DELTANET.name: ("gdn_layer", _gdn_sublayer)}
+
+
 def _split(gpt_layer):
     """A GPT layer spec -> (its attention sublayer, its MLP sublayer)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -211,27 +239,13 @@ def hybrid_stack_spec(family_cfg: GPTFamilyConfig, actor: ActorConfig, *, moe_gr
     moe_layer = None
     if family_cfg.moe is not None:
         _, moe_layer = _split(layer_spec(family_cfg, actor.attention, **kw))
-    symbols = set(layer_pattern(family_cfg))
-    gdn_layer = None
-    if "G" in symbols:
-        if gated_delta_net_class() is None:
-            raise ValueError(f"{family_cfg.family}: Gated DeltaNet layers need megatron-core's GatedDeltaNet "
-                             f"(megatron-core >= 0.19), which this megatron-core does not have")
-        from megatron_tepo.gdn_kernels import WAYS_OUT
-        from megatron_tepo.megatron.cpu_patches import applied_patches, fla_backward_refusal
-
-        stand_in = "gdn_kernels" in applied_patches()
-        refusal = None if stand_in else fla_backward_refusal()
-        if refusal:  # (fla raises in the first backward, after the first rollout: say so now)
-            raise ValueError(f"{family_cfg.family}: {refusal}: {WAYS_OUT}")
-        if stand_in:
-            say_stand_in_on_gpu()
-        gdn_layer = _gdn_layer_spec(attention_layer, actor.attention == "te", fused)
+    kinds = {family_cfg.layer_kind(i) for i in range(family_cfg.num_layers)} - {ATTENTION}
     sub = dict(attention_layer=attention_layer, mlp_layer=mlp_layer)
     if moe_layer is not None:
         sub["moe_layer"] = moe_layer
-    if gdn_layer is not None:
-        sub["gdn_layer"] = gdn_layer
+    for kind in sorted(kinds, key=lambda k: k.name):  # each other mixer's sublayer, from its MIXER_SPECS row
+        field, make = MIXER_SPECS[kind.name]
+        sub[field] = make(family_cfg, attention_layer, actor.attention == "te", fused)
     if actor.attention == "te":
         from megatron.core.models.hybrid.hybrid_block import HybridStack
 
@@ -270,13 +284,13 @@ def build_hybrid_chunk(config, family_cfg: GPTFamilyConfig, pre_process: bool, p
     over ``pp`` stages, default ``config.pipeline_model_parallel_size``)."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    from megatron_tepo.megatron.gpt import require_resolved
+    from megatron_tepo.megatron.resolve import require_resolved
 
     require_resolved(actor)
     pp = pp or config.pipeline_model_parallel_size
     spec = hybrid_stack_spec(family_cfg, actor, moe_grouped_gemm=bool(getattr(config, "moe_grouped_gemm", False)),
                              sequence_parallel=bool(config.sequence_parallel))
-    kw = family_cfg.gpt_model_kwargs()
+    kw = gpt_model_kwargs(family_cfg)
     rope_scaling = {k: kw.pop(k) for k in ("rope_scaling", "rope_scaling_factor") if k in kw}
     model = HybridModel(config=config, hybrid_stack_spec=spec, hybrid_layer_pattern=layer_pattern(family_cfg, pp),
                         pre_process=pre_process, post_process=post_process, **kw)

@@ -52,12 +52,12 @@ from megatron_tepo.config import OFFLOAD_LEVELS, ActorConfig, OptimConfig
 from megatron_tepo.config.validation import lora_problem, packing_problem
 from megatron_tepo.layout import ParallelLayout
 from megatron_tepo.megatron.fast_paths import use_fused_adam
-from megatron_tepo.megatron.gpt import (build_chunk, builder_problem, family_spec, resolve_actor_config,
-                                        routing_replay_problem, transformer_config)
+from megatron_tepo.megatron.gpt import build_chunk, transformer_config
 from megatron_tepo.megatron.hf_load import load_hf_checkpoint_into, load_hf_weights_into
 from megatron_tepo.megatron.lm_head import hidden_output, note_hidden_gradient_gemm
 from megatron_tepo.megatron.offload import HostOffload
 from megatron_tepo.megatron.parallel import initialize_parallel, validate_layout_here
+from megatron_tepo.megatron.resolve import builder_problem, family_spec, resolve_actor_config, routing_replay_problem
 from megatron_tepo.megatron.routing_replay import RoutingReplay
 from megatron_tepo.models import GPTFamilyConfig, family_config_from_hf
 

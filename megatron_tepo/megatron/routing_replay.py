@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tepo.routing import RoutingShape
-from megatron_tepo.token_layout import SideInputs
+from megatron_tepo.token_layout import MicroBatch, SideInputs, positions_to_rows, scored_positions
 
 __all__ = ["REPLAY_MODES", "RoutingReplay", "replay_slot_class"]
 
@@ -128,7 +128,7 @@ class RoutingReplay:
         """Swap the ``RouterReplay`` of every router in ``chunks`` (built with
         ``moe_enable_routing_replay``) for a ``ReplaySlot``; the model's MoE layers, top-k and experts
         are the routing contract's (``shape``: the family config's
-        :meth:`~megatron_tepo.models.common.GPTFamilyConfig.routing_shape`), which megatron's config
+        :meth:`~megatron_tepo.models.family.GPTFamilyConfig.routing_shape`), which megatron's config
         must agree with."""
         from megatron_tepo.megatron.sharding import hf_layer_of
 
@@ -241,6 +241,56 @@ class RoutingReplay:
                                f"RouterReplay, or routed_experts misses positions")
         return {"routing_mismatch_mean": sum(fractions) / len(fractions), "routing_mismatch_max": max(fractions),
                 "routing_coverage": coverage}
+
+    def check_input(self, routed: Optional[torch.Tensor], seq_lens: torch.Tensor, mode: str) -> None:
+        """A ValueError naming ``routed_experts`` unless ``routed`` (a batch's ``[B, L, moe_layers,
+        topk]``, ``seq_lens`` its rows' lengths) can be replayed by ``actor.routing_replay`` ``mode``:
+        every position that scores a token has routing in this stage's layers, every id an expert."""
+        if routed is None:
+            what = ("the engine's routing (Sample.routed_experts)" if mode == "r3"
+                    else "the routing that compute_log_probs recorded")
+            raise ValueError(f"routed_experts: the batch has none, and actor.routing_replay {mode} replays {what}")
+        layers = [layer for layer, _ in self.slots]
+        if routed.shape[2:] != (self.num_layers, self.topk):
+            raise ValueError(f"routed_experts: must be [B, L, {self.num_layers}, {self.topk}] (moe_layers, topk "
+                             f"of this model), got {tuple(routed.shape)}")
+        mine = routed[:, :, layers]
+        if int(mine.max()) >= self.num_experts:
+            raise ValueError(f"routed_experts: expert id {int(mine.max())} >= the model's {self.num_experts} experts")
+        scored = scored_positions(seq_lens, routed.shape[1])
+        missing = scored & (mine < 0).flatten(2).any(-1)
+        if bool(missing.any()):
+            row, pos = (int(i) for i in missing.nonzero()[0])
+            raise ValueError(f"routed_experts: row {row} has no routing at position {pos} (of {int(missing.sum())} "
+                             f"positions without it); routing replay needs every prompt and response position "
+                             f"but each sequence's last")
+
+    def gathered_recording(self, mbs: List[MicroBatch], batch_size: int, width: int, tp_group=None,
+                           cp_group=None, cp: int = 1) -> torch.Tensor:
+        """``[batch_size, width, moe_layers, topk]``: what the last recording pass's routers chose at
+        each position of the batch that ``mbs`` were cut from (this pipeline stage's layers; -1
+        elsewhere): each micro-batch's recording all-gathered over the sequence-parallel ranks
+        (``tp_group``: each routed its share of the tokens) and the CP ranks (``cp_group``: each
+        routed its chunks), then laid back into the batch's rows."""
+        layers = torch.tensor([layer for layer, _ in self.slots])
+        out = torch.full((batch_size, width, self.num_layers, self.topk), -1, dtype=self.shape.dtype)
+        for mb, recorded in zip(mbs, self.recorded):
+            if self.sp_size > 1:  # each TP rank routed its share of the tokens
+                parts = [torch.empty_like(recorded) for _ in range(self.sp_size)]
+                dist.all_gather(parts, recorded.contiguous(), group=tp_group)
+                recorded = torch.cat(parts)
+            if mb.cp_splits is not None:  # each CP rank routed its chunks: back to the whole layout
+                parts = [torch.empty_like(recorded) for _ in range(cp)]
+                dist.all_gather(parts, recorded.contiguous(), group=cp_group)
+                recorded = mb.context_gather([p.cpu() for p in parts])
+            if not mb.rows:
+                continue
+            rows = positions_to_rows(recorded.cpu(), width=width, **mb.side_layout())[: len(mb.rows)]
+            index = torch.as_tensor(mb.rows, dtype=torch.long)
+            grid = out[index]
+            grid[:, :, layers] = rows.to(out.dtype)
+            out[index] = grid
+        return out
 
     def abort(self) -> None:
         """After a failed run: the routers back to plain routing, no collective."""

@@ -60,7 +60,7 @@ Split = Union[int, Tuple[int, ...]]
 def tp_partition(param: torch.Tensor, gated: Union[bool, Tuple[int, ...]] = False) -> Optional[Tuple[int, Split]]:
     """``(partition_dim, split)`` of a TP-split parameter, None for a replicated one; ``split`` its
     ``partition_stride`` unless ``gated`` says otherwise (the family's mapping:
-    :meth:`~megatron_tepo.models.common.MegatronToHFLayout.gated`): True for a SwiGLU
+    :meth:`~megatron_tepo.models.converters.MegatronToHFLayout.gated`): True for a SwiGLU
     ``linear_fc1`` (``[gate; up]``), which every rank holds as ``[gate_r; up_r]`` -- stride 2,
     whatever its ``partition_stride`` says: megatron-core resets that to 1 on Transformer Engine's
     expert layers (``_set_expert_parameter_attributes``); a tuple of section sizes for a tensor
@@ -225,7 +225,7 @@ def load_megatron_state_into(model_chunks: List[torch.nn.Module],
     """Copy full tensors (global Megatron names) into this rank's parameter shards.
 
     ``gated(name)``: whether a tensor is a SwiGLU ``linear_fc1`` (the family mapping's
-    :meth:`~megatron_tepo.models.common.MegatronToHFLayout.gated`; see :func:`tp_partition`).
+    :meth:`~megatron_tepo.models.converters.MegatronToHFLayout.gated`; see :func:`tp_partition`).
     Tensors for other pipeline stages are skipped. With tied embeddings the last stage's
     ``output_layer.weight`` copy is filled from ``embedding.word_embeddings.weight``. Raises
     ValueError naming any shape mismatch, any tensor given twice, and any parameter of this rank

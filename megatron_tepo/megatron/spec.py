@@ -27,7 +27,8 @@ Left out: inference / kitchen / MLA specs.
 from __future__ import annotations
 
 import importlib.util
-from megatron_tepo.models.common import GPTFamilyConfig
+from megatron_tepo.megatron.family_kwargs import layer_spec_kwargs
+from megatron_tepo.models.family import GPTFamilyConfig
 
 __all__ = ["ATTENTIONS", "te_available", "family_spec_name", "layer_spec", "block_spec", "sdpa_core_attention",
            "SequenceParallelTorchNorm", "ZeroCenteredRMSNorm"]
@@ -143,7 +144,7 @@ def block_spec(layer, config):
 def layer_spec(cfg: GPTFamilyConfig, attention: str, *, packed_attention: str = "loop",
                moe_grouped_gemm: bool = False, sequence_parallel: bool = False):
     """The ``ModuleSpec`` of one decoder layer for the resolved ``attention`` (te / sdpa / unfused);
-    the family's part (experts, QK-norm) from :meth:`GPTFamilyConfig.layer_spec_kwargs`;
+    the family's part (experts, QK-norm) from :func:`~megatron_tepo.megatron.family_kwargs.layer_spec_kwargs`;
     ``packed_attention`` (varlen / flex / loop): how the sdpa attention runs packed (THD) input."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
@@ -153,9 +154,9 @@ def layer_spec(cfg: GPTFamilyConfig, attention: str, *, packed_attention: str = 
         if not te_available():
             raise ValueError("actor.attention: te needs transformer_engine, which is not importable here")
         return specs.get_gpt_layer_with_transformer_engine_spec(moe_grouped_gemm=moe_grouped_gemm,
-                                                                **cfg.layer_spec_kwargs())
+                                                                **layer_spec_kwargs(cfg))
     spec = specs.get_gpt_layer_local_spec(moe_grouped_gemm=moe_grouped_gemm, normalization="RMSNorm",
-                                          **cfg.layer_spec_kwargs())
+                                          **layer_spec_kwargs(cfg))
     if attention == "sdpa":  # the slot megatron's local spec fills with DotProductAttention
         spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention(packed_attention)
     if sequence_parallel or cfg.zero_centered_norms:  # every slot that holds megatron's torch norm (QK-norms too)

@@ -1,13 +1,14 @@
 """Model families for the Megatron actor: THE single source of truth for HF <-> Megatron.
 
 One folder per family (``llama/``, ``qwen2/``, ``qwen3/``, ``qwen3_moe/``, ``qwen3_5/`` with both
-Qwen3.5 families, dense and MoE), each exporting its :class:`~.common.FamilySpec` as ``SPEC``
+Qwen3.5 families, dense and MoE), each exporting its :class:`~.names.FamilySpec` as ``SPEC``
 (``qwen3_5/`` also ``MOE_SPEC``): the HF ``model_type`` / ``architectures`` it answers to,
 its HF config translation (``from_hf_config`` -> :class:`GPTFamilyConfig`, MoE sizes and router
 settings typed in its ``moe`` field, :class:`MoEConfig`) and its per-layer name table
-(``layer_mapping``); shared GPT code in :mod:`.common`. What megatron's layer spec and
+(``layer_mapping``); shared GPT code by job: the family config (:mod:`.family`), the fused-tensor
+ops (:mod:`.fused`), the name tables (:mod:`.names`) and the converters (:mod:`.converters`). What megatron's layer spec and
 ``TransformerConfig`` need of a family comes from its config
-(:meth:`GPTFamilyConfig.layer_spec_kwargs`, :meth:`GPTFamilyConfig.transformer_config_kwargs`). Which rank holds which slice (TP/PP/EP placement), the layer spec and
+(in megatron's words: :mod:`megatron_tepo.megatron.family_kwargs`). Which rank holds which slice (TP/PP/EP placement), the layer spec and
 the loading of HF weights into model chunks are the megatron backend's: :mod:`megatron_tepo.megatron`.
 
 Public API:
@@ -22,7 +23,7 @@ Public API:
     its tensors are only carried (its vision tower, its MTP layers).
 
 The live actor's bucketed export to HF tensors (for the rollout weight sync and the end-of-run
-export) is the actor's: :mod:`megatron_tepo.actor.export`, built on :class:`.common.MegatronToHFLayout`
+export) is the actor's: :mod:`megatron_tepo.actor.export`, built on :class:`.converters.MegatronToHFLayout`
 and :mod:`megatron_tepo.megatron.sharding`. The checkpoint converter reads the TP=PP=EP=1 layout from files and
 uses :func:`megatron_to_hf` directly; both name experts by global index.
 """
@@ -37,8 +38,9 @@ import torch
 from megatron_tepo.routing import RoutingShape
 
 from . import llama, qwen2, qwen3, qwen3_5, qwen3_moe
-from .common import (CheckpointNaming, FamilySpec, GPTFamilyConfig, LayerMapping, LinearAttentionConfig, MoEConfig,
-                     convert_hf_to_megatron, convert_megatron_to_hf)
+from .family import GPTFamilyConfig, LinearAttentionConfig, MoEConfig
+from .names import CheckpointNaming, FamilySpec, LayerMapping
+from .converters import convert_hf_to_megatron, convert_megatron_to_hf
 
 FAMILIES: Dict[str, FamilySpec] = {s.name: s for s in (llama.SPEC, qwen2.SPEC, qwen3.SPEC, qwen3_moe.SPEC,
                                                        qwen3_5.SPEC, qwen3_5.MOE_SPEC)}
@@ -71,13 +73,13 @@ def resolve_family(hf_config) -> FamilySpec:
 def family_config_from_hf(hf_config, spec: str) -> GPTFamilyConfig:
     """Translate an HF config for the layer spec ``spec`` ("te" or "local", which names the norm
     tensors; the actor derives it from its resolved ``actor.attention``:
-    :func:`megatron_tepo.megatron.gpt.family_spec`)."""
+    :func:`megatron_tepo.megatron.resolve.family_spec`)."""
     return resolve_family(hf_config).from_hf_config(hf_config, spec=spec)
 
 
 def checkpoint_naming(hf_config) -> CheckpointNaming:
     """How the checkpoints of ``hf_config``'s model name their tensors against the text model's names
-    the mapping uses (:class:`~.common.CheckpointNaming`; e.g. a published Qwen3.5
+    the mapping uses (:class:`~.names.CheckpointNaming`; e.g. a published Qwen3.5
     ``*ForConditionalGeneration``: the text model under ``model.language_model.``, the vision tower
     and MTP layers carried)."""
     return resolve_family(hf_config).checkpoint_naming(hf_config)

@@ -68,7 +68,7 @@ def test_every_example_is_covered():
 @pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])
 def test_layout_settings_reach_the_transformer_config(path, tmp_path):
     from megatron_tepo.actor.actor import actor_transformer_config
-    from megatron_tepo.megatron.gpt import family_spec, resolve_actor_config
+    from megatron_tepo.megatron.resolve import family_spec, resolve_actor_config
     from megatron_tepo.models import family_config_from_hf
     from megatron_tepo.actor import actor_args
 

@@ -145,3 +145,20 @@ def test_find_latest_ignores_partial_and_prune(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step_10"]
     with pytest.raises(ValueError):
         prune_checkpoints(tmp_path, keep_last=0)
+
+
+def test_the_checkpoint_layout_is_read_from_the_train_model():
+    """The checkpointing code takes the train model it saves (its parallel state and settings) and
+    the optimizer's config, not the actor: a stand-in with only those answers."""
+    import types
+
+    from megatron_tepo.actor.checkpointing import actor_layout
+    from megatron_tepo.config import ActorConfig, OptimConfig
+
+    ps = types.SimpleNamespace(**{f"get_{n}_world_size": (lambda v: lambda: v)(v) for n, v in (
+        ("tensor_model_parallel", 2), ("pipeline_model_parallel", 1), ("expert_model_parallel", 1),
+        ("data_parallel", 2))})
+    train_model = types.SimpleNamespace(_ps=ps, settings=ActorConfig(precision="bf16", model_builder="gpt"))
+    assert actor_layout(train_model, OptimConfig(use_distributed_optimizer=True)) == {
+        "world_size": 1, "tp": 2, "pp": 1, "ep": 1, "dp": 2, "distributed_optimizer": True, "precision": "bf16",
+        "model_builder": "gpt"}

@@ -78,3 +78,26 @@ def test_export_buckets_tp2_pp2_reach_rank0_bit_exact(tmp_path):
     per_rank = torchrun(WORKER, 4, json.dumps([{"family": "llama", "tie": False, "tp": 2, "pp": 2}]),
                         tmp_path=tmp_path, timeout=580)
     _check(per_rank)
+
+
+def test_the_bucket_plan_never_mixes_kinds_and_counts_every_ep_rank_s_experts():
+    """The export's planning steps are functions of their own (actor/export.py: _stage_items,
+    _participation, _plan_buckets, _buffer_caps); the plan is the same on every rank: buckets up to
+    the byte budget in parameter order, a new one at each change of kind, an expert counted once
+    per EP rank."""
+    import torch
+
+    from megatron_tepo.actor.export import _buffer_caps, _Item, _plan_buckets
+
+    def item(n, expert, size=1):
+        return _Item(f"p{n}", 0, torch.zeros(4 // size), torch.float32, (0, 1) if size > 1 else None, None, size,
+                     (4,), [(f"p{n}", None)], expert)
+
+    items = [item(0, False, 2), item(1, False), item(2, True), item(3, True), item(4, False)]  # 16 bytes each
+    plan = _plan_buckets(items, bucket_bytes=32, ep=1)
+    assert [[it.lname for it in b] for b in plan] == [["p0", "p1"], ["p2", "p3"], ["p4"]]
+    plan = _plan_buckets(items, bucket_bytes=32, ep=2)  # an expert item is 32 bytes with EP 2
+    assert [[it.lname for it in b] for b in plan] == [["p0", "p1"], ["p2"], ["p3"], ["p4"]]
+    caps = _buffer_caps(plan, [False] * len(plan), False, {False: True, True: True}, ep=2)
+    assert caps == {"send": 8, "recv": 16, "out": 32, "local_out": 16}
+    assert _buffer_caps(plan, [True, False, False, True], True, {False: True, True: False}, ep=2) == {"shared": 32}

@@ -27,16 +27,16 @@ def _hybrid_available():
 
 
 def test_auto_takes_hybrid_where_megatron_core_has_it(monkeypatch):
-    from megatron_tepo.megatron import compat, gpt
+    from megatron_tepo.megatron import compat, resolve
 
-    assert gpt.resolve_model_builder("auto") == ("hybrid" if _hybrid_available() else "gpt")
-    assert gpt.resolve_model_builder("gpt") == "gpt"
+    assert resolve.resolve_model_builder("auto") == ("hybrid" if _hybrid_available() else "gpt")
+    assert resolve.resolve_model_builder("gpt") == "gpt"
     monkeypatch.setattr(compat, "hybrid_model_available", lambda: False)
-    assert gpt.resolve_model_builder("auto") == "gpt"
+    assert resolve.resolve_model_builder("auto") == "gpt"
     with pytest.raises(ValueError, match=r"actor.model_builder: hybrid needs megatron-core's HybridModel"):
-        gpt.resolve_model_builder("hybrid")
+        resolve.resolve_model_builder("hybrid")
     monkeypatch.setattr(compat, "hybrid_model_available", lambda: True)
-    assert gpt.resolve_model_builder("auto") == "hybrid"
+    assert resolve.resolve_model_builder("auto") == "hybrid"
 
 
 def test_a_bad_builder_names_the_field():
@@ -97,7 +97,7 @@ def test_the_hybrid_spec_is_the_gpt_spec_cut_in_two():
 
     from megatron_tepo.config import ActorConfig
     from megatron_tepo.megatron.attention import SDPACoreAttention
-    from megatron_tepo.megatron.gpt import resolve_actor_config
+    from megatron_tepo.megatron.resolve import resolve_actor_config
     from megatron_tepo.megatron.hybrid import eager_fusers, hybrid_stack_spec, local_hybrid_stack
     from megatron_tepo.megatron.spec import layer_spec
     from megatron_tepo.models import family_config_from_hf

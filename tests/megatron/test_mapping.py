@@ -12,8 +12,9 @@ from megatron_tepo.models import (
     megatron_to_hf,
     resolve_family,
 )
-from megatron_tepo.models.common import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
+from megatron_tepo.models.fused import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from megatron_tepo.models.qwen3_moe.config import moe_config_from_hf
+from megatron_tepo.megatron.family_kwargs import gpt_model_kwargs, layer_spec_kwargs, transformer_config_kwargs
 from megatron_tepo.megatron.sharding import shard_tensor, unshard_tensors
 from tests.megatron.helpers import hf_state, make_hf_model, tiny_hf_config
 
@@ -120,11 +121,11 @@ def test_qwen3_moe_config_translation():
     cfg = family_config_from_hf(tiny_hf_config("qwen3_moe"), spec="local")
     assert cfg.moe == MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=32, router_pre_softmax=False)
     assert cfg.num_experts == 4 and cfg.dims().num_experts == 4
-    kw = cfg.transformer_config_kwargs()
+    kw = transformer_config_kwargs(cfg)
     assert (kw["num_moe_experts"], kw["moe_router_topk"], kw["moe_ffn_hidden_size"]) == (4, 2, 32)
     assert kw["moe_router_pre_softmax"] is False and kw["moe_router_load_balancing_type"] == "none"
     assert "moe_token_dispatcher_type" not in kw  # the machine's choice: megatron.gpt
-    assert cfg.layer_spec_kwargs() == {"num_experts": 4, "qk_layernorm": True}
+    assert layer_spec_kwargs(cfg) == {"num_experts": 4, "qk_layernorm": True}
     with pytest.raises(NotImplementedError, match="mlp_only_layers"):
         family_config_from_hf(tiny_hf_config("qwen3_moe", mlp_only_layers=[1]), spec="local")
 
@@ -132,8 +133,8 @@ def test_qwen3_moe_config_translation():
 def test_dense_config_has_no_moe():
     cfg = family_config_from_hf(tiny_hf_config("qwen3"), spec="local")
     assert cfg.moe is None and cfg.num_experts == 0 and cfg.dims().num_experts == 0
-    assert not any(k.startswith(("moe_", "num_moe")) for k in cfg.transformer_config_kwargs())
-    assert cfg.layer_spec_kwargs() == {"num_experts": None, "qk_layernorm": True}
+    assert not any(k.startswith(("moe_", "num_moe")) for k in transformer_config_kwargs(cfg))
+    assert layer_spec_kwargs(cfg) == {"num_experts": None, "qk_layernorm": True}
 
 
 def test_moe_config_from_a_raw_hf_dict():
@@ -184,15 +185,15 @@ def test_registry_by_model_type_and_architecture():
 def test_config_translation():
     cfg = family_config_from_hf(tiny_hf_config("qwen3", tie=True), spec="local")
     assert (cfg.head_dim, cfg.qk_layernorm, cfg.qkv_bias, cfg.tie_word_embeddings) == (32, True, False, True)
-    kw = cfg.transformer_config_kwargs()
+    kw = transformer_config_kwargs(cfg)
     assert kw["kv_channels"] == 32 and kw["num_query_groups"] == 2 and kw["qk_layernorm"]
-    assert cfg.gpt_model_kwargs()["rotary_base"] == 1000000
+    assert gpt_model_kwargs(cfg)["rotary_base"] == 1000000
     q2 = family_config_from_hf(tiny_hf_config("qwen2"), spec="local")
     assert q2.qkv_bias and not q2.qk_layernorm and q2.head_dim == 16
     rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     ll = family_config_from_hf(tiny_hf_config("llama", rope_parameters=rope), spec="local")
-    assert ll.gpt_model_kwargs()["rope_scaling"] and ll.gpt_model_kwargs()["rope_scaling_factor"] == 8.0
+    assert gpt_model_kwargs(ll)["rope_scaling"] and gpt_model_kwargs(ll)["rope_scaling_factor"] == 8.0
     with pytest.raises(NotImplementedError, match="low_freq_factor"):
         family_config_from_hf(tiny_hf_config("llama", rope_parameters=dict(rope, low_freq_factor=2.0)),
                               spec="local")

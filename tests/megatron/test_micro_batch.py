@@ -51,6 +51,38 @@ def test_packed_micro_batch_layout():
     assert int(mb.valid.sum()) == int((b.response_mask[rows] != 0).sum())  # (holes stay out)
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_rank_s_micro_batches_are_one_layout_call(packed):
+    """token_layout.micro_batches: built at the SP multiple, padded to what the group's maximum
+    answers (the caller's collective, here a stand-in asking for more), and with CP each rank's
+    share of the group's size; without a group each micro-batch keeps its own shape."""
+    from megatron_tepo.token_layout import micro_batches
+
+    b = make_batch(3)
+    plan = [[2, 0], [1]]
+    asked = []
+
+    def bigger(sizes):  # two more of each (a packed micro-batch's one row stays one)
+        asked.append(sizes)
+        return [[v if packed and len(row) == 2 and i == 0 else v + 2 for i, v in enumerate(row)] for row in sizes]
+
+    own = micro_batches(b, plan, packed=packed, sp=2)
+    assert [mb.rows for mb in own] == plan and all(mb.input_ids.shape[-1] % 2 == 0 for mb in own)
+    grown = micro_batches(b, plan, packed=packed, sp=2, group_max=bigger)
+    assert asked == [[list(mb.shape) for mb in own]]
+    if packed:  # one row: a pad segment to the group's length
+        assert [mb.shape[1] for mb in grown] == [mb.shape[1] + 2 for mb in own]
+    else:  # dummy rows and pad columns
+        assert [mb.shape for mb in grown] == [(r + 2, n + 2) for r, n in (mb.shape for mb in own)]
+    assert [int(mb.valid.sum()) for mb in grown] == [int(mb.valid.sum()) for mb in own]  # scores the same slots
+    if packed:  # context parallelism: each rank's share of the group's tokens
+        asked.clear()
+        shards = [micro_batches(b, plan, packed=True, sp=2, cp=2, cp_rank=r, group_max=bigger) for r in (0, 1)]
+        local = [t for (t,) in asked[0]]
+        assert [mb.input_ids.shape[1] for mb in shards[0]] == [t + 2 for t in local] == \
+            [mb.input_ids.shape[1] for mb in shards[1]]
+
+
 def test_padded_micro_batch_layout_scores_the_same_tokens():
     b = make_batch(3)
     rows = [1, 4]
@@ -135,7 +167,7 @@ def test_sdpa_core_attention_packed_equals_one_sequence_at_a_time():
 def test_settings_are_checked_before_any_process_group():
     from megatron_tepo.actor.actor import plan_actor
     from megatron_tepo.layout import ParallelLayout
-    from megatron_tepo.megatron.gpt import resolve_actor_config
+    from megatron_tepo.megatron.resolve import resolve_actor_config
 
     hf = tiny_hf_config("qwen3")
     with pytest.raises(ValueError, match="pack_sequences=true needs actor.attention sdpa or te"):

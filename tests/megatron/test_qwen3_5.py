@@ -55,6 +55,7 @@ needs_gdn = pytest.mark.skipif(not _hybrid_available(), reason="Qwen3.5 needs me
 
 def test_the_family_config_reads_qwen3_5():
     from megatron_tepo.models import family_config_from_hf, layer_mapping
+    from megatron_tepo.megatron.family_kwargs import gpt_model_kwargs, transformer_config_kwargs
 
     fam = family_config_from_hf(tiny_hf_config("qwen3_5"), spec="local")
     assert fam.family == "qwen3_5" and fam.layer_types == ("linear_attention",) * 3 + ("full_attention",)
@@ -62,9 +63,9 @@ def test_the_family_config_reads_qwen3_5():
     la = fam.linear_attention
     assert (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel) == (2, 4, 16, 16, 4)
     assert la.in_proj_sections() == (32, 32, 64, 64, 4, 4)
-    kw = fam.transformer_config_kwargs()
+    kw = transformer_config_kwargs(fam)
     assert kw["layernorm_zero_centered_gamma"] and kw["attention_output_gate"] and kw["linear_num_value_heads"] == 4
-    assert fam.gpt_model_kwargs()["rotary_percent"] == 0.25
+    assert gpt_model_kwargs(fam)["rotary_percent"] == 0.25
     moe = family_config_from_hf(tiny_hf_config("qwen3_5_moe"), spec="local")
     assert moe.family == "qwen3_5_moe" and moe.moe.num_experts == 4 and moe.moe.router_topk == 2
     assert (moe.moe.shared_expert_ffn_hidden_size, moe.moe.shared_expert_gate, moe.moe.router_pre_softmax) == (48, True, False)
@@ -118,7 +119,7 @@ def test_every_hf_tensor_maps_once_and_back_bit_for_bit():
     """The tiny models' HF tensors -> Megatron -> HF: the same names, the same bits (both specs'
     norm names; the MoE's experts and shared expert); the export layout and the TP sections."""
     from megatron_tepo.models import family_config_from_hf, hf_to_megatron, layer_mapping, megatron_to_hf
-    from megatron_tepo.models.common import MegatronToHFLayout
+    from megatron_tepo.models.converters import MegatronToHFLayout
     from tests.megatron.helpers import hf_state, make_hf_model
 
     for family in ("qwen3_5", "qwen3_5_moe"):
@@ -376,7 +377,7 @@ def test_the_stand_in_on_a_gpu_is_said_once_unless_chosen(monkeypatch, capsys):
     it (MTEPO_GDN_KERNELS=torch), and not on CPU (the main job stays quiet)."""
     from megatron_tepo.config import ActorConfig
     from megatron_tepo.megatron import cpu_patches, hybrid
-    from megatron_tepo.megatron.gpt import resolve_actor_config
+    from megatron_tepo.megatron.resolve import resolve_actor_config
     from megatron_tepo.models import family_config_from_hf
 
     actor = resolve_actor_config(ActorConfig(precision="fp32", attention="sdpa"), cuda=False, te=False)

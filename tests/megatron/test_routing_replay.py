@@ -97,3 +97,57 @@ def test_r2_training_pass_replays_the_routing_recorded_in_the_log_prob_pass(tmp_
             assert c["train_calls_per_layer"] == [calls * c["train_mbs"]] * 3, where
             _gates_pass(c["train_metrics"], 0.1)
             assert len(c["router_grad_norm"]) == 3 and min(c["router_grad_norm"].values()) > 0, where
+
+
+def _replay_and_batch():
+    """A replay of 2 MoE layers (top-2 of 4 experts) with no routers, and a batch of 3 rows whose
+    routing is known (ids from the position, -1 after each row's tokens)."""
+    import torch
+
+    from megatron_tepo.batch import RolloutBatch
+    from megatron_tepo.megatron.routing_replay import RoutingReplay
+    from megatron_tepo.routing import RoutingShape
+
+    replay = RoutingReplay([(0, None), (1, None)], RoutingShape(2, (0, 1), 2, 4), torch.zeros(2, 3))
+    prompt_lens = torch.tensor([2, 3, 1])
+    response_mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    seq = prompt_lens + response_mask.sum(1)
+    width = int(seq.max())
+    pos = torch.arange(width)[None, :, None, None].expand(3, width, 2, 2)
+    routed = torch.where(pos < seq[:, None, None, None], pos % 4, -1).to(torch.int8)
+    return replay, RolloutBatch(input_ids=torch.ones(3, width, dtype=torch.long), prompt_lens=prompt_lens,
+                                response_mask=response_mask, routed_experts=routed)
+
+
+def test_the_replay_checks_a_batch_s_routing_naming_the_field():
+    """The routing checks live with routing replay (megatron/routing_replay.py), not in the actor."""
+    import torch
+
+    replay, batch = _replay_and_batch()
+    replay.check_input(batch.routed_experts, batch.seq_lens(), "r3")  # every scored position has routing
+    with pytest.raises(ValueError, match=r"routed_experts: the batch has none, and actor.routing_replay r3"):
+        replay.check_input(None, batch.seq_lens(), "r3")
+    with pytest.raises(ValueError, match=r"routed_experts: must be \[B, L, 2, 2\]"):
+        replay.check_input(batch.routed_experts[:, :, :1], batch.seq_lens(), "r3")
+    with pytest.raises(ValueError, match=r"routed_experts: expert id 4 >= the model's 4 experts"):
+        replay.check_input(torch.where(batch.routed_experts == 3, 4, batch.routed_experts).to(torch.int8),
+                           batch.seq_lens(), "r2")
+    holed = batch.routed_experts.clone()
+    holed[1, 2] = -1
+    with pytest.raises(ValueError, match=r"routed_experts: row 1 has no routing at position 2"):
+        replay.check_input(holed, batch.seq_lens(), "r3")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_recording_is_laid_back_into_the_batch_s_rows(packed):
+    """One rank (no SP, no CP): what the routers recorded, in megatron's token order, comes back as
+    the batch's ``[B, L, moe_layers, topk]`` at every position the micro-batches hold."""
+    import torch
+
+    from megatron_tepo.token_layout import build_micro_batch
+
+    replay, batch = _replay_and_batch()
+    mbs = [build_micro_batch(batch, rows, packed=packed) for rows in ([2, 0], [1])]
+    replay.recorded = [mb.side.routed_experts for mb in mbs]  # the routers chose the given experts
+    out = replay.gathered_recording(mbs, batch.batch_size, batch.input_ids.shape[1])
+    assert out.dtype == torch.int8 and torch.equal(out, batch.routed_experts)

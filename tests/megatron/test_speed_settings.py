@@ -9,7 +9,7 @@ loop on CPU. Overlap defaults: on (``tests/megatron/test_overlap.py`` runs them 
 import pytest
 
 from megatron_tepo.config import ActorConfig
-from megatron_tepo.megatron import gpt
+from megatron_tepo.megatron import gpt, resolve
 from megatron_tepo.models import family_config_from_hf
 from tests.megatron.helpers import tiny_hf_config
 
@@ -20,8 +20,8 @@ def with_te(monkeypatch):
     always uses) stands in rope_utils, so ``TransformerConfig`` accepts ``apply_rope_fusion``."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    monkeypatch.setattr(gpt, "te_available", lambda: True)
-    monkeypatch.setattr(gpt, "grad_accum_fusion_available", lambda: True)
+    monkeypatch.setattr(resolve, "te_available", lambda: True)
+    monkeypatch.setattr(resolve, "grad_accum_fusion_available", lambda: True)
     for name in ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"):
         monkeypatch.setattr(rope_utils, name, lambda *a, **k: None)
 
@@ -33,15 +33,15 @@ def test_defaults_are_on():
 
 
 def test_auto_resolution_per_machine(monkeypatch):
-    monkeypatch.setattr(gpt, "grad_accum_fusion_available", lambda: True)
-    cpu = gpt.resolve_actor_config(ActorConfig(), cuda=False, te=False)
+    monkeypatch.setattr(resolve, "grad_accum_fusion_available", lambda: True)
+    cpu = resolve.resolve_actor_config(ActorConfig(), cuda=False, te=False)
     assert (cpu.gradient_accumulation_fusion, cpu.moe_grouped_gemm, cpu.packed_attention) == ("off", "off", "loop")
-    te = gpt.resolve_actor_config(ActorConfig(), cuda=True, te=True)
+    te = resolve.resolve_actor_config(ActorConfig(), cuda=True, te=True)
     assert (te.gradient_accumulation_fusion, te.moe_grouped_gemm) == ("on", "on")
-    assert te.packed_attention == ("varlen" if gpt.varlen_available() else "flex")
-    assert gpt.resolve_actor_config(ActorConfig(precision="fp32"), cuda=True, te=False).packed_attention == "flex"
-    monkeypatch.setattr(gpt, "grad_accum_fusion_available", lambda: False)  # TE without apex
-    assert gpt.resolve_actor_config(ActorConfig(), cuda=True, te=True).gradient_accumulation_fusion == "off"
+    assert te.packed_attention == ("varlen" if resolve.varlen_available() else "flex")
+    assert resolve.resolve_actor_config(ActorConfig(precision="fp32"), cuda=True, te=False).packed_attention == "flex"
+    monkeypatch.setattr(resolve, "grad_accum_fusion_available", lambda: False)  # TE without apex
+    assert resolve.resolve_actor_config(ActorConfig(), cuda=True, te=True).gradient_accumulation_fusion == "off"
 
 
 @pytest.mark.parametrize("field, value, match", [
@@ -52,15 +52,15 @@ def test_on_without_te_is_refused(field, value, match):
     import dataclasses
 
     with pytest.raises(ValueError, match=match):
-        gpt.resolve_actor_config(dataclasses.replace(ActorConfig(), **{field: value}), cuda=True, te=False)
+        resolve.resolve_actor_config(dataclasses.replace(ActorConfig(), **{field: value}), cuda=True, te=False)
 
 
 def test_grad_accum_fusion_reaches_transformer_config(with_te):
     fam = family_config_from_hf(tiny_hf_config("qwen3"), spec="te")
     cfg = gpt.transformer_config(fam, tp=1, pp=1,
-                                 actor=gpt.resolve_actor_config(ActorConfig(precision="fp32", attention="te")))
+                                 actor=resolve.resolve_actor_config(ActorConfig(precision="fp32", attention="te")))
     assert cfg.gradient_accumulation_fusion is True
-    off = gpt.transformer_config(fam, tp=1, pp=1, actor=gpt.resolve_actor_config(ActorConfig(
+    off = gpt.transformer_config(fam, tp=1, pp=1, actor=resolve.resolve_actor_config(ActorConfig(
         precision="fp32", attention="te", gradient_accumulation_fusion="off")))
     assert off.gradient_accumulation_fusion is False
 
@@ -68,9 +68,9 @@ def test_grad_accum_fusion_reaches_transformer_config(with_te):
 def test_grouped_gemm_reaches_transformer_config(with_te):
     fam = family_config_from_hf(tiny_hf_config("qwen3_moe"), spec="te")
     cfg = gpt.transformer_config(fam, tp=1, pp=1,
-                                 actor=gpt.resolve_actor_config(ActorConfig(precision="fp32", attention="te")))
+                                 actor=resolve.resolve_actor_config(ActorConfig(precision="fp32", attention="te")))
     assert cfg.moe_grouped_gemm is True
-    off = gpt.transformer_config(fam, tp=1, pp=1, actor=gpt.resolve_actor_config(ActorConfig(
+    off = gpt.transformer_config(fam, tp=1, pp=1, actor=resolve.resolve_actor_config(ActorConfig(
         precision="fp32", attention="te", moe_grouped_gemm="off")))
     assert off.moe_grouped_gemm is False
 
@@ -78,7 +78,7 @@ def test_grouped_gemm_reaches_transformer_config(with_te):
 def test_cpu_transformer_config_keeps_them_off():
     fam = family_config_from_hf(tiny_hf_config("qwen3_moe"), spec="local")
     cfg = gpt.transformer_config(fam, tp=1, pp=1,
-                                 actor=gpt.resolve_actor_config(ActorConfig(precision="fp32", attention="sdpa")))
+                                 actor=resolve.resolve_actor_config(ActorConfig(precision="fp32", attention="sdpa")))
     assert cfg.gradient_accumulation_fusion is False and cfg.moe_grouped_gemm is False
 
 
@@ -86,12 +86,12 @@ def test_moe_sizes_and_the_machines_dispatcher_reach_transformer_config():
     """The sizes and router settings come from the family's MoEConfig, the token dispatcher from
     the machine (allgather on CPU: alltoall needs CUDA streams); a dense model keeps alltoall,
     which lets TransformerConfig take variable_seq_lengths."""
-    actor = gpt.resolve_actor_config(ActorConfig(precision="fp32", attention="sdpa"))
+    actor = resolve.resolve_actor_config(ActorConfig(precision="fp32", attention="sdpa"))
     fam = family_config_from_hf(tiny_hf_config("qwen3_moe"), spec="local")
     cfg = gpt.transformer_config(fam, tp=1, pp=1, actor=actor)
     assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (4, 2, 32)
     assert cfg.moe_token_dispatcher_type == "allgather" and cfg.moe_permute_fusion is False
-    assert gpt.moe_token_dispatcher(cuda=True) == "alltoall" and gpt.moe_token_dispatcher(cuda=False) == "allgather"
+    assert resolve.moe_token_dispatcher(cuda=True) == "alltoall" and resolve.moe_token_dispatcher(cuda=False) == "allgather"
     dense = gpt.transformer_config(family_config_from_hf(tiny_hf_config("qwen3"), spec="local"), tp=1, pp=1,
                                    actor=actor)
     assert dense.num_moe_experts is None and dense.moe_token_dispatcher_type == "alltoall"
@@ -118,7 +118,7 @@ def test_auto_is_decided_once_before_anything_is_built():
     fam = family_config_from_hf(tiny_hf_config("qwen3"), spec="local")
     with pytest.raises(ValueError, match=r"actor.attention, .*actor.packed_attention, actor.model_builder: still 'auto'"):
         gpt.transformer_config(fam, tp=1, pp=1, actor=ActorConfig(precision="fp32"))
-    assert gpt.require_resolved(gpt.FP32_ACTOR) is gpt.FP32_ACTOR
+    assert resolve.require_resolved(resolve.FP32_ACTOR) is resolve.FP32_ACTOR
 
 
 def test_the_layer_spec_answers_the_attention():
@@ -144,11 +144,11 @@ def test_te_rope_fusion_follows_te_and_an_empty_fusion_is_not_used(with_te):
     ``fusions: on`` fuses SwiGLU but not bias-dropout-add, which without a bias or dropout would be
     a compiled plain add."""
     fam_te = family_config_from_hf(tiny_hf_config("qwen3"), spec="te")
-    te_off = gpt.transformer_config(fam_te, tp=1, pp=1, actor=gpt.resolve_actor_config(
+    te_off = gpt.transformer_config(fam_te, tp=1, pp=1, actor=resolve.resolve_actor_config(
         ActorConfig(precision="fp32", attention="te", fusions="off"), cuda=True))
     assert te_off.apply_rope_fusion is True and te_off.bias_activation_fusion is False
     fam = family_config_from_hf(tiny_hf_config("qwen2"), spec="local")  # Qwen2: a QKV bias, none after
-    on = gpt.transformer_config(fam, tp=1, pp=1, actor=gpt.resolve_actor_config(
+    on = gpt.transformer_config(fam, tp=1, pp=1, actor=resolve.resolve_actor_config(
         ActorConfig(precision="fp32", attention="sdpa", fusions="on"), cuda=True))
     assert on.apply_rope_fusion is False
     assert on.bias_activation_fusion is True and on.bias_dropout_fusion is False
@@ -164,7 +164,7 @@ def test_weights_to_load_on_a_gpu_are_made_there():
     from megatron_tepo.layout import ParallelLayout
 
     fam = family_config_from_hf(tiny_hf_config("qwen3"), spec="local")
-    actor = gpt.resolve_actor_config(ActorConfig(precision="fp32", attention="sdpa"), cuda=False)
+    actor = resolve.resolve_actor_config(ActorConfig(precision="fp32", attention="sdpa"), cuda=False)
 
     def flags(**kw):
         c = actor_transformer_config(fam, ParallelLayout(), actor, **kw)

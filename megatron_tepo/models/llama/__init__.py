@@ -1,5 +1,5 @@
 """Llama family (LlamaForCausalLM): config translation and HF <-> Megatron state-dict adapter."""
-from ..common import FamilySpec
+from ..names import FamilySpec
 from .config import from_hf_config
 from .state_dict_adapter import layer_mapping
 

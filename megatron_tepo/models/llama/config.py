@@ -6,7 +6,7 @@ Left out: ``attention_bias`` / ``mlp_bias`` (they also bias o_proj / the MLP, wh
 """
 from __future__ import annotations
 
-from ..common import GPTFamilyConfig, _get, base_family_config
+from ..family import GPTFamilyConfig, _get, base_family_config
 
 
 def from_hf_config(hf_config, spec: str = "local") -> GPTFamilyConfig:

@@ -1,7 +1,8 @@
 """Llama HF <-> Megatron per-layer name table (dense attention + SwiGLU, no biases, no QK-norm)."""
 from __future__ import annotations
 
-from ..common import GPTFamilyConfig, LayerMapping, dense_layer_mapping
+from ..family import GPTFamilyConfig
+from ..names import LayerMapping, dense_layer_mapping
 
 
 def layer_mapping(cfg: GPTFamilyConfig) -> LayerMapping:

@@ -1,5 +1,5 @@
 """Qwen2 / Qwen2.5 family (Qwen2ForCausalLM): config translation and state-dict adapter."""
-from ..common import FamilySpec
+from ..names import FamilySpec
 from .config import from_hf_config
 from .state_dict_adapter import layer_mapping
 

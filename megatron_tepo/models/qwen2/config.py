@@ -5,7 +5,7 @@ Qwen2 always has q/k/v biases (o_proj none) and no QK-norm. Left out: sliding-wi
 """
 from __future__ import annotations
 
-from ..common import GPTFamilyConfig, base_family_config
+from ..family import GPTFamilyConfig, base_family_config
 
 
 def from_hf_config(hf_config, spec: str = "local") -> GPTFamilyConfig:

@@ -1,7 +1,8 @@
 """Qwen2 HF <-> Megatron per-layer name table: dense layer + fused q/k/v bias (``linear_qkv.bias``)."""
 from __future__ import annotations
 
-from ..common import GPTFamilyConfig, LayerMapping, dense_layer_mapping
+from ..family import GPTFamilyConfig
+from ..names import LayerMapping, dense_layer_mapping
 
 
 def layer_mapping(cfg: GPTFamilyConfig) -> LayerMapping:

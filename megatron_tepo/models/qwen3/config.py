@@ -6,7 +6,7 @@ explicit ``head_dim`` (may differ from hidden/heads), no biases. Left out: ``att
 """
 from __future__ import annotations
 
-from ..common import GPTFamilyConfig, _get, base_family_config
+from ..family import GPTFamilyConfig, _get, base_family_config
 
 
 def from_hf_config(hf_config, spec: str = "local", family: str = "qwen3") -> GPTFamilyConfig:

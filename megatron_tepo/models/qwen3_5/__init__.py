@@ -1,7 +1,7 @@
 """Qwen3.5 families, dense (``qwen3_5``) and MoE (``qwen3_5_moe``): Gated DeltaNet and gated
 attention layers (see config.py, state_dict_adapter.py). The megatron backend builds them as
 megatron's ``HybridModel`` only (megatron/hybrid.py)."""
-from ..common import FamilySpec
+from ..names import FamilySpec
 from .config import checkpoint_naming, from_hf_config, moe_from_hf_config
 from .state_dict_adapter import layer_mapping
 

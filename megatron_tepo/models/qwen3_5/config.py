@@ -23,8 +23,8 @@ silu, RoPE types other than the default, dense layers inside the MoE stack.
 """
 from __future__ import annotations
 
-from ..common import (LAYER_TYPES, CheckpointNaming, GPTFamilyConfig, LinearAttentionConfig, MoEConfig,
-                      _get, rope_settings)
+from ..family import GPTFamilyConfig, LAYER_TYPES, LinearAttentionConfig, MoEConfig, _get, rope_settings
+from ..names import CheckpointNaming
 
 #: the published ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``
 #: checkpoints: the text model under ``model.language_model.`` (``lm_head.weight`` at the top), beside

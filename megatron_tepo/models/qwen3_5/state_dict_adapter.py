@@ -14,14 +14,14 @@ Gated DeltaNet layer (megatron's ``GatedDeltaNet`` in ``self_attention``)::
 Tensor parallelism splits ``in_proj`` and ``conv1d`` section by section (each rank holds its heads'
 share of each of q, k, v, ...: ``tp_sections``), ``A_log`` / ``dt_bias`` by value head.
 
-Gated attention layer: Qwen3's names (:func:`~..common.attention_mapping`), but ``q_proj`` holds each
+Gated attention layer: Qwen3's names (:func:`~..names.attention_mapping`), but ``q_proj`` holds each
 head's query then its output gate: ``linear_qkv`` is a ``qgkv`` group (per query group: its
 queries, their gates, its key, its value: megatron's ``attention_output_gate`` layout).
 
 MLP: dense (Qwen3's SwiGLU names), or MoE: Qwen3-MoE's router and per-expert names (one tensor per
 expert, as ``save_pretrained`` writes them; ``{e}`` the global expert index -- a checkpoint that
 stores them stacked, as the published ones do, is read and written in these names by its
-:class:`~..common.CheckpointNaming`, ``stacked_experts``) and the shared expert::
+:class:`~..names.CheckpointNaming`, ``stacked_experts``) and the shared expert::
 
   mlp.shared_expert.gate_proj / up_proj.weight <-> mlp.shared_experts.linear_fc1.weight
   mlp.shared_expert.down_proj.weight           <-> mlp.shared_experts.linear_fc2.weight
@@ -32,7 +32,10 @@ names only, no arithmetic, so the round trip is bit for bit.
 """
 from __future__ import annotations
 
-from ..common import FusedGroup, GPTFamilyConfig, LayerMapping, attention_mapping, norm_names
+from megatron_tepo.layer_kinds import ATTENTION, GATED_DELTANET
+
+from ..family import GPTFamilyConfig
+from ..names import FusedGroup, LayerMapping, attention_mapping, norm_names
 
 
 def gdn_mapping(cfg: GPTFamilyConfig) -> LayerMapping:
@@ -55,6 +58,10 @@ def gated_attention_mapping(cfg: GPTFamilyConfig) -> LayerMapping:
     renames, fused = attention_mapping(cfg)
     fused = tuple(FusedGroup(g.megatron, g.hf, "qgkv") if g.kind == "qkv" else g for g in fused)
     return LayerMapping(renames, fused)
+
+
+#: each token mixer of the layer-kind table (:mod:`megatron_tepo.layer_kinds`, by name) -> its name table
+MIXER_MAPPINGS = {GATED_DELTANET.name: gdn_mapping, ATTENTION.name: gated_attention_mapping}
 
 
 def mlp_mapping(cfg: GPTFamilyConfig) -> LayerMapping:
@@ -92,6 +99,5 @@ def layer_mapping(cfg: GPTFamilyConfig) -> LayerMapping:
         raise ValueError(f"{cfg.family}: the Qwen3.5 mapping needs a family config with layer_types and "
                          f"linear_attention set")
     mlp = mlp_mapping(cfg)
-    gdn, attention = _join(gdn_mapping(cfg), mlp), _join(gated_attention_mapping(cfg), mlp)
-    return LayerMapping({}, (), by_layer=tuple(gdn if cfg.is_linear(i) else attention
-                                               for i in range(cfg.num_layers)))
+    tables = {kind: _join(mixer(cfg), mlp) for kind, mixer in MIXER_MAPPINGS.items()}
+    return LayerMapping({}, (), by_layer=tuple(tables[cfg.layer_kind(i).name] for i in range(cfg.num_layers)))

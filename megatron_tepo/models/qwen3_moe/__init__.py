@@ -1,5 +1,5 @@
 """Qwen3-MoE family (Qwen3MoeForCausalLM): config translation and state-dict adapter."""
-from ..common import FamilySpec
+from ..names import FamilySpec
 from .config import from_hf_config
 from .state_dict_adapter import layer_mapping
 

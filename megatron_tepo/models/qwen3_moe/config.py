@@ -10,7 +10,7 @@ On CPU only the ``allgather`` token dispatcher works (``alltoall`` creates a ``t
 in ``MoEAlltoAllTokenDispatcher.__init__``), and megatron refuses ``allgather`` with
 ``variable_seq_lengths``, which the actor needs for pipeline parallelism: MoE on CPU is limited to
 PP=1 (EP=1 or EP>1 over gloo both work). On GPU the ``alltoall`` dispatcher is used. Which one
-runs is the megatron backend's choice for the machine (:func:`megatron_tepo.megatron.gpt.moe_token_dispatcher`),
+runs is the megatron backend's choice for the machine (:func:`megatron_tepo.megatron.resolve.moe_token_dispatcher`),
 not a fact of the model, and so is ``moe_grouped_gemm`` (``actor.moe_grouped_gemm``, on with
 Transformer Engine; see :mod:`megatron_tepo.megatron.gpt`).
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..common import GPTFamilyConfig, MoEConfig, _get
+from ..family import GPTFamilyConfig, MoEConfig, _get
 from ..qwen3.config import from_hf_config as qwen3_config
 
 

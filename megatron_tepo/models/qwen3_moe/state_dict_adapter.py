@@ -13,7 +13,8 @@ checkpoint's (what safetensors files and SGLang use).
 """
 from __future__ import annotations
 
-from ..common import FusedGroup, GPTFamilyConfig, LayerMapping, attention_mapping
+from ..family import GPTFamilyConfig
+from ..names import FusedGroup, LayerMapping, attention_mapping
 
 
 def layer_mapping(cfg: GPTFamilyConfig) -> LayerMapping:

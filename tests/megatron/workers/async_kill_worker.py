@@ -59,7 +59,7 @@ def main():
 
         actor = _actor(None)
         listing = sorted(p.name for p in root.iterdir())
-        path, extra = load_newest_checkpoint(actor, root)
+        path, extra = load_newest_checkpoint(actor.train_model, root, optim=actor.optim_cfg)
         want, got = torch.load(root / "expected.pt"), _params(actor)
         (root / "resumed.json").write_text(json.dumps({
             "path": path.name, "extra": extra, "listing": listing,

@@ -102,7 +102,8 @@ def _moe_tp2(cfg):
 
     from megatron_tepo.config import ActorConfig
     from megatron_tepo.megatron import apply_cpu_patches
-    from megatron_tepo.megatron.gpt import build_chunk, family_spec, resolve_actor_config, transformer_config
+    from megatron_tepo.megatron.gpt import build_chunk, transformer_config
+    from megatron_tepo.megatron.resolve import family_spec, resolve_actor_config
     from megatron_tepo.models import family_config_from_hf
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
