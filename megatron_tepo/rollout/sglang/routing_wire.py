@@ -38,7 +38,7 @@ Spec = Tuple[int, Tuple[int, ...], int, int, str]
 def routed_ids(meta: dict, positions: int, spec: Spec, where: str) -> np.ndarray:
     """``meta["routed_experts"]`` as ``[positions, len(moe_layers), topk]`` ids in ``spec``'s dtype.
     Missing, of an unknown dtype or of another size, or ids out of range: ValueError naming ``where``."""
-    num_layers, moe_layers, topk, num_experts, out_dtype = spec
+    num_layers, moe_layers, topk, num_experts, ids_dtype = spec
     raw: Optional[str] = meta.get("routed_experts")
     if raw is None:
         raise ValueError(f"{where} returned no routed experts although asked (return_routed_experts): start it "
@@ -61,7 +61,7 @@ def routed_ids(meta: dict, positions: int, spec: Spec, where: str) -> np.ndarray
     picked = ids if tuple(moe_layers) == tuple(range(num_layers)) else ids[:, list(moe_layers)]
     if picked.size and (int(picked.min()) < 0 or int(picked.max()) >= num_experts):
         raise ValueError(f"{where} returned expert ids outside [0, {num_experts})")
-    return picked.astype(np.dtype(out_dtype))
+    return picked.astype(np.dtype(ids_dtype))
 
 
 def read_answer(body: bytes, spec: Spec, where: str) -> Any:
