@@ -41,7 +41,8 @@ def _set_random_b(actor, seed=5):
     from megatron_tepo.megatron.lora import lora_modules
     from megatron_tepo.megatron.sharding import unwrap_model
 
-    tp_rank, tp = actor._ps.get_tensor_model_parallel_rank(), actor._ps.get_tensor_model_parallel_world_size()
+    ps = actor.train_model._ps
+    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     for k, (name, m) in enumerate(lora_modules(unwrap_model(actor.model[0]))):
         split = getattr(m.lora_B, "tensor_model_parallel", False)
         rows = m.lora_B.shape[0] * (tp if split else 1)
@@ -91,7 +92,7 @@ def run_case(case, root: Path):
     settings = dict(ACTOR, **case.get("actor", {}))
     actor = MegatronActor(hf_cfg, hf_weights=hf_state(model), layout=layout, optim=OptimConfig(**OPT), lora=lora,
                           **settings)
-    ps = actor._ps
+    ps = actor.train_model._ps
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     batch = make_batch(seed=1)
     with torch.no_grad():
