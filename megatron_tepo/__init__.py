@@ -3,27 +3,32 @@
 Subpackages and modules, from the top floor down (imports point down; docs/ARCHITECTURE.md draws
 the rooms and tests/test_layers.py holds the seams):
 - ``commands``, ``cli``: the ``mtepo-*`` commands (train, convert, evaluate, plot, fit check).
-- ``trainer``: the RL loop (``train()``: a step's phases), its policy protocol and rollout sources.
+- ``trainer``: the RL loop (``train()``: a step's phases), its policy protocol, the one group producer
+  (``groups``) and its scoring (``scoring``), the schedules' rollout sources.
 - ``launch``: the launch file, the fit check, the Slurm and nemo-run job steps.
 - ``actor``: the Megatron actor: the RL verbs (log-probs, train step), export, checkpoints.
 - ``checkpoint``: HF and Megatron checkpoint files, the converters, the checkpoint store.
 - ``megatron``: megatron-core's one home: the actor settings resolved (``resolve``), a family config in
   megatron's words (``family_kwargs``), the model stack (GPTModel, HybridModel), parallel state,
-  sharding, the train model, routing replay, CPU stand-ins (applied only without CUDA).
+  sharding, the train model, routing replay, LoRA adapters (``lora``), CPU stand-ins (applied only
+  without CUDA).
 - ``rollout``: the rollout engines (embedded, the SGLang fleet) and multi-turn episodes; nothing of
   Megatron.
-- ``environments``: what a multi-turn episode talks to (the Python tool and its sandbox); standard
-  library only.
+- ``environments``: what a multi-turn episode talks to (the interface, episodes with state; the Python
+  tool and its sandbox, a Python session, code with tests, a guessing game; a user's class by import
+  path); standard library only.
 - ``models``: per model family, HF config -> the family config and the HF <-> Megatron weight mapping
   (shared by job: ``family``, ``fused``, ``names``, ``converters``); nothing of megatron-core's names.
 - ``config``: the typed run config and its checks.
 - ``algorithms``: losses, advantages, aggregation, KL estimators, the drift check. Pure PyTorch.
-- ``rewards``, ``data``: the math reward (math-verify, in a process pool) and the prompt files.
+- ``rewards``, ``data``: the math reward (math-verify, in a process pool), a ``reward.function`` by
+  import path (``rewards.custom``), and the prompt files (every field of a row kept).
 - ``ops``: the vocab-parallel log-prob/entropy kernels, the fused LM head, RoPE of packed sequences.
 - contracts and rules: ``batch`` (the batch every phase reads), ``buckets`` (the weight stream
   between actor and engines), ``token_layout`` (a micro-batch's tokens and side inputs), ``routing``
   (the MoE routing contract), ``layout`` (the parallel layout's rules, the CP chunk rule),
   ``layer_kinds`` (the token mixers' table: HF layer type, pattern symbol, CPU stand-in, memory prices),
+  ``gdn_kernels`` (what the Gated DeltaNet's kernels need, read by the builder and the launch),
   ``time_limits`` (the rollout's time limits), ``dtypes``, ``net``, ``metrics``, ``launch_costs``,
   ``cuda_alloc``, ``cache_dir``, ``children`` (subprocesses that die with their parent).
 """

@@ -68,7 +68,6 @@ import json
 import logging
 import os
 import platform
-import re
 import selectors
 import shutil
 import signal
@@ -78,6 +77,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
+from megatron_tepo.environments.namespaces import host_uid, nproc_caveat, read_uid_map
 from megatron_tepo.environments.sandbox import (OutputCap, SandboxUnavailable, ToolResult, classify_exit,
                                                 limit_message)
 from megatron_tepo.environments.settings import SandboxConfig
@@ -181,42 +181,6 @@ def processes_in_pid_namespace(inode: int) -> List[int]:
         if name.isdigit() and _pid_namespace(int(name)) == inode:
             found.append(int(name))
     return found
-
-
-def read_uid_map(path: str = "/proc/self/uid_map") -> Optional[List[str]]:
-    """This process's user namespace's uid map (``inside outside count`` lines), ``None`` if unreadable."""
-    try:
-        with open(path, encoding="ascii") as f:
-            return [" ".join(line.split()) for line in f if line.strip()]
-    except OSError:
-        return None
-
-
-def host_uid(uid: int, uid_map: Optional[List[str]]) -> Optional[int]:
-    """The uid that ``uid`` of this user namespace is in its parent's (the host's, one level up), from
-    :func:`read_uid_map`'s lines; ``None`` when the map holds no such uid, or is unreadable."""
-    for line in uid_map or ():
-        try:
-            inside, outside, count = (int(x) for x in line.split())
-        except ValueError:
-            continue
-        if inside <= uid < inside + count:
-            return outside + uid - inside
-    return None
-
-
-def nproc_caveat(release: str, uid: int, where: str = "sandbox") -> Optional[str]:
-    """The line that says, on a kernel older than 5.14 (``release``: ``platform.release()``'s form),
-    that ``RLIMIT_NPROC`` counts all the processes of the host uid ``uid`` bwrap runs as, not those of
-    one sandbox's user namespace (per user namespace only from Linux 5.14: RHEL 8 and Ubuntu 20.04
-    have older ones); ``None`` on 5.14 and later, or a release it cannot read."""
-    m = re.match(r"(\d+)\.(\d+)", release)
-    if m is None or (int(m.group(1)), int(m.group(2))) >= (5, 14):
-        return None
-    return (f"{where}.processes: on Linux {release} (< 5.14) RLIMIT_NPROC counts every process and thread of "
-            f"uid {uid}, not one sandbox's: all the sandboxes running at once share one count of "
-            f"{where}.processes, with every other process of that uid (a non-root trainer's own threads too), "
-            f"so tool code may fail to start a thread or a process; a kernel >= 5.14 counts per sandbox")
 
 
 _SAID: set = set()  # the caveats said in this process (once each)

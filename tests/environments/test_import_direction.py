@@ -7,7 +7,7 @@ from tests.source_imports import import_cycle, imported_modules, modules_loaded_
 
 ENVIRONMENTS = Path(__file__).resolve().parents[2] / "megatron_tepo" / "environments"
 MODULES = ("base", "sandbox", "settings", "processes", "remote", "choice", "python_tool", "python_env", "user_code",
-           "guess_number", "python_session", "code_tests")
+           "guess_number", "python_session", "code_tests", "namespaces")
 
 
 def test_it_imports_nothing_of_the_rest_of_the_package_and_no_torch():

@@ -295,7 +295,7 @@ def test_the_prompts_the_turn_boundaries_and_the_comparator_render_with_the_temp
     assert compare_with_template(tok, record.input_ids, groups[0][0], EOS, kw) == "equal"
     assert engine.step_metrics([record.input_ids], groups)["template_equal_rate"] == 1.0
     # the comparator reads the prompt's user message back only through the same arguments
-    from megatron_tepo.rollout.episode import _messages_of
+    from megatron_tepo.rollout.template_check import _messages_of
 
     text = tok.decode(record.input_ids, skip_special_tokens=False)
     assert _messages_of(tok, text, kw) == msgs and _messages_of(tok, text) != msgs
