@@ -157,3 +157,23 @@ def test_resume_check_takes_a_moved_run_folder_and_refuses_a_changed_setting(tmp
     check_resume(load_config([], [f"train.output_dir={tmp_path / 'moved'}"]), ckpt)
     with pytest.raises(ConfigError, match=r"\(optim.lr 5e-07 -> 0.1\)"):  # and nothing else listed
         check_resume(load_config([], [f"train.output_dir={tmp_path / 'moved'}", "optim.lr=0.1"]), ckpt)
+
+
+def test_a_checkpoint_saved_before_a_setting_existed_resumes_while_the_setting_keeps_its_default(tmp_path):
+    """A run config saved by an earlier version lacks the settings added since (actor.lora,
+    reward.function, environment.args ...): it ran as their defaults do, so resuming with the
+    defaults is no change; giving one another value still is, and so is any other changed key."""
+    import yaml
+
+    from megatron_tepo.config import ConfigError, RunConfig, from_dict, to_dict
+    from megatron_tepo.trainer.main import RUN_CONFIG, check_resume
+
+    saved = to_dict(RunConfig())
+    del saved["actor"]["lora"], saved["environment"]
+    saved["reward"].pop("function", None)
+    (tmp_path / RUN_CONFIG).write_text(yaml.safe_dump(saved))
+    check_resume(RunConfig(), tmp_path)  # the defaults: no change
+    with pytest.raises(ConfigError, match=r"actor\.lora\.rank '<absent>' -> 8|actor\.lora '<absent>' -> "):
+        check_resume(from_dict({"actor": {"lora": {"rank": 8}}}), tmp_path)
+    with pytest.raises(ConfigError, match=r"rollout\.n_samples 8 -> 4|rollout\.n_samples \d+ -> 4"):
+        check_resume(from_dict({"rollout": {"n_samples": 4}}), tmp_path)

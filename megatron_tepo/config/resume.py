@@ -5,7 +5,7 @@ Left out: the decision (``trainer/main.py:check_resume`` refuses, naming the cha
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 __all__ = ["RESUME_MAY_CHANGE", "changed_settings"]
 
@@ -23,14 +23,24 @@ RESUME_MAY_CHANGE = (
 )
 
 
-def changed_settings(old: Dict[str, Any], new: Dict[str, Any], prefix: str = "") -> Dict[str, Tuple[Any, Any]]:
-    """Dotted key -> (old, new) for every leaf that differs between two ``to_dict`` trees."""
+def changed_settings(old: Dict[str, Any], new: Dict[str, Any], prefix: str = "",
+                     defaults: Optional[Dict[str, Any]] = None) -> Dict[str, Tuple[Any, Any]]:
+    """Dotted key -> (old, new) for every leaf that differs between two ``to_dict`` trees. With
+    ``defaults`` (``to_dict`` of the default config), a setting ``old`` lacks -- a checkpoint written
+    before the setting existed, which then ran as its default does -- is no change while ``new`` keeps
+    its default."""
     out: Dict[str, Tuple[Any, Any]] = {}
+    defaults = defaults if isinstance(defaults, dict) else {}
     for key in sorted(set(old) | set(new)):
         path = f"{prefix}.{key}" if prefix else key
-        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        a, b = old.get(key, _ABSENT), new.get(key, _ABSENT)
+        if a is _ABSENT and key in defaults and b == defaults[key]:
+            continue
         if isinstance(a, dict) and isinstance(b, dict) and key != "loss_args":
-            out.update(changed_settings(a, b, path))
+            out.update(changed_settings(a, b, path, defaults.get(key)))
         elif a != b:
-            out[path] = (a, b)
+            out[path] = ("<absent>" if a is _ABSENT else a, "<absent>" if b is _ABSENT else b)
     return out
+
+
+_ABSENT = object()

@@ -153,7 +153,7 @@ def check_resume(cfg: RunConfig, latest: Optional[Path]) -> None:
     import yaml
 
     saved = yaml.safe_load((latest / RUN_CONFIG).read_text()) or {}
-    changed = {k: v for k, v in changed_settings(saved, to_dict(cfg)).items()
+    changed = {k: v for k, v in changed_settings(saved, to_dict(cfg), defaults=to_dict(RunConfig())).items()
                if not any(k == m or k.startswith(m + ".") for m in RESUME_MAY_CHANGE)}
     if changed and not cfg.train.allow_config_change:
         listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in ((k, *v) for k, v in changed.items()))
