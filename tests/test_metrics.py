@@ -70,3 +70,21 @@ def test_tensorboard_mirror(tmp_path):
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("reward_mean")] == [(1, 0.25), (2, 0.5), (3, 0.75)]
     assert "note" not in acc.Tags()["scalars"]
+
+
+def test_the_plot_draws_only_the_panels_a_run_has_data_for(tmp_path):
+    """The main job's metrics (one-turn, synchronous) draw no episode or partial-rollout panel (the
+    main job's plot used to show 8 empty "no data" panels of 16); a log with episode metrics draws
+    those too; a log with nothing plotted still makes a picture."""
+    from megatron_tepo.commands.plot_metrics import PANELS, panels_with_data, plot
+
+    one_turn = [{"step": s, "reward_mean": 0.5, "entropy": 1.0, "grad_norm": 1.0} for s in (1, 2)]
+    assert [t for t, _, _ in panels_with_data([one_turn])] == ["reward", "entropy", "gradient norm"]
+    episodes = [{**r, "episode_turns_mean": 2.0, "tool_calls": 3} for r in one_turn]
+    titles = [t for t, _, _ in panels_with_data([one_turn, episodes])]
+    assert "turns and tool calls" in titles and "tool calls, errors and time-outs" in titles
+    assert "partial rollout" not in titles and "template comparator" not in titles
+    assert panels_with_data([[{"step": 1, "note": "x"}]]) == PANELS[:1]
+    log = tmp_path / "m.jsonl"
+    log.write_text('{"step": 1, "reward_mean": 0.5}\n')
+    assert plot([str(log)], ["run"], tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"

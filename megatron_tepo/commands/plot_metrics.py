@@ -6,7 +6,8 @@ four advantage/entropy-change quadrants (A>0/A<0 x entropy up/down) over steps; 
 (staleness, partial rollout, engine idle, throughput); multi-turn episodes' (turns and tool calls per
 episode, tool errors and time-outs, tool time, response tokens by source, the template comparator). Several runs can
 be overlaid (``--log a.jsonl --log b.jsonl --label TEPO --label GRPO``). A metric missing from a
-log is left out of that panel; a panel with no data says so.
+log is left out of that panel, and a panel none of the logs has data for is not drawn
+(:func:`panels_with_data`: a one-turn run draws no episode panels).
 
 Left out: smoothing beyond an optional moving average (``--smooth N``), and evaluation tables.
 
@@ -61,6 +62,17 @@ def _smooth(values, n):
     return out
 
 
+def _points(records, key):
+    return [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+
+
+def panels_with_data(runs) -> list:
+    """The :data:`PANELS` that at least one run's records (``read_metrics``) have a number for; the
+    first panel alone when none has (it then says "no data")."""
+    drawn = [p for p in PANELS if any(_points(records, key) for records in runs for key in p[1])]
+    return drawn or PANELS[:1]
+
+
 def plot(logs, labels, out, smooth=1):
     import matplotlib
 
@@ -68,14 +80,15 @@ def plot(logs, labels, out, smooth=1):
     import matplotlib.pyplot as plt
 
     runs = [read_metrics(p) for p in logs]
-    rows = -(-len(PANELS) // 4)
-    fig, axes = plt.subplots(rows, 4, figsize=(18, 4 * rows))
+    panels = panels_with_data(runs)
+    rows = -(-len(panels) // 4)
+    fig, axes = plt.subplots(rows, 4, figsize=(18, 4 * rows), squeeze=False)
     axes = axes.ravel()
-    for ax, (title, keys, unit) in zip(axes, PANELS):
+    for ax, (title, keys, unit) in zip(axes, panels):
         drawn = 0
         for records, label in zip(runs, labels):
             for key in keys:
-                pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+                pts = _points(records, key)
                 if not pts:
                     continue
                 steps, vals = zip(*pts)
@@ -90,7 +103,7 @@ def plot(logs, labels, out, smooth=1):
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-    for ax in axes[len(PANELS):]:
+    for ax in axes[len(panels):]:
         ax.axis("off")
     fig.tight_layout()
     out = Path(out)
