@@ -177,3 +177,29 @@ def test_a_checkpoint_saved_before_a_setting_existed_resumes_while_the_setting_k
         check_resume(from_dict({"actor": {"lora": {"rank": 8}}}), tmp_path)
     with pytest.raises(ConfigError, match=r"rollout\.n_samples 8 -> 4|rollout\.n_samples \d+ -> 4"):
         check_resume(from_dict({"rollout": {"n_samples": 4}}), tmp_path)
+
+
+def test_the_prompts_show_the_environments_tool_unless_data_tools_says_otherwise():
+    """#58 item 4: with the Python tool in Qwen3's <tool_call> format and no data.tools, every
+    rendering (prompts, turn boundaries, comparator) takes the tool's schema as tools=; data.tools
+    wins when set; the fenced format and a run without an environment show none; the 14B tool
+    example shows Qwen3 its tool."""
+    import yaml
+
+    from megatron_tepo.config import from_dict
+    from megatron_tepo.config.validation import template_kwargs
+
+    def kw(**sections):
+        return template_kwargs(from_dict(sections))
+
+    (tool,) = kw(environment={"name": "python", "format": "qwen3"})["tools"]
+    assert tool["function"]["name"] == "python" and tool["function"]["parameters"]["required"] == ["code"]
+    (session,) = kw(environment={"name": "python_session", "format": "qwen3"})["tools"]
+    assert "earlier calls" in session["function"]["description"]
+    assert kw(environment={"name": "python", "format": "fenced"}) == {} and kw() == {}
+    mine = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {}}}}]
+    assert kw(environment={"name": "python", "format": "qwen3"},
+              data={"tools": mine, "chat_template_kwargs": {"enable_thinking": False}}) == {
+        "tools": mine, "enable_thinking": False}
+    example = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples/models/qwen3_14b_tir.yaml").read_text())
+    assert kw(environment={k: example["environment"][k] for k in ("name", "format")})["tools"] == [tool]

@@ -10,7 +10,7 @@ rules of the parallel layout (:mod:`megatron_tepo.layout`, whose :class:`Paralle
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Union
 
 from megatron_tepo.layout import ParallelLayout
 
@@ -363,9 +363,12 @@ class ModelConfig:
 class DataConfig:
     """Prompt files (JSONL or Parquet; plain ``{prompt, answer}`` or the DAPO-Math form)."""
 
-    def template_kwargs(self) -> Dict[str, Any]:
-        """The chat template's arguments: ``tools=`` (when any) and ``chat_template_kwargs``."""
-        return {**({"tools": list(self.tools)} if self.tools else {}), **dict(self.chat_template_kwargs)}
+    def template_kwargs(self, default_tools: Sequence[Dict[str, Any]] = ()) -> Dict[str, Any]:
+        """The chat template's arguments: ``tools=`` (``tools``, else ``default_tools``: the
+        environment's own, ``config/validation.py:template_kwargs``; none when both are empty) and
+        ``chat_template_kwargs``."""
+        tools = list(self.tools) or list(default_tools)
+        return {**({"tools": tools} if tools else {}), **dict(self.chat_template_kwargs)}
 
     train_files: List[str] = field(default_factory=list)
     eval_files: List[str] = field(default_factory=list)

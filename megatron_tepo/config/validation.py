@@ -10,7 +10,7 @@ Left out: rules that need the model or the world size (the actor's plan and the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List
+from typing import Any, Dict, List
 
 from megatron_tepo.config.schema import LORA_TARGETS, ActorConfig, ConfigError, RunConfig
 from megatron_tepo.layout import LayoutError, validate_layout
@@ -60,6 +60,19 @@ def _positive(cfg: Any, prefix: str, names: List[str], allow_zero: bool = False)
         value = getattr(cfg, name)
         if value < 0 or (value == 0 and not allow_zero):
             raise ConfigError(f"{prefix}.{name}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def template_kwargs(cfg: RunConfig) -> Dict[str, Any]:
+    """The chat template's arguments every rendering of the run uses (the prompts, the episodes' turn
+    boundaries, the comparator): ``data.tools``, else the environment's own tools
+    (:meth:`~megatron_tepo.environments.base.Environment.tool_schemas`: the Python tool's in Qwen3's
+    ``<tool_call>`` format), and ``data.chat_template_kwargs``."""
+    default_tools: list = []
+    if cfg.environment.name != "none":
+        from megatron_tepo.environments.choice import environment_class
+
+        default_tools = environment_class(cfg.environment.name).tool_schemas(cfg.environment.format)
+    return cfg.data.template_kwargs(default_tools)
 
 
 def sandbox_settings(cfg: RunConfig):

@@ -104,5 +104,11 @@ class Environment(abc.ABC):
         """The episode ended: free what it holds; a number is its reward. Nothing by default."""
         return None
 
+    @classmethod
+    def tool_schemas(cls, fmt: str) -> List[Dict[str, Any]]:
+        """The JSON schemas of the tools the model may call, as chat templates take them (``tools=``),
+        for calls in ``fmt``: the prompts show them when ``data.tools`` is not set. None by default."""
+        return []
+
     def close(self) -> None:
         """Free what the environment holds (its sandbox)."""

@@ -12,10 +12,10 @@ Left out: any tool but Python, state kept between calls (each call runs alone: t
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from megatron_tepo.environments.base import Environment, Reply
-from megatron_tepo.environments.python_tool import find_tool_calls, render_result
+from megatron_tepo.environments.python_tool import find_tool_calls, render_result, tool_schema
 from megatron_tepo.environments.sandbox import Sandbox, ToolResult
 
 __all__ = ["PythonTool", "cap_calls", "capped_message"]
@@ -41,6 +41,11 @@ class PythonTool(Environment):
     format (``fenced`` or ``qwen3``). A malformed call is answered with the line that says why."""
 
     name = "python"
+
+    @classmethod
+    def tool_schemas(cls, fmt: str) -> List[Dict[str, Any]]:
+        """The Python tool's schema for Qwen3's ``<tool_call>`` format (a fenced block needs none)."""
+        return [tool_schema()] if fmt == "qwen3" else []
 
     def __init__(self, sandbox: Sandbox, fmt: str = "fenced", max_calls_per_turn: Optional[int] = None):
         find_tool_calls("", fmt)  # (a bad format: one line naming it)

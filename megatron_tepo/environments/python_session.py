@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 
 from megatron_tepo.environments.base import Reply
 from megatron_tepo.environments.python_env import PythonTool
+from megatron_tepo.environments.python_tool import tool_schema
 from megatron_tepo.environments.sandbox import Sandbox, ToolResult
 
 __all__ = ["PythonSession", "session_program"]
@@ -46,6 +47,13 @@ class PythonSession(PythonTool):
     docstring); ``fmt``: the call format; ``max_calls_per_turn`` as the plain tool's."""
 
     name = "python_session"
+
+    @classmethod
+    def tool_schemas(cls, fmt: str) -> List[Dict[str, Any]]:
+        """The session's schema for Qwen3's ``<tool_call>`` format: it says that variables live on."""
+        return [tool_schema(description="Run Python 3 code in a sandboxed session and return what it prints "
+                                        "(stdout, then stderr); variables and imports of earlier calls of this "
+                                        "conversation are still defined; no network.")] if fmt == "qwen3" else []
 
     def __init__(self, sandbox: Sandbox, fmt: str = "fenced", max_calls_per_turn: Optional[int] = None,
                  max_cells: int = 16, max_episode_seconds: float = 60.0):

@@ -48,7 +48,7 @@ from typing import List, Optional
 from megatron_tepo.environments.sandbox import ToolResult
 
 __all__ = ["FORMATS", "PYTHON_TAGS", "ToolCall", "find_tool_calls", "is_tool_call", "render_result",
-           "render_output_block"]
+           "render_output_block", "tool_schema"]
 
 FORMATS = ("fenced", "qwen3")
 #: The info strings of a fenced block that runs.
@@ -139,6 +139,21 @@ def _qwen3(turn: str, tool_name: str) -> List[ToolCall]:
         code, error = _parse_qwen3(m.group(1).strip(), tool_name)
         calls.append(ToolCall(code=code, error=error, format="qwen3", start=m.start(), end=m.end()))
     return calls
+
+
+#: what :func:`tool_schema` tells the model the tool does, by default (each call alone)
+STATELESS = ("Run Python 3 code in a sandbox and return what it prints (stdout, then stderr); each call starts a "
+             "fresh interpreter with no network.")
+
+
+def tool_schema(tool_name: str = "python", description: str = STATELESS) -> dict:
+    """The tool's JSON schema in the form chat templates take (``tools=``; Qwen3's renders it in its
+    system turn): one string argument ``code``, as :func:`find_tool_calls` reads a ``qwen3`` call."""
+    return {"type": "function", "function": {
+        "name": tool_name,
+        "description": description,
+        "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "the code to run"}},
+                       "required": ["code"]}}}
 
 
 def find_tool_calls(turn: str, fmt: str = "fenced", *, tool_name: str = "python") -> List[ToolCall]:

@@ -33,6 +33,7 @@ from megatron_tepo.trainer.stalls import NoUpdateError, no_update_cause  # noqa:
 
 
 def build_task(cfg: RunConfig, tokenizer, pool):
+    from megatron_tepo.config.validation import template_kwargs
     from megatron_tepo.data import load_prompts
     from megatron_tepo.rewards import token_reward
     from megatron_tepo.rewards.custom import function_reward
@@ -42,7 +43,7 @@ def build_task(cfg: RunConfig, tokenizer, pool):
         raise ValueError("data.train_files: no training prompt files given")
     kw = dict(max_prompt_len=cfg.rollout.max_prompt_len, apply_chat_template=cfg.data.apply_chat_template,
               on_bad_row=cfg.data.on_bad_row, require_answer=not cfg.reward.function,
-              template_kwargs=cfg.data.template_kwargs())
+              template_kwargs=template_kwargs(cfg))
     train = load_prompts(cfg.data.train_files, tokenizer, **kw)
     evals = load_prompts(cfg.data.eval_files, tokenizer, **kw) if cfg.data.eval_files else None
     if not train.records:
@@ -97,13 +98,13 @@ def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool
         return engine
     from transformers import AutoTokenizer
 
-    from megatron_tepo.config.validation import sandbox_settings
+    from megatron_tepo.config.validation import sandbox_settings, template_kwargs
     from megatron_tepo.rollout.episode import with_environment
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     try:  # multi-turn episodes: the engine runs each turn, the environment answers between them
         return with_environment(engine, cfg.environment, sandbox_settings(cfg), tokenizer, tokenizer.eos_token_id,
-                                cfg.data.template_kwargs())
+                                template_kwargs(cfg))
     except BaseException:
         engine.close()
         raise
