@@ -44,7 +44,8 @@ def _numbers(x) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.journey  # (a whole command, benchmarks/gpu_check.sh: the second lane, tools/test.sh)
+@pytest.mark.journey  # (a whole command, benchmarks/gpu_check.sh)
+@pytest.mark.second_lane  # (about 2 min: the third lane has none to spare, tools/test.sh)
 @pytest.mark.timeout(900)
 def test_smoke_run_records_every_cheap_step_with_figures(tmp_path):
     out = tmp_path / "out"

@@ -100,7 +100,7 @@ run_pytest() {  # run_pytest <label> <python> <pytest args...>: returns 0 / 1
 # fails names itself in .test-logs/failed-lanes. Extra arguments (a selection of tests): one pytest
 # run of the newest stack, as they say, once the installs are done.
 SECOND_LANE="(sglang or second_lane) and not slurm"
-THIRD_LANE="journey and not (slurm or sglang)"
+THIRD_LANE="journey and not (slurm or sglang or second_lane)"
 
 # The oldest stack's venv (tools/setup_env.sh with MTEPO_PYTHON, default python3.11): its last line
 # is the venv's python.

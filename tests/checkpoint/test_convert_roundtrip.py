@@ -81,6 +81,7 @@ def test_tp2_logits_and_reshard_to_tp1_and_pp2(tmp_path):
 MOE_VARIANTS = [("qwen3_moe", False)]  # untied as every released Qwen3-MoE (tying: dense tests)
 
 
+@pytest.mark.second_lane  # (about 70 s: the first lane is the critical path, tools/test.sh)
 def test_qwen3_moe_ep2_and_ep1(tmp_path):
     """Qwen3-MoE (4 experts, top-2, QK-norm; one HF tensor per expert as safetensors store them),
     untied. TP=2: convert, load, logits vs HF (1e-5). EP=2 (2 ranks, each holding and reading only its 2 experts): convert, load

@@ -56,6 +56,7 @@ def _hf_logits(hf: Path, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.second_lane  # (about 110 s: the first lane is the critical path, tools/test.sh)
 def test_smollm2_pp2_logits_and_tp3_reshard(tmp_path):
     hf = smollm2_dir()
     from megatron_tepo.checkpoint import check_hf_input

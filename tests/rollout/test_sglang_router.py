@@ -104,12 +104,12 @@ def test_groups_go_through_the_router_to_both_servers(fleet):
     before = [_generate_lines(s.log_path) for s in fleet.servers]
     prompts = [[i + 3, i + 4, i + 5] for i in range(8)]
     groups = fleet.generate(prompts, n=2, temperature=1.0, max_new_tokens=6)
-    assert len(groups) == 8 and fleet.routed == 8
+    assert len(groups) == 8 and fleet.routed == 16  # one request a sequence (#56 row 3): 8 prompts x n=2
     for g in groups:
         assert len(g) == 2 and all(len(s.token_ids) == 6 and len(s.log_probs) == 6 for s in g)
     time.sleep(0.5)  # (the servers' access log lines)
     served = [_generate_lines(s.log_path) - b for s, b in zip(fleet.servers, before)]
-    assert all(n > 0 for n in served) and sum(served) == 8, served  # round robin: both, nothing twice
+    assert all(n > 0 for n in served) and sum(served) == 16, served  # round robin: both, nothing twice
     assert all(s.served == 0 for s in fleet.servers)  # nothing went around the router
 
 

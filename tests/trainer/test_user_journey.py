@@ -73,6 +73,7 @@ def test_prompt_file_to_exported_and_evaluated_model(tiny, tmp_path):
     assert res["num_prompts"] == 40 and res["avg@1"] > 0.2  # the warmed-up adder gets about half right
 
 
+@pytest.mark.second_lane  # (about 100 s: the third lane has none to spare, tools/test.sh)
 def test_same_command_resumes_and_refuses_changed_settings(tiny, tmp_path):
     out = tmp_path / "run"
     assert "[train] starting at step 1" in train(tiny, out, "train.steps=2").stdout
