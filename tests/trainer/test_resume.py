@@ -60,24 +60,27 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, staleness, steps):
 @pytest.mark.slow
 @pytest.mark.journey
 def test_sigkill_with_partial_responses_in_flight_resumes_every_prompt_once(tmp_path):
-    """Partial rollout: killed after step 4's checkpoint, whose rollout buffer holds responses cut
+    """Partial rollout: killed after step 2's checkpoint, whose rollout buffer holds responses cut
     by the update, and resumed. The resumed run continues those responses (its first step says how
     many), and by the ledger every drawn prompt's group was trained once, dropped by dynamic
     sampling, or is still in the last checkpoint's buffer."""
     run, port = tmp_path / "run", 24000 + os.getpid() % 5000
-    # 1000 groups in flight: more than the engine finishes in a step, so every update cuts a batch
-    # after at least one token (the embedded engine takes the next batch without a gap, and every
-    # row gets its first token: CI once saw an update land between two batches, with nothing cut).
+    # 1000 groups in flight (8000 requests): more than the engine finishes before step 2's update, so
+    # that update cuts a batch after at least one token (the embedded engine takes the next batch
+    # without a gap, and every row gets its first token: CI once saw an update land between two
+    # batches, with nothing cut). Killed after step 2, not 4: here the engine had finished 1040 of the
+    # 8000 requests at step 2's update but 7752 at step 4's, and CI once saw all of them finished by
+    # step 4 (nothing left to cut: a race with the trainer's speed, which step 2 wins by far).
     # Staleness 6 (the run's length): no response is regenerated, so the cut ones are in the
     # checkpoint whatever the machine's speed. (At staleness 1 the response cut at step 4's update
     # may hold step 3's tokens and start again from its prompt: CI saw none left.)
     bound = 6
     extra = ["train.steps=6", "rollout.partial_rollout=true", f"rollout.max_staleness={bound}",
              "rollout.max_inflight_groups=1000"]
-    kill_at_checkpoint(_cmd(run, *extra), run / "checkpoints" / "step_4" / "complete", _env(port), 400)
+    kill_at_checkpoint(_cmd(run, *extra), run / "checkpoints" / "step_2" / "complete", _env(port), 400)
     import torch
 
-    saved = torch.load(run / "checkpoints" / "step_4" / "rollout_buffer.pt", weights_only=True)
+    saved = torch.load(run / "checkpoints" / "step_2" / "rollout_buffer.pt", weights_only=True)
     partial = sum(1 for g in saved["groups"] for k, r in enumerate(g["requests"])
                   if g["finish"][k] is None and r["token_ids"])
     resumed = subprocess.run(_cmd(run, *extra), env=_env(port + 1), capture_output=True, text=True, timeout=600,
@@ -86,7 +89,7 @@ def test_sigkill_with_partial_responses_in_flight_resumes_every_prompt_once(tmp_
     assert "resuming from" in resumed.stdout
     got = _metrics(run)
     assert [m["step"] for m in got] == list(range(1, 7))
-    assert got[4]["resumed_from_checkpoint"] == partial > 0  # step 5, the resumed run's first
+    assert got[2]["resumed_from_checkpoint"] == partial > 0  # step 3, the resumed run's first
     assert all(m["updates"] > 0 for m in got)  # (no step skipped: each took its 16 groups)
     assert sum(m["partial_resumed"] for m in got) > 0
     assert all(m["staleness_max"] <= bound for m in got)  # the bound holds for every token trained
