@@ -48,7 +48,7 @@ def moe():
     return make_hf_model(cfg, seed=3).eval()
 
 
-def _routers(model, forced=None):
+def _routers(model, forced=None, topk=TOPK):
     """Hooks on every router: each records its top-k and the gap between its k-th and k+1-th logit
     (``seen``); with ``forced`` (``[T - 1, layers, k]``) its top-k is replaced by those experts, the
     weights from its own logits as megatron's replay takes them."""
@@ -56,8 +56,8 @@ def _routers(model, forced=None):
     for layer, block in enumerate(model.model.layers):
         def hook(module, args, output, layer=layer):
             logits, weights, ids = output
-            top = logits.float().topk(TOPK + 1, dim=-1).values
-            seen.append((ids.sort(-1).values, top[:, TOPK - 1] - top[:, TOPK]))
+            top = logits.float().topk(topk + 1, dim=-1).values
+            seen.append((ids.sort(-1).values, top[:, topk - 1] - top[:, topk]))
             if forced is None:
                 return None
             n = min(len(forced), logits.shape[0])  # (the last position has none: the router's own)
@@ -68,10 +68,10 @@ def _routers(model, forced=None):
     return seen, handles
 
 
-def _forward(model, seq, forced=None):
+def _forward(model, seq, forced=None, topk=TOPK):
     """Log-probs of ``seq[1:]`` in one forward of ``seq``, each router's top-k ``[T, layers, k]``
     and its gap ``[T, layers]``."""
-    seen, handles = _routers(model, forced)
+    seen, handles = _routers(model, forced, topk)
     try:
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([seq])).logits[0, :-1].float()

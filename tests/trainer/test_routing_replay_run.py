@@ -136,30 +136,33 @@ def _tool_moe(out: Path) -> Path:
 
 @pytest.mark.journey
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("staleness", [0, 1])  # synchronous, one step off
-def test_r3_with_three_turn_episodes_replays_the_final_turns_routing_in_every_pass(tmp_path, staleness):
+def test_r3_with_three_turn_episodes_replays_the_final_turns_routing_in_every_pass(tmp_path):
     """#58 item 3: ``actor.routing_replay: r3`` with an environment (three turns, two answers in every
-    episode). Each episode's sample carries the routing its final turn's request returned, whose input
-    is the whole episode: the actor replays it in the old-log-prob pass and every update with coverage
-    1.0 (a position without routing, the earlier turns' or the answers', would fail the replay's check),
-    and on-policy its replayed log-probs equal the engine's and its unforced routing agrees with the
-    engine's as in the single-turn run above (drift and mismatch bounds). Before: refused in the config."""
+    episode), one step off: step 1's episodes are generated before it (as the synchronous schedule
+    does), step 2's in the background while step 1 trains. Each episode's sample carries the routing
+    its final turn's request returned, whose input is the whole episode: the actor replays it in the
+    old-log-prob pass and every update with coverage 1.0 (a position without routing, the earlier
+    turns' or the answers', would fail the replay's check), and on-policy its replayed log-probs equal
+    the engine's and its unforced routing agrees with the engine's as in the single-turn run above
+    (drift and mismatch bounds). Before: refused in the config."""
     model = _tool_moe(tmp_path / "moe")
     (tmp_path / "three_turns.py").write_text(THREE_TURNS)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{a}*45", "answer": str(a * 45)}) + "\n"
                                                   for a in range(10, 26)))
     out = tmp_path / "run"
     args = ["--config", str(REPO / "examples/tiny_tir/sizes.yaml"), f"model.path={model}",
-            f"data.train_files=[{tmp_path / 'train.jsonl'}]", f"environment.name={tmp_path / 'three_turns.py'}:ThreeTurns",
+            f"data.train_files=[{tmp_path / 'train.jsonl'}]",
+            f"environment.name={tmp_path / 'three_turns.py'}:ThreeTurns",
             "environment.max_turns=3", "environment.max_turn_tokens=4", "rollout.max_new_tokens=64",
             "reward.kind=exact_match", "reward.workers=1", "rollout.prompts_per_step=4", "rollout.n_samples=2",
             "rollout.dynamic_sampling=false", "train.mini_batch_prompts=4", "train.steps=2", "train.export_hf=false",
-            f"rollout.max_staleness={staleness}", "actor.routing_replay=r3", f"train.output_dir={out}"]
+            "rollout.max_staleness=1", "actor.routing_replay=r3", f"train.output_dir={out}"]
     proc = subprocess.run([sys.executable, str(REPO / "tools/train.py"), *args], capture_output=True, text=True,
-                          timeout=900, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+                          timeout=900, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [1, 2]
+    assert [m["step"] for m in lines] == [1, 2] and [m["rollout_staleness"] for m in lines] == [0.0, 1.0]
     for m in lines:  # every episode: three turns, two answers (masked), replayed whole in every pass
         assert m["episode_turns_mean"] == 3.0 and m["tokens_env"] > 0, m
         assert m["routing_coverage"] == 1.0 and m["old_routing_coverage"] == 1.0, m
