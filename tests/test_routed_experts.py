@@ -99,3 +99,17 @@ def test_a_bare_off_in_yaml_is_the_choice_off(tmp_path):
     assert cfg.actor.routing_replay == "off" and cfg.actor.fusions == "on"
     with pytest.raises(ConfigError, match="actor.routing_replay"):
         load_config(None, ["actor.routing_replay=on"])  # no "on" among its choices
+
+
+@pytest.mark.parametrize("env", ["python", "guess_number"])
+def test_r3_with_episodes_is_accepted_and_refused_with_partial_rollout_naming_the_field(env):
+    """#58 item 3: a multi-turn episode's final turn is one request over the whole sequence, so r3
+    works with an environment (before: refused, ``environment.name: ... prefills without returning
+    their routing``) under the synchronous and one-step-off schedules, on both engines; under partial
+    rollout an interrupted turn's routing is not returned, so r3 stays refused there, naming the field."""
+    for extra in ([], ["rollout.max_staleness=1"], ["rollout.engine=sglang"]):
+        cfg = load_config(None, ["actor.routing_replay=r3", f"environment.name={env}", *extra])
+        assert cfg.actor.routing_replay == "r3" and cfg.environment.name == env
+    with pytest.raises(ConfigError, match=r"^rollout.partial_rollout: an interrupted request's routing is not returned "
+                                          r"\(a multi-turn episode's turn included\), which actor.routing_replay: r3"):
+        load_config(None, ["actor.routing_replay=r3", f"environment.name={env}", "rollout.partial_rollout=true"])

@@ -116,10 +116,8 @@ def _check_environment(cfg: RunConfig) -> None:
         environment_class(e.name, "environment.name")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if cfg.actor.routing_replay == "r3":
-        raise ConfigError(f"environment.name: {e.name!r} runs multi-turn episodes, whose tool turns the engine "
-                          f"prefills without returning their routing, which actor.routing_replay: r3 replays; use "
-                          f"r2 or off")
+    # (actor.routing_replay: r3 works with episodes: the final turn's request covers the whole sequence,
+    # rollout/episode.py; with partial rollout it is refused in validate, as for one-turn samples)
 
 
 def validate(cfg: RunConfig) -> None:
@@ -235,8 +233,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("rollout.partial_rollout: the engine generates while the actor trains, and rollout.colocated "
                           "takes turns with the GPUs; set partial_rollout: false")
     if r.partial_rollout and a.routing_replay == "r3":
-        raise ConfigError("rollout.partial_rollout: an interrupted request's routing is not returned, which "
-                          "actor.routing_replay: r3 replays; use r2 or partial_rollout: false")
+        raise ConfigError("rollout.partial_rollout: an interrupted request's routing is not returned (a "
+                          "multi-turn episode's turn included), which actor.routing_replay: r3 replays; use r2 or "
+                          "partial_rollout: false")
     if r.max_inflight_groups is not None and r.max_inflight_groups < r.prompts_per_step:
         raise ConfigError(f"rollout.max_inflight_groups: {r.max_inflight_groups} is fewer than rollout.prompts_per_step "
                           f"({r.prompts_per_step}): a step could never find its groups")

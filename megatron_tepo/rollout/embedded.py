@@ -21,7 +21,9 @@ model's routers (the ``*TopKRouter`` modules of transformers' MoE families, whos
 the top-k expert ids) record, in every forward of the generation (the prefill and each decode
 step), the experts each position went to in each MoE layer; each :class:`Sample` then carries
 ``routed_experts`` ``[prompt + response - 1, moe_layers, topk]`` (the last token is never run) in
-the shape's dtype. Off by default: no hook is registered. A model without such routers, or whose
+the shape's dtype; a submitted request's segment (:meth:`EmbeddedEngine.submit`: a multi-turn
+episode's turn) carries the routing of its whole input (``prompt + token_ids``) and of the segment
+but its last token, the same way. Off by default: no hook is registered. A model without such routers, or whose
 routers are not the shape's (another count of MoE layers or of experts), refuses it. An MoE model's
 weight update arrives with one tensor per expert (the checkpoint names); transformers >= 5 keeps
 the experts fused in memory (``mlp.experts.gate_up_proj`` / ``down_proj``), and
@@ -267,9 +269,6 @@ class EmbeddedEngine(RolloutEngine):
 
     def submit(self, requests: Sequence[Request], params: SamplingParams) -> None:
         self._check_serving()
-        if self.routing is not None:
-            raise ValueError("EmbeddedEngine.submit: routing is not returned for interrupted requests "
-                             "(rollout.partial_rollout with actor.routing_replay: r3)")
         validate_prompts([r.prompt for r in requests], self.vocab_size)
         for r in requests:
             if r.remaining < 1:

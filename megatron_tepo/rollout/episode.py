@@ -41,8 +41,19 @@ at a clean point: mid-turn (resumed from its ids under the new weights) or ready
 A turn cut mid-way and resumed is one turn: the environment reads both halves as one text, once,
 and the turn's cap (``max_turn_tokens``) counts both (:func:`current_turn`).
 
-Left out: routing replay r3 (the environment's answers are prefilled without their routing: refused in
-the config), images, an environment that rewrites earlier turns (the ids only grow).
+**MoE routing** (``actor.routing_replay: r3``: the wrapped engine returns each request's
+``routed_experts``, from its input's first token on): a turn's request is the whole episode so far
+(the prompt, every earlier turn, every answer), so the routing the engine returns for the final turn
+-- its prefill of the prefix, the environment's answers and earlier turns included, then its decode --
+is the routing of the whole sequence. The episode keeps the latest turn's (the earlier ones are
+dropped) and its sample carries it exactly as a one-turn sample does (``[prompt + response - 1,
+moe_layers, topk]``), while it covers the whole response: an episode ends after a model turn, and
+one given back by an interrupt, mid-way, carries none (partial rollout with r3 is refused in the
+config: an interrupted request's routing is not returned). An engine with a prefix cache (SGLang's
+radix cache) returns, for the prefix it kept, the routing it recorded when those tokens were computed
+(SGLang keeps it per KV slot).
+
+Left out: images, an environment that rewrites earlier turns (the ids only grow).
 """
 from __future__ import annotations
 
@@ -152,6 +163,8 @@ class _Episode:
     # and for the episode; None until opened (Environment.start)
     env: Optional[Dict] = None
     capped: bool = False  # the last turn was cut at max_turn_tokens
+    # r3: the routing the engine returned for the latest turn's request (the whole sequence up to it)
+    routing: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         self.carried = current_turn(self.req.token_ids, self.req.loss_mask)
@@ -185,7 +198,16 @@ class _Episode:
         if end is not None:
             record["end"] = end
         return Sample(list(self.tokens), list(self.log_probs), reason, loss_mask=list(self.mask),
-                      meta={"episode": record})
+                      meta={"episode": record}, routed_experts=self.whole_routing())
+
+    def whole_routing(self) -> Optional[torch.Tensor]:
+        """The latest turn's routing when it covers every position of the sequence but the last
+        (prompt, response so far: the episode ended with that turn), as a one-turn sample carries it;
+        else None (an episode cut mid-way, or an environment's answer after its latest turn)."""
+        if self.routing is None:
+            return None
+        positions = len(self.req.prompt) + len(self.req.token_ids) + len(self.tokens) - 1
+        return self.routing if self.routing.shape[0] == positions else None
 
 
 class EpisodeEngine(RolloutEngine):
@@ -371,6 +393,8 @@ class EpisodeEngine(RolloutEngine):
                     self._ready.append((ep.req, Sample([], [], FINISH_ABORT, meta=dict(seg.meta))))
                 continue
             ep.add(seg.token_ids, seg.log_probs, model=True)
+            if seg.routed_experts is not None:  # r3: the whole sequence's, up to this turn (module docstring)
+                ep.routing = seg.routed_experts
             reason = seg.finish_reason
             if reason == FINISH_ABORT and seg.token_ids and seg.token_ids[-1] in stop:
                 reason = FINISH_STOP  # (cut as it ended)

@@ -9,7 +9,10 @@ Issue #50: the requests go to the servers directly, never through sglang-router,
 field (row 1: two real servers and the real router); a server older than routing needs (0.5.7) or
 started without the flag is refused before any request (row 4); the compact wire format of SGLang's
 newer source (uint8 / uint16, ``meta_info["routed_experts_dtype"]``) decodes by the dtype the answer
-names, and the servers are started asking for the narrowest (row 7)."""
+names, and the servers are started asking for the narrowest (row 7).
+
+Issue #58 item 3: a multi-turn episode's final turn returns the routing of the whole episode (a
+real server, its radix cache on)."""
 import base64
 import json
 
@@ -439,3 +442,53 @@ def test_a_routing_decoder_that_dies_is_replaced():
             decoder.read(b"<html>", "x")
     finally:
         decoder.close()
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(900)
+def test_a_real_sglang_server_returns_an_episodes_whole_routing_with_its_final_turn(moe_servers):
+    """#58 item 3 on a real SGLang 0.5.23 CPU server: three-turn episodes (two environment answers)
+    through the episode engine, each turn one request over the whole episode so far (its prefix from
+    the server's radix cache where that holds it). The episode's sample carries the final turn's
+    routing, one entry for every position but the last: HF's router's on the whole sequence but for
+    near ties, in the earlier turns and the answers as in the final turn; with its routers forced to
+    it, HF scores the model's tokens at the server's log-probs within 1e-4 (float32 on both sides;
+    read here: within 5e-7), and forced to other experts it does not."""
+    import sys
+    from pathlib import Path
+
+    from megatron_tepo.rollout.episode import EpisodeEngine, EpisodeLimits, TurnFormat
+    from tests.rollout.test_episode_routing import ThreeTurns, _forward
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "tiny_tir"))
+    import tir
+
+    cfg, servers, model = moe_servers
+    shape = routing_shape_of(cfg.model_path)
+    fleet = SGLangFleet(FleetConfig(urls=[servers[0].url], api_keys=["job-key"], router="none", request_timeout=300,
+                                    step_timeout=600, routing=shape, server=cfg))
+    tok = tir.hf_tokenizer()  # (ids < 32 < the tiny MoE's 256: its chat template around the answers)
+    engine = EpisodeEngine(fleet, ThreeTurns(), TurnFormat(tok, tir.EOS), EpisodeLimits(max_turns=3, max_turn_tokens=4))
+    prompts = [tir.prompt_ids(tok, "37*45"), tir.prompt_ids(tok, "12*3")]
+    try:
+        groups = engine.generate(prompts, n=2, temperature=1.0, max_new_tokens=80, stop_token_ids=[tir.EOS])
+    finally:
+        engine.close()
+    agree = {"earlier turns and answers": [], "final turn": []}
+    for prompt, group in zip(prompts, groups):
+        for s in group:
+            assert s.meta["episode"]["turns"] == 3 and 0 in s.loss_mask, s.meta
+            seq = prompt + s.token_ids
+            assert s.routed_experts.shape == (len(seq) - 1, 2, 2), s.routed_experts.shape
+            _, hf, _ = _forward(model, seq, topk=2)
+            same = (hf[:-1] == s.routed_experts.long().sort(-1).values).all(-1).all(-1)
+            last_answer = len(prompt) + max(i for i, m in enumerate(s.loss_mask) if not m)
+            agree["earlier turns and answers"] += same[len(prompt):last_answer + 1].tolist()
+            agree["final turn"] += same[last_answer + 1:].tolist()
+            own = torch.tensor(s.loss_mask, dtype=torch.bool)
+            forced, _, _ = _forward(model, seq, forced=s.routed_experts, topk=2)
+            assert float((forced[len(prompt) - 1:][own] - torch.tensor(s.log_probs)[own]).abs().max()) < 1e-4
+            shuffled, _, _ = _forward(model, seq, forced=(s.routed_experts.long() + 1) % 8, topk=2)  # (must show)
+            assert float((shuffled[len(prompt) - 1:][own] - torch.tensor(s.log_probs)[own]).abs().max()) > 1e-3
+    for part, same in agree.items():  # (fp32 on both sides: a disagreement is a near tie)
+        assert len(same) > 0 and sum(same) / len(same) >= 0.9, (part, sum(same), len(same))

@@ -95,3 +95,77 @@ def test_a_one_step_off_r3_run_killed_after_a_checkpoint_resumes_and_equals_the_
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed from" in resumed.stdout
     assert metrics(run) == want  # every metric of every step, bit for bit
+
+
+THREE_TURNS = '''
+from megatron_tepo.environments import Environment, Reply
+
+
+class ThreeTurns(Environment):
+    """Answers the first two turns (whatever they say), ends the episode at the third."""
+    name = "three-turns"
+
+    def respond(self, turn, turn_index):
+        return Reply(done=True) if turn_index >= 2 else Reply(done=False, message="1665")
+'''
+
+
+def _tool_moe(out: Path) -> Path:
+    """A random tiny Qwen3-MoE (2 layers, 8 experts, top-2) with the tiny tool task's chat tokenizer
+    (examples/tiny_tir: the template the environment's answers come from)."""
+    import transformers
+
+    sys.path.insert(0, str(REPO / "examples" / "tiny_tir"))
+    import tir
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=tir.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        tie_word_embeddings=False, eos_token_id=tir.EOS, pad_token_id=tir.PAD)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1) if p.dim() > 1 else None
+    model.save_pretrained(out)
+    tir.hf_tokenizer().save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": tir.EOS, "pad_token_id": tir.PAD}))
+    return out
+
+
+@pytest.mark.journey
+@pytest.mark.timeout(900)
+def test_r3_with_three_turn_episodes_replays_the_final_turns_routing_in_every_pass(tmp_path):
+    """#58 item 3: ``actor.routing_replay: r3`` with an environment (three turns, two answers in every
+    episode), one step off: step 1's episodes are generated before it (as the synchronous schedule
+    does), step 2's in the background while step 1 trains. Each episode's sample carries the routing
+    its final turn's request returned, whose input is the whole episode: the actor replays it in the
+    old-log-prob pass and every update with coverage 1.0 (a position without routing, the earlier
+    turns' or the answers', would fail the replay's check), and on-policy its replayed log-probs equal
+    the engine's and its unforced routing agrees with the engine's as in the single-turn run above
+    (drift and mismatch bounds). Before: refused in the config."""
+    model = _tool_moe(tmp_path / "moe")
+    (tmp_path / "three_turns.py").write_text(THREE_TURNS)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{a}*45", "answer": str(a * 45)}) + "\n"
+                                                  for a in range(10, 26)))
+    out = tmp_path / "run"
+    args = ["--config", str(REPO / "examples/tiny_tir/sizes.yaml"), f"model.path={model}",
+            f"data.train_files=[{tmp_path / 'train.jsonl'}]",
+            f"environment.name={tmp_path / 'three_turns.py'}:ThreeTurns",
+            "environment.max_turns=3", "environment.max_turn_tokens=4", "rollout.max_new_tokens=64",
+            "reward.kind=exact_match", "reward.workers=1", "rollout.prompts_per_step=4", "rollout.n_samples=2",
+            "rollout.dynamic_sampling=false", "train.mini_batch_prompts=4", "train.steps=2", "train.export_hf=false",
+            "rollout.max_staleness=1", "actor.routing_replay=r3", f"train.output_dir={out}"]
+    proc = subprocess.run([sys.executable, str(REPO / "tools/train.py"), *args], capture_output=True, text=True,
+                          timeout=900, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2] and [m["rollout_staleness"] for m in lines] == [0.0, 1.0]
+    for m in lines:  # every episode: three turns, two answers (masked), replayed whole in every pass
+        assert m["episode_turns_mean"] == 3.0 and m["tokens_env"] > 0, m
+        assert m["routing_coverage"] == 1.0 and m["old_routing_coverage"] == 1.0, m
+    first = lines[0]  # on-policy: the actor routes as the engine did, and scores as it did
+    assert first["routing_mismatch_max"] <= 1e-2 and first["old_routing_mismatch_max"] <= 1e-2, first
+    assert first["drift_max"] < 1e-4, first

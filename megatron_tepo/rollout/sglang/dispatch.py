@@ -65,8 +65,9 @@ def parse_generate_output(out: dict, routing: Optional[RoutingShape] = None, whe
     """One ``/generate`` answer as a :class:`Sample`; with ``routing`` (the request asked for it) its
     routed experts too (decoded already by the fleet's decoder processes, or here), their absence a
     non-retryable failure naming ``where``. An aborted answer
-    is a failure, or with ``partial`` (the fleet aborted it: partial rollout) the response so far,
-    ``FINISH_ABORT``: SGLang answers an abort with every token generated and its log-prob."""
+    is a failure, or with ``partial`` (the fleet aborted it: an interrupt) the response so far,
+    ``FINISH_ABORT``: SGLang answers an abort with every token generated and its log-prob, and
+    without its routing (none is read: such a sample carries none)."""
     meta = out.get("meta_info", {})
     fr = meta.get("finish_reason") or {}
     kind = fr.get("type") if isinstance(fr, dict) else str(fr)
@@ -80,7 +81,7 @@ def parse_generate_output(out: dict, routing: Optional[RoutingShape] = None, whe
     if len(lps) != len(ids):
         raise RequestFailed(f"{where} returned {len(ids)} tokens but {len(lps)} log-probs")
     routed = None
-    if routing is not None:
+    if routing is not None and kind != "abort":
         try:
             routed = routed_experts_of(meta, int(meta.get("prompt_tokens", 0)) + len(ids) - 1, routing, where)
         except ValueError as exc:

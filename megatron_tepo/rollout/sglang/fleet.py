@@ -76,7 +76,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_tepo.rollout.engine import Group, RolloutEngine, make_params, validate_prompts
+from megatron_tepo.rollout.engine import Group, RolloutEngine, Sample, make_params, validate_prompts
 from megatron_tepo.rollout.sglang.client import FleetError, RequestFailed, SGLangServer
 from megatron_tepo.rollout.sglang.dispatch import Dispatch, parse_generate_output
 from megatron_tepo.rollout.sglang.interruptible import MAX_PARTIAL_INFLIGHT, Interruptible
@@ -242,19 +242,22 @@ class SGLangFleet(Dispatch, Supervision, Interruptible, ColocatedMemory, Rollout
                                  **(ROUTING_REQUEST if self.cfg.routing is not None else {})})
                 sessions.append((call, i))
 
-        def parse(out):
-            if isinstance(out, bytes):  # (r3: the answer's body, read by a decoder process)
-                try:
-                    out = self.routing_decoder.read(out, "an SGLang server")
-                except ValueError as exc:  # (not JSON)
-                    raise RequestFailed(f"an SGLang server's answer is not JSON: {exc}") from None
-            outs = out if isinstance(out, list) else [out]
-            if len(outs) != 1:
-                raise RequestFailed(f"expected 1 sample, got {len(outs)}")
-            return parse_generate_output(outs[0], self.cfg.routing, "an SGLang server")
-
-        samples = self._run_all("/generate", payloads, parse, sessions, raw=self.routing_decoder is not None)
+        samples = self._run_all("/generate", payloads, self._sample_of, sessions, raw=self.routing_decoder is not None)
         return [samples[i * sp.n:(i + 1) * sp.n] for i in range(len(prompts))]
+
+    def _sample_of(self, out, partial: bool = False) -> Sample:
+        """One ``/generate`` answer of one sequence as a :class:`Sample`, its routing with it where the
+        fleet asks for routing (r3: the answer's raw body, read by a decoder process); ``partial``:
+        :func:`parse_generate_output`'s (an answer cut by an interrupt)."""
+        if isinstance(out, bytes):  # (r3: the answer's body, read by a decoder process)
+            try:
+                out = self.routing_decoder.read(out, "an SGLang server")
+            except ValueError as exc:  # (not JSON)
+                raise RequestFailed(f"an SGLang server's answer is not JSON: {exc}") from None
+        outs = out if isinstance(out, list) else [out]
+        if len(outs) != 1:
+            raise RequestFailed(f"expected 1 sample, got {len(outs)}")
+        return parse_generate_output(outs[0], self.cfg.routing, "an SGLang server", partial=partial)
 
     def score(self, sequences: List[List[int]], prompt_lens: List[int],
               temperature: float = 1.0) -> List[List[float]]:

@@ -12,15 +12,19 @@ first submit: 0.5.23's effective limit per DP rank, else its ``--max-running-req
 :data:`MAX_PARTIAL_INFLIGHT` (``FleetConfig.partial_inflight`` sets it instead), so that the fleet
 stays full; the rest wait here, one waiting thread each. An interrupt aborts every request on
 every server until all have answered, each with its tokens so far and their log-probs; a weight
-update refuses to run while any is generating.
+update refuses to run while any is generating. With routing replay (``FleetConfig.routing``: r3) each
+request asks for its routing as ``generate``'s do (a multi-turn episode's turn is one request whose
+input is the whole episode so far, ``rollout/episode.py``); an answer cut by an interrupt comes back
+without it.
 
 Owns: ``_partial_cv``, ``_partial_pool``, ``_partial_running``, ``_partial_done`` and
 ``_interrupting``. Uses, beside the fleet's ``cfg`` and ``servers``: ``_run_one``, ``call_timeout``,
-``slots`` and ``alive_servers`` (``dispatch.py``), ``_step_running`` (``supervision.py``).
+``slots`` and ``alive_servers`` (``dispatch.py``), ``_step_running`` (``supervision.py``), ``_sample_of``
+and ``routing_decoder`` (``fleet.py``: an answer read as a sample, its routing decoded).
 
 Left out: the groups in flight, the staleness bound and a request's resumption (the driver's
-rollout buffer, ``trainer/partial.py``; ``engine.Request``); routing replay, which interrupted
-requests do not return (``submit`` refuses it).
+rollout buffer, ``trainer/partial.py``; ``engine.Request``); the routing of an interrupted request
+(its answer has none: partial rollout with r3 is refused in the config).
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron_tepo.rollout.engine import FINISH_ABORT, Request, Sample, SamplingParams, validate_prompts
 from megatron_tepo.rollout.sglang.client import RequestFailed
-from megatron_tepo.rollout.sglang.dispatch import parse_generate_output
+from megatron_tepo.rollout.sglang.routing import ROUTING_REQUEST
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +72,6 @@ class Interruptible:
         tokens), through the router where there is one, retried as :meth:`generate`'s are;
         :meth:`partial_inflight` of them in flight at once (the fleet's running-request slots), the
         rest waiting here."""
-        if self.cfg.routing is not None:
-            raise ValueError("SGLangFleet.submit: routing is not returned for interrupted requests "
-                             "(rollout.partial_rollout with actor.routing_replay: r3)")
         validate_prompts([r.prompt for r in requests])
         sampling = {"n": 1, "temperature": params.temperature, "top_p": params.top_p, "top_k": -1,
                     "stop_token_ids": list(params.stop_token_ids), "ignore_eos": not params.stop_token_ids,
@@ -84,7 +85,8 @@ class Interruptible:
                     raise ValueError(f"request {r.key!r}: no tokens left to generate")
                 payload = {"input_ids": [int(t) for t in r.prompt + r.token_ids],
                            "sampling_params": {**sampling, "max_new_tokens": r.remaining},
-                           "return_logprob": True, "logprob_start_len": -1}
+                           "return_logprob": True, "logprob_start_len": -1,
+                           **(ROUTING_REQUEST if self.cfg.routing is not None else {})}
                 if not self._partial_running:
                     self._step_running(+1)  # (the monitor probes the servers that hold requests)
                 self._partial_running[id(r)] = (r, self._partial_pool.submit(self._run_partial, r, payload))
@@ -109,9 +111,8 @@ class Interruptible:
         deadline = time.monotonic() + self.call_timeout(self.partial_inflight())
         try:
             seg = self._run_one("/generate", payload, deadline,
-                                lambda out: parse_generate_output(out[0] if isinstance(out, list) else out,
-                                                                  partial=self._interrupting.is_set()),
-                                session=_session_key(r.key))
+                                lambda out: self._sample_of(out, partial=self._interrupting.is_set()),
+                                session=_session_key(r.key), raw=self.routing_decoder is not None)
         except Exception as exc:  # noqa: BLE001 -- cut by an interrupt, or failed: handed back either way
             seg = Sample([], [], FINISH_ABORT, meta={} if self._interrupting.is_set() else
                          {"error": f"{type(exc).__name__}: {exc}"})
