@@ -51,7 +51,8 @@ QWEN3_TOOLS_RULES = (
     "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}"
     "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
     "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) -%}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') -}}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' -}}"
+    "{{- content.lstrip('\\n') -}}"
     "{%- else -%}{{- '<|im_start|>assistant\\n' + content -}}{%- endif -%}"
     "{%- for call in m.tool_calls or [] -%}"
     "{%- if content or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
@@ -67,7 +68,8 @@ QWEN3_TOOLS_RULES = (
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
     "{%- endif -%}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
     "{%- endif -%}")
 
 #: the words the template writes, one token each; every other character is a token of its own

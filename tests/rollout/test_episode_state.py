@@ -12,7 +12,7 @@ import torch
 from megatron_tepo.environments import Environment, Reply, ToolResult
 from megatron_tepo.environments.guess_number import GuessNumber
 from megatron_tepo.environments.python_env import PythonTool
-from megatron_tepo.rollout.engine import FINISH_ABORT, FINISH_STOP, Request, Sample, SamplingParams, from_state, to_state
+from megatron_tepo.rollout.engine import FINISH_ABORT, Request, Sample, SamplingParams, from_state, to_state
 from megatron_tepo.rollout.episode import EpisodeEngine, EpisodeLimits, TurnFormat, episode_metrics
 from megatron_tepo.trainer.scoring import sandbox_failed, score_samples
 from tests.rollout.test_episode import EOS, PROMPT, TOK, ScriptEngine, ids
