@@ -250,6 +250,10 @@ def test_sigkill_with_stateful_episodes_in_flight_resumes_each_from_its_state(tm
     (tmp_path / "logged_guess.py").write_text(LOGGED_GUESS)
     log = tmp_path / "turns.jsonl"
     run, port = tmp_path / "run", 26000 + os.getpid() % 5000
+    # 2000 groups in flight (4000 episodes): far more than the engine ends before step 2's update, so the
+    # checkpoint holds episodes mid-way whatever the machine's speed (here, on a busy machine, 118 and
+    # 1908 of 4000 had ended in two runs, about 2000 of those left mid-way had guessed; with 256 groups,
+    # 511 of 512 had ended). Staleness 4 (the run's length): none is regenerated from its prompt.
     cmd = [sys.executable, str(REPO / "tools/train.py"), "--config", str(REPO / "examples/tiny_tir/sizes.yaml"),
            f"model.path={model}", f"data.train_files=[{tmp_path / 'train.jsonl'}]", "reward.kind=exact_match",
            f"environment.name={tmp_path / 'logged_guess.py'}:Logged", f"environment.args.log={log}",
@@ -257,7 +261,7 @@ def test_sigkill_with_stateful_episodes_in_flight_resumes_each_from_its_state(tm
            f"train.output_dir={run}", "train.steps=4", "train.save_every=2", "train.export_hf=false",
            "rollout.prompts_per_step=4", "rollout.n_samples=2", "train.mini_batch_prompts=4",
            "rollout.max_new_tokens=64", "rollout.dynamic_sampling=false", "rollout.partial_rollout=true",
-           "rollout.max_staleness=4", "rollout.max_inflight_groups=256"]
+           "rollout.max_staleness=4", "rollout.max_inflight_groups=2000"]
     kill_at_checkpoint(cmd, run / "checkpoints" / "step_2" / "complete", _env(port), 400)
     import torch
 
