@@ -188,3 +188,59 @@ def test_evaluate_runs_with_the_tool(tmp_path, capsys):
     alone = command(common)["p"]  # without the tool: one turn, the call itself is the answer
     assert alone["avg@1"] == 0.0 and "episode_turns_mean" not in alone
     capsys.readouterr()
+
+
+def test_evaluate_with_a_run_config_scores_with_its_reward_function(tmp_path, monkeypatch, capsys):
+    """``--config`` whose ``reward.function`` is a user's file: the evaluation scores with it (in the
+    reward pool, seeing each row; rows need no answer), as training does; ``--reward`` beside it is
+    refused. (It used to score with math_verify, and a row without an answer was refused.)"""
+    from megatron_tepo.commands.evaluate import command
+    from tests.checkpoint.fixtures import make_hf_dir
+
+    model = make_hf_dir(tmp_path / "m", "qwen3", tie=False, vocab_size=320)
+    (tmp_path / "b.jsonl").write_text('{"prompt": "1+2=", "weight": 0.25}\n{"prompt": "3+4=", "weight": 0.75}\n')
+    (tmp_path / "my_reward.py").write_text("def score(text, ids, row, episode):\n"
+                                           "    return row['weight'] if isinstance(ids, list) else -1.0\n")
+    (tmp_path / "run.yaml").write_text(f"reward: {{function: {tmp_path / 'my_reward.py'}:score}}\n")
+    common = ["--model", str(model), "--file", str(tmp_path / "b.jsonl"), "--max-new-tokens", "2", "--workers", "1"]
+    report = command([*common, "--config", str(tmp_path / "run.yaml")])["b"]
+    assert (report["avg@1"], report["pass@1"], report["num_errors"]) == (0.5, 1.0, 0)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        command([*common, "--config", str(tmp_path / "run.yaml"), "--reward", "exact_match"])
+    assert exc.value.code == 2 and "the run config scores with reward.function" in capsys.readouterr().err
+
+
+def test_evaluate_with_a_run_config_renders_the_prompts_and_turns_with_its_tools_and_template_arguments(
+        tmp_path, monkeypatch, capsys):
+    """``--config`` with ``data.tools`` and ``data.chat_template_kwargs``: the prompts evaluated are the
+    chat template's rendering with ``tools=`` and those arguments (as the training prompts are), and
+    the episodes' turn boundaries use them too. (They used to be rendered without.)"""
+    import megatron_tepo.trainer
+    from megatron_tepo.commands.evaluate import command
+    from tests.checkpoint.fixtures import make_hf_dir
+    from tests.rollout.qwen3_template import tokenizer
+
+    model = make_hf_dir(tmp_path / "m", "qwen3", tie=False, vocab_size=320)
+    tok = tokenizer()
+    tok.save_pretrained(model)
+    (tmp_path / "b.jsonl").write_text('{"prompt": "What is 1+2?", "secret": 3, "answer": "3"}\n')
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    (tmp_path / "run.yaml").write_text(json.dumps({"data": {"tools": tools, "chat_template_kwargs": {
+        "enable_thinking": False}}, "environment": {"name": "guess_number"}, "reward": {"kind": "exact_match"}}))
+    seen = {}
+
+    def evaluate(engine, prompts, answers, reward_fn, stop, **kw):
+        seen.update(engine=engine, prompts=prompts, rows=kw["rows"])
+        return {"avg@1": 0.0, "pass@1": 0.0, "reward_timeouts": 0, "reward_errors": 0, "reward_no_answer": 0}
+
+    monkeypatch.setattr(megatron_tepo.trainer, "evaluate", evaluate)
+    command(["--model", str(model), "--file", str(tmp_path / "b.jsonl"), "--config", str(tmp_path / "run.yaml"),
+             "--workers", "1"])
+    want = tok.apply_chat_template([{"role": "user", "content": "What is 1+2?"}], tools=tools, enable_thinking=False,
+                                   add_generation_prompt=True, tokenize=False)
+    assert seen["prompts"] == [tok(want, add_special_tokens=False)["input_ids"]]
+    assert '"name": "calc"' in want and want.endswith("<think>\n\n</think>\n\n")
+    assert seen["engine"].fmt.template_kwargs == {"tools": tools, "enable_thinking": False}
+    assert seen["rows"][0]["secret"] == 3
+    capsys.readouterr()

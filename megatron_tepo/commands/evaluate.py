@@ -13,9 +13,13 @@ trainer's ``reward.kind: exact_match``). Prints a table and writes a JSON report
 argument or file is one line and exit status 2 (``--traceback`` for the whole story), found before
 the model loads: every prompt file is read first.
 
-``--config RUN.yaml`` with an ``environment`` section (``name: python``) gives the model its tool:
-each response is an episode (multi-turn, the tool's code in the sandbox), scored on its final turn,
-and the report adds the episodes' counts (tool calls, errors, turns).
+``--config RUN.yaml`` evaluates as that run trains: its ``reward`` scores (``reward.function``, a
+user's function by import path, run in the reward pool; else ``reward.kind``; ``--reward`` given
+overrides the kind), the prompts render with its ``data.tools`` (else its environment's own tools)
+and ``data.chat_template_kwargs`` (``enable_thinking: false`` ...), and its ``environment`` section
+(``name: python``, ``guess_number``, a user's) gives the model its tool: each response is an episode
+(multi-turn, the tool's code in the sandbox), scored on its final turn or by the environment, and the
+report adds the episodes' counts (tool calls, errors, turns).
 
 Left out: the SGLang fleet (this tool uses the embedded engine, fine for small models and CI;
 the trainer evaluates through whichever engine it runs), and LLM-judge grading.
@@ -85,14 +89,18 @@ def prepare_out(out: Path) -> None:
 
 def run(model_dir: str, benchmarks: dict, *, workers: int = 2, timeout_s: float = 5.0, seed: int = 0,
         max_prompt_len: int | None = None, limit: int | None = None, reward: str = "math_verify",
-        environment=None, sandbox=None) -> dict:
+        environment=None, sandbox=None, reward_function: str | None = None, template_kwargs: dict | None = None,
+        apply_chat_template: bool = True) -> dict:
     """The report of ``benchmarks`` (``environment``: a run config's ``environment`` section, the
-    model's tool; ``sandbox``: its typed sandbox settings)."""
+    model's tool; ``sandbox``: its typed sandbox settings; ``reward_function``: a user's reward by
+    import path, which replaces ``reward``; ``template_kwargs``: the chat template's arguments, the
+    run's ``config/validation.py:template_kwargs``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_tepo.data import load_prompts
     from megatron_tepo.rewards import COUNT_NAMES, MathRewardPool, token_reward
+    from megatron_tepo.rewards.custom import ImportedReward, function_reward
     from megatron_tepo.rollout.embedded import EmbeddedEngine
     from megatron_tepo.trainer import evaluate
 
@@ -100,7 +108,7 @@ def run(model_dir: str, benchmarks: dict, *, workers: int = 2, timeout_s: float 
         raise UserError(f"--model {model_dir}: not a Hugging Face model folder (no config.json)")
     # every prompt file read before the weights load: a bad file costs seconds, not a model's loading
     for name, spec in benchmarks.items():
-        if not load_prompts(spec["file"]).records:
+        if not load_prompts(spec["file"], require_answer=not reward_function).records:
             raise UserError(f"benchmark {name!r}: no prompts in {spec['file']}")
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = EmbeddedEngine(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), seed=seed,
@@ -109,13 +117,15 @@ def run(model_dir: str, benchmarks: dict, *, workers: int = 2, timeout_s: float 
     if environment is not None and environment.name != "none":  # with the model's tool: multi-turn episodes
         from megatron_tepo.rollout.episode import with_environment
 
-        engine = with_environment(engine, environment, sandbox, tok, tok.eos_token_id)
+        engine = with_environment(engine, environment, sandbox, tok, tok.eos_token_id, template_kwargs)
     report = {}
-    with MathRewardPool(num_workers=workers, timeout_s=timeout_s) as pool:
-        reward_fn = token_reward(reward, tok, pool)
+    imported = {"reward_fn": ImportedReward(reward_function)} if reward_function else {}
+    with MathRewardPool(num_workers=workers, timeout_s=timeout_s, **imported) as pool:
+        reward_fn = function_reward(reward_function, tok, pool) if reward_function else token_reward(reward, tok, pool)
         for name, spec in benchmarks.items():
             t0 = time.time()
-            data = load_prompts(spec["file"], tok, max_prompt_len=max_prompt_len)
+            data = load_prompts(spec["file"], tok, max_prompt_len=max_prompt_len, template_kwargs=template_kwargs,
+                                apply_chat_template=apply_chat_template, require_answer=not reward_function)
             records = data.records[:limit] if limit else data.records
             if not records:
                 raise UserError(f"benchmark {name!r}: no prompts in {spec['file']}")
@@ -148,11 +158,13 @@ def command(argv=None) -> dict:
     ap.add_argument("--max-prompt-len", type=int)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=5.0, help="seconds per answer check")
-    ap.add_argument("--reward", choices=REWARD_KINDS, default="math_verify",
-                    help="math_verify: the last \\boxed{} against the answer; exact_match: the whole response")
+    ap.add_argument("--reward", choices=REWARD_KINDS,
+                    help="math_verify (default): the last \\boxed{} against the answer; exact_match: the whole "
+                    "response (with --config: the run's reward.kind, or its reward.function, unless given)")
     ap.add_argument("--out", type=Path, help="JSON report (its folder is created)")
-    ap.add_argument("--config", action="append", help="a run config whose environment section gives the model its "
-                    "tool (multi-turn episodes: environment.name python, the sandbox); repeatable, merged")
+    ap.add_argument("--config", action="append", help="a run config to evaluate as it trains: its reward "
+                    "(reward.function or reward.kind), its prompts' chat-template arguments (data.tools, "
+                    "data.chat_template_kwargs) and its environment (multi-turn episodes); repeatable, merged")
     add_traceback_flag(ap)
     args = ap.parse_args(argv)
     if bool(args.benchmarks) == bool(args.file):
@@ -173,16 +185,20 @@ def _main(args):
         spec = {k: v if (v := getattr(args, k)) is not None else default for k, default in FILE_SAMPLING.items()}
         check_top_p(spec["top_p"], "--top-p")
         benchmarks = {Path(args.file).stem: {"file": args.file, **spec}}
-    environment = sandbox = None
+    run_kw = {"reward": args.reward or "math_verify"}
     if args.config:
         from megatron_tepo.config import load_config
-        from megatron_tepo.config.validation import sandbox_settings
+        from megatron_tepo.config.validation import sandbox_settings, template_kwargs
 
         cfg = load_config(args.config)
-        environment, sandbox = cfg.environment, sandbox_settings(cfg)
+        if args.reward and cfg.reward.function:
+            raise UserError(f"--reward {args.reward}: the run config scores with reward.function "
+                            f"{cfg.reward.function!r}; give one of them")
+        run_kw = {"reward": args.reward or cfg.reward.kind, "reward_function": cfg.reward.function or None,
+                  "environment": cfg.environment, "sandbox": sandbox_settings(cfg),
+                  "template_kwargs": template_kwargs(cfg), "apply_chat_template": cfg.data.apply_chat_template}
     report = run(args.model, benchmarks, workers=args.workers, timeout_s=args.timeout,
-                 max_prompt_len=args.max_prompt_len, limit=args.limit, reward=args.reward,
-                 environment=environment, sandbox=sandbox)
+                 max_prompt_len=args.max_prompt_len, limit=args.limit, **run_kw)
     for name, r in report.items():
         k = r["n"]
         print(f"{name:16s} avg@{k} {r[f'avg@{k}']:.4f}  pass@{k} {r[f'pass@{k}']:.4f}  "

@@ -21,8 +21,9 @@ def compare_with_template(tokenizer, prompt_ids: Sequence[int], sample, stop_tok
     message, each environment answer a tool message): ``equal``; ``retokenized`` (the same text in
     other ids: a re-tokenisation of the conversation would have changed tokens the engine produced);
     ``thinking`` (the template's rewriting of ``<think>`` blocks: stripped from earlier turns, an
-    empty one added, blank lines trimmed: by design); or ``error`` (other text: a turn boundary not as
-    the template writes it)."""
+    empty one added, blank lines trimmed, the empty one a generation prompt closes with thinking off
+    -- Qwen3's ``enable_thinking=False`` -- left out of the turns before the last: by design); or
+    ``error`` (other text: a turn boundary not as the template writes it)."""
     ids = list(sample.token_ids)
     mask = list(getattr(sample, "loss_mask", None) or [1] * len(ids))
     messages = list(sample.meta.get("episode", {}).get("messages", []))
@@ -44,10 +45,13 @@ def compare_with_template(tokenizer, prompt_ids: Sequence[int], sample, stop_tok
     head = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, **kw)
     full = tokenizer.apply_chat_template(user + conv, tokenize=False,
                                          add_generation_prompt=bool(conv) and conv[-1]["role"] == "tool", **kw)
+    trained, end = tokenizer.decode(ids, skip_special_tokens=False), tokenizer.decode([stop_token_id])
     if not full.startswith(head):
-        return "error"
-    rendered, trained = full[len(head):], tokenizer.decode(ids, skip_special_tokens=False)
-    end = tokenizer.decode([stop_token_id])
+        # Qwen3 with enable_thinking false: the generation prompt closes an empty <think> block, which
+        # the template leaves out of an earlier assistant turn when it renders the whole conversation
+        same = _without_thinking(_trimmed(full, end)) == _without_thinking(_trimmed(head + trained, end))
+        return "thinking" if same else "error"
+    rendered = full[len(head):]
     if conv and conv[-1]["role"] == "assistant" and ids and ids[-1] == stop_token_id and end in rendered:
         rendered = rendered[:rendered.rindex(end) + len(end)]  # (what the template writes after the last stop: not generated)
     if list(tokenizer(rendered, add_special_tokens=False)["input_ids"]) == ids:

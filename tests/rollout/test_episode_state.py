@@ -4,6 +4,7 @@ state in the request's episode record (so an interrupt and a resume in a fresh e
 reason; a sandbox failure is never the model's. Scripted engines as in test_episode.py."""
 import io
 import re
+import threading
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from megatron_tepo.environments import Environment, Reply, ToolResult
 from megatron_tepo.environments.guess_number import GuessNumber
 from megatron_tepo.environments.python_env import PythonTool
-from megatron_tepo.rollout.engine import FINISH_ABORT, FINISH_STOP, Request, SamplingParams, from_state, to_state
+from megatron_tepo.rollout.engine import FINISH_ABORT, Request, Sample, SamplingParams, from_state, to_state
 from megatron_tepo.rollout.episode import EpisodeEngine, EpisodeLimits, TurnFormat, episode_metrics
 from megatron_tepo.trainer.scoring import sandbox_failed, score_samples
 from tests.rollout.test_episode import EOS, PROMPT, TOK, ScriptEngine, ids
@@ -90,6 +91,132 @@ def test_64_episodes_each_with_its_own_state_survive_an_interrupt_and_a_resume_i
     assert scores == [1.0] * 64
     m = episode_metrics(finished.values())
     assert m["episode_end_answered"] == 1.0 and 0 < m["env_turn_reward_mean"] < 1
+
+
+def bisect(secret, lo=0, hi=63):
+    """The guesses of a binary search for ``secret`` in lo..hi (what :func:`guesser` plays)."""
+    out = []
+    while True:
+        out.append((lo + hi) // 2)
+        if out[-1] == secret:
+            return out
+        lo, hi = (out[-1] + 1, hi) if out[-1] < secret else (lo, out[-1] - 1)
+
+
+def resuming_guesser(prompt):
+    """:func:`guesser` for a turn that may have begun before an interrupt: the rest of its guess."""
+    text = TOK.decode(prompt[len(PROMPT):])
+    begun = text.rsplit("assistant\n", 1)[-1] if "<tool_response>" in text else text
+    whole = guesser(prompt[:len(prompt) - len(ids(begun))] if begun else prompt)
+    assert whole[:len(ids(begun))] == ids(begun), (begun, TOK.decode(whole))
+    return whole[len(ids(begun)):]
+
+
+class Opened(GuessNumber):
+    """:class:`GuessNumber` that records the order its episodes are opened and finished in."""
+
+    def __init__(self):
+        super().__init__(higher="((", lower="))")
+        self.log, self.lock = [], threading.Lock()
+
+    def start(self, row, messages):
+        with self.lock:
+            self.log.append(("start", row["secret"]))
+        return super().start(row, messages)
+
+    def finish(self, state):
+        with self.lock:
+            self.log.append(("finish", state["secret"]))
+        return super().finish(state)
+
+
+SECRETS = [(37 * i + 11) % 64 for i in range(64)]  # (64 different secrets)
+
+
+def _check_every_episode(finished):
+    """Each episode ended with its own row's number, after the turns its own binary search takes,
+    with the environment's reward (the task's is never asked)."""
+    assert sorted(finished) == list(range(64))
+    for key, s in finished.items():
+        record = s.meta["episode"]
+        want = bisect(SECRETS[key])
+        assert record["env"]["state"] == {"secret": SECRETS[key], "guesses": want}, (key, record["env"])
+        assert record["turns"] == len(want) and record["end"] == "answered" and record["env"]["reward"] == 1.0
+        assert record["env"]["turn_rewards"] == [0.0] * (len(want) - 1) + [1.0]
+    scores, _ = score_samples(lambda r, a: pytest.fail("the environment gave every reward"),
+                              [finished[k] for k in range(64)], [""] * 64)
+    assert scores == [1.0] * 64
+
+
+def test_64_concurrent_episodes_of_the_game_each_keep_their_own_rows_state():
+    """#58 acceptance, a stateful environment under 64 concurrent episodes: one environment serves
+    them all (every episode opened before any ends), each row with another secret; every episode
+    finds its own row's number by its own binary search (its turns, its guesses) and is rewarded by
+    the environment."""
+    env = Opened()
+    engine = EpisodeEngine(ScriptEngine(guesser), env, FMT, EpisodeLimits(max_turns=8, tool_workers=8))
+    groups = engine.generate([list(PROMPT)] * 64, n=1, max_new_tokens=400, stop_token_ids=[EOS],
+                             rows=[{"prompt": "guess", "secret": s} for s in SECRETS])
+    assert [kind for kind, _ in env.log[:64]] == ["start"] * 64  # 64 episodes open at once
+    assert sorted(s for kind, s in env.log if kind == "finish") == sorted(SECRETS)  # each finished once
+    _check_every_episode({i: g[0] for i, g in enumerate(groups)})
+    assert len({len(bisect(s)) for s in SECRETS}) > 2  # (episodes of different lengths ran side by side)
+
+
+def test_64_concurrent_episodes_cut_mid_guess_by_an_interrupt_and_resubmitted_stay_right():
+    """Partial rollout: an interrupt (a weight update) cuts every episode's third turn, a two-digit
+    guess after its first digit; the requests are submitted again to the same engine, which goes on
+    with the second digit. Each episode's state is still its own: the environment read each cut guess
+    whole and once (a half would be another number, or another turn), and every episode ends with its
+    own row's number after the turns its binary search takes."""
+    cut = {"on": True, "partial": 0}
+
+    class CutThird(ScriptEngine):  # turn 3 of every episode waits for the interrupt, which cuts it
+        def submit(self, requests, params):
+            for r in requests:
+                if cut["on"] and TOK.decode(r.prompt).count("<tool_response>") == 2:
+                    self._held.append(r)
+                else:
+                    super().submit([r], params)
+
+        def interrupt(self):
+            out = list(self._done)
+            for r in self._held:
+                guess = resuming_guesser(list(r.prompt))
+                half = guess[:1] if len(guess) > 2 else []  # (a two-digit guess loses its second digit)
+                cut["partial"] += bool(half)
+                out.append((r, Sample(half, [-0.5] * len(half), FINISH_ABORT)))
+            self._done, self._held = [], []
+            return out
+
+    engine = EpisodeEngine(CutThird(resuming_guesser), GuessNumber(higher="((", lower="))"), FMT,
+                           EpisodeLimits(max_turns=8, tool_workers=8))
+    params = SamplingParams(1, 1.0, 1.0, 400, [EOS])
+    reqs = [Request(list(PROMPT), 400, key=i, episode={"row": {"secret": s}}) for i, s in enumerate(SECRETS)]
+    engine.submit(reqs, params)
+    finished = {}
+    for _ in range(400):  # every episode ended, or held at its third turn
+        for r, s in engine.collect(timeout=0.05):
+            r.extend(s, 0)
+            finished[r.key] = r.to_sample(s.finish_reason)
+        if len(engine.engine._held) + len(finished) == 64:
+            break
+    back = engine.interrupt()
+    assert len(back) == 64 - len(finished) > 0 and cut["partial"] > 0
+    for r, s in back:
+        r.extend(s, 0)
+    cut["on"] = False
+    assert all(r.episode["env"]["state"]["secret"] == SECRETS[r.key] for r, _ in back)
+    engine.submit([r for r, _ in back], params)  # the same requests, as the rollout buffer resubmits them
+    for _ in range(400):
+        for r, s in engine.collect(timeout=0.05):
+            r.extend(s, 1)
+            finished[r.key] = r.to_sample(s.finish_reason)
+        if len(finished) == 64:
+            break
+    _check_every_episode(finished)
+    two_digit_third = [k for k in finished if len(bisect(SECRETS[k])) > 2 and bisect(SECRETS[k])[2] >= 10]
+    assert two_digit_third and all(1 in finished[k].versions and 0 in finished[k].versions for k in two_digit_third)
 
 
 class Counter(Environment):

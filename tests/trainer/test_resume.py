@@ -178,3 +178,122 @@ def test_sigkill_with_episodes_in_flight_resumes_every_prompt_once(tmp_path):
     held = [g["gid"] for g in final["groups"]] + [g for g, _ in final["dropped"]]
     assert len(trained) == len(set(trained)) == 4 * 4  # no group trained twice
     assert sorted(trained + dropped + held) == list(range(final["next_gid"]))  # none lost, none counted twice
+
+
+#: the guessing game's environment, logged (a user's file, by import path): GuessNumber itself, which
+#: also writes one line per turn it answers (the process, the episode, the state it was handed), so
+#: that the test sees a resumed run's episodes go on from the state in the checkpoint
+LOGGED_GUESS = '''
+import json, os, uuid
+from megatron_tepo.environments.guess_number import GuessNumber
+
+class Logged(GuessNumber):
+    def __init__(self, log, **kw):
+        super().__init__(**kw)
+        self.log = log
+
+    def start(self, row, messages):
+        state = super().start(row, messages)
+        state.update(uid=uuid.uuid4().hex, row=row["id"], pid=os.getpid())
+        return state
+
+    def step(self, state, turn, turn_index):
+        line = {"pid": os.getpid(), "uid": state["uid"], "row": state["row"], "secret": state["secret"],
+                "before": list(state["guesses"]), "turn_index": turn_index}
+        with open(self.log, "a") as f:
+            f.write(json.dumps(line) + "\\n")
+        return super().step(state, turn, turn_index)
+'''
+
+
+def _guess_model(out: Path) -> Path:
+    """A tiny chat model (examples/tiny_tir's tokenizer) taught to guess 1, 2, 3, 4 on "((" (higher)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(REPO / "examples" / "tiny_tir"))
+    import tir
+
+    tok, cfg = tir.hf_tokenizer(), tir.tiny_qwen3_config()
+    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 64, 128, 16
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    conv = [{"role": "user", "content": "0"}]
+    for guess in "1234":
+        conv += [{"role": "assistant", "content": guess}, {"role": "tool", "content": "(("}]
+    ids = tir.render_ids(tok, conv[:-1])[:-1]
+    prompt = len(tir.prompt_ids(tok, "0"))
+    x, labels = torch.tensor([ids]), torch.tensor([[-100] * prompt + ids[prompt:]])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(60):
+        opt.zero_grad()
+        model(input_ids=x, labels=labels).loss.backward()
+        opt.step()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": tir.EOS, "pad_token_id": tir.PAD}))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.journey
+def test_sigkill_with_stateful_episodes_in_flight_resumes_each_from_its_state(tmp_path):
+    """#58 acceptance, a stateful environment under ``kill -9`` and resume: the guessing game (each
+    row its own secret) with partial rollout, killed after step 2's checkpoint and resumed. Each
+    episode the checkpoint's buffer held mid-way goes on in the resumed run from its state there
+    (``Request.episode["env"]``): its row's secret and the guesses made before the kill, at the next
+    turn; and by the ledger every drawn prompt was trained once, dropped, or is still held."""
+    model = _guess_model(tmp_path / "model")
+    secrets = [1 + i % 5 for i in range(64)]  # (5: never found in 4 turns, the episode ends at max_turns)
+    (tmp_path / "train.jsonl").write_text("".join(
+        json.dumps({"prompt": "0", "answer": str(s), "secret": s, "id": i}) + "\n" for i, s in enumerate(secrets)))
+    (tmp_path / "logged_guess.py").write_text(LOGGED_GUESS)
+    log = tmp_path / "turns.jsonl"
+    run, port = tmp_path / "run", 26000 + os.getpid() % 5000
+    # 2000 groups in flight (4000 episodes): far more than the engine ends before step 2's update, so the
+    # checkpoint holds episodes mid-way whatever the machine's speed (here, on a busy machine, 118 and
+    # 1908 of 4000 had ended in two runs, about 2000 of those left mid-way had guessed; with 256 groups,
+    # 511 of 512 had ended). Staleness 4 (the run's length): none is regenerated from its prompt.
+    cmd = [sys.executable, str(REPO / "tools/train.py"), "--config", str(REPO / "examples/tiny_tir/sizes.yaml"),
+           f"model.path={model}", f"data.train_files=[{tmp_path / 'train.jsonl'}]", "reward.kind=exact_match",
+           f"environment.name={tmp_path / 'logged_guess.py'}:Logged", f"environment.args.log={log}",
+           "environment.args.higher=((", "environment.args.lower=))", "environment.max_turns=4",
+           f"train.output_dir={run}", "train.steps=4", "train.save_every=2", "train.export_hf=false",
+           "rollout.prompts_per_step=4", "rollout.n_samples=2", "train.mini_batch_prompts=4",
+           "rollout.max_new_tokens=64", "rollout.dynamic_sampling=false", "rollout.partial_rollout=true",
+           "rollout.max_staleness=4", "rollout.max_inflight_groups=2000"]
+    kill_at_checkpoint(cmd, run / "checkpoints" / "step_2" / "complete", _env(port), 400)
+    import torch
+
+    saved = torch.load(run / "checkpoints" / "step_2" / "rollout_buffer.pt", weights_only=True)
+    mid = {r["episode"]["env"]["state"]["uid"]: r["episode"]["env"]["state"] for g in saved["groups"]
+           for k, r in enumerate(g["requests"]) if g["finish"][k] is None and "env" in r["episode"]}
+    assert mid, "no episode was mid-way in step 2's checkpoint"
+    assert all(s["secret"] == secrets[s["row"]] for s in mid.values())
+    resumed = subprocess.run(cmd, env=_env(port + 1), capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    turns = [json.loads(x) for x in log.read_text().splitlines()]
+    went_on = {}  # each held episode's first turn in the resumed run (another process than the one that opened it)
+    for t in turns:
+        if t["uid"] in mid and t["pid"] != mid[t["uid"]]["pid"]:
+            went_on.setdefault(t["uid"], t)
+    assert went_on, "no episode of the checkpoint went on in the resumed run"
+    for uid, t in went_on.items():
+        state = mid[uid]
+        assert (t["row"], t["secret"], t["before"], t["turn_index"]) == \
+            (state["row"], secrets[state["row"]], state["guesses"], len(state["guesses"])), (state, t)
+    assert any(mid[uid]["guesses"] for uid in went_on)  # (some had guessed before the kill)
+    got = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    last = {}
+    for line in (run / "checkpoints" / "rollout_ledger.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        last[entry["step"]] = entry
+    assert sorted(last) == [1, 2, 3, 4]
+    trained = [g for s in last for g, _ in last[s]["trained"]]
+    dropped = [g for s in last for g, _ in last[s]["dropped"]]
+    final = torch.load(run / "checkpoints" / "step_4" / "rollout_buffer.pt", weights_only=True)
+    held = [g["gid"] for g in final["groups"]] + [g for g, _ in final["dropped"]]
+    assert len(trained) == len(set(trained)) == 4 * 4  # no group trained twice
+    assert sorted(trained + dropped + held) == list(range(final["next_gid"]))  # none lost, none counted twice
