@@ -139,7 +139,7 @@ def plan_actor(hf_config, layout: ParallelLayout, actor_config: Optional[ActorCo
     if not problem and resolved.lora is not None:
         from megatron_tepo.megatron.lora import lora_model_problem
 
-        problem = lora_model_problem(family_cfg, resolved.lora)
+        problem = lora_model_problem(family_cfg, resolved.lora, resolved.moe_grouped_gemm, layout.tp)
     if problem:
         from megatron_tepo.config import ConfigError
 
