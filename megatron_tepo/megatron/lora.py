@@ -33,8 +33,9 @@ Split the way the layer is split:
 
 The adapters are added inside the linear's ``_forward_impl`` (an instance attribute), the
 linear's checkpoint sharding is extended to the adapters (``sharded_state_dict``: B of a
-column-parallel linear sharded on dim 0, A of a row-parallel one on dim 1, the others
-replicated), and the base weight knows its adapters (:func:`merged_weight`: ``W + scale * B A``
+column-parallel linear sharded on dim 0 -- a SwiGLU ``linear_fc1``'s in its gate and up halves,
+as megatron's MLP saves W, so a checkpoint reshards to another TP --, A of a row-parallel one on
+dim 1, the others replicated), and the base weight knows its adapters (:func:`merged_weight`: ``W + scale * B A``
 in fp32, per shard, what the weight export sends).
 
 Dropout (``actor.lora.dropout``) acts on the adapter's input, in training passes only (a pass
@@ -219,7 +220,9 @@ def _adapt(module, kind: str, lora, seed: int, gname: str) -> None:
     base_impl = module._forward_impl
     module._forward_impl = partial(_column_forward if kind == "column" else _row_forward, module, base_impl)
     axes = {"weight": 0, "bias": 0, "lora_B": 0} if kind == "column" else {"weight": 1, "lora_A": 1}
-    module.sharded_state_dict = partial(_sharded_state_dict, module, axes)
+    # a SwiGLU linear_fc1's rows are [gate_r; up_r] on each rank: B is saved as megatron saves W
+    gated = kind == "column" and gname.endswith("linear_fc1.weight") and getattr(module.config, "gated_linear_unit", False)
+    module.sharded_state_dict = partial(_sharded_state_dict, module, axes, gated)
 
 
 def _dropped(module, x: torch.Tensor) -> torch.Tensor:
@@ -251,10 +254,25 @@ def _row_forward(module, base_impl, input, weight, *args, **kwargs):
     return out + module.lora_scale * F.linear(h, module.lora_B)
 
 
-def _sharded_state_dict(module, axes: Dict[str, int], prefix: str = "", sharded_offsets=(), metadata=None):
-    """megatron's own sharding of the linear (weight, bias), with the adapters' added."""
+def _sharded_state_dict(module, axes: Dict[str, int], gated: bool, prefix: str = "", sharded_offsets=(),
+                        metadata=None):
+    """megatron's own sharding of the linear (weight, bias), with the adapters' added; a gated
+    ``linear_fc1``'s B split into its gate and up halves as megatron's MLP splits W (so a checkpoint
+    reshards to another TP)."""
+    import inspect
+
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+    metadata = metadata or {}
     state_dict = module.state_dict(prefix="", keep_vars=True)
-    return make_sharded_tensors_for_checkpoint(state_dict, prefix, axes, sharded_offsets, tp_group=module.tp_group,
-                                               dp_cp_group=(metadata or {}).get("dp_cp_group"))
+    out = make_sharded_tensors_for_checkpoint(state_dict, prefix, axes, sharded_offsets, tp_group=module.tp_group,
+                                              dp_cp_group=metadata.get("dp_cp_group"))
+    if gated:
+        accepts = inspect.signature(apply_swiglu_sharded_factory).parameters  # (tp / dp groups: megatron-core 0.17 on)
+        kw = {k: v for k, v in (("tp_group", module.tp_group), ("dp_group", metadata.get("dp_cp_group")))
+              if k in accepts}
+        key = f"{prefix}lora_B"
+        out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets,
+                                                metadata.get("singleton_local_shards", False), **kw)
+    return out

@@ -188,6 +188,9 @@ class TrainModel:
         self._host: Dict[str, HostOffload] = {}  # part -> its host copies (colocated mode)
         self._offloaded: List[str] = []
         self._gather_owed = False  # an optimizer step's deferred parameter gather not done yet
+        # a LoRA model's base: the HF folder it was loaded from (actor/lora_checkpoint.py), None
+        # when it cannot be referenced (its checkpoints then save it in full)
+        self.lora_base = None
         self.replay: Optional[RoutingReplay] = None  # MoE routing replay (actor.routing_replay), else None
         self.routing_metrics: Dict[str, float] = {}  # the last replay run's gates
         config.grad_scale_func = optimizer.scale_loss

@@ -7,7 +7,9 @@ base model, and with nonzero B the actor equals a plain actor on the merged weig
 ``W + s*B*A``: log-probs, entropy and loss within 1e-6, the adapters' gradients within 1e-6
 (relative) of those the merged model's weight gradients give; the weight export carries the
 merged weights and an embedded engine updated from it scores as the actor; a checkpoint holds
-base and adapters and their Adam states: a fresh actor resumes bit for bit.
+the adapters and their Adam states and references the base's HF folder (a base given as a state
+dict is saved in full): a fresh actor resumes bit for bit at the same layout, and at TP 1 / PP 2
+from a TP 2 checkpoint with the same log-probs (fp32 rounding).
 """
 import json
 from pathlib import Path
@@ -65,6 +67,8 @@ def test_lora_equals_merged_weights_at_tp1_tp2_and_sequence_parallel(tmp_path):
             if c["case"].get("checkpoint"):
                 assert c["resume_extra"] == {"step": 1}, where
                 assert c["resume_equal"] and c["resume_loss_equal"], where
+                # (a base from a state dict cannot be referenced: saved in full, and said so)
+                assert c["base_file"]["saved_in_full"] and c["base_file"]["base"] is None, (where, c["base_file"])
 
 
 @pytest.mark.distributed
@@ -103,6 +107,52 @@ def test_lora_equals_merged_weights_on_moe_experts_at_ep2_and_on_qwen3_5(tmp_pat
         _check_exact(hybrid, f"rank {rank}: {hybrid}", mixers, grad_l2=1e-5, grad_max=1e-4)
 
 
+def _write_base(path):
+    """The tiny Qwen3 of the worker (seed 0) as an HF folder: config.json + model.safetensors."""
+    from safetensors.torch import save_file
+
+    from tests.megatron.helpers import hf_state, make_hf_model, tiny_hf_config
+
+    cfg = tiny_hf_config("qwen3", tie=False)
+    path.mkdir(parents=True)
+    cfg.to_json_file(str(path / "config.json"))
+    save_file({n: t.contiguous() for n, t in hf_state(make_hf_model(cfg, seed=0)).items()},
+              str(path / "model.safetensors"))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_lora_checkpoint_references_its_base_and_resumes_at_another_tp_or_pp(tmp_path):
+    """A LoRA actor built from an HF folder saves the adapters and their Adam states and a
+    reference to the folder, no base tensor; a fresh actor on a random base resumes from it bit
+    for bit at the same layout (the base read from the folder), and at TP 1 and at PP 2 (the
+    adapters and Adam states resharded) with the uninterrupted run's log-probs before and after
+    the next step; a changed base is refused in one line."""
+    base = tmp_path / "base"
+    _write_base(base)
+    per_rank = _run(tmp_path, [{"resume": True}])
+    for rank, (c,) in enumerate(per_rank):
+        where = f"rank {rank}"
+        ref = c["base_file"]
+        assert ref["saved_in_full"] is False and ref["base"]["path"] == str(base), (where, ref)
+        assert list(ref["base"]["fingerprint"]) == ["model.safetensors"], (where, ref)
+        assert c["base_keys"] == [], (where, c["base_keys"])  # not one base tensor in the checkpoint
+        same = c["same"]
+        assert same["extra"] == {"step": 1} and same["lp_equal"] and same["after_equal"] and same["loss_equal"], \
+            (where, same)
+        tol = TOL * c["lp_scale"]  # another layout sums in another order: fp32 rounding
+        for layout in ("tp1", "pp2"):
+            got = c[layout]
+            assert got["extra"] == {"step": 1}, (where, layout, got)
+            assert got["lp_err"] <= tol and got["after_err"] <= tol, (where, layout, got)
+            assert got["loss_err"] <= TOL and got["grad_norm_err"] <= TOL * 10, (where, layout, got)
+        # the weights alone (no Adam states, no LR schedule): the next step goes elsewhere
+        assert c["model_only"]["lp_err"] <= tol and c["model_only"]["after_err"] > 1e-3, (where, c["model_only"])
+        err = c["changed_base_error"]
+        assert err is not None and "\n" not in err, (where, err)
+        assert f"its LoRA base {base} changed since the save (model.safetensors differs" in err, (where, err)
+
+
 def test_lora_settings_are_checked_before_any_process_group():
     import torch.distributed as dist
 
@@ -136,3 +186,49 @@ def test_lora_settings_are_checked_before_any_process_group():
         attention_only = LoraConfig(target_modules=["linear_qkv", "linear_proj"])
         assert plan_actor(moe, ParallelLayout(), lora=attention_only, world_size=1)[0].lora == attention_only
     assert not dist.is_initialized()
+
+
+def test_the_base_reference_is_a_folder_of_safetensors_and_its_fingerprint_a_spot_check(tmp_path):
+    """``lora_base.json``'s reference (actor/lora_checkpoint.py): a folder of safetensors (a state
+    dict, None or a folder of pickles: None, saved in full); its fingerprint changes with a file's
+    size or either end of it, not with a byte in the middle of a file over 2 MiB (a spot check);
+    a missing or changed base is one line naming the checkpoint and the base."""
+    import torch
+
+    from megatron_tepo.actor.lora_checkpoint import base_reference, check_base, fingerprint
+    from megatron_tepo.checkpoint.store import CheckpointError
+
+    assert base_reference(None) is None and base_reference({"w": torch.zeros(1)}) is None
+    pickles = tmp_path / "pickles"
+    pickles.mkdir()
+    (pickles / "pytorch_model.bin").write_bytes(b"x")
+    assert base_reference(pickles) is None and base_reference(str(tmp_path / "nowhere")) is None
+    folder = tmp_path / "base"
+    folder.mkdir()
+    weights = folder / "model.safetensors"
+    weights.write_bytes(bytes(3 << 20))
+    (folder / "config.json").write_text("{}")
+    ref = base_reference(str(folder))
+    assert ref == {"path": str(folder.absolute()), "fingerprint": fingerprint(folder)}
+    assert list(ref["fingerprint"]) == ["model.safetensors"]  # (config.json is not a weight file)
+    check_base(tmp_path / "ckpt", ref)  # unchanged: no error
+
+    def poke(offset):
+        data = bytearray(weights.read_bytes())
+        data[offset] ^= 1
+        weights.write_bytes(bytes(data))
+
+    poke(len(bytes(3 << 20)) // 2)  # the middle: not seen
+    assert fingerprint(folder) == ref["fingerprint"]
+    for offset in (0, (3 << 20) - 1):  # either end: seen
+        poke(offset)
+        with pytest.raises(CheckpointError, match=r"^\S+ckpt: its LoRA base \S+base changed since the save "
+                                                  r"\(model.safetensors differs"):
+            check_base(tmp_path / "ckpt", ref)
+        poke(offset)
+    check_base(tmp_path / "ckpt", ref)
+    weights.unlink()
+    with pytest.raises(CheckpointError, match=r"model.safetensors differs"):
+        check_base(tmp_path / "ckpt", ref)
+    with pytest.raises(CheckpointError, match=r"^\S+ckpt: its LoRA base \S+gone .* is not there"):
+        check_base(tmp_path / "ckpt", dict(ref, path=str(tmp_path / "gone")))

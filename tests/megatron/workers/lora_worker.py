@@ -18,7 +18,11 @@ on a tiny model reports ``linears`` (the adapted linears of this rank's stage, b
   ``engine_lp_err``: an embedded engine updated from the export scores the batch as the actor does;
 * ``checkpoint``: the actor saves after that step and trains one more; a fresh LoRA actor (random
   base, other seed) loads the checkpoint and trains the same step: ``resume_equal`` (every
-  parameter, base and adapters, bit for bit) and ``resume_loss_equal``.
+  parameter, base and adapters, bit for bit) and ``resume_loss_equal``; ``base_file``: the
+  checkpoint's ``lora_base.json`` (a base from a state dict: saved in full).
+
+``{"resume": true}``: :func:`run_resume_case` (a base from an HF folder, referenced; resumes at
+other layouts).
 """
 import json
 import os
@@ -218,6 +222,7 @@ def _resume(case, root, actor, hf_cfg, layout, settings, lora, local, out):
         del actor
         fresh = MegatronActor(hf_cfg, hf_weights=None, layout=layout, optim=OptimConfig(**OPT), lora=lora, seed=99,
                               **settings)
+        out["base_file"] = json.loads((ckpt / "lora_base.json").read_text())
         extra = fresh.load_checkpoint(ckpt)
         m3 = fresh.train_step(local, LOSS)
         got_params = _all_params(fresh)
@@ -229,10 +234,98 @@ def _resume(case, root, actor, hf_cfg, layout, settings, lora, local, out):
     return out
 
 
+def _lora_actor(hf_cfg, weights, layout, **kw):
+    from megatron_tepo.actor.actor import MegatronActor, OptimConfig
+    from megatron_tepo.config import LoraConfig
+
+    return MegatronActor(hf_cfg, hf_weights=weights, layout=layout, optim=OptimConfig(**OPT),
+                         lora=LoraConfig(rank=4, alpha=8.0), **ACTOR, **kw)
+
+
+def _local(actor, batch):
+    ps = actor.train_model._ps
+    return batch.split_for_data_parallel(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+
+
+def _base_keys(ckpt: Path):
+    """The model tensors other than adapters a checkpoint stores (its DCP metadata's keys)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    return sorted(k for k in keys if not k.startswith("optimizer") and k.rsplit(".", 1)[-1] not in ("lora_A", "lora_B")
+                  and k.endswith((".weight", ".bias")))
+
+
+def run_resume_case(case, root: Path):
+    """A TP 2 LoRA actor built from the HF folder ``root/base`` trains a step and saves; its
+    checkpoint references the base (``base_file``; ``base_keys``: the base tensors it stores).
+    Then, each a fresh actor on a random base (other seed) that loads it fully (optimizer too) and
+    trains the next step: ``same`` at TP 2 (bit for bit: ``*_equal``), ``tp1`` (DP 2) and ``pp2``
+    (resharded: ``*_err``, the log-probs before and after the step against the uninterrupted
+    actor's); ``model_only``: the same TP 1 load without the optimizer, whose step differs
+    (``model_only_after_err``). Last, the base folder changed: the load's one-line error
+    (``changed_base_error``)."""
+    import torch.distributed as dist
+
+    from megatron_tepo.checkpoint.store import CheckpointError
+    from megatron_tepo.layout import ParallelLayout
+
+    base = root / "base"
+    hf_cfg = tiny_hf_config("qwen3", tie=False)
+    batch = make_batch(seed=1)
+    with torch.no_grad():
+        ref_lp, _ = hf_log_probs(make_hf_model(hf_cfg, seed=0), batch)  # (the folder's weights)
+    batch.old_log_probs = (ref_lp + 0.05 * torch.randn(ref_lp.shape, generator=torch.Generator().manual_seed(7))) \
+        * batch.response_mask
+    out = {"case": case}
+    actor = _lora_actor(hf_cfg, str(base), ParallelLayout(tp=2))
+    _set_random_b(actor)
+    actor.train_step(_local(actor, batch), LOSS)
+    ckpt = root / "ckpt_lora"
+    actor.save_checkpoint(ckpt, extra_state={"step": 1})
+    out["base_file"] = json.loads((ckpt / "lora_base.json").read_text())
+    out["base_keys"] = _base_keys(ckpt)
+    want_lp, _ = actor.compute_log_probs(batch)
+    want_m = actor.train_step(_local(actor, batch), LOSS)
+    want_after, _ = actor.compute_log_probs(batch)
+    del actor
+
+    for name, layout, model_only in (("same", ParallelLayout(tp=2), False), ("tp1", ParallelLayout(tp=1), False),
+                                     ("pp2", ParallelLayout(pp=2), False), ("model_only", ParallelLayout(tp=1), True)):
+        fresh = _lora_actor(hf_cfg, None, layout, seed=99)
+        extra = fresh.load_checkpoint(ckpt, model_only=model_only)
+        lp, _ = fresh.compute_log_probs(batch)
+        m = fresh.train_step(_local(fresh, batch), LOSS)
+        after, _ = fresh.compute_log_probs(batch)
+        out[name] = {"extra": extra, "lp_err": float((lp - want_lp).abs().max()),
+                     "after_err": float((after - want_after).abs().max()),
+                     "loss_err": abs(m["loss"] - want_m["loss"]), "grad_norm_err": abs(m["grad_norm"] - want_m["grad_norm"]),
+                     "lp_equal": torch.equal(lp, want_lp), "after_equal": torch.equal(after, want_after),
+                     "loss_equal": m["loss"] == want_m["loss"] and m["grad_norm"] == want_m["grad_norm"]}
+        del fresh
+    out["lp_scale"] = float(want_lp.abs().max())
+
+    # the base changed since the save: refused, one line
+    if dist.get_rank() == 0:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(base / "model.safetensors"))
+        tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1.0
+        save_file(tensors, str(base / "model.safetensors"))
+    dist.barrier()
+    fresh = _lora_actor(hf_cfg, None, ParallelLayout(tp=2), seed=99)
+    try:
+        fresh.load_checkpoint(ckpt)
+        out["changed_base_error"] = None
+    except CheckpointError as e:
+        out["changed_base_error"] = str(e)
+    return out
+
+
 def main():
     root = Path(sys.argv[1])
     cases = json.loads(sys.argv[2])
-    write_result({"cases": [run_case(c, root) for c in cases]})
+    write_result({"cases": [run_resume_case(c, root) if c.get("resume") else run_case(c, root) for c in cases]})
 
 
 if __name__ == "__main__":
