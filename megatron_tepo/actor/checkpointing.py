@@ -62,7 +62,7 @@ from megatron_tepo.megatron.async_save import NVRX_WORKER_CONTEXT_GIB, STAGINGS,
 from megatron_tepo.megatron.dist_checkpoint import get_rng_state, set_rng_state
 from megatron_tepo.megatron.parallel import raise_if_any_rank_failed
 
-__all__ = ["save_actor_checkpoint", "load_actor_checkpoint", "load_newest_checkpoint", "get_rng_state",
+__all__ = ["save_actor_checkpoint", "load_actor_checkpoint", "load_newest_checkpoint", "lora_tp_problem", "get_rng_state",
            "set_rng_state", "actor_layout", "AsyncSaves", "AsyncWriter", "choose_async_writer", "STAGINGS",
            "NVRX_WORKER_CONTEXT_GIB"]
 
@@ -263,6 +263,9 @@ def load_actor_checkpoint(train_model, directory: PathLike, model_only: bool = F
                 f"load (optimizer, scheduler, RNG) needs the same layout (a LoRA actor without the distributed "
                 f"optimizer: the same EP, precision and builder); pass model_only=True to load "
                 f"only the model weights (resharded)")
+        problem = lora_tp_problem(train_model, info["layout"], mine)
+        if problem:
+            raise CheckpointError(f"{d}: {problem}")
         check_checkpoint_files(d, rng=not (model_only or reshard))
         base = lora_checkpoint.read_base_file(d)
         if base is not None and train_model.settings.lora is None:
@@ -324,6 +327,19 @@ def _lora_reshardable(train_model, saved: Dict[str, Any], mine: Dict[str, Any]) 
     if train_model.settings.lora is None or saved.get("distributed_optimizer") or mine["distributed_optimizer"]:
         return False
     return all(saved.get(k) == v for k, v in mine.items() if k not in _RESHARDABLE)
+
+
+def lora_tp_problem(train_model, saved: Dict[str, Any], mine: Dict[str, Any]) -> str:
+    """Why a load (full or weights only) may not reshard a LoRA checkpoint from the saved TP to this
+    actor's, or "": a Gated DeltaNet ``in_proj``'s B is saved as plain rows, not per q/k/v/z/b/a
+    section as megatron saves its weight (megatron/lora.py, "Left out")."""
+    lora = train_model.settings.lora
+    if lora is None or saved.get("tp") == mine["tp"] or not getattr(train_model, "gated_delta_net", False):
+        return ""
+    if "in_proj" not in lora.target_modules:
+        return ""
+    return (f"a LoRA checkpoint with Gated DeltaNet in_proj adapters loads at its own TP only (saved at TP "
+            f"{saved.get('tp')}, this actor is TP {mine['tp']}): resume at parallel.tp: {saved.get('tp')}")
 
 
 def _load_adapters(module, loaded: Dict[str, Any], d: Path) -> None:

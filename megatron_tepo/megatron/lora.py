@@ -46,8 +46,9 @@ input.
 Left out: Transformer Engine's linears (``actor.attention: te``: refused) and its grouped experts
 (``moe_grouped_gemm: on``: refused), experts split over tensor parallelism (refused), the
 sections of a Gated DeltaNet ``in_proj``'s B at TP > 1 (B's rows follow the weight's on each rank,
-so training and the merged export are right, but :func:`adapter_full_tensors` and a checkpoint
-resharded to another TP cut B as plain rows, not per q/k/v/z/b/a section), adapters sent unmerged
+so training and the merged export are right, but :func:`adapter_full_tensors` cuts B as plain
+rows, not per q/k/v/z/b/a section, and a checkpoint saves it so: its load at another TP is refused,
+``actor/checkpointing.py:lora_tp_problem``), adapters sent unmerged
 to SGLang's LoRA endpoints, PEFT export and import.
 """
 from __future__ import annotations

@@ -232,3 +232,25 @@ def test_the_base_reference_is_a_folder_of_safetensors_and_its_fingerprint_a_spo
         check_base(tmp_path / "ckpt", ref)
     with pytest.raises(CheckpointError, match=r"^\S+ckpt: its LoRA base \S+gone .* is not there"):
         check_base(tmp_path / "ckpt", dict(ref, path=str(tmp_path / "gone")))
+
+
+def test_a_qwen3_5_lora_checkpoint_is_not_resharded_to_another_tp():
+    """A Gated DeltaNet in_proj's B is saved as plain rows (megatron/lora.py, "Left out"): a load at
+    another TP is refused in one line; at the same TP, without in_proj adapters, or on a GPT model
+    it goes on."""
+    from types import SimpleNamespace
+
+    from megatron_tepo.actor.checkpointing import lora_tp_problem
+    from megatron_tepo.config import LoraConfig
+
+    def model(gdn, lora=LoraConfig()):
+        return SimpleNamespace(settings=SimpleNamespace(lora=lora), gated_delta_net=gdn)
+
+    tp2, tp1 = {"tp": 2}, {"tp": 1}
+    problem = lora_tp_problem(model(True), tp2, tp1)
+    assert problem.startswith("a LoRA checkpoint with Gated DeltaNet in_proj adapters loads at its own TP only "
+                              "(saved at TP 2, this actor is TP 1)") and "\n" not in problem
+    assert lora_tp_problem(model(True), tp2, tp2) == ""
+    assert lora_tp_problem(model(False), tp2, tp1) == ""
+    assert lora_tp_problem(model(True, None), tp2, tp1) == ""
+    assert lora_tp_problem(model(True, LoraConfig(target_modules=["linear_qkv", "out_proj"])), tp2, tp1) == ""
