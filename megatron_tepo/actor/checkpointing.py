@@ -62,9 +62,9 @@ from megatron_tepo.megatron.async_save import NVRX_WORKER_CONTEXT_GIB, STAGINGS,
 from megatron_tepo.megatron.dist_checkpoint import get_rng_state, set_rng_state
 from megatron_tepo.megatron.parallel import raise_if_any_rank_failed
 
-__all__ = ["save_actor_checkpoint", "load_actor_checkpoint", "load_newest_checkpoint", "lora_tp_problem", "get_rng_state",
-           "set_rng_state", "actor_layout", "AsyncSaves", "AsyncWriter", "choose_async_writer", "STAGINGS",
-           "NVRX_WORKER_CONTEXT_GIB"]
+__all__ = ["save_actor_checkpoint", "load_actor_checkpoint", "load_newest_checkpoint", "lora_tp_problem",
+           "get_rng_state", "set_rng_state", "actor_layout", "AsyncSaves", "AsyncWriter", "choose_async_writer",
+           "STAGINGS", "NVRX_WORKER_CONTEXT_GIB"]
 
 DIST_OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 

@@ -222,7 +222,8 @@ def _adapt(module, kind: str, lora, seed: int, gname: str) -> None:
     module._forward_impl = partial(_column_forward if kind == "column" else _row_forward, module, base_impl)
     axes = {"weight": 0, "bias": 0, "lora_B": 0} if kind == "column" else {"weight": 1, "lora_A": 1}
     # a SwiGLU linear_fc1's rows are [gate_r; up_r] on each rank: B is saved as megatron saves W
-    gated = kind == "column" and gname.endswith("linear_fc1.weight") and getattr(module.config, "gated_linear_unit", False)
+    gated = (kind == "column" and gname.endswith("linear_fc1.weight")
+             and getattr(module.config, "gated_linear_unit", False))
     module.sharded_state_dict = partial(_sharded_state_dict, module, axes, gated)
 
 

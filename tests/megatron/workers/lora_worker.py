@@ -299,7 +299,8 @@ def run_resume_case(case, root: Path):
         after, _ = fresh.compute_log_probs(batch)
         out[name] = {"extra": extra, "lp_err": float((lp - want_lp).abs().max()),
                      "after_err": float((after - want_after).abs().max()),
-                     "loss_err": abs(m["loss"] - want_m["loss"]), "grad_norm_err": abs(m["grad_norm"] - want_m["grad_norm"]),
+                     "loss_err": abs(m["loss"] - want_m["loss"]),
+                     "grad_norm_err": abs(m["grad_norm"] - want_m["grad_norm"]),
                      "lp_equal": torch.equal(lp, want_lp), "after_equal": torch.equal(after, want_after),
                      "loss_equal": m["loss"] == want_m["loss"] and m["grad_norm"] == want_m["grad_norm"]}
         del fresh
