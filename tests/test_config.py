@@ -74,7 +74,7 @@ def test_lora_is_off_unless_set_and_one_override_turns_it_on():
     assert load_config(None, []).actor.lora is None  # a full-parameter run: nothing of LoRA is built
     lora = load_config(None, ["actor.lora.rank=8"]).actor.lora
     assert (lora.rank, lora.alpha, lora.dropout) == (8, 16.0, 0.0) and lora.scale == 2.0
-    assert lora.target_modules == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert lora.target_modules == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj"]
     with pytest.raises(ConfigError, match="actor.lora: .*actor.attention te builds Transformer Engine's"):
         load_config(None, ["actor.lora.rank=8", "actor.attention=te"])
 

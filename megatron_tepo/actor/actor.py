@@ -179,6 +179,10 @@ class MegatronActor:
                 weights.close()
         tm = self.train_model
         self.family_cfg, self.device = tm.family_cfg, tm.device
+        if tm.settings.lora is not None:  # its checkpoints reference this base, not copy it
+            from megatron_tepo.actor.lora_checkpoint import base_reference
+
+            tm.lora_base = base_reference(hf_weights)
 
     # the megatron stack's objects, as the actor itself, the trainer (dp_rank, dp_size) and the tests read them: the
     # train model's own (read there and, for ``settings``, written there)

@@ -23,6 +23,15 @@ A full load (optimizer, scheduler, RNG) requires the layout and precision it was
 actor's optimizer holds fp32 main parameters that an fp32 one does not). The distributed
 optimizer is saved with ``distrib_optim_sharding_type = "dp_reshardable"``.
 
+A LoRA actor (``actor.lora``) built from an HF folder saves the adapters of the model and not its
+frozen base, beside ``lora_base.json`` (the folder's path and fingerprint); a load checks the
+fingerprint (a changed base is a one-line :class:`CheckpointError`) and reads the base from the
+folder when the actor holds another (:mod:`megatron_tepo.actor.lora_checkpoint`). A base that
+cannot be referenced (random init, a state dict) is saved in full, and ``lora_base.json`` says so.
+A LoRA actor without the distributed optimizer may fully load a checkpoint of another TP / PP
+(same EP, precision, builder): the adapters and their Adam states are resharded, the scheduler
+loaded, the per-rank RNG states left as this run's.
+
 Assumes a file system shared by all ranks (every rank writes its own shards and RNG file).
 
 This module is the checkpoint's format and its steps; megatron-core's part is
@@ -47,14 +56,15 @@ from megatron_tepo.config import OptimConfig
 from megatron_tepo.checkpoint.store import (COMPLETE_MARKER, EXTRA_STATE, FORMAT, RNG_DIR, CheckpointError,
                                              PathLike, check_checkpoint_files, global_rank, fsync_dir,
                                              list_complete_checkpoints, read_marker, write_file_atomic)
+from megatron_tepo.actor import lora_checkpoint
 from megatron_tepo.megatron import async_save, dist_checkpoint
 from megatron_tepo.megatron.async_save import NVRX_WORKER_CONTEXT_GIB, STAGINGS, AsyncSaves, AsyncWriter
 from megatron_tepo.megatron.dist_checkpoint import get_rng_state, set_rng_state
 from megatron_tepo.megatron.parallel import raise_if_any_rank_failed
 
-__all__ = ["save_actor_checkpoint", "load_actor_checkpoint", "load_newest_checkpoint", "get_rng_state",
-           "set_rng_state", "actor_layout", "AsyncSaves", "AsyncWriter", "choose_async_writer", "STAGINGS",
-           "NVRX_WORKER_CONTEXT_GIB"]
+__all__ = ["save_actor_checkpoint", "load_actor_checkpoint", "load_newest_checkpoint", "lora_tp_problem",
+           "get_rng_state", "set_rng_state", "actor_layout", "AsyncSaves", "AsyncWriter", "choose_async_writer",
+           "STAGINGS", "NVRX_WORKER_CONTEXT_GIB"]
 
 DIST_OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -107,8 +117,10 @@ def _optimizer_metadata(optim: OptimConfig) -> Optional[dict]:
 
 
 def _sharded_state_dict(train_model, optim: OptimConfig, is_loading: bool,
-                        with_optimizer: bool = True) -> Dict[str, Any]:
+                        with_optimizer: bool = True, adapters_only: bool = False) -> Dict[str, Any]:
     model_sd = _model_sharded_state_dict(train_model)
+    if adapters_only:  # a LoRA model whose base is referenced (actor/lora_checkpoint.py)
+        model_sd = lora_checkpoint.adapters_only(model_sd)
     if with_optimizer and is_loading:
         dist_checkpoint.ensure_torch_adam_state(train_model.optimizer)
     state: Dict[str, Any] = {"model": model_sd}
@@ -170,7 +182,9 @@ def save_actor_checkpoint(train_model, directory: PathLike, extra_state: Optiona
     # The RNG states as they are now; restored right after the save so that saving is
     # RNG-neutral (the run continues exactly as a run resumed from this checkpoint does).
     rng = get_rng_state()
-    state = _sharded_state_dict(train_model, optim, is_loading=False)
+    lora = train_model.settings.lora is not None
+    base = getattr(train_model, "lora_base", None) if lora else None
+    state = _sharded_state_dict(train_model, optim, is_loading=False, adapters_only=base is not None)
     request = dist_checkpoint.save(state, tmp, content_metadata={"format": FORMAT},
                                    **(saves.writer.save_kwargs if saves is not None else {}))
     set_rng_state(rng)
@@ -184,6 +198,8 @@ def save_actor_checkpoint(train_model, directory: PathLike, extra_state: Optiona
             try:
                 if write_extra is not None:
                     write_extra(tmp)
+                if lora:  # the base's folder, or why it is saved in full
+                    write_file_atomic(tmp / lora_checkpoint.BASE_FILE, lora_checkpoint.base_file_text(base))
                 write_file_atomic(tmp / EXTRA_STATE, extra_json)
                 marker = {"format": FORMAT, "step": (extra_state or {}).get("step"), "time": time.time(),
                           "layout": layout}
@@ -220,12 +236,15 @@ def load_actor_checkpoint(train_model, directory: PathLike, model_only: bool = F
     (:meth:`MegatronActor.prefer_settings_over_checkpoint`); None keeps the saved ones.
 
     Full load (default): model, optimizer, LR scheduler and this rank's RNG states; the layout
-    (TP/PP/EP/DP, world size, distributed optimizer) must equal the saved one. ``model_only``:
-    only the model weights, resharded by dist_checkpointing to this actor's TP/PP."""
+    (TP/PP/EP/DP, world size, distributed optimizer) must equal the saved one, except for a LoRA
+    actor without the distributed optimizer (TP / PP may change: everything but the RNG states
+    resharded). ``model_only``: only the model weights, resharded by dist_checkpointing to this
+    actor's TP/PP. A LoRA checkpoint that references its base: the base checked, and read from its
+    folder when this actor holds another (module doc)."""
     from megatron_tepo.megatron.fast_paths import refresh_fused_adam
 
     d = Path(directory).absolute()
-    err, info = None, None
+    err, info, base, reshard = None, None, None, False
     try:
         info = read_marker(d)
         info["layout"].setdefault("precision", "fp32")  # (written before bf16 existed)
@@ -236,22 +255,45 @@ def load_actor_checkpoint(train_model, directory: PathLike, model_only: bool = F
                 f"{d} was written by a {saved_builder} model and this actor builds a {builder} one "
                 f"(actor.model_builder): their parameters are stored under other names; resume with "
                 f"actor.model_builder: {saved_builder}")
-        if not model_only and info["layout"] != actor_layout(train_model, optim):
+        mine = actor_layout(train_model, optim)
+        reshard = not model_only and info["layout"] != mine
+        if reshard and not _lora_reshardable(train_model, info["layout"], mine):
             raise CheckpointError(
-                f"{d} was saved at layout {info['layout']}, this actor is {actor_layout(train_model, optim)}: a full "
-                f"load (optimizer, scheduler, RNG) needs the same layout; pass model_only=True to load "
+                f"{d} was saved at layout {info['layout']}, this actor is {mine}: a full "
+                f"load (optimizer, scheduler, RNG) needs the same layout (a LoRA actor without the distributed "
+                f"optimizer: the same EP, precision and builder); pass model_only=True to load "
                 f"only the model weights (resharded)")
-        check_checkpoint_files(d, rng=not model_only)
+        problem = lora_tp_problem(train_model, info["layout"], mine)
+        if problem:
+            raise CheckpointError(f"{d}: {problem}")
+        check_checkpoint_files(d, rng=not (model_only or reshard))
+        base = lora_checkpoint.read_base_file(d)
+        if base is not None and train_model.settings.lora is None:
+            raise CheckpointError(f"{d} holds LoRA adapters over the base {base['path']}, and this actor has no "
+                                  f"actor.lora: load it with the actor.lora it was saved with")
+        if base is not None:
+            lora_checkpoint.check_base(d, base)
     except (CheckpointError, OSError) as e:
         err = e
     _agree_ok(err)
 
-    state = _sharded_state_dict(train_model, optim, is_loading=True, with_optimizer=not model_only)
+    if base is not None:  # the base from its folder where this actor holds another (the ranks agree)
+        try:
+            if getattr(train_model, "lora_base", None) != base:
+                lora_checkpoint.load_base_into(train_model, base)
+        except (ValueError, OSError) as e:
+            err = CheckpointError(f"{d}: its LoRA base {base['path']} does not load: {e}")
+        _agree_ok(err)
+    state = _sharded_state_dict(train_model, optim, is_loading=True, with_optimizer=not model_only,
+                                adapters_only=base is not None)
     # no_grad: the distributed optimizer copies into fp32 main params that view leaf parameters
     with torch.no_grad():
         loaded = dist_checkpoint.load(state, d)
         for chunk in train_model.model:
-            chunk.module.load_state_dict(loaded["model"])
+            if base is None:
+                chunk.module.load_state_dict(loaded["model"])
+            else:  # the adapters only: the base came from its folder
+                _load_adapters(chunk.module, loaded["model"], d)
         if not model_only:
             optimizer, scheduler = train_model.optimizer, train_model.scheduler
             loaded_optimizer = loaded["optimizer"]
@@ -268,10 +310,45 @@ def load_actor_checkpoint(train_model, directory: PathLike, model_only: bool = F
             if keep_settings is not None:  # (see MegatronActor.prefer_settings_over_checkpoint)
                 keep_settings()
                 scheduler.step(increment=0)  # this actor's LR / weight decay from the next step on
-    if not model_only:
+    if not (model_only or reshard):  # (the RNG states are per rank: at another layout they stay this run's)
         set_rng_state(torch.load(d / RNG_DIR / f"rank{global_rank()}.pt", weights_only=False))
     _barrier()
     return json.loads((d / EXTRA_STATE).read_text())
+
+
+#: what a LoRA actor's full load may find changed: the TP / PP sizes and so DP and the world size
+_RESHARDABLE = ("world_size", "tp", "pp", "dp")
+
+
+def _lora_reshardable(train_model, saved: Dict[str, Any], mine: Dict[str, Any]) -> bool:
+    """Whether a full load may reshard a checkpoint saved at layout ``saved`` onto ``mine``: a LoRA
+    actor without the distributed optimizer (its Adam states are then keyed like the adapters,
+    which megatron's dist_checkpointing reshards over TP / PP), the rest of the layout the same."""
+    if train_model.settings.lora is None or saved.get("distributed_optimizer") or mine["distributed_optimizer"]:
+        return False
+    return all(saved.get(k) == v for k, v in mine.items() if k not in _RESHARDABLE)
+
+
+def lora_tp_problem(train_model, saved: Dict[str, Any], mine: Dict[str, Any]) -> str:
+    """Why a load (full or weights only) may not reshard a LoRA checkpoint from the saved TP to this
+    actor's, or "": a Gated DeltaNet ``in_proj``'s B is saved as plain rows, not per q/k/v/z/b/a
+    section as megatron saves its weight (megatron/lora.py, "Left out")."""
+    lora = train_model.settings.lora
+    if lora is None or saved.get("tp") == mine["tp"] or not getattr(train_model, "gated_delta_net", False):
+        return ""
+    if "in_proj" not in lora.target_modules:
+        return ""
+    return (f"a LoRA checkpoint with Gated DeltaNet in_proj adapters loads at its own TP only (saved at TP "
+            f"{saved.get('tp')}, this actor is TP {mine['tp']}): resume at parallel.tp: {saved.get('tp')}")
+
+
+def _load_adapters(module, loaded: Dict[str, Any], d: Path) -> None:
+    """Load a checkpoint's adapters into ``module``: every adapter found, nothing else in it."""
+    result = module.load_state_dict(loaded, strict=False)
+    missing = [k for k in result.missing_keys if k.rsplit(".", 1)[-1] in ("lora_A", "lora_B")]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"{d}: the LoRA adapters do not match this model (missing {missing[:4]}, "
+                              f"unexpected {result.unexpected_keys[:4]}): another actor.lora or model?")
 
 
 def load_newest_checkpoint(train_model, root: PathLike, report: Optional[Callable[[str], None]] = None, *,
@@ -285,8 +362,9 @@ def load_newest_checkpoint(train_model, root: PathLike, report: Optional[Callabl
     problems = []
     for d in candidates:
         err = None
-        try:
-            check_checkpoint_files(d)
+        try:  # (a checkpoint of another world size -- a LoRA resume at another layout -- has other RNG files)
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            check_checkpoint_files(d, rng=read_marker(d)["layout"].get("world_size") == world)
         except CheckpointError as e:
             err = e
         errs = [str(err) if err else None] * (dist.get_world_size() if dist.is_initialized() else 1)

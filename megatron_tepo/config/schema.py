@@ -227,8 +227,9 @@ OFFLOAD_LEVELS = {"none": (), "optimizer": ("optimizer",), "optimizer_grads": ("
 
 #: the linears ``actor.lora.target_modules`` can name (megatron's names): attention q/k/v (the fused
 #: ``linear_qkv``) and o (``linear_proj``), the MLP's gate + up (the fused ``linear_fc1``) and down
-#: (``linear_fc2``)
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+#: (``linear_fc2``; on an MoE model every expert's too), a Gated DeltaNet's input projection (the
+#: fused q/k/v/z/b/a ``in_proj``) and output projection (``out_proj``)
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj")
 
 
 @dataclass

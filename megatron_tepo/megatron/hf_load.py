@@ -39,14 +39,15 @@ def load_hf_weights_into(model_chunks: List[torch.nn.Module], hf_state_dict,
 
 
 def load_hf_checkpoint_into(model_chunks: List[torch.nn.Module], ckpt, family_cfg: GPTFamilyConfig,
-                            tp_group=None) -> List[str]:
+                            tp_group=None, select=None) -> List[str]:
     """Fill this rank's chunks from an open HF safetensors checkpoint reader (a
     :class:`~megatron_tepo.checkpoint.hf_io.LazyHFCheckpoint`; the caller opens and closes it),
     reading only this rank's slices (:func:`.sharding.load_checkpoint_slices_into`); bit for bit
     what :func:`load_hf_weights_into` gives from the loaded state dict. The checkpoint's names are
     checked first, on every rank alike: a missing tensor of the model or a tensor the mapping does
     not know is a ValueError naming it (and the checkpoint / file). A tied ``lm_head.weight`` stored
-    beside the embedding must equal it (each rank compares its own embedding rows)."""
+    beside the embedding must equal it (each rank compares its own embedding rows). ``select(param)``:
+    only the parameters it accepts (:func:`.sharding.load_checkpoint_slices_into`)."""
     mapping = layer_mapping(family_cfg)
     expected = expected_hf_names(family_cfg, mapping)
     known = set(expected)
@@ -60,7 +61,7 @@ def load_hf_checkpoint_into(model_chunks: List[torch.nn.Module], ckpt, family_cf
         raise ValueError(f"HF checkpoint {ckpt.path} lacks {len(missing)} tensor(s) of the "
                          f"{family_cfg.family} model, e.g. {missing[:8]}")
     filled = load_checkpoint_slices_into(model_chunks, ckpt, MegatronToHFLayout(family_cfg, mapping),
-                                         tied, tp_group=tp_group)
+                                         tied, tp_group=tp_group, select=select)
     if tied and "lm_head.weight" in ckpt and not checkpoint_slices_equal(
             model_chunks, ckpt, EMBEDDING, "lm_head.weight", tp_group=tp_group):
         raise ValueError(f"tie_word_embeddings=True but HF tensor 'lm_head.weight' in "

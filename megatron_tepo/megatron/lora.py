@@ -5,29 +5,37 @@ parameter is frozen (``requires_grad=False``: megatron's DDP and optimizer then 
 gradients nor Adam states for them), and each target linear (``actor.lora.target_modules``:
 ``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``, by the last part of the module's
 name) gains two trainable parameters, ``lora_A`` ``[rank, in]`` and ``lora_B`` ``[out, rank]``,
-and adds ``scale * B A x`` (``scale = alpha / rank``) to its output. B starts at zero (step 0 is
+and adds ``scale * B A x`` (``scale = alpha / rank``) to its output. The targets' names are
+megatron's: an MoE layer's ``linear_fc1`` / ``linear_fc2`` are every local expert's (megatron's
+``SequentialMLP`` of local linears), a Gated DeltaNet's ``in_proj`` / ``out_proj`` its projections
+(column- and row-parallel like the attention's). B starts at zero (step 0 is
 the base model); A is drawn uniformly in ``+-1/sqrt(in)`` (PEFT's default) from a generator seeded
 by the run's seed and the parameter's global name, so every rank draws the same full A and keeps
 its own shard.
 
 Split the way the layer is split:
 
-* column-parallel (``linear_qkv``, ``linear_fc1``; its weight split by output rows): A replicated,
+* column-parallel (``linear_qkv``, ``linear_fc1``, ``in_proj``; its weight split by output rows): A replicated,
   B split by rows like the weight (so B's rows follow the fused q/k/v per-group interleaving and
   the fused gate/up halves exactly as the weight's do). ``h = x A^T`` is the same on every TP
   rank; its gradient is the sum of every rank's part, so ``h`` passes megatron's
   ``copy_to_tensor_model_parallel_region`` (all-reduce in the backward), and with sequence
   parallelism ``gather_from_sequence_parallel_region`` (A's gradient is then each rank's tokens'
   share: summed over TP by the actor's ``tp_partial_grad`` rule).
-* row-parallel (``linear_proj``, ``linear_fc2``; weight split by input columns): A split by
+* row-parallel (``linear_proj``, ``linear_fc2``, ``out_proj``; weight split by input columns): A split by
   columns, B replicated; each rank's ``scale * (x_r A_r^T) B^T`` is added to its partial product
   BEFORE megatron's reduction (all-reduce, or reduce-scatter with sequence parallelism), so the
   output needs no collective of its own; B's gradient is each rank's part (``tp_partial_grad``).
+* an expert's linear (expert parallelism): its adapters live with the expert on its EP rank, whole
+  (expert TP 1: :func:`lora_model_problem` refuses experts split over TP), and carry the weight's
+  ``allreduce=False``, so megatron's DDP reduces their gradients over the expert-data-parallel
+  group as it does the expert's weights, and the gathers name them by their global expert.
 
 The adapters are added inside the linear's ``_forward_impl`` (an instance attribute), the
 linear's checkpoint sharding is extended to the adapters (``sharded_state_dict``: B of a
-column-parallel linear sharded on dim 0, A of a row-parallel one on dim 1, the others
-replicated), and the base weight knows its adapters (:func:`merged_weight`: ``W + scale * B A``
+column-parallel linear sharded on dim 0 -- a SwiGLU ``linear_fc1``'s in its gate and up halves,
+as megatron's MLP saves W, so a checkpoint reshards to another TP --, A of a row-parallel one on
+dim 1, the others replicated), and the base weight knows its adapters (:func:`merged_weight`: ``W + scale * B A``
 in fp32, per shard, what the weight export sends).
 
 Dropout (``actor.lora.dropout``) acts on the adapter's input, in training passes only (a pass
@@ -35,9 +43,13 @@ under ``torch.no_grad``, such as the old-log-prob pass, never drops); the defaul
 draws it, which megatron seeds alike on the TP ranks of a column-parallel linear's replicated
 input.
 
-Left out: Transformer Engine's linears (``actor.attention: te``: refused), MoE experts and the
-Gated DeltaNet's projections (refused / not targets), exactness checks at PP / CP / EP, adapters
-sent unmerged to SGLang's LoRA endpoints, PEFT export and import.
+Left out: Transformer Engine's linears (``actor.attention: te``: refused) and its grouped experts
+(``moe_grouped_gemm: on``: refused), experts split over tensor parallelism (refused), the
+sections of a Gated DeltaNet ``in_proj``'s B at TP > 1 (B's rows follow the weight's on each rank,
+so training and the merged export are right, but :func:`adapter_full_tensors` cuts B as plain
+rows, not per q/k/v/z/b/a section, and a checkpoint saves it so: its load at another TP is refused,
+``actor/checkpointing.py:lora_tp_problem``), adapters sent unmerged
+to SGLang's LoRA endpoints, PEFT export and import.
 """
 from __future__ import annotations
 
@@ -87,13 +99,22 @@ def adapter_parameters(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.P
             yield name, param
 
 
-def lora_model_problem(family_cfg, lora) -> str:
+def lora_model_problem(family_cfg, lora, moe_grouped_gemm: str = "off", tp: int = 1) -> str:
     """Why ``lora`` cannot go on a model of ``family_cfg``, or "" (asked before any process group
-    starts): MLP targets on an MoE family would put adapters on its experts, not built yet."""
-    mlp = sorted(set(lora.target_modules) & {"linear_fc1", "linear_fc2"})
-    if lora is not None and getattr(family_cfg, "moe", None) is not None and mlp:
-        return (f"actor.lora.target_modules: {', '.join(mlp)} on an MoE model ({family_cfg.family}) would adapt its "
-                f"experts, which is not built yet; target linear_qkv and linear_proj")
+    starts, with the resolved ``actor.moe_grouped_gemm`` and the layout's TP size): MLP targets on
+    an MoE family adapt its experts, which must be megatron's ``SequentialMLP`` of local linears
+    (grouped GEMM off), each expert whole on its rank (expert TP, megatron's default: the TP size, 1)."""
+    mlp = sorted(set(lora.target_modules) & {"linear_fc1", "linear_fc2"}) if lora is not None else []
+    if not mlp or getattr(family_cfg, "moe", None) is None:
+        return ""
+    if moe_grouped_gemm == "on":
+        return (f"actor.lora.target_modules: {', '.join(mlp)} on an MoE model ({family_cfg.family}) adapt its "
+                f"experts, one local linear per expert: set actor.moe_grouped_gemm: off (Transformer Engine's "
+                f"grouped experts are not adapted)")
+    if tp > 1:
+        return (f"actor.lora.target_modules: {', '.join(mlp)} on an MoE model ({family_cfg.family}) adapt its "
+                f"experts, which parallel.tp: {tp} splits (expert TP); adapters on split experts are not built "
+                f"yet: use parallel.tp: 1 (with ep), or target linear_qkv and linear_proj only")
     return ""
 
 
@@ -119,8 +140,8 @@ def add_lora(model: torch.nn.Module, lora, seed: int = 1234) -> int:
     """Freeze every parameter of ``model`` (one pipeline stage's chunk, before DDP and
     ``Float16Module``) and put adapters (``lora``: a :class:`~megatron_tepo.config.LoraConfig`) on
     its target linears; returns how many linears were adapted. Raises :class:`LoraError` for a
-    target linear it cannot adapt (Transformer Engine's, an MoE expert's) and when no linear of
-    the chunk is a target."""
+    target linear it cannot adapt (Transformer Engine's, an expert's split over TP) and when no
+    linear of the chunk is a target."""
     from megatron_tepo.megatron.sharding import expert_indices, layer_offsets, to_global_name, unwrap_model
 
     inner = unwrap_model(model)
@@ -135,9 +156,10 @@ def add_lora(model: torch.nn.Module, lora, seed: int = 1234) -> int:
             raise LoraError(f"actor.lora: {name} is a {type(module).__name__}, not one of megatron's local "
                             f"Column/RowParallelLinear (Transformer Engine's linears are not adapted yet: "
                             f"set actor.attention: sdpa)")
-        if getattr(module, "is_expert", False) or getattr(module, "explicit_expert_comm", False):
-            raise LoraError(f"actor.lora: {name} is an MoE expert's linear; adapters on experts are not built yet "
-                            f"(set actor.lora.target_modules to the attention ones: linear_qkv, linear_proj)")
+        if getattr(module, "is_expert", False) and _tp(module)[1] > 1:
+            raise LoraError(f"actor.lora: {name} is an MoE expert's linear split over tensor parallelism "
+                            f"(expert TP {_tp(module)[1]}); adapters on TP-split experts are not built yet "
+                            f"(use parallel.tp: 1 with ep, or target linear_qkv and linear_proj only)")
         if kind == "column" and getattr(module, "disable_grad_reduce", False):
             raise LoraError(f"actor.lora: {name} does not reduce its input gradient over TP; not adaptable")
         found.append((name, module, kind))
@@ -182,6 +204,9 @@ def _adapt(module, kind: str, lora, seed: int, gname: str) -> None:
         p.tensor_model_parallel, p.partition_dim = split, dim
         p.partition_stride = getattr(weight, "partition_stride", 1) if split else 1
         p.lora_adapter = True
+        # an expert's adapters are reduced over the expert-data-parallel group as its weight is
+        # (megatron's ``allreduce=False``), and the gathers / export find its expert by it
+        p.allreduce = getattr(weight, "allreduce", True)
     sp = bool(getattr(module, "sequence_parallel", False)) and size > 1
     # the replicated factor whose gradient each TP rank holds a part of (summed over TP by the
     # actor's finalize: megatron/model.py's sum_partial_grads_over_tp)
@@ -196,7 +221,10 @@ def _adapt(module, kind: str, lora, seed: int, gname: str) -> None:
     base_impl = module._forward_impl
     module._forward_impl = partial(_column_forward if kind == "column" else _row_forward, module, base_impl)
     axes = {"weight": 0, "bias": 0, "lora_B": 0} if kind == "column" else {"weight": 1, "lora_A": 1}
-    module.sharded_state_dict = partial(_sharded_state_dict, module, axes)
+    # a SwiGLU linear_fc1's rows are [gate_r; up_r] on each rank: B is saved as megatron saves W
+    gated = (kind == "column" and gname.endswith("linear_fc1.weight")
+             and getattr(module.config, "gated_linear_unit", False))
+    module.sharded_state_dict = partial(_sharded_state_dict, module, axes, gated)
 
 
 def _dropped(module, x: torch.Tensor) -> torch.Tensor:
@@ -228,10 +256,25 @@ def _row_forward(module, base_impl, input, weight, *args, **kwargs):
     return out + module.lora_scale * F.linear(h, module.lora_B)
 
 
-def _sharded_state_dict(module, axes: Dict[str, int], prefix: str = "", sharded_offsets=(), metadata=None):
-    """megatron's own sharding of the linear (weight, bias), with the adapters' added."""
+def _sharded_state_dict(module, axes: Dict[str, int], gated: bool, prefix: str = "", sharded_offsets=(),
+                        metadata=None):
+    """megatron's own sharding of the linear (weight, bias), with the adapters' added; a gated
+    ``linear_fc1``'s B split into its gate and up halves as megatron's MLP splits W (so a checkpoint
+    reshards to another TP)."""
+    import inspect
+
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+    metadata = metadata or {}
     state_dict = module.state_dict(prefix="", keep_vars=True)
-    return make_sharded_tensors_for_checkpoint(state_dict, prefix, axes, sharded_offsets, tp_group=module.tp_group,
-                                               dp_cp_group=(metadata or {}).get("dp_cp_group"))
+    out = make_sharded_tensors_for_checkpoint(state_dict, prefix, axes, sharded_offsets, tp_group=module.tp_group,
+                                              dp_cp_group=metadata.get("dp_cp_group"))
+    if gated:
+        accepts = inspect.signature(apply_swiglu_sharded_factory).parameters  # (tp / dp groups: megatron-core 0.17 on)
+        kw = {k: v for k, v in (("tp_group", module.tp_group), ("dp_group", metadata.get("dp_cp_group")))
+              if k in accepts}
+        key = f"{prefix}lora_B"
+        out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets,
+                                                metadata.get("singleton_local_shards", False), **kw)
+    return out

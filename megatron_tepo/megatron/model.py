@@ -139,7 +139,7 @@ def plan_actor(hf_config, layout: ParallelLayout, actor_config: Optional[ActorCo
     if not problem and resolved.lora is not None:
         from megatron_tepo.megatron.lora import lora_model_problem
 
-        problem = lora_model_problem(family_cfg, resolved.lora)
+        problem = lora_model_problem(family_cfg, resolved.lora, resolved.moe_grouped_gemm, layout.tp)
     if problem:
         from megatron_tepo.config import ConfigError
 
@@ -188,6 +188,9 @@ class TrainModel:
         self._host: Dict[str, HostOffload] = {}  # part -> its host copies (colocated mode)
         self._offloaded: List[str] = []
         self._gather_owed = False  # an optimizer step's deferred parameter gather not done yet
+        # a LoRA model's base: the HF folder it was loaded from (actor/lora_checkpoint.py), None
+        # when it cannot be referenced (its checkpoints then save it in full)
+        self.lora_base = None
         self.replay: Optional[RoutingReplay] = None  # MoE routing replay (actor.routing_replay), else None
         self.routing_metrics: Dict[str, float] = {}  # the last replay run's gates
         config.grad_scale_func = optimizer.scale_loss

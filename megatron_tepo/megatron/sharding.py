@@ -337,7 +337,8 @@ def _read_into(ckpt, hf: str, rows, dest: torch.Tensor, columns, block_bytes: in
 
 def load_checkpoint_slices_into(model_chunks: List[torch.nn.Module], ckpt, sources_of,
                                 tied_embeddings: bool, tp_group=None,
-                                block_bytes: int = READ_BLOCK_BYTES) -> List[str]:
+                                block_bytes: int = READ_BLOCK_BYTES,
+                                select: Optional[Callable[[torch.Tensor], bool]] = None) -> List[str]:
     """Fill this rank's parameters from a lazily read HF checkpoint, reading only their slices.
 
     ``ckpt``: a :class:`~megatron_tepo.checkpoint.hf_io.LazyHFCheckpoint` (or anything with its
@@ -350,13 +351,16 @@ def load_checkpoint_slices_into(model_chunks: List[torch.nn.Module], ckpt, sourc
     Bit for bit what :func:`load_megatron_state_into` gives from full tensors. With tied
     embeddings the last stage's ``output_layer.weight`` copy is read from the embedding.
     ValueError (one line, naming the HF tensor and its file) for a missing tensor or a shape that
-    is not the one the parameter needs. Returns the global names filled.
+    is not the one the parameter needs. ``select(param)``: only the parameters it accepts (e.g. a
+    LoRA model's base, not its adapters). Returns the global names filled.
     """
     groups = parallel_groups(tp_group)
     gated = getattr(sources_of, "gated", None)
     filled = []
     for chunk in model_chunks:
         for gname, param in global_named_parameters(chunk):
+            if select is not None and not select(param):
+                continue
             key = EMBEDDING if (tied_embeddings and gname == TIED_OUTPUT) else gname
             part, group = tp_partition(param, gated_split(gated, key)), group_for(param, groups)
             size = dist.get_world_size(group)

@@ -31,11 +31,14 @@ def _metrics(out):
 
 @pytest.mark.slow
 @pytest.mark.journey  # (whole runs.py runs, killed and resumed: the second lane, tools/test.sh)
-@pytest.mark.parametrize("staleness,steps", [(0, 6), (1, 6)])  # (killed after step 4's checkpoint)
-def test_sigkill_then_resume_matches_uninterrupted(tmp_path, staleness, steps):
+@pytest.mark.parametrize("staleness,steps,lora", [(0, 6, False), (1, 6, False), (0, 6, True)],
+                         ids=["staleness0", "staleness1", "lora"])  # (killed after step 4's checkpoint)
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path, staleness, steps, lora):
+    """``lora``: the same with LoRA adapters (actor.lora.rank=8): the checkpoint holds the adapters
+    and references the base folder (model.path), which the resumed run checks and keeps."""
     ref, run = tmp_path / "ref", tmp_path / "run"
-    port = 23000 + os.getpid() % 5000 + 10 * staleness
-    extra = [f"train.steps={steps}", f"rollout.max_staleness={staleness}"]
+    port = 23000 + os.getpid() % 5000 + 10 * staleness + 5 * lora
+    extra = [f"train.steps={steps}", f"rollout.max_staleness={staleness}"] + (["actor.lora.rank=8"] if lora else [])
     done = subprocess.run(_cmd(ref, *extra), env=_env(port), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -53,6 +56,9 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, staleness, steps):
     assert [m["rollout_staleness"] for m in got] == [0.0] + [float(staleness)] * (steps - 1)
     if staleness:  # the killed run's checkpoint held the next step's rollout, which the resumed one trained
         assert (run / "checkpoints" / "step_4" / "pending_rollout.pt").exists()
+    if lora:  # the base referenced, not copied
+        base = json.loads((run / "checkpoints" / "step_4" / "lora_base.json").read_text())
+        assert base["saved_in_full"] is False and base["base"]["fingerprint"], base
     assert json.loads((run / "summary.json").read_text())["accuracy_after"] == \
         json.loads((ref / "summary.json").read_text())["accuracy_after"]
 

@@ -1,8 +1,10 @@
 """torchrun worker: LoRA adapters on the Megatron actor against the merged weights.
 
-argv[1]: a scratch root (shared by the ranks); argv[2]: JSON list of cases ``{"tp", "checkpoint",
-"actor"}`` (``actor``: settings over the defaults, e.g. sequence parallelism).
-Per case (fp32, sdpa, packed): a LoRA actor (rank 4, alpha 8, every target) on a tiny Qwen3 reports
+argv[1]: a scratch root (shared by the ranks); argv[2]: JSON list of cases ``{"tp", "pp", "cp", "ep",
+"family", "checkpoint", "engine", "actor"}`` (``family``: qwen3 unless given -- qwen3_moe, qwen3_5;
+``actor``: settings over the defaults, e.g. sequence parallelism; ``engine``: the embedded-engine
+check, on unless false). Per case (fp32, sdpa, packed): a LoRA actor (rank 4, alpha 8, every target)
+on a tiny model reports ``linears`` (the adapted linears of this rank's stage, by kind) and
 
 * ``trainable``: whether every parameter that trains is an adapter, and the optimizer holds exactly
   the adapters (``optimizer_params``, ``adapters``);
@@ -16,7 +18,11 @@ Per case (fp32, sdpa, packed): a LoRA actor (rank 4, alpha 8, every target) on a
   ``engine_lp_err``: an embedded engine updated from the export scores the batch as the actor does;
 * ``checkpoint``: the actor saves after that step and trains one more; a fresh LoRA actor (random
   base, other seed) loads the checkpoint and trains the same step: ``resume_equal`` (every
-  parameter, base and adapters, bit for bit) and ``resume_loss_equal``.
+  parameter, base and adapters, bit for bit) and ``resume_loss_equal``; ``base_file``: the
+  checkpoint's ``lora_base.json`` (a base from a state dict: saved in full).
+
+``{"resume": true}``: :func:`run_resume_case` (a base from an HF folder, referenced; resumes at
+other layouts).
 """
 import json
 import os
@@ -37,18 +43,36 @@ LOSS = PolicyLoss.of("grpo")
 
 
 def _set_random_b(actor, seed=5):
-    """Every adapter's B: a random full tensor (the same on every rank), this rank's rows of it."""
-    from megatron_tepo.megatron.lora import lora_modules
-    from megatron_tepo.megatron.sharding import unwrap_model
+    """Every adapter's B: a random full tensor drawn from its global name (the same on every rank
+    that holds it), this rank's rows of it."""
+    import zlib
+
+    from megatron_tepo.megatron.lora import is_adapter
+    from megatron_tepo.megatron.sharding import global_named_parameters
 
     ps = actor.train_model._ps
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    for k, (name, m) in enumerate(lora_modules(unwrap_model(actor.model[0]))):
-        split = getattr(m.lora_B, "tensor_model_parallel", False)
-        rows = m.lora_B.shape[0] * (tp if split else 1)
-        full = 0.05 * torch.randn(rows, m.lora_B.shape[1], generator=torch.Generator().manual_seed(seed + k))
+    for name, p in global_named_parameters(actor.model[0]):
+        if not (is_adapter(p) and name.endswith(".lora_B")):
+            continue
+        split = getattr(p, "tensor_model_parallel", False)
+        rows = p.shape[0] * (tp if split else 1)
+        gen = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
+        full = 0.05 * torch.randn(rows, p.shape[1], generator=gen)
         with torch.no_grad():
-            m.lora_B.copy_(full.chunk(tp, 0)[tp_rank] if split else full)
+            p.copy_(full.chunk(tp, 0)[tp_rank] if split else full)
+
+
+def _union(local: dict) -> dict:
+    """Every rank's ``{name: tensor}`` together (the stages of a pipeline, every EP rank's experts)."""
+    import torch.distributed as dist
+
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    out = {}
+    for part in parts:
+        out.update(part)
+    return out
 
 
 def _merged_expected(actor, scale):
@@ -79,16 +103,15 @@ def run_case(case, root: Path):
     from megatron_tepo.actor.actor import MegatronActor, OptimConfig
     from megatron_tepo.config import LoraConfig
     from megatron_tepo.layout import ParallelLayout
-    from megatron_tepo.megatron.lora import adapter_full_tensors, is_adapter
-    from megatron_tepo.megatron.sharding import gather_full_tensors
+    from megatron_tepo.megatron.lora import adapter_full_tensors, is_adapter, lora_modules
+    from megatron_tepo.megatron.sharding import gather_full_tensors, unwrap_model
     from megatron_tepo.models import megatron_to_hf
-    from megatron_tepo.rollout.embedded import EmbeddedEngine
 
     lora = LoraConfig(rank=4, alpha=8.0)
     scale = lora.alpha / lora.rank
-    hf_cfg = tiny_hf_config("qwen3", tie=False)
+    hf_cfg = tiny_hf_config(case.get("family", "qwen3"), tie=False)
     model = make_hf_model(hf_cfg, seed=0)
-    layout = ParallelLayout(tp=case["tp"])
+    layout = ParallelLayout(tp=case["tp"], pp=case.get("pp", 1), cp=case.get("cp", 1), ep=case.get("ep", 1))
     settings = dict(ACTOR, **case.get("actor", {}))
     actor = MegatronActor(hf_cfg, hf_weights=hf_state(model), layout=layout, optim=OptimConfig(**OPT), lora=lora,
                           **settings)
@@ -101,7 +124,7 @@ def run_case(case, root: Path):
         * batch.response_mask
     local = batch.split_for_data_parallel(dp_rank, dp)
     rows = slice(dp_rank, None, dp)
-    out = {"case": case, "dp": dp}
+    out = {"case": case, "dp": dp, "pp_rank": ps.get_pipeline_model_parallel_rank()}
 
     params = list(actor.model[0].named_parameters())
     adapters = [n for n, p in params if is_adapter(p)]
@@ -110,6 +133,11 @@ def run_case(case, root: Path):
     subs = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
     out["optimizer_params"] = sum(len(g["params"]) for o in subs for g in o.optimizer.param_groups)
     out["adapters"] = len(adapters)
+    kinds = {}
+    for name, _ in lora_modules(unwrap_model(actor.model[0])):
+        kind = ("expert." if ".experts." in name else "") + name.rsplit(".", 1)[-1]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    out["linears"] = kinds
 
     lp0, _ = actor.compute_log_probs(local)
     out["step0_lp_err"] = float((lp0 - ref_lp[rows]).abs().max())
@@ -117,8 +145,9 @@ def run_case(case, root: Path):
     # --- nonzero B: the export is the merged weights; a plain actor on them computes the same
     _set_random_b(actor)
     full, merged = _merged_expected(actor, scale)
-    want = dict(megatron_to_hf(merged.items(), actor.family_cfg))
-    stream = {n: t.clone() for n, t in actor.export_hf_state()}
+    # every stage's (and EP rank's) export and expected merged weights, together
+    want = _union(dict(megatron_to_hf(merged.items(), actor.family_cfg)))
+    stream = _union({n: t.clone() for n, t in actor.export_hf_state()})
     out["export_names_equal"] = sorted(stream) == sorted(want)
     out["export_err"] = max(float((stream[n] - want[n]).abs().max()) for n in want)
 
@@ -143,6 +172,7 @@ def run_case(case, root: Path):
         rel[name] = float((g.double() - expect).abs().max() / expect.abs().max().clamp_min(1e-30))
         sq_err, sq_ref = sq_err + float((g.double() - expect).pow(2).sum()), sq_ref + float(expect.pow(2).sum())
     out["grad_rel"] = max(rel.values())
+    out["grad_rel_worst"] = max(rel, key=rel.get)
     out["grad_rel_l2"] = (sq_err / sq_ref) ** 0.5
     out["grad_names"] = len(rel)
     del plain
@@ -155,8 +185,18 @@ def run_case(case, root: Path):
                            and not torch.equal(before[n], after[n])]
     out["adapters_moved"] = min(float((after[n] - before[n]).abs().max()) for n in before
                                 if n.endswith(("lora_A", "lora_B")))
-    stream = {n: t.clone() for n, t in actor.export_hf_state()}
+    stream = _union({n: t.clone() for n, t in actor.export_hf_state()})
     lp1, _ = actor.compute_log_probs(batch)
+    out["engine_lp_err"] = None
+    if case.get("engine", True):
+        out["engine_lp_err"] = _engine_err(hf_cfg, stream, batch, lp1)
+    return _resume(case, root, actor, hf_cfg, layout, settings, lora, local, out)
+
+
+def _engine_err(hf_cfg, stream, batch, lp1):
+    """An embedded engine updated from ``stream`` scores ``batch``: max |difference| from ``lp1``."""
+    from megatron_tepo.rollout.embedded import EmbeddedEngine
+
     engine = EmbeddedEngine(make_hf_model(hf_cfg, seed=3), seed=0)  # other weights until the update
     engine.update_weights(iter(stream.items()))
     lens, prompts = batch.seq_lens().tolist(), [int(p) for p in batch.prompt_lens]
@@ -166,7 +206,13 @@ def run_case(case, root: Path):
         mask = batch.response_mask[i, : len(got)] != 0
         if mask.any():
             err = max(err, float((torch.tensor(got)[mask] - lp1[i, : len(got)][mask]).abs().max()))
-    out["engine_lp_err"] = err
+    return err
+
+
+def _resume(case, root, actor, hf_cfg, layout, settings, lora, local, out):
+    import torch.distributed as dist
+
+    from megatron_tepo.actor.actor import MegatronActor, OptimConfig
 
     if case.get("checkpoint"):
         ckpt = root / f"ckpt_tp{case['tp']}"
@@ -176,6 +222,7 @@ def run_case(case, root: Path):
         del actor
         fresh = MegatronActor(hf_cfg, hf_weights=None, layout=layout, optim=OptimConfig(**OPT), lora=lora, seed=99,
                               **settings)
+        out["base_file"] = json.loads((ckpt / "lora_base.json").read_text())
         extra = fresh.load_checkpoint(ckpt)
         m3 = fresh.train_step(local, LOSS)
         got_params = _all_params(fresh)
@@ -187,10 +234,99 @@ def run_case(case, root: Path):
     return out
 
 
+def _lora_actor(hf_cfg, weights, layout, **kw):
+    from megatron_tepo.actor.actor import MegatronActor, OptimConfig
+    from megatron_tepo.config import LoraConfig
+
+    return MegatronActor(hf_cfg, hf_weights=weights, layout=layout, optim=OptimConfig(**OPT),
+                         lora=LoraConfig(rank=4, alpha=8.0), **ACTOR, **kw)
+
+
+def _local(actor, batch):
+    ps = actor.train_model._ps
+    return batch.split_for_data_parallel(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+
+
+def _base_keys(ckpt: Path):
+    """The model tensors other than adapters a checkpoint stores (its DCP metadata's keys)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    return sorted(k for k in keys if not k.startswith("optimizer") and k.rsplit(".", 1)[-1] not in ("lora_A", "lora_B")
+                  and k.endswith((".weight", ".bias")))
+
+
+def run_resume_case(case, root: Path):
+    """A TP 2 LoRA actor built from the HF folder ``root/base`` trains a step and saves; its
+    checkpoint references the base (``base_file``; ``base_keys``: the base tensors it stores).
+    Then, each a fresh actor on a random base (other seed) that loads it fully (optimizer too) and
+    trains the next step: ``same`` at TP 2 (bit for bit: ``*_equal``), ``tp1`` (DP 2) and ``pp2``
+    (resharded: ``*_err``, the log-probs before and after the step against the uninterrupted
+    actor's); ``model_only``: the same TP 1 load without the optimizer, whose step differs
+    (``model_only_after_err``). Last, the base folder changed: the load's one-line error
+    (``changed_base_error``)."""
+    import torch.distributed as dist
+
+    from megatron_tepo.checkpoint.store import CheckpointError
+    from megatron_tepo.layout import ParallelLayout
+
+    base = root / "base"
+    hf_cfg = tiny_hf_config("qwen3", tie=False)
+    batch = make_batch(seed=1)
+    with torch.no_grad():
+        ref_lp, _ = hf_log_probs(make_hf_model(hf_cfg, seed=0), batch)  # (the folder's weights)
+    batch.old_log_probs = (ref_lp + 0.05 * torch.randn(ref_lp.shape, generator=torch.Generator().manual_seed(7))) \
+        * batch.response_mask
+    out = {"case": case}
+    actor = _lora_actor(hf_cfg, str(base), ParallelLayout(tp=2))
+    _set_random_b(actor)
+    actor.train_step(_local(actor, batch), LOSS)
+    ckpt = root / "ckpt_lora"
+    actor.save_checkpoint(ckpt, extra_state={"step": 1})
+    out["base_file"] = json.loads((ckpt / "lora_base.json").read_text())
+    out["base_keys"] = _base_keys(ckpt)
+    want_lp, _ = actor.compute_log_probs(batch)
+    want_m = actor.train_step(_local(actor, batch), LOSS)
+    want_after, _ = actor.compute_log_probs(batch)
+    del actor
+
+    for name, layout, model_only in (("same", ParallelLayout(tp=2), False), ("tp1", ParallelLayout(tp=1), False),
+                                     ("pp2", ParallelLayout(pp=2), False), ("model_only", ParallelLayout(tp=1), True)):
+        fresh = _lora_actor(hf_cfg, None, layout, seed=99)
+        extra = fresh.load_checkpoint(ckpt, model_only=model_only)
+        lp, _ = fresh.compute_log_probs(batch)
+        m = fresh.train_step(_local(fresh, batch), LOSS)
+        after, _ = fresh.compute_log_probs(batch)
+        out[name] = {"extra": extra, "lp_err": float((lp - want_lp).abs().max()),
+                     "after_err": float((after - want_after).abs().max()),
+                     "loss_err": abs(m["loss"] - want_m["loss"]),
+                     "grad_norm_err": abs(m["grad_norm"] - want_m["grad_norm"]),
+                     "lp_equal": torch.equal(lp, want_lp), "after_equal": torch.equal(after, want_after),
+                     "loss_equal": m["loss"] == want_m["loss"] and m["grad_norm"] == want_m["grad_norm"]}
+        del fresh
+    out["lp_scale"] = float(want_lp.abs().max())
+
+    # the base changed since the save: refused, one line
+    if dist.get_rank() == 0:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(base / "model.safetensors"))
+        tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1.0
+        save_file(tensors, str(base / "model.safetensors"))
+    dist.barrier()
+    fresh = _lora_actor(hf_cfg, None, ParallelLayout(tp=2), seed=99)
+    try:
+        fresh.load_checkpoint(ckpt)
+        out["changed_base_error"] = None
+    except CheckpointError as e:
+        out["changed_base_error"] = str(e)
+    return out
+
+
 def main():
     root = Path(sys.argv[1])
     cases = json.loads(sys.argv[2])
-    write_result({"cases": [run_case(c, root) for c in cases]})
+    write_result({"cases": [run_resume_case(c, root) if c.get("resume") else run_case(c, root) for c in cases]})
 
 
 if __name__ == "__main__":
