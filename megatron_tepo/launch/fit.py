@@ -9,6 +9,7 @@ Pure arithmetic, run before anything starts; on CPU (``launch.device: cpu``) onl
 The formulas and what they leave out: docs/LAUNCH.md ("The fit-check arithmetic")."""
 from __future__ import annotations
 
+import copy
 import os
 import socket
 from typing import Mapping, Optional
@@ -127,6 +128,12 @@ def check_fit(m: ModelShape, cfg: RunConfig, launch: LaunchLayout, raise_error: 
     colocated = colocated_memory(m, cfg, launch, node_host_memory(launch)) if launch.colocated else None
     alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", TRAINER_ALLOC_CONF)  # (as slurm/lib.sh hands it on)
     report = FitReport(m, actor_memory(m, cfg, launch, alloc), server_memory(m, cfg, launch), launch, cfg, colocated)
+    if cfg.actor.lora is not None:  # the same layout full-parameter, beside it in the report
+        full = copy.deepcopy(cfg)
+        full.actor.lora = None
+        report.full_actor = actor_memory(m, full, launch, alloc)
+        if launch.colocated:
+            report.full_colocated = colocated_memory(m, full, launch, node_host_memory(launch))
     if raise_error:
         if colocated is not None:
             errors = [] if report.colocated_fits else [report.colocated_error()]

@@ -5,8 +5,10 @@ the trainer hands to the actor) and of one SGLang server GPU (:func:`server_memo
 colocated layout (the servers on the actor's GPUs, taking turns) the peak of each phase of a step
 at each offload level and the servers' derived ``mem_fraction_static`` (:func:`colocated_memory`);
 on the host, the worst case of the tool sandboxes on the driver's node (:func:`sandbox_memory`).
+With ``actor.lora`` the base is frozen (weights only) and the adapters, priced by
+:mod:`megatron_tepo.launch.lora`, carry the gradients and the optimizer's state.
 Pure arithmetic; the formulas, their conventions and what they leave out are in docs/LAUNCH.md ("The
-fit-check arithmetic"); tests/launch/test_fit_vs_actor.py checks the weight, gradient and optimizer
+fit-check arithmetic", "LoRA"); tests/launch/test_fit_vs_actor.py checks the weight, gradient and optimizer
 bytes against a built actor. Left out: deciding whether it fits (:mod:`megatron_tepo.launch.fit`)
 and saying so (:mod:`megatron_tepo.launch.report`)."""
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Dict, Optional, Tuple
 
 from megatron_tepo.config import OFFLOAD_LEVELS, RunConfig
 from megatron_tepo.cuda_alloc import expandable_in
+from megatron_tepo.launch.lora import lora_activation_bytes, lora_param_split, lora_shape_problem
 from megatron_tepo.launch.schema import LaunchLayout
 from megatron_tepo.launch.shape import ModelShape
 from megatron_tepo.layer_kinds import ATTENTION, other_mixers
@@ -230,6 +233,9 @@ class ActorMemory:
     # segments), and on the host, per GPU, the save's staged copies (host shared memory or pinned copies)
     writer_context: float = 0.0
     staging_host: float = 0.0
+    # LoRA (actor.lora): the adapters' parameters on this GPU, counted in dense_params (the base's are
+    # the rest: frozen, weights only; gradients and the optimizer's state are the adapters' alone)
+    lora_params: int = 0
 
     @property
     def total(self) -> float:
@@ -298,6 +304,11 @@ def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout,
     fused = act.fusions == "on" or (act.fusions == "auto" and launch.device == "cuda")
     unfused_seq = min(s, longest) if act.attention == "unfused" else 0
     per_layer = layer_activation_bytes(m, t, sp, elem, fused, unfused_seq, act.recompute == "selective")
+    if act.lora is not None:  # (the adapters' h = x A^T, and the dropped inputs with dropout)
+        problem = lora_shape_problem(m, act.lora, t, act.moe_grouped_gemm)
+        if problem:
+            raise ValueError(problem)
+        per_layer += lora_activation_bytes(m, act.lora, t, sp, elem)
     # one attention layer's (a hybrid's Gated DeltaNet layers take megatron's own CP path, an all-to-all
     # of their heads: priced as the layer's activations at the rank's tokens)
     gather = cp_attention_bytes(m, t, r, cp, min(s, longest), elem, te=act.attention == "te") \
@@ -320,18 +331,25 @@ def actor_memory(m: ModelShape, cfg: RunConfig, launch: LaunchLayout,
     best = None
     for stage, in_flight, has_logits in (("first", p, p == 1), ("last", 1, True)):
         dense, expert = counts[stage]
-        opt = (o_b * dense / (dp * cp) + o_b * expert / edp) if dist else o_b * (dense + expert)
+        # LoRA: the base frozen (weights only), the adapters trained (the dense ones split by TP, the
+        # experts' by EP, their optimizer state over the experts' data-parallel group)
+        lora_dense, lora_expert = lora_param_split(m, act.lora, t, p, e) if act.lora is not None else (0, 0)
+        adapters = lora_dense + lora_expert
+        trained, trained_expert = (lora_dense, lora_expert) if act.lora is not None else (dense, expert)
+        dense, expert = dense + lora_dense, expert + lora_expert
+        opt = (o_b * trained / (dp * cp) + o_b * trained_expert / edp) if dist else o_b * (trained + trained_expert)
         mem = ActorMemory(
             stage=stage if p > 1 else "only", dense_params=dense, expert_params=expert,
-            weights=w_b * (dense + expert), grads=g_b * (dense + expert), optimizer=opt,
-            reference=(w_b * (dense + expert) if ref else 0.0),
+            weights=w_b * (dense + expert), grads=g_b * (trained + trained_expert), optimizer=opt,
+            reference=(w_b * (dense + expert - adapters) if ref else 0.0),
             activations=in_flight * n * kept * r + working,
             logits=lm_head_bytes(m, t, r, elem, fused=act.lm_head == "fused") if has_logits else 0.0,
             reserve=launch.reserve_gib * GiB, dp=dp, edp=edp, tokens=s,
             routing=(8.0 * in_flight * r * n * m.num_experts_per_tok) if replay else 0.0, routing_host=routing_host,
             cp=cp, rank_tokens=r, cp_attention=in_flight * n * gather_kept + gather_working,
             writer_context=NVRX_WORKER_CONTEXT if cfg.train.async_save and not expandable_in(alloc_conf) else 0.0,
-            staging_host=STAGING_ROUNDING * (w_b * (dense + expert) + opt) if cfg.train.async_save else 0.0)
+            staging_host=STAGING_ROUNDING * (w_b * (dense + expert) + opt) if cfg.train.async_save else 0.0,
+            lora_params=adapters)
         if best is None or mem.total > best.total:
             best = mem
     return best

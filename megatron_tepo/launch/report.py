@@ -37,6 +37,9 @@ class FitReport:
     launch: LaunchLayout
     cfg: RunConfig
     colocated: Optional[ColocatedMemory] = None  # launch.rollout.placement: colocated (cuda)
+    # actor.lora: the same layout full-parameter (the fit check prices both; the report shows both)
+    full_actor: Optional[ActorMemory] = None
+    full_colocated: Optional[ColocatedMemory] = None
 
     @property
     def colocated_fits(self) -> bool:
@@ -138,6 +141,7 @@ class FitReport:
             self.actor_line(),
             f"  per GPU ({a.stage} stage): params {a.dense_params + a.expert_params:,}; {self.breakdown_actor()}",
             f"  total {_gib(a.total)} of {L.gpu_mem_gib:g} GiB: {'fits' if self.actor_fits else 'DOES NOT FIT'}",
+            *self.lora_lines(),
             f"rollout: {L.rollout_nodes} node(s), {s.servers} SGLang server(s) x tp={server.tp}, "
             f"{server.max_running_requests} running requests each ({s.servers * server.max_running_requests} "
             f"concurrent; a step has {cfg.rollout.prompts_per_step * cfg.rollout.n_samples} sequences)",
@@ -147,6 +151,27 @@ class FitReport:
             self.limits_line(),
         ]
         return "\n".join(lines)
+
+    def lora_lines(self) -> list:
+        """With ``actor.lora``: the adapters on one GPU, and the same layout's full-parameter run
+        beside it (its whole actor per GPU; colocated: its peak at its own least offload level)."""
+        a, lora = self.actor, self.cfg.actor.lora
+        if lora is None or self.full_actor is None:
+            return []
+        f = self.full_actor
+        base = a.dense_params + a.expert_params - a.lora_params
+        lines = [f"  LoRA rank {lora.rank} (alpha {lora.alpha:g}) on {', '.join(lora.target_modules)}: "
+                 f"{a.lora_params:,} adapter parameters on this GPU ({100 * a.lora_params / base:.2f}% of its "
+                 f"{base:,} frozen base parameters: weights only); gradients {_gib(a.grads)} and optimizer "
+                 f"{_gib(a.optimizer)} are the adapters'",
+                 f"  the same layout full-parameter: weights {_gib(f.weights)}, grads {_gib(f.grads)}, optimizer "
+                 f"{_gib(f.optimizer)}; total {_gib(f.total)} per GPU (LoRA: {_gib(a.total)})"]
+        c = self.full_colocated
+        if c is not None:
+            lines[-1] += (f"; colocated, its peak {_gib(c.levels[c.least or 'all'].peak)} at offload "
+                          f"{c.least or 'all'} ({'fits' if c.least else 'no level fits'}), moving "
+                          f"{_gib(c.levels[c.least or 'all'].moved)} per GPU each way a step")
+        return lines
 
     def limits_line(self) -> str:
         """The rollout's time limits (time_limits.py) against the watchdog's generation phase."""
@@ -188,6 +213,7 @@ class FitReport:
             self.actor_line() + " (colocated: the servers on the same GPUs, taking turns)",
             f"  whole actor per GPU ({a.stage} stage): params {a.dense_params + a.expert_params:,}; "
             f"{self.breakdown_actor()}; total {_gib(a.total)}",
+            *self.lora_lines(),
             f"servers: {s.servers} SGLang server(s) x tp={server.tp} on the actor nodes ({L.servers_per_node} a node, "
             f"server i on GPUs [i*{server.tp}, (i+1)*{server.tp})), memory saver, {server.max_running_requests} running "
             f"requests each ({s.servers * server.max_running_requests} concurrent; a step has "

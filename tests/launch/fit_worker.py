@@ -1,6 +1,7 @@
 """torchrun worker: what the built actor really allocates per rank, next to the fit check's numbers.
 
-argv[1]: JSON list of cases ``{"family", "tie", "tp", "dist_opt", "precision"}``. Per case every
+argv[1]: JSON list of cases ``{"family", "tie", "tp", "dist_opt", "precision"}`` (and ``"lora"``: a
+rank, LoRA adapters on every target linear). Per case every
 rank builds the actor, takes one optimizer step (Adam's states exist from the first step on) and
 reports, in bytes: its parameters (unique storages), its DDP gradient buffers, and its optimizer's
 own tensors (Adam's moments, and the main parameters that do not share storage with the model's:
@@ -37,13 +38,14 @@ def run_case(case):
 
     from megatron_tepo.actor.actor import MegatronActor, OptimConfig
     from megatron_tepo.layout import ParallelLayout
-    from megatron_tepo.config import ActorConfig, RunConfig
+    from megatron_tepo.config import ActorConfig, LoraConfig, RunConfig
     from megatron_tepo.launch import LaunchLayout, model_shape
     from megatron_tepo.launch.memory import actor_memory
     from megatron_tepo.megatron.sharding import unwrap_model
 
     hf_cfg = tiny_hf_config(case["family"], tie=case["tie"])
-    settings = ActorConfig(precision=case["precision"], max_tokens_per_micro_batch=64)
+    lora = LoraConfig(rank=case["lora"]) if case.get("lora") else None
+    settings = ActorConfig(precision=case["precision"], max_tokens_per_micro_batch=64, lora=lora)
     optim = OptimConfig(lr=1e-3, use_distributed_optimizer=case["dist_opt"])
     layout = ParallelLayout(tp=case["tp"])
     actor = MegatronActor(hf_cfg, hf_weights=hf_state(make_hf_model(hf_cfg)), layout=layout, optim=optim,
@@ -66,13 +68,15 @@ def run_case(case):
     measured = {"weights": _bytes(params),
                 "grads": sum(b.grad_data.numel() * b.grad_data.element_size()
                              for b in ddp.buffers + ddp.expert_parallel_buffers),
-                "optimizer": _bytes(state) + _bytes(mains)}
+                "optimizer": _bytes(state) + _bytes(mains),
+                "trained": sum(p.numel() for p in params if p.requires_grad)}
     hf = hf_cfg.to_dict()
     cfg = RunConfig()
     cfg.parallel, cfg.actor, cfg.optim = layout, settings, optim  # (ParallelLayout is frozen)
     fit = actor_memory(model_shape(hf), cfg, LaunchLayout(gpus_per_node=dist.get_world_size(), actor_nodes=1))
     return {"case": case, "measured": measured,
-            "fit": {"weights": fit.weights, "grads": fit.grads, "optimizer": fit.optimizer},
+            "fit": {"weights": fit.weights, "grads": fit.grads, "optimizer": fit.optimizer,
+                    "lora_params": fit.lora_params},
             "dp": ps.get_data_parallel_world_size(), "tp": ps.get_tensor_model_parallel_world_size()}
 
 

@@ -62,7 +62,8 @@ def _run_config(path: Path, tmp_path: Path):
 
 def test_every_example_is_covered():
     assert {f.stem for f in FILES} >= {"qwen3_14b", "qwen3_14b_32k", "qwen2.5_7b", "qwen3_32b", "qwen3_30b_a3b",
-                                       "qwen3.5_27b", "qwen3.5_35b_a3b", "tiny_cpu"}
+                                       "qwen3.5_27b", "qwen3.5_35b_a3b", "tiny_cpu",
+                                       "qwen3_14b_lora", "qwen3_32b_lora"}
 
 
 @pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])

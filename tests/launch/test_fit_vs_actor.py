@@ -34,3 +34,27 @@ def test_fit_check_bytes_equal_the_actor_allocations(tmp_path):
             per_weight = (2, 12) if c["case"]["precision"] == "bf16" else (4, 8)
             share = 2 if c["case"]["dist_opt"] else 1
             assert abs(o / w - per_weight[1] / per_weight[0] / share) <= 0.1 * per_weight[1] / per_weight[0] / share
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_fit_check_prices_a_lora_actor_as_it_allocates(tmp_path):
+    """With ``actor.lora`` (rank 4 on every target linear) the fit check's adapter count equals the
+    built actor's trainable parameters exactly, per rank, at TP 2 (A of a column-parallel linear and
+    B of a row-parallel one whole on each rank, the others split) and at DP 2 with the distributed
+    optimizer; its weight, gradient and optimizer bytes are the actor's within 10% (the buffers'
+    padding), and the gradients and optimizer are the adapters' alone: far below a full actor's."""
+    cases = [dict(family="qwen3", tie=False, tp=2, dist_opt=False, precision="bf16", lora=4),
+             dict(family="qwen3", tie=False, tp=1, dist_opt=True, precision="bf16", lora=4)]
+    per_rank = torchrun(WORKER, 2, json.dumps(cases), tmp_path=tmp_path, timeout=380)
+    for rank, result in enumerate(per_rank):
+        for c in result["cases"]:
+            where = (rank, c["case"])
+            m, fit = c["measured"], c["fit"]
+            assert m["trained"] > 0 and m["trained"] == fit["lora_params"], where
+            for what in ("weights", "grads", "optimizer"):
+                assert abs(m[what] - fit[what]) <= 0.1 * m[what], (where, what, m[what], fit[what])
+            # bf16: 4 B of fp32 gradient and 12 B (main copy + Adam) of optimizer per adapter, over DP
+            assert fit["grads"] == 4 * m["trained"]
+            assert fit["optimizer"] == 12 * m["trained"] / (2 if c["case"]["dist_opt"] else 1)
+            assert m["optimizer"] < 0.5 * m["weights"], where  # (a full actor's: 6x its weights)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((ROOT / "slurm").glob("*.sh"))
 MODEL_SCRIPTS = ["qwen3_14b_tepo.sh", "qwen2.5_7b_tepo.sh", "qwen3_32b_tepo.sh", "qwen3_30b_a3b_tepo.sh",
                  "qwen3_14b_tepo_colocated.sh", "qwen3_14b_32k_tepo.sh", "qwen3_14b_tir_tepo.sh",
-                 "qwen3.5_27b_tepo.sh", "qwen3.5_35b_a3b_tepo.sh"]
+                 "qwen3.5_27b_tepo.sh", "qwen3.5_35b_a3b_tepo.sh", "qwen3_14b_lora.sh", "qwen3_32b_lora.sh"]
 
 
 def test_all_scripts_present():
@@ -236,6 +236,30 @@ def test_dry_run_qwen3_14b_colocated(tmp_path):
         assert f"{phase} phase peak " in fit
     run = yaml.safe_load((tmp_path / "run" / "run.yaml").read_text())
     assert run["rollout"]["colocated"] is True and run["actor"]["offload"] == "optimizer_grads"
+
+
+@pytest.mark.parametrize("script,servers,peak", [
+    ("qwen3_14b_lora.sh", [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")], 73.3),
+    ("qwen3_32b_lora.sh", [("0", "1", "2", "3"), ("4", "5", "6", "7")], 71.8)])
+def test_dry_run_single_node_lora(tmp_path, script, servers, peak):
+    """The one-node LoRA jobs (issue #59): colocated on one node's 8 GPUs, the fit check passes with
+    the LoRA lines and the full run beside them, and the run config carries actor.lora and the
+    offload level the file asks."""
+    res = subprocess.run(["bash", str(ROOT / "slurm" / script), "train.steps=3"], cwd=tmp_path,
+                         env=_dry_env(tmp_path, TEPO_NODELIST="n1"), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "actor nodes: n1; SGLang colocated on their cuda devices (taking turns with the actor)" in res.stderr
+    logs = next((tmp_path / "out" / "logs").iterdir())
+    sglang, trainer = (logs / "sglang.n1.srun.log").read_text(), (logs / "trainer.log").read_text()
+    assert "--nproc-per-node=8 --standalone" in trainer
+    gpus = re.findall(r"CUDA_VISIBLE_DEVICES=(\d(?:\\,\d)*)\\ tepo_keep_serving", sglang)
+    assert [tuple(g.split("\\,")) for g in gpus] == servers
+    fit = (logs / "fit.log").read_text()
+    assert f"peak {peak} GiB of 80 GiB per GPU: fits" in fit
+    assert "adapter parameters on this GPU" in fit and "the same layout full-parameter:" in fit
+    run = yaml.safe_load((tmp_path / "run" / "run.yaml").read_text())
+    assert run["rollout"]["colocated"] is True and run["actor"]["offload"] == "optimizer"
+    assert run["actor"]["lora"]["rank"] == 32 and run["actor"]["attention"] == "sdpa"
 
 
 def _dry_run_output(tmp_path, res) -> str:
