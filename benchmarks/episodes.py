@@ -350,7 +350,8 @@ def main(argv=None) -> None:
     s.add_argument("--window", type=int, default=5)
     s.add_argument("--target", type=float, default=0.6)
     s.add_argument("--key", default="reward_mean_all",
-                   help="the curve: reward_mean_all (every episode of the step's first round), reward_mean (kept groups)")
+                   help="the curve: reward_mean_all (every episode of the step's first round), "
+                        "reward_mean (kept groups)")
     s.add_argument("--extra", nargs="*", default=["episode_turns_mean", "episode_tool_calls_mean"],
                    help="more metrics, mean of the last --window steps")
     o = sub.add_parser("overhead", help="episodes per second and the episode engine's overhead per turn")
