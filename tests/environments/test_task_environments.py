@@ -61,3 +61,14 @@ def test_the_guessing_game_answers_higher_or_lower_and_gives_the_reward():
     assert hit.done and hit.episode_reward == 1.0 and env.finish(state) == 1.0
     miss = env.start({"answer": "3"}, [])
     assert env.step(miss, "no number", 0).episode_reward == 0.0 and env.finish(miss) == 0.0
+
+
+def test_the_guessing_game_without_feedback_answers_every_wrong_guess_the_same():
+    # environment.args.feedback=false: the benchmark's control (docs/BENCHMARKS.md, #58)
+    env = make_environment("guess_number", SandboxConfig(kind="none"), args={"feedback": False, "neutral": "=="})
+    state = env.start({"secret": 5}, [])
+    assert [env.step(state, g, i).message for i, g in enumerate(["2", "7"])] == ["==", "=="]
+    hit = env.step(state, "5", 2)
+    assert hit.done and hit.episode_reward == 1.0 and state["guesses"] == [2, 7, 5]
+    with pytest.raises(ValueError, match="environment.args.feedback must be true or false"):
+        make_environment("guess_number", SandboxConfig(kind="none"), args={"feedback": "no"})
