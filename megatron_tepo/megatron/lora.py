@@ -37,7 +37,8 @@ input.
 
 Left out: Transformer Engine's linears (``actor.attention: te``: refused), MoE experts and the
 Gated DeltaNet's projections (refused / not targets), exactness checks at PP / CP / EP, adapters
-sent unmerged to SGLang's LoRA endpoints, PEFT export and import.
+sent unmerged to SGLang's LoRA endpoints. PEFT's format (export, ``actor.lora.init_from``) is
+:mod:`.lora_peft`'s.
 """
 from __future__ import annotations
 

@@ -238,6 +238,8 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
             exported = None
             if cfg.train.export_hf and (history or state.get("resumed_from")):
                 exported = actor.export_hf(out / "hf", cfg.model.path)
+                if cfg.actor.lora is not None:  # beside the merged model: the adapters as a PEFT adapter folder
+                    actor.export_peft(out / "peft", cfg.model.path)
         finally:
             if logger is not None:
                 logger.close()
