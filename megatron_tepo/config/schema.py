@@ -229,6 +229,9 @@ OFFLOAD_LEVELS = {"none": (), "optimizer": ("optimizer",), "optimizer_grads": ("
 #: ``linear_qkv``) and o (``linear_proj``), the MLP's gate + up (the fused ``linear_fc1``) and down
 #: (``linear_fc2``)
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+#: the HF modules (PEFT's and SGLang's names) of each target, in every family here
+LORA_HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                   "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
 #: how ``actor.lora`` reaches the rollout engines (:attr:`LoraConfig.sync`)
 LORA_SYNCS = ("merged", "adapters")
 

@@ -36,9 +36,9 @@ draws it, which megatron seeds alike on the TP ranks of a column-parallel linear
 input.
 
 Left out: Transformer Engine's linears (``actor.attention: te``: refused), MoE experts and the
-Gated DeltaNet's projections (refused / not targets), exactness checks at PP / CP / EP, adapters
-sent unmerged to SGLang's LoRA endpoints. PEFT's format (export, ``actor.lora.init_from``) is
-:mod:`.lora_peft`'s.
+Gated DeltaNet's projections (refused / not targets), exactness checks at PP / CP / EP. PEFT's
+format (export, ``actor.lora.init_from``, the adapters sent unmerged to SGLang's LoRA endpoints with
+``actor.lora.sync: adapters``) is :mod:`.lora_peft`'s.
 """
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ one adapter is q/k/v adapters sharing its A, with B's rows split the way the wei
 * :func:`write_peft_adapter` -- an adapter folder (``adapter_config.json``,
   ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads onto the HF base.
 * :func:`export_peft_adapter` -- a live model's adapters as that folder (the end-of-run export,
-  beside the merged HF model).
+  beside the merged HF model); :func:`gather_peft_adapters` -- the same tensors in memory on one
+  rank (:class:`PeftAdapters`, what the ``adapters`` weight sync sends).
 * :func:`read_peft_adapter` -- such a folder as megatron full tensors, checked against
   ``actor.lora`` (rank, alpha, targets); :func:`load_peft_adapter_into` -- into a built model's
   adapters, each rank its shard (``actor.lora.init_from``).
@@ -39,7 +40,7 @@ from megatron_tepo.megatron.lora import LoraError
 
 __all__ = ["PEFT_PREFIX", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "megatron_to_peft", "peft_to_megatron",
            "peft_target_modules", "peft_adapter_config", "write_peft_adapter", "read_peft_adapter",
-           "load_peft_adapter_into", "export_peft_adapter"]
+           "load_peft_adapter_into", "export_peft_adapter", "gather_peft_adapters", "PeftAdapters"]
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -249,28 +250,61 @@ def load_peft_adapter_into(model_chunks: List[torch.nn.Module], directory, famil
     return filled
 
 
-def export_peft_adapter(model_chunks: List[torch.nn.Module], family_cfg, lora, directory, base_model: str,
-                        naming=None, tp_group=None) -> Optional[Path]:
-    """Collective over every rank: the model's adapters as a PEFT adapter folder written by global
-    rank 0 (each pipeline stage's adapters gathered over TP, then to rank 0). Returns the folder on
-    rank 0, None elsewhere."""
+class PeftAdapters(list):
+    """``(PEFT name, tensor)`` of every adapter of the model, with PEFT's ``config``
+    (``adapter_config.json``'s dict): what the ``adapters`` weight sync sends
+    (``rollout/sglang/weight_sync/lora.py``). Empty on every rank but the one it was gathered to."""
+
+    def __init__(self, tensors=(), config: Optional[dict] = None):
+        super().__init__(tensors)
+        self.config = config
+
+
+def gather_peft_adapters(model_chunks: List[torch.nn.Module], family_cfg, lora, base_model: str = "",
+                         naming=None, tp_group=None, dst: int = 0) -> PeftAdapters:
+    """Collective over every rank: the model's adapters in PEFT's names on global rank ``dst``
+    (each pipeline stage's gathered over TP, then every stage's to ``dst``: a few MB at rank 32),
+    an empty :class:`PeftAdapters` (with the config) elsewhere."""
     import torch.distributed as dist
 
     from megatron_tepo.megatron.lora import adapter_full_tensors
 
+    config = peft_adapter_config(lora, family_cfg, base_model)
     stage = [(n, t.detach().cpu()) for n, t in adapter_full_tensors(model_chunks, "param", tp_group=tp_group)]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(stage, every, dst=0)
-        if dist.get_rank() != 0:
-            return None
+        every = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+        # one copy of each stage travels: its first TP rank of its first data-parallel replica
+        dist.gather_object(stage if _stage_representative() else [], every, dst=dst)
+        if dist.get_rank() != dst:
+            return PeftAdapters((), config)
         merged: Dict[str, torch.Tensor] = {}
         for part in every:
             for n, t in part:
                 merged.setdefault(n, t)  # (TP / DP replicas: the same tensors)
         stage = sorted(merged.items(), key=lambda kv: _layer_key(kv[0]))
-    return write_peft_adapter(directory, megatron_to_peft(stage, family_cfg, naming=naming), lora, family_cfg,
-                              base_model)
+    return PeftAdapters(megatron_to_peft(stage, family_cfg, naming=naming), config)
+
+
+def export_peft_adapter(model_chunks: List[torch.nn.Module], family_cfg, lora, directory, base_model: str,
+                        naming=None, tp_group=None) -> Optional[Path]:
+    """Collective over every rank: the model's adapters as a PEFT adapter folder written by global
+    rank 0 (:func:`gather_peft_adapters`). Returns the folder on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    adapters = gather_peft_adapters(model_chunks, family_cfg, lora, base_model, naming=naming, tp_group=tp_group)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    return write_peft_adapter(directory, adapters, lora, family_cfg, base_model)
+
+
+def _stage_representative() -> bool:
+    """Whether this rank sends its pipeline stage's adapters: TP rank 0 of data-parallel (and
+    context-parallel) rank 0; every rank without megatron's groups."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return True
+    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
 
 
 def _layer_key(name: str):

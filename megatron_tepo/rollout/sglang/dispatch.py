@@ -34,7 +34,9 @@ flight over the fleet).
 Left out: the router's process (``router.py``) and the decision to have one (``fleet.py``'s
 ``use_router``); where the router places a request (its policy: the fleet bounds only the requests
 in flight over all its servers); one server's HTTP calls (``client.py``); what a request carries (the fleet's
-``generate`` / ``score``, ``interruptible.py``'s ``submit``).
+``generate`` / ``score``, ``interruptible.py``'s ``submit``), except the served LoRA adapter
+(``lora_name``: ``actor.lora.sync: adapters``), which :meth:`Dispatch._run_one` adds to every
+``/generate`` as ``lora_path`` when it sends it.
 """
 from __future__ import annotations
 
@@ -238,6 +240,8 @@ class Dispatch:
         """Send one request, moving it to another server on failure, until the deadline (``session``:
         :meth:`_pick`'s; ``raw``: ``parse`` is handed the answer's bytes). Its server's slot is free
         again as soon as the answer is in, before ``parse``."""
+        if path == "/generate" and getattr(self, "lora_name", None):  # the served LoRA adapter, as it is now
+            payload = {**payload, "lora_path": self.lora_name}
         tried: set = set()
         errors: List[str] = []
         router = self._use_router()
