@@ -91,6 +91,14 @@ def parse_generate_output(out: dict, routing: Optional[RoutingShape] = None, whe
                   meta={"matched_stop": fr.get("matched") if isinstance(fr, dict) else None}, routed_experts=routed)
 
 
+
+def with_adapter(path: str, payload: dict, lora_name) -> dict:
+    """``payload`` naming the served LoRA adapter ``lora_name`` (``lora_path``) when it is a
+    ``/generate`` and there is one (``actor.lora.sync: adapters``); else ``payload`` itself."""
+    if path == "/generate" and lora_name:
+        return {**payload, "lora_path": lora_name}
+    return payload
+
 class Dispatch:
     """The fleet's part that sends requests (see the module docstring for what it owns)."""
 
@@ -240,8 +248,7 @@ class Dispatch:
         """Send one request, moving it to another server on failure, until the deadline (``session``:
         :meth:`_pick`'s; ``raw``: ``parse`` is handed the answer's bytes). Its server's slot is free
         again as soon as the answer is in, before ``parse``."""
-        if path == "/generate" and getattr(self, "lora_name", None):  # the served LoRA adapter, as it is now
-            payload = {**payload, "lora_path": self.lora_name}
+        payload = with_adapter(path, payload, getattr(self, "lora_name", None))  # the served LoRA adapter, now
         tried: set = set()
         errors: List[str] = []
         router = self._use_router()

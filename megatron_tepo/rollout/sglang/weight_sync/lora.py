@@ -5,7 +5,8 @@ only the LoRA adapters go to the servers, in PEFT's names and format
 servers keep their frozen base weights and apply the adapter to the requests that name it.
 
 Each push loads the adapters as a new version, ``<prefix>-<n>``, then unloads the previous one
-(two adapters are loaded for a moment: the servers are started with two per batch,
+from every server process that holds it (a server restarted since holds none; an unload that fails
+is a warning: the new adapter is in) (two adapters are loaded for a moment: the servers are started with two per batch,
 ``options.py:lora_flags``), and names the new one to the fleet (``target.lora_name``), whose
 ``/generate`` requests then carry it as ``lora_path`` (``dispatch.py``; a request interrupted by
 the update and continued takes the new one). The servers are paused around it, and their cache
@@ -22,8 +23,9 @@ there).
 """
 from __future__ import annotations
 
+import logging
 import time
-from typing import Iterable, Optional
+from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -31,6 +33,8 @@ from megatron_tepo.buckets import FlatBucket, tensor_bytes, to_flat_bucket
 
 from .base import SyncStats, WeightSync
 from .tensor import file_system_sharing, serialize_bucket
+
+log = logging.getLogger(__name__)
 
 LOAD_ROUTE, UNLOAD_ROUTE = "/load_lora_adapter_from_tensors", "/unload_lora_adapter"
 
@@ -46,6 +50,7 @@ class LoraAdapterSync(WeightSync):
         super().__init__(target, **options)
         self.prefix, self.version = prefix, 0
         self.loaded: Optional[str] = None
+        self._loaded_on: Dict[Tuple[str, int], str] = {}  # (server URL, incarnation) -> its adapter
 
     def push(self, named_tensors: Iterable, flush_cache: bool = True) -> SyncStats:
         if not self.is_sender:  # the export gathered everything to the sender already
@@ -79,10 +84,20 @@ class LoraAdapterSync(WeightSync):
         finally:
             del shm
         self.version += 1
-        old, self.loaded = self.loaded, name
+        self.loaded = name
         self.target.lora_name = name  # the fleet's requests name the new adapter from now on
-        if old is not None:
-            self._post_all(UNLOAD_ROUTE, {"lora_name": old}, servers)
+        # the previous version, where this server process holds one (a restarted server holds none)
+        unload = []
+        for s in servers:
+            key = (s.url, getattr(s, "incarnation", 0))
+            old, self._loaded_on[key] = self._loaded_on.get(key), name
+            if old is not None:
+                unload.append((s, {"lora_name": old}))
+        threads, errors = self._start_each(UNLOAD_ROUTE, unload)
+        for t in threads:
+            t.join()
+        for url, err in errors.items():  # the new adapter is in; an old one left loaded costs memory only
+            log.warning("weight sync (adapters): %s did not unload the previous adapter: %s", url, err)
         stats.bytes += bucket.nbytes
         stats.tensors += len(bucket.names)
         stats.buckets += 1
