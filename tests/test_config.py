@@ -64,6 +64,9 @@ def test_unknown_section_and_override_key():
     ("actor.lora.dropout=1.0", r"actor.lora.dropout: must be in \[0, 1\)"),
     ("actor.lora.target_modules=[q_proj]", r"actor.lora.target_modules: \['q_proj'\]: choose from linear_qkv"),
     ("actor.lora.ranks=8", "actor.lora.ranks.*unknown key in section 'actor.lora'; did you mean rank"),
+    ("actor.lora.sync=adapters", "actor.lora.sync: adapters goes to SGLang's LoRA endpoints; rollout.engine 'embedded'"),
+    ("actor.lora.sync=both", "actor.lora.sync"),
+    ("actor.lora.init_from=/nonexistent/peft", "actor.lora.init_from: '/nonexistent/peft' is not a directory"),
 ])
 def test_wrong_values_name_the_field(override, needle):
     with pytest.raises(ConfigError, match=needle):

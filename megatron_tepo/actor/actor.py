@@ -518,6 +518,30 @@ class MegatronActor:
 
         return export_actor_to_hf(self, directory, source_model)
 
+    def export_peft(self, directory, source_model: str):
+        """Collective: with ``actor.lora``, the adapters as a PEFT adapter folder for the HF model
+        ``source_model`` (:func:`~megatron_tepo.megatron.lora_peft.export_peft_adapter`); its path on
+        global rank 0, None elsewhere and without LoRA."""
+        if self.settings.lora is None:
+            return None
+        from megatron_tepo.megatron.lora_peft import export_peft_adapter
+        from megatron_tepo.megatron.model import load_hf_config
+        from megatron_tepo.models import checkpoint_naming
+
+        naming = checkpoint_naming(load_hf_config(source_model)) if source_model else None
+        return export_peft_adapter(self.model, self.family_cfg, self.settings.lora, directory, source_model,
+                                   naming=naming, tp_group=self.tp_group)
+
+    def export_adapters(self):
+        """Collective: with ``actor.lora``, every adapter in PEFT's names on global rank 0 (the weight
+        sync's sender), with PEFT's config (:func:`~megatron_tepo.megatron.lora_peft.gather_peft_adapters`);
+        what ``actor.lora.sync: adapters`` sends instead of :meth:`export_hf_state`."""
+        if self.settings.lora is None:
+            raise ValueError("export_adapters: the actor has no LoRA adapters (actor.lora is not set)")
+        from megatron_tepo.megatron.lora_peft import gather_peft_adapters
+
+        return gather_peft_adapters(self.model, self.family_cfg, self.settings.lora, tp_group=self.tp_group)
+
     def load_checkpoint(self, directory, model_only: bool = False) -> dict:
         """Collective: restore what :meth:`save_checkpoint` wrote (bit-exact continuation at the
         same layout) and return its ``extra_state``. A directory without the ``complete`` marker is

@@ -230,6 +230,13 @@ OFFLOAD_LEVELS = {"none": (), "optimizer": ("optimizer",), "optimizer_grads": ("
 #: (``linear_fc2``; on an MoE model every expert's too), a Gated DeltaNet's input projection (the
 #: fused q/k/v/z/b/a ``in_proj``) and output projection (``out_proj``)
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj")
+#: the HF modules (PEFT's and SGLang's names) of each target of a dense model's layers; SGLang's LoRA
+#: serves none of an MoE expert's or a Gated DeltaNet's (``actor.lora.sync: adapters`` refuses them:
+#: megatron/lora.py:lora_model_problem)
+LORA_HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                   "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",), "in_proj": (), "out_proj": ()}
+#: how ``actor.lora`` reaches the rollout engines (:attr:`LoraConfig.sync`)
+LORA_SYNCS = ("merged", "adapters")
 
 
 @dataclass
@@ -237,12 +244,20 @@ class LoraConfig:
     """LoRA adapters on the actor's linears (megatron/lora.py): each target linear's output gains
     ``(alpha / rank) * B A x``, A ``[rank, in]`` drawn at random, B ``[out, rank]`` zero (step 0
     equals the base model); the base weights are frozen and only A and B train. ``dropout``: on
-    the adapter's input only. ``target_modules``: some of :data:`LORA_TARGETS`."""
+    the adapter's input only. ``target_modules``: some of :data:`LORA_TARGETS`.
+    ``init_from``: a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) a
+    fresh run starts from instead of B = 0 (its r and lora_alpha must be ``rank`` and ``alpha``;
+    megatron/lora_peft.py); a resumed run takes its checkpoint's adapters. ``sync``: how the rollout
+    engines get the policy -- ``merged`` (``W + scale * B A``, through every weight sync mode and
+    the embedded engine) or ``adapters`` (the adapters alone, to SGLang's LoRA endpoints; the
+    servers apply them to their frozen base: docs/ACTOR.md, "LoRA")."""
 
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: List[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    init_from: Optional[str] = None
+    sync: Literal["merged", "adapters"] = "merged"
 
     @property
     def scale(self) -> float:

@@ -10,9 +10,10 @@ Left out: rules that need the model or the world size (the actor's plan and the 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Dict, List
 
-from megatron_tepo.config.schema import LORA_TARGETS, ActorConfig, ConfigError, RunConfig
+from megatron_tepo.config.schema import LORA_SYNCS, LORA_TARGETS, ActorConfig, ConfigError, RunConfig
 from megatron_tepo.layout import LayoutError, validate_layout
 
 __all__ = ["validate", "packing_problem", "lora_problem", "ROUTING_ENGINES"]
@@ -52,6 +53,8 @@ def lora_problem(actor: ActorConfig) -> str:
     if unknown or not lora.target_modules:
         return (f"actor.lora.target_modules: {unknown or 'empty'}: choose from {', '.join(LORA_TARGETS)} "
                 f"(q/k/v are the fused linear_qkv, gate/up the fused linear_fc1)")
+    if lora.sync not in LORA_SYNCS:
+        return f"actor.lora.sync: {lora.sync!r}: choose from {', '.join(LORA_SYNCS)}"
     return ""
 
 
@@ -191,6 +194,11 @@ def validate(cfg: RunConfig) -> None:
     problem = packing_problem(a) or lora_problem(a)
     if problem:
         raise ConfigError(problem)
+    if a.lora is not None and a.lora.sync == "adapters" and r.engine != "sglang":
+        raise ConfigError(f"actor.lora.sync: adapters goes to SGLang's LoRA endpoints; rollout.engine {r.engine!r} "
+                          f"takes the merged weights (set actor.lora.sync: merged)")
+    if a.lora is not None and a.lora.init_from and not os.path.isdir(os.path.expanduser(a.lora.init_from)):
+        raise ConfigError(f"actor.lora.init_from: {a.lora.init_from!r} is not a directory (a PEFT adapter folder)")
     if a.routing_replay == "r3" and r.engine not in ROUTING_ENGINES:
         raise ConfigError(f"actor.routing_replay: r3 replays the engine's routing, which rollout.engine "
                           f"{r.engine!r} does not return (engines that do: {', '.join(ROUTING_ENGINES)}); use r2 or off")

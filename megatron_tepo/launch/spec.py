@@ -163,6 +163,17 @@ def write_run_config(spec: LaunchSpec, out: Union[str, Path]) -> Path:
     return out
 
 
+def lora_server_options(lora, server) -> Dict[str, object]:
+    """A server's LoRA options for ``actor.lora`` with ``sync: adapters`` (the adapters are loaded
+    into the servers: LoRA enabled up to the run's rank on its targets' HF modules); none otherwise."""
+    if lora is None or lora.sync != "adapters":
+        return {}
+    from megatron_tepo.config.schema import LORA_HF_MODULES
+
+    modules = [m for t in lora.target_modules for m in LORA_HF_MODULES[t]]
+    return {"max_lora_rank": max(int(server.max_lora_rank or 0), lora.rank), "lora_target_modules": ",".join(modules)}
+
+
 def serve_args(spec: LaunchSpec) -> List[str]:
     """The words after the python of every rollout server of the job, all but ``--port`` (one per
     server): ``-m`` the engine's serve module and one server's options (``launch.rollout``) with
@@ -175,7 +186,8 @@ def serve_args(spec: LaunchSpec) -> List[str]:
     server = dataclasses.replace(L.rollout.server, model_path=cfg.model.path, host="0.0.0.0", context_length=ctx,
                                  # MoE routing replay from the rollout's experts: the servers return them
                                  enable_return_routed_experts=(L.rollout.server.enable_return_routed_experts
-                                                               or cfg.actor.routing_replay == "r3"))
+                                                               or cfg.actor.routing_replay == "r3"),
+                                 **lora_server_options(cfg.actor.lora, L.rollout.server))
     return ["-m", served_engine(L.rollout.engine).serve_module, *server.to_argv()]
 
 

@@ -48,8 +48,10 @@ Left out: Transformer Engine's linears (``actor.attention: te``: refused) and it
 sections of a Gated DeltaNet ``in_proj``'s B at TP > 1 (B's rows follow the weight's on each rank,
 so training and the merged export are right, but :func:`adapter_full_tensors` cuts B as plain
 rows, not per q/k/v/z/b/a section, and a checkpoint saves it so: its load at another TP is refused,
-``actor/checkpointing.py:lora_tp_problem``), adapters sent unmerged
-to SGLang's LoRA endpoints, PEFT export and import.
+``actor/checkpointing.py:lora_tp_problem``). PEFT's format (export, ``actor.lora.init_from``, the
+adapters sent unmerged to SGLang's LoRA endpoints with ``actor.lora.sync: adapters``) is
+:mod:`.lora_peft`'s: SGLang serves no adapter on an expert or a Gated DeltaNet projection, so
+``sync: adapters`` refuses a model that would carry them (:func:`lora_model_problem`).
 """
 from __future__ import annotations
 
@@ -103,9 +105,20 @@ def lora_model_problem(family_cfg, lora, moe_grouped_gemm: str = "off", tp: int 
     """Why ``lora`` cannot go on a model of ``family_cfg``, or "" (asked before any process group
     starts, with the resolved ``actor.moe_grouped_gemm`` and the layout's TP size): MLP targets on
     an MoE family adapt its experts, which must be megatron's ``SequentialMLP`` of local linears
-    (grouped GEMM off), each expert whole on its rank (expert TP, megatron's default: the TP size, 1)."""
-    mlp = sorted(set(lora.target_modules) & {"linear_fc1", "linear_fc2"}) if lora is not None else []
-    if not mlp or getattr(family_cfg, "moe", None) is None:
+    (grouped GEMM off), each expert whole on its rank (expert TP, megatron's default: the TP size, 1).
+    With ``sync: adapters`` no adapter SGLang cannot serve (an expert's, a Gated DeltaNet's)."""
+    if lora is None:
+        return ""
+    targets = set(lora.target_modules)
+    moe = getattr(family_cfg, "moe", None) is not None
+    mlp = sorted(targets & {"linear_fc1", "linear_fc2"}) if moe else []
+    gdn = sorted(targets & {"in_proj", "out_proj"}) if getattr(family_cfg, "linear_attention", None) else []
+    if getattr(lora, "sync", "merged") == "adapters" and (mlp or gdn):
+        what = "an MoE expert's" if mlp else "a Gated DeltaNet layer's"
+        return (f"actor.lora.sync: adapters sends PEFT adapters to SGLang, whose LoRA serves none of {what} "
+                f"linears (actor.lora.target_modules: {', '.join(mlp + gdn)} on {family_cfg.family}): use "
+                f"sync: merged, or leave them out of target_modules")
+    if not mlp:
         return ""
     if moe_grouped_gemm == "on":
         return (f"actor.lora.target_modules: {', '.join(mlp)} on an MoE model ({family_cfg.family}) adapt its "

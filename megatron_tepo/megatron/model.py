@@ -550,6 +550,10 @@ def build_train_model(hf_config, weights=None, layout: Optional[ParallelLayout] 
         from megatron_tepo.megatron.lora import add_lora
 
         add_lora(chunk, resolved.lora, seed=seed)
+        if resolved.lora.init_from:  # a PEFT adapter folder: its adapters, each rank its shard (a resume then loads its own)
+            from megatron_tepo.megatron.lora_peft import load_peft_adapter_into
+
+            load_peft_adapter_into([chunk], resolved.lora.init_from, family_cfg, resolved.lora)
     bf16 = resolved.precision == "bf16"
     if bf16:
         from megatron.core.transformer.module import Float16Module

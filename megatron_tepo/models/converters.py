@@ -56,6 +56,13 @@ def _split(group: FusedGroup, tensor: torch.Tensor, cfg: GPTFamilyConfig):
     raise ValueError(f"unknown fused kind {group.kind!r}")
 
 
+def fuse_group(group: FusedGroup, parts, cfg: GPTFamilyConfig) -> torch.Tensor:
+    """The Megatron tensor of fused group ``group`` from its HF tensors ``parts`` (in ``group.hf``'s
+    order), fused as :func:`convert_hf_to_megatron` fuses them; any trailing dims (a LoRA ``lora_B``'s
+    ``[rows, r]`` is fused by its rows like its weight: :mod:`megatron_tepo.megatron.lora_peft`)."""
+    return _fuse(group, parts, cfg)
+
+
 def convert_hf_to_megatron(hf_state_iter: Iterable[Tuple[str, torch.Tensor]], cfg: GPTFamilyConfig,
                            mapping: LayerMapping) -> Iterator[Tuple[str, torch.Tensor]]:
     """Stream HF (name, full tensor) -> Megatron (global name, full tensor).

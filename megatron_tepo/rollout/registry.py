@@ -41,6 +41,8 @@ class EngineSettings:
     fault: FaultConfig = field(default_factory=FaultConfig)
     # return each sample's routed experts (Sample.routed_experts) in this shape: actor.routing_replay r3
     routing: Optional[RoutingShape] = None
+    # actor.lora.sync: adapters -- the policy reaches the engine as LoRA adapters, not merged weights
+    lora_adapters: bool = False
 
     @property
     def return_routing(self) -> bool:

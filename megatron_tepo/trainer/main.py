@@ -90,7 +90,8 @@ def build_engine(cfg: RunConfig, model_dir: str, pad_token_id: int, driver: bool
         routing = routing_shape_of(model_dir)
         if routing is None:
             raise ValueError(f"actor.routing_replay: r3: {model_dir} is a dense model, with no routing to replay")
-    settings = EngineSettings(cfg.rollout, model_dir, pad_token_id, cfg.train.seed, cfg.fault, routing=routing)
+    settings = EngineSettings(cfg.rollout, model_dir, pad_token_id, cfg.train.seed, cfg.fault, routing=routing,
+                              lora_adapters=cfg.actor.lora is not None and cfg.actor.lora.sync == "adapters")
     if not driver:
         return FollowerEngine(factory.follower_sync(settings))
     engine = factory.build(settings)
@@ -238,6 +239,8 @@ def main(config_files: List[str], overrides: Optional[List[str]] = None) -> dict
             exported = None
             if cfg.train.export_hf and (history or state.get("resumed_from")):
                 exported = actor.export_hf(out / "hf", cfg.model.path)
+                if cfg.actor.lora is not None:  # beside the merged model: the adapters as a PEFT adapter folder
+                    actor.export_peft(out / "peft", cfg.model.path)
         finally:
             if logger is not None:
                 logger.close()

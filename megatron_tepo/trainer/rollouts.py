@@ -2,7 +2,8 @@
 into the engine.
 
 * :func:`evaluate` -- avg@n and pass@n over held-out prompts (each episode opened from its data row
-  where the task keeps rows); :func:`sync_weights` -- the actor's weights into the engine (collective).
+  where the task keeps rows); :func:`sync_weights` -- the actor's weights into the engine (collective;
+  with ``actor.lora.sync: adapters`` its LoRA adapters, ``MegatronActor.export_adapters``).
 * The task and the groups a step trains on (:class:`Task`, :class:`Generated`,
   :func:`generate_groups`) are the group producer's (:mod:`megatron_tepo.trainer.groups`), named
   here too.
@@ -30,8 +31,21 @@ def sync_weights(actor, engine) -> float:
     Collective: the export gathers over the actor's groups, so every rank calls it; ranks other
     than the driver pass a :class:`FollowerEngine`."""
     t = time.time()
-    engine.update_weights(actor.export_hf_state())
+    engine.update_weights(actor.export_adapters() if lora_adapters_sync(actor) else actor.export_hf_state())
     return time.time() - t
+
+
+def lora_adapters_sync(actor) -> bool:
+    """Whether the policy reaches the engine as LoRA adapters (``actor.lora.sync: adapters``)."""
+    lora = getattr(getattr(actor, "settings", None), "lora", None)
+    return lora is not None and lora.sync == "adapters"
+
+
+def starts_from_adapter(actor) -> bool:
+    """Whether a fresh run's policy is not the engine's base model: it starts from a PEFT adapter
+    (``actor.lora.init_from``), so the engine needs a sync before the first generation."""
+    lora = getattr(getattr(actor, "settings", None), "lora", None)
+    return lora is not None and bool(lora.init_from)
 
 
 def evaluate(engine, prompts, answers, reward_fn: RewardFn, stop_token_ids, *, n: int = 1,

@@ -31,7 +31,7 @@ from megatron_tepo.algorithms import compute_group_advantages
 from megatron_tepo.algorithms.advantages import gpg_correction
 from megatron_tepo.batch import RolloutBatch
 from megatron_tepo.rollout.engine import MEMORY_TAGS
-from megatron_tepo.trainer.rollouts import sync_weights
+from megatron_tepo.trainer.rollouts import starts_from_adapter, sync_weights
 from megatron_tepo.trainer.stalls import NoUpdateError, skipped_update_message, stalled_message
 
 __all__ = ["Step", "STEP", "COLOCATED_STEP", "Mode", "SEPARATE", "COLOCATED", "mode_of", "generate", "advantages",
@@ -288,8 +288,9 @@ COLOCATED_STEP: tuple = (generate, release_engine, onload_actor, advantages, old
 
 
 def sync_resumed(run, step: Step) -> None:
-    """A resumed run's weights pushed to the engine before the first generation."""
-    if run.resumed_from is not None:
+    """A resumed run's weights pushed to the engine before the first generation (and a fresh run's
+    that starts from a PEFT adapter: ``actor.lora.init_from``)."""
+    if run.resumed_from is not None or starts_from_adapter(run.actor):
         with run.watchdog.phase("sync"):
             sync_weights(run.actor, run.engine)
 

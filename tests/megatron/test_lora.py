@@ -185,6 +185,11 @@ def test_lora_settings_are_checked_before_any_process_group():
             plan_actor(moe, ParallelLayout(), lora=LoraConfig(), world_size=1)
         attention_only = LoraConfig(target_modules=["linear_qkv", "linear_proj"])
         assert plan_actor(moe, ParallelLayout(), lora=attention_only, world_size=1)[0].lora == attention_only
+    # adapters-only sync: SGLang serves no expert adapter; a dense model's default targets go
+    with pytest.raises(ConfigError, match=r"^actor.lora.sync: adapters .* none of an MoE expert's linears "
+                                          r"\(actor.lora.target_modules: linear_fc1, linear_fc2 on qwen3_moe\)"):
+        plan_actor(moe, ParallelLayout(), lora=LoraConfig(sync="adapters"), world_size=1)
+    assert plan_actor(dense, ParallelLayout(), lora=LoraConfig(sync="adapters"), world_size=1)[0].lora.sync == "adapters"
     assert not dist.is_initialized()
 
 

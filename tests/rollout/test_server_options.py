@@ -83,3 +83,29 @@ def test_a_server_never_inherits_expandable_segments_and_a_releasing_one_runs_sa
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env and not set(MEMORY_SAVER_ENV) & set(env)
     _, env = server_command(plain, 30000, base_env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"})
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"  # nothing to drop: as it was
+
+
+def test_lora_servers_get_sglangs_lora_flags_from_the_config_and_the_launch():
+    """``actor.lora.sync: adapters``: the servers are started with LoRA on for the run's rank and its
+    targets' HF modules (``options.py:lora_flags``; the torch_native backend on CPU); a server without
+    ``max_lora_rank`` gets none of them, and a merged LoRA run's servers are plain."""
+    from megatron_tepo.rollout.sglang.options import server_command
+
+    plain, _ = server_command(ServerConfig(model_path="/m"), 30000, base_env={})
+    assert "--enable-lora" not in plain
+    cfg = ServerConfig(model_path="/m", max_lora_rank=32, lora_target_modules="q_proj,k_proj,v_proj,o_proj")
+    assert ServerConfig.from_argv(cfg.to_argv()) == cfg
+    cmd, _ = server_command(cfg, 30000, base_env={})
+    at = cmd.index("--enable-lora")
+    assert cmd[at:at + 12] == ["--enable-lora", "--max-lora-rank", "32", "--lora-target-modules", "q_proj", "k_proj",
+                               "v_proj", "o_proj", "--max-loras-per-batch", "2", "--lora-backend", "torch_native"]
+    from megatron_tepo.rollout.sglang.options import lora_flags
+
+    gpu = lora_flags(dataclasses.replace(cfg, device="cuda"))
+    assert "--enable-lora" in gpu and "--lora-backend" not in gpu
+    spec = load_launch(MODELS / "tiny_cpu.yaml", ["actor.lora.rank=16", "actor.lora.sync=adapters",
+                                                  "actor.lora.target_modules=[linear_qkv,linear_fc2]"])
+    served = ServerConfig.from_argv(serve_args(spec)[2:])
+    assert served.max_lora_rank == 16 and served.lora_target_modules == "q_proj,k_proj,v_proj,down_proj"
+    merged = load_launch(MODELS / "tiny_cpu.yaml", ["actor.lora.rank=16"])
+    assert ServerConfig.from_argv(serve_args(merged)[2:]).max_lora_rank is None

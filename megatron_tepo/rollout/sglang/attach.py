@@ -27,7 +27,7 @@ from megatron_tepo.time_limits import request_limit_s
 from megatron_tepo.rollout.registry import EngineSettings, register_engine
 from megatron_tepo.rollout.sglang.fleet import FleetConfig, SGLangFleet, memory_tags
 from megatron_tepo.rollout.sglang.options import API_KEY_ENV, RELEASED_ENV, RESTART_GATE_ENV
-from megatron_tepo.rollout.sglang.weight_sync import SYNC_MODES, WeightSync, make_weight_sync
+from megatron_tepo.rollout.sglang.weight_sync import SYNC_MODES, LoraAdapterSync, WeightSync, make_weight_sync
 
 URLS_ENV = "TEPO_SGLANG_URLS"
 
@@ -68,10 +68,14 @@ def check(rollout: RolloutConfig) -> None:
     released_tags(rollout)
 
 
-def weight_sync(rollout: RolloutConfig, fleet, urls: List[str], is_sender: bool, fault=None) -> WeightSync:
+def weight_sync(rollout: RolloutConfig, fleet, urls: List[str], is_sender: bool, fault=None,
+                lora_adapters: bool = False) -> WeightSync:
     """The weight sync of ``rollout.sync_mode`` to ``fleet`` (None on a rank that only drains the
     export); the mode's own options from ``rollout``, the servers' ``urls`` and the run's ``fault``
-    section (the update group's time-out)."""
+    section (the update group's time-out). ``lora_adapters`` (``actor.lora.sync: adapters``): the
+    LoRA adapters' sync instead (``weight_sync/lora.py``)."""
+    if lora_adapters:
+        return LoraAdapterSync(fleet, wire_dtype=getattr(torch, rollout.sync_dtype), is_sender=is_sender)
     mode = rollout.sync_mode
     return make_weight_sync(mode, fleet, bucket_bytes=rollout.sync_bucket_mb << 20,
                             wire_dtype=getattr(torch, rollout.sync_dtype), is_sender=is_sender,
@@ -92,13 +96,14 @@ def attach_fleet(settings: EngineSettings) -> SGLangFleet:
                                     server_restarts=f.server_restarts, restart_backoff=f.restart_backoff_s,
                                     released=released_tags(r), restart_gate=os.environ.get(RESTART_GATE_ENV, ""),
                                     routing=settings.routing))
-    fleet.weight_sync = weight_sync(r, fleet, urls, True, f)
+    fleet.weight_sync = weight_sync(r, fleet, urls, True, f, lora_adapters=settings.lora_adapters)
     return fleet
 
 
 def follower_sync(settings: EngineSettings) -> WeightSync:
     """What a rank other than the driver holds: a weight sync that drains its part of the export."""
-    return weight_sync(settings.rollout, None, sglang_urls(settings.rollout), False, settings.fault)
+    return weight_sync(settings.rollout, None, sglang_urls(settings.rollout), False, settings.fault,
+                       lora_adapters=settings.lora_adapters)
 
 
 register_engine("sglang", attach_fleet, follower_sync=follower_sync, check=check)

@@ -34,7 +34,9 @@ flight over the fleet).
 Left out: the router's process (``router.py``) and the decision to have one (``fleet.py``'s
 ``use_router``); where the router places a request (its policy: the fleet bounds only the requests
 in flight over all its servers); one server's HTTP calls (``client.py``); what a request carries (the fleet's
-``generate`` / ``score``, ``interruptible.py``'s ``submit``).
+``generate`` / ``score``, ``interruptible.py``'s ``submit``), except the served LoRA adapter
+(``lora_name``: ``actor.lora.sync: adapters``), which :meth:`Dispatch._run_one` adds to every
+``/generate`` as ``lora_path`` when it sends it.
 """
 from __future__ import annotations
 
@@ -89,6 +91,14 @@ def parse_generate_output(out: dict, routing: Optional[RoutingShape] = None, whe
     return Sample([int(t) for t in ids], [float(t[0]) for t in lps], reason,
                   meta={"matched_stop": fr.get("matched") if isinstance(fr, dict) else None}, routed_experts=routed)
 
+
+
+def with_adapter(path: str, payload: dict, lora_name) -> dict:
+    """``payload`` naming the served LoRA adapter ``lora_name`` (``lora_path``) when it is a
+    ``/generate`` and there is one (``actor.lora.sync: adapters``); else ``payload`` itself."""
+    if path == "/generate" and lora_name:
+        return {**payload, "lora_path": lora_name}
+    return payload
 
 class Dispatch:
     """The fleet's part that sends requests (see the module docstring for what it owns)."""
@@ -239,6 +249,7 @@ class Dispatch:
         """Send one request, moving it to another server on failure, until the deadline (``session``:
         :meth:`_pick`'s; ``raw``: ``parse`` is handed the answer's bytes). Its server's slot is free
         again as soon as the answer is in, before ``parse``."""
+        payload = with_adapter(path, payload, getattr(self, "lora_name", None))  # the served LoRA adapter, now
         tried: set = set()
         errors: List[str] = []
         router = self._use_router()

@@ -173,6 +173,9 @@ class SGLangFleet(Dispatch, Supervision, Interruptible, ColocatedMemory, Rollout
         self._lock = threading.Lock()  # the parts' counters and lists (held briefly)
         self._init_supervision()
         self.weight_sync = weight_sync
+        # the LoRA adapter the servers serve the policy as (actor.lora.sync: adapters; set by its weight
+        # sync, weight_sync/lora.py): every /generate request names it; None: the base weights
+        self.lora_name: Optional[str] = None
         self.routing_decoder = RoutingDecoder(cfg.routing, cfg.routing_decoders) if cfg.routing is not None else None
         if cfg.routing is not None and not cfg.server.enable_return_routed_experts:
             # the servers launched here return the routing they are asked for (attached ones: their launcher's flag)

@@ -112,6 +112,12 @@ class ServerConfig:
     # routed to (SGLang's --enable-return-routed-experts; the launchers set it when replay asks for it)
     enable_return_routed_experts: bool = _option(False, "enable-return-routed-experts", flag=True,
                                                  help="return each token's routed experts (MoE routing replay)")
+    # LoRA adapters loaded at run time (actor.lora.sync: adapters; the launchers set both from actor.lora):
+    # SGLang's --enable-lora with --max-lora-rank and --lora-target-modules (HF module names, comma-separated)
+    max_lora_rank: Optional[int] = _option(None, "max-lora-rank", launch=True,
+                                           help="serve LoRA adapters up to this rank (SGLang --enable-lora)")
+    lora_target_modules: Optional[str] = _option(None, "lora-target-modules", launch=True,
+                                                 help="the LoRA adapters' modules, comma-separated (default: all)")
     extra_args: Sequence[str] = ()  # SGLang flags of its own, after ``--`` on the command line
     env: Dict[str, str] = field(default_factory=dict)
     startup_timeout: float = 180.0
@@ -293,6 +299,20 @@ def server_env(cfg: ServerConfig, base_env: Dict[str, str]) -> Dict[str, str]:
     return out
 
 
+def lora_flags(cfg: ServerConfig) -> List[str]:
+    """SGLang's LoRA flags of ``cfg`` (none without ``max_lora_rank``): LoRA enabled for adapters up
+    to that rank on ``lora_target_modules`` (default: every module SGLang adapts), two adapters in a
+    batch at most (the weight sync's ``adapters`` mode loads the next version before it unloads the
+    last: ``rollout/sglang/weight_sync/lora.py``); a CPU server computes them with the
+    ``torch_native`` backend (the others are Triton kernels)."""
+    if not cfg.max_lora_rank:
+        return []
+    modules = [m for m in (cfg.lora_target_modules or "all").split(",") if m]
+    out = ["--enable-lora", "--max-lora-rank", str(int(cfg.max_lora_rank)), "--lora-target-modules", *modules,
+           "--max-loras-per-batch", "2"]
+    return out + (["--lora-backend", "torch_native"] if cfg.device == "cpu" else [])
+
+
 def server_command(cfg: ServerConfig, port: int, api_key: Optional[str] = None,
                    base_env: Optional[Dict[str, str]] = None) -> Tuple[List[str], Dict[str, str]]:
     """The command line and environment of one SGLang server: the single place that knows SGLang's
@@ -339,6 +359,7 @@ def server_command(cfg: ServerConfig, port: int, api_key: Optional[str] = None,
         cmd += ["--enable-memory-saver"]
     if cfg.enable_return_routed_experts:
         cmd += ["--enable-return-routed-experts"]
+    cmd += lora_flags(cfg)
     env = dict(os.environ if base_env is None else base_env)
     if cfg.device == "cpu":
         cmd += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch",

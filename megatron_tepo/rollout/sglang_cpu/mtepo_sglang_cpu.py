@@ -57,6 +57,13 @@ Work-around 4 -- host pools without CUDA. ``--enable-return-routed-experts`` (Mo
 allocates a host cache of the captured experts that SGLang page-locks through
 ``torch.cuda.cudart()``, which a CPU torch refuses ("Torch not compiled with CUDA enabled"): the
 server did not start. Without CUDA the registration is skipped (there is no device to pin for).
+
+Work-around 5 -- LoRA without pinned memory (sgl-project/sglang#31894). SGLang's LoRA modules
+(``sglang.srt.lora.*``: layers, memory pool, the ``torch_native`` backend) page-lock small host
+tensors with ``pin_memory=True`` / ``.pin_memory()``, which a CPU torch refuses: a server with
+``--enable-lora`` did not serve. Without an accelerator those modules' ``torch`` drops
+``pin_memory`` from its factories and ``Tensor.pin_memory`` returns the tensor itself (in that
+server process only; nothing to pin for). With CUDA nothing changes.
 """
 from __future__ import annotations
 
@@ -377,10 +384,68 @@ def _exec_pool_host_common(inner, module):
             setattr(module, name, lambda *args, **kwargs: None)
 
 
+# ---------------------------------------------------------------- work-around 5: LoRA without pinned memory
+_PIN_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "as_tensor")
+
+
+class _TorchWithoutPinning:
+    """``torch`` as a LoRA module sees it on a machine without an accelerator: the factories drop
+    ``pin_memory=True`` (there is no pinned allocator; the memory is plain host memory, which is
+    what the copies to a CPU "device" read anyway); everything else is torch's own."""
+
+    def __init__(self, torch):
+        self._torch = torch
+
+    def __getattr__(self, name):
+        attr = getattr(self._torch, name)
+        if name in _PIN_FACTORIES:
+            def factory(*args, **kwargs):
+                kwargs.pop("pin_memory", None)
+                return attr(*args, **kwargs)
+            return factory
+        return attr
+
+
+def _unpinned_tensor_pin_memory(self, *args, **kwargs):
+    return self
+
+
+def _exec_lora_module(inner, module):
+    """SGLang's LoRA layers, memory pool and backends page-lock their host tensors
+    (``torch.tensor(..., pin_memory=True)``, ``t.pin_memory()``), which a CPU torch refuses
+    ("pin_memory=True requires a CUDA or other accelerator backend", sgl-project/sglang#31894): a
+    CPU server with ``--enable-lora`` crashes at start-up or at its first LoRA batch. Without an
+    accelerator, the module's ``torch`` drops ``pin_memory`` from the factories and
+    ``Tensor.pin_memory`` gives the tensor itself (pinning has no device to pin for). With CUDA
+    nothing changes."""
+    inner.exec_module(module)
+    import torch
+
+    if torch.cuda.is_available() or _has_accelerator(torch):
+        return
+    if getattr(module, "torch", None) is torch:
+        module.torch = _TorchWithoutPinning(torch)
+    if torch.Tensor.pin_memory is not _unpinned_tensor_pin_memory:
+        torch.Tensor.pin_memory = _unpinned_tensor_pin_memory
+
+
+def _has_accelerator(torch) -> bool:
+    acc = getattr(torch, "accelerator", None)
+    try:
+        return bool(acc is not None and acc.is_available())
+    except Exception:  # noqa: BLE001 -- an older torch: no accelerator API, CUDA was asked above
+        return False
+
+
+_LORA_MODULES = ("sglang.srt.lora.layers", "sglang.srt.lora.mem_pool", "sglang.srt.lora.lora",
+                 "sglang.srt.lora.backend.torch_backend", "sglang.srt.lora.backend.base_backend",
+                 "sglang.srt.lora.lora_manager")
+
 _PATCHES = {
     "torchvision._meta_registrations": _exec_torchvision_meta,
     "sglang.srt.model_executor.model_runner_components.weight_updater": _exec_weight_updater,
     "sglang.srt.mem_cache.pool_host.common": _exec_pool_host_common,
+    **{name: _exec_lora_module for name in _LORA_MODULES},
 }
 
 

@@ -11,6 +11,9 @@ of a fleet after each update, in one of four modes, one module each over one sha
 * ``disk.py`` -- the bucket as a safetensors file in a directory the servers see.
 * ``ipc.py`` -- colocated mode: each actor rank's own bucket handed to the server TP rank on its GPU
   as a CUDA IPC handle (shared memory on CPU); no process group, no copy.
+* ``lora.py`` -- a LoRA run's ``actor.lora.sync: adapters``: the adapters alone, in PEFT's names, to
+  SGLang's LoRA endpoints as a new served adapter each update (the base stays on the servers); used in
+  place of the mode (``attach.py``), not one of ``rollout.sync_mode``.
 
 :func:`make_weight_sync` builds the sync of a mode by its name (``rollout.sync_mode``). SGLang's
 HTTP API 0.5.6 to 0.5.x: run against 0.5.23 (the ``sglang`` tests); read, not run, in the 0.5.6, 0.5.10
@@ -30,10 +33,11 @@ from .base import SyncStats, WeightSync
 from .disk import DiskSync
 from .distributed import DistributedSync
 from .ipc import IpcSync
+from .lora import LoraAdapterSync
 from .tensor import TensorSync
 
 __all__ = ["MODES", "SYNC_MODES", "make_weight_sync", "WeightSync", "SyncStats", "DistributedSync",
-           "TensorSync", "DiskSync", "IpcSync"]
+           "TensorSync", "DiskSync", "IpcSync", "LoraAdapterSync"]
 
 SYNC_MODES = {"distributed": DistributedSync, "tensor": TensorSync, "disk": DiskSync, "ipc": IpcSync}
 MODES = tuple(SYNC_MODES)
