@@ -8,7 +8,7 @@ import torch
 
 from tests.trainer.test_user_journey import steps, train
 
-pytestmark = [pytest.mark.slow, pytest.mark.journey]
+pytestmark = [pytest.mark.slow, pytest.mark.journey, pytest.mark.second_lane]  # (CI: the second lane's, tools/test.sh)
 
 
 def test_a_lora_run_exports_a_peft_adapter_that_peft_loads_and_a_new_run_starts_from(tiny, tmp_path):
