@@ -100,6 +100,12 @@ def load_launch(path: Union[str, Path], overrides: Sequence[str] = (),
         raise ConfigError(_contradiction("rollout.sync_mode", "distributed (an NCCL group of the trainer's rank 0 and "
                                          "every server's ranks, two of them on GPU 0, which NCCL refuses)", launch,
                                          where) + ": set rollout.sync_mode: ipc (or tensor)")
+    lora = cfg.actor.lora
+    if lora is not None and lora.sync == "adapters" and served == launch.rollout.engine \
+            and not (launch.shares_actor_nodes and launch.actor_nodes == 1):
+        raise ConfigError(f"actor.lora.sync: adapters hands the adapters to the servers in the trainer's shared "
+                          f"memory, which servers on other nodes cannot read ({launch.actor_nodes} actor node(s), "
+                          f"launch.rollout_nodes: {launch.rollout_nodes}): use sync: merged, or one node")
     if cfg.rollout.colocated and not launch.colocated and served == launch.rollout.engine:
         raise ConfigError(f"rollout.colocated ({where.get('rollout.colocated', 'set')}): true, but "
                           f"{launch.rollout.key}.placement is separate (the servers on their own GPUs, no turns): "

@@ -135,3 +135,16 @@ def test_a_hybrids_gated_deltanet_projections_are_priced_and_absent_targets_skip
     assert lora_param_split(m, lora, t=2) == (want, 0)
     dense_model = load_launch(Q14_LORA).shape()
     assert lora_params(dense_model, lora) == 0
+
+
+def test_adapters_sync_needs_the_servers_on_the_trainers_node():
+    """``actor.lora.sync: adapters`` hands the adapters over in shared memory: the one-node examples
+    take it (their servers share the node); servers on their own nodes are one line naming the field."""
+    from megatron_tepo.config import ConfigError
+
+    spec = load_launch(Q14_LORA, ["actor.lora.sync=adapters"])
+    assert spec.cfg.actor.lora.sync == "adapters" and spec.launch.actor_nodes == 1
+    with pytest.raises(ConfigError, match=r"^actor.lora.sync: adapters .* servers on other nodes cannot read "
+                                          r"\(2 actor node\(s\), launch.rollout_nodes: 2\): use sync: merged"):
+        load_launch(MODELS / "qwen3_14b.yaml", ["actor.attention=sdpa", "actor.lora.rank=8",
+                                                 "actor.lora.sync=adapters"])
