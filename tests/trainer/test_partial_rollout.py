@@ -230,8 +230,21 @@ def test_the_snapshot_continues_the_same_groups_with_their_partial_responses():
     buf = RolloutBuffer(engine, GroupProducer(_task(), cfg), version=1)
     buf.start()
     _wait_for(lambda: buf._inflight > 0)
-    time.sleep(0.5)
-    buf.pause()
+    # Pause until an update lands mid-response: a fixed wait is no good (CI saw one land before the first
+    # token on a busy machine; a quiet one generates all 400 tokens of the 12 requests in 0.4 s), so pause
+    # at a short interval and go on under the same weights while nothing was cut yet; when every group
+    # finished uncut in between, a step takes them and the buffer draws new ones.
+    deadline, step = time.monotonic() + 120.0, 0
+    while True:
+        buf.pause()
+        if any(g.finish[k] is None and r.token_ids for g in buf.groups.values() for k, r in enumerate(g.requests)):
+            break
+        assert time.monotonic() < deadline, "no pause landed mid-response"
+        buf.resume(1)
+        if all(g.complete for g in buf.groups.values()):
+            step += 1
+            buf.take(step)
+        time.sleep(0.02)
     buf.resume(2)
     snap = buf.snapshot()
     buf.close()
