@@ -121,6 +121,7 @@ def _gdn_available():
     return hybrid_model_available() and mcore_version() >= Version("0.19")
 
 
+@pytest.mark.second_lane  # (about 136 s: the first lane is the critical path, tools/test.sh)
 @pytest.mark.skipif(not _gdn_available(), reason="Qwen3.5 needs megatron-core >= 0.19 (HybridModel, Gated DeltaNet)")
 def test_qwen3_5_tp2_and_ep2_logits_and_roundtrip(tmp_path):
     """Qwen3.5 dense and MoE (3 Gated DeltaNet + 1 gated attention layer; the MoE with 4 experts
