@@ -117,22 +117,29 @@ def test_sigkill_with_partial_responses_in_flight_resumes_every_prompt_once(tmp_
 def _tool_model(out: Path) -> Path:
     """A tiny chat model (examples/tiny_tir) taught one solved episode: it calls the Python tool, then
     answers; with its tokenizer (the chat template the episodes' tool turns come from)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     sys.path.insert(0, str(REPO / "examples" / "tiny_tir"))
     import tir
 
-    tok, cfg = tir.hf_tokenizer(), tir.tiny_qwen3_config()
+    tok = tir.hf_tokenizer()
+    ids, mask = tir.tool_trace(tok, "37*45", "1665")
+    return _taught(tir, tok, ids, [t if m else -100 for t, m in zip(ids, mask)], out)
+
+
+def _taught(tir, tok, ids, labels, out: Path) -> Path:
+    """examples/tiny_tir's tiny Qwen3 (hidden 64, seed 0) taught ``ids`` (the loss on ``labels``, -100
+    left out) for 60 AdamW steps, saved to ``out`` with ``tok`` and tiny_tir's EOS / PAD."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = tir.tiny_qwen3_config()
     cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 64, 128, 16
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
-    ids, mask = tir.tool_trace(tok, "37*45", "1665")
-    x, labels = torch.tensor([ids]), torch.tensor([[t if m else -100 for t, m in zip(ids, mask)]])
+    x, y = torch.tensor([ids]), torch.tensor([labels])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(60):
         opt.zero_grad()
-        model(input_ids=x, labels=labels).loss.backward()
+        model(input_ids=x, labels=y).loss.backward()
         opt.step()
     model.save_pretrained(out)
     tok.save_pretrained(out)
@@ -214,31 +221,16 @@ class Logged(GuessNumber):
 
 def _guess_model(out: Path) -> Path:
     """A tiny chat model (examples/tiny_tir's tokenizer) taught to guess 1, 2, 3, 4 on "((" (higher)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     sys.path.insert(0, str(REPO / "examples" / "tiny_tir"))
     import tir
 
-    tok, cfg = tir.hf_tokenizer(), tir.tiny_qwen3_config()
-    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 64, 128, 16
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
+    tok = tir.hf_tokenizer()
     conv = [{"role": "user", "content": "0"}]
     for guess in "1234":
         conv += [{"role": "assistant", "content": guess}, {"role": "tool", "content": "(("}]
     ids = tir.render_ids(tok, conv[:-1])[:-1]
     prompt = len(tir.prompt_ids(tok, "0"))
-    x, labels = torch.tensor([ids]), torch.tensor([[-100] * prompt + ids[prompt:]])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(60):
-        opt.zero_grad()
-        model(input_ids=x, labels=labels).loss.backward()
-        opt.step()
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": tir.EOS, "pad_token_id": tir.PAD}))
-    return out
+    return _taught(tir, tok, ids, [-100] * prompt + ids[prompt:], out)
 
 
 @pytest.mark.slow
