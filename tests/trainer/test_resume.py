@@ -63,6 +63,25 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, staleness, steps, l
         json.loads((ref / "summary.json").read_text())["accuracy_after"]
 
 
+def _every_prompt_once(run: Path, steps: int, per_step: int) -> None:
+    """By the ledger (the last attempt of each step says what it trained and dropped) every drawn
+    prompt's group was trained once, dropped, or is held by the last checkpoint's buffer (dropped
+    there after its step's take included)."""
+    import torch
+
+    last = {}
+    for line in (run / "checkpoints" / "rollout_ledger.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        last[entry["step"]] = entry
+    assert sorted(last) == list(range(1, steps + 1))
+    trained = [g for s in last for g, _ in last[s]["trained"]]
+    dropped = [g for s in last for g, _ in last[s]["dropped"]]
+    final = torch.load(run / "checkpoints" / f"step_{steps}" / "rollout_buffer.pt", weights_only=True)
+    held = [g["gid"] for g in final["groups"]] + [g for g, _ in final["dropped"]]
+    assert len(trained) == len(set(trained)) == steps * per_step  # no group trained twice
+    assert sorted(trained + dropped + held) == list(range(final["next_gid"]))  # none lost, none counted twice
+
+
 @pytest.mark.slow
 @pytest.mark.journey
 def test_sigkill_with_partial_responses_in_flight_resumes_every_prompt_once(tmp_path):
@@ -100,18 +119,7 @@ def test_sigkill_with_partial_responses_in_flight_resumes_every_prompt_once(tmp_
     assert sum(m["partial_resumed"] for m in got) > 0
     assert all(m["staleness_max"] <= bound for m in got)  # the bound holds for every token trained
     assert sum(m["stale_regenerated"] for m in got) == 0
-    # every prompt accounted for: the last attempt of each step says what it trained and dropped
-    last = {}
-    for line in (run / "checkpoints" / "rollout_ledger.jsonl").read_text().splitlines():
-        entry = json.loads(line)
-        last[entry["step"]] = entry
-    assert sorted(last) == list(range(1, 7))
-    trained = [g for s in range(1, 7) for g, _ in last[s]["trained"]]
-    dropped = [g for s in range(1, 7) for g, _ in last[s]["dropped"]]
-    final = torch.load(run / "checkpoints" / "step_6" / "rollout_buffer.pt", weights_only=True)
-    held = [g["gid"] for g in final["groups"]] + [g for g, _ in final["dropped"]]  # (dropped after step 6's take)
-    assert len(trained) == len(set(trained)) == 6 * 16  # no group trained twice
-    assert sorted(trained + dropped + held) == list(range(final["next_gid"]))  # none lost, none counted twice
+    _every_prompt_once(run, steps=6, per_step=16)
 
 
 def _tool_model(out: Path) -> Path:
@@ -180,17 +188,7 @@ def test_sigkill_with_episodes_in_flight_resumes_every_prompt_once(tmp_path):
     assert [m["step"] for m in got] == [1, 2, 3, 4]
     assert all(m["tool_calls"] > 0 and m["tokens_env"] > 0 for m in got)  # episodes with the tool, every step
     assert sum(m["reward_mean"] for m in got) > 0  # (the taught answer)
-    last = {}
-    for line in (run / "checkpoints" / "rollout_ledger.jsonl").read_text().splitlines():
-        entry = json.loads(line)
-        last[entry["step"]] = entry
-    assert sorted(last) == [1, 2, 3, 4]
-    trained = [g for s in last for g, _ in last[s]["trained"]]
-    dropped = [g for s in last for g, _ in last[s]["dropped"]]
-    final = torch.load(run / "checkpoints" / "step_4" / "rollout_buffer.pt", weights_only=True)
-    held = [g["gid"] for g in final["groups"]] + [g for g, _ in final["dropped"]]
-    assert len(trained) == len(set(trained)) == 4 * 4  # no group trained twice
-    assert sorted(trained + dropped + held) == list(range(final["next_gid"]))  # none lost, none counted twice
+    _every_prompt_once(run, steps=4, per_step=4)
 
 
 #: the guessing game's environment, logged (a user's file, by import path): GuessNumber itself, which
@@ -284,14 +282,4 @@ def test_sigkill_with_stateful_episodes_in_flight_resumes_each_from_its_state(tm
     assert any(mid[uid]["guesses"] for uid in went_on)  # (some had guessed before the kill)
     got = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in got] == [1, 2, 3, 4]
-    last = {}
-    for line in (run / "checkpoints" / "rollout_ledger.jsonl").read_text().splitlines():
-        entry = json.loads(line)
-        last[entry["step"]] = entry
-    assert sorted(last) == [1, 2, 3, 4]
-    trained = [g for s in last for g, _ in last[s]["trained"]]
-    dropped = [g for s in last for g, _ in last[s]["dropped"]]
-    final = torch.load(run / "checkpoints" / "step_4" / "rollout_buffer.pt", weights_only=True)
-    held = [g["gid"] for g in final["groups"]] + [g for g, _ in final["dropped"]]
-    assert len(trained) == len(set(trained)) == 4 * 4  # no group trained twice
-    assert sorted(trained + dropped + held) == list(range(final["next_gid"]))  # none lost, none counted twice
+    _every_prompt_once(run, steps=4, per_step=4)
