@@ -273,8 +273,9 @@ def gather_peft_adapters(model_chunks: List[torch.nn.Module], family_cfg, lora, 
     stage = [(n, t.detach().cpu()) for n, t in adapter_full_tensors(model_chunks, "param", tp_group=tp_group)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size() if dist.get_rank() == dst else None
-        # one copy of each stage travels: its first TP rank of its first data-parallel replica
-        dist.gather_object(stage if _stage_representative() else [], every, dst=dst)
+        # one copy of each adapter travels: from its first (expert-)TP rank of its first (expert-)data-parallel
+        # replica (an MoE expert's from the EP rank that holds it)
+        dist.gather_object([(n, t) for n, t in stage if _sends(n)], every, dst=dst)
         if dist.get_rank() != dst:
             return PeftAdapters((), config)
         merged: Dict[str, torch.Tensor] = {}
@@ -297,13 +298,17 @@ def export_peft_adapter(model_chunks: List[torch.nn.Module], family_cfg, lora, d
     return write_peft_adapter(directory, adapters, lora, family_cfg, base_model)
 
 
-def _stage_representative() -> bool:
-    """Whether this rank sends its pipeline stage's adapters: TP rank 0 of data-parallel (and
-    context-parallel) rank 0; every rank without megatron's groups."""
+def _sends(name: str) -> bool:
+    """Whether this rank sends its stage's adapter ``name`` (a global name): a dense one from TP rank 0
+    of data-parallel (and context-parallel) rank 0; an MoE expert's (``...mlp.experts.local_experts...``,
+    held by one EP rank, whose ranks are part of the data-parallel group) from expert-TP rank 0 of
+    expert-data-parallel rank 0; every rank without megatron's groups."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
         return True
+    if ".mlp.experts.local_experts." in name:
+        return ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
     return ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
 
 

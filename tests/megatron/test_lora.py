@@ -53,6 +53,8 @@ def _check_exact(c, where, linears, grad_l2=2 * TOL, grad_max=1e-5):
                                                                        c["grad_rel_worst"])
     assert c["base_changed"] == [], (where, c["base_changed"])
     assert c["adapters_moved"] > 1e-5, where
+    if "peft_modules" in c:  # (rank 0: the adapters gathered in PEFT's names, every adapted module once)
+        assert c["peft_modules"] == c["peft_want"] and c["peft_want"], (where, c["peft_modules"], c["peft_want"])
 
 
 @pytest.mark.distributed

@@ -151,6 +151,15 @@ def run_case(case, root: Path):
     out["export_names_equal"] = sorted(stream) == sorted(want)
     out["export_err"] = max(float((stream[n] - want[n]).abs().max()) for n in want)
 
+    # the adapters in PEFT's names, gathered to rank 0 (the adapters sync's and the PEFT export's input):
+    # every adapted HF module once, an MoE model's experts from every EP rank
+    peft = actor.export_adapters()
+    adapted = [f"{n[:-len('.lora_A')]}.weight" for n in full if n.endswith(".lora_A")]
+    hf_adapted = _union({h: 0 for m in adapted for h, _ in megatron_to_hf([(m, merged[m])], actor.family_cfg)})
+    if dist.get_rank() == 0:
+        out["peft_modules"] = sorted({n.split(".lora_")[0] for n, _ in peft})
+        out["peft_want"] = sorted(f"base_model.model.{h[:-len('.weight')]}" for h in hf_adapted)
+
     lp, ent = actor.compute_log_probs(local)
     m = actor.forward_backward(local, LOSS)
     grads = dict(adapter_full_tensors(actor.model, "grad"))
