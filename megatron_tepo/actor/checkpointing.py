@@ -360,15 +360,15 @@ def load_newest_checkpoint(train_model, root: PathLike, report: Optional[Callabl
     :class:`CheckpointError` when every one is damaged."""
     candidates = list(reversed(list_complete_checkpoints(root)))
     problems = []
+    world = dist.get_world_size() if dist.is_initialized() else 1
     for d in candidates:
         err = None
         try:  # (a checkpoint of another world size -- a LoRA resume at another layout -- has other RNG files)
-            world = dist.get_world_size() if dist.is_initialized() else 1
             check_checkpoint_files(d, rng=read_marker(d)["layout"].get("world_size") == world)
         except CheckpointError as e:
             err = e
-        errs = [str(err) if err else None] * (dist.get_world_size() if dist.is_initialized() else 1)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        errs = [str(err) if err else None] * world
+        if world > 1:
             dist.all_gather_object(errs, str(err) if err else None)
         bad = next((e for e in errs if e), None)
         if bad is None:

@@ -35,16 +35,21 @@ def sync_weights(actor, engine) -> float:
     return time.time() - t
 
 
+def _lora_of(actor):
+    """The actor's ``actor.lora`` settings, None without LoRA (or for a policy without settings)."""
+    return getattr(getattr(actor, "settings", None), "lora", None)
+
+
 def lora_adapters_sync(actor) -> bool:
     """Whether the policy reaches the engine as LoRA adapters (``actor.lora.sync: adapters``)."""
-    lora = getattr(getattr(actor, "settings", None), "lora", None)
+    lora = _lora_of(actor)
     return lora is not None and lora.sync == "adapters"
 
 
 def starts_from_adapter(actor) -> bool:
     """Whether a fresh run's policy is not the engine's base model: it starts from a PEFT adapter
     (``actor.lora.init_from``), so the engine needs a sync before the first generation."""
-    lora = getattr(getattr(actor, "settings", None), "lora", None)
+    lora = _lora_of(actor)
     return lora is not None and bool(lora.init_from)
 
 

@@ -92,13 +92,13 @@ def parse_generate_output(out: dict, routing: Optional[RoutingShape] = None, whe
                   meta={"matched_stop": fr.get("matched") if isinstance(fr, dict) else None}, routed_experts=routed)
 
 
-
 def with_adapter(path: str, payload: dict, lora_name) -> dict:
     """``payload`` naming the served LoRA adapter ``lora_name`` (``lora_path``) when it is a
     ``/generate`` and there is one (``actor.lora.sync: adapters``); else ``payload`` itself."""
     if path == "/generate" and lora_name:
         return {**payload, "lora_path": lora_name}
     return payload
+
 
 class Dispatch:
     """The fleet's part that sends requests (see the module docstring for what it owns)."""
