@@ -73,6 +73,17 @@ def conditional_generation_config(family: str, **overrides):
     return cfg
 
 
+def adapted_linears(family_cfg) -> Dict[str, Tuple[int, int]]:
+    """``{decoder.layers.N.<linear>: (out, in)}`` of the four dense targets of LoRA (fused q/k/v, o,
+    fused gate/up, down) in every layer of a dense ``family_cfg``: the weights' shapes, whose
+    adapters are ``lora_A [r, in]`` and ``lora_B [out, r]``."""
+    c = family_cfg
+    h, q, kv, ffn = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_query_groups * c.head_dim, c.ffn_hidden_size
+    shapes = {"self_attention.linear_qkv": (q + 2 * kv, h), "self_attention.linear_proj": (h, q),
+              "mlp.linear_fc1": (2 * ffn, h), "mlp.linear_fc2": (h, ffn)}
+    return {f"decoder.layers.{layer}.{lin}": shape for layer in range(c.num_layers) for lin, shape in shapes.items()}
+
+
 def make_hf_model(hf_config, seed: int = 0):
     """Random init with randomised norm weights and biases (so a wrong mapping shows): a norm's
     weight around its init (1, or 0 for the zero-centred norms of Qwen3.5, which scale by 1 + w).

@@ -23,16 +23,13 @@ def _family(family="qwen3"):
 
 def _random_adapters(cfg, r, seed=0):
     """Full megatron adapters of every target linear of the tiny model, random A and B."""
+    from tests.megatron.helpers import adapted_linears
+
     g = torch.Generator().manual_seed(seed)
-    h, q, kv, ffn = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_query_groups * cfg.head_dim, \
-        cfg.ffn_hidden_size
-    shapes = {"self_attention.linear_qkv": (q + 2 * kv, h), "self_attention.linear_proj": (h, q),
-              "mlp.linear_fc1": (2 * ffn, h), "mlp.linear_fc2": (h, ffn)}
     out = {}
-    for layer in range(cfg.num_layers):
-        for lin, (rows, cols) in shapes.items():
-            out[f"decoder.layers.{layer}.{lin}.lora_A"] = torch.randn(r, cols, generator=g)
-            out[f"decoder.layers.{layer}.{lin}.lora_B"] = torch.randn(rows, r, generator=g)
+    for base, (rows, cols) in adapted_linears(cfg).items():
+        out[f"{base}.lora_A"] = torch.randn(r, cols, generator=g)
+        out[f"{base}.lora_B"] = torch.randn(rows, r, generator=g)
     return out
 
 

@@ -34,18 +34,14 @@ def _adapters(seed: int):
     from megatron_tepo.config import LoraConfig
     from megatron_tepo.megatron.lora_peft import PeftAdapters, megatron_to_peft, peft_adapter_config
     from megatron_tepo.models import family_config_from_hf
+    from tests.megatron.helpers import adapted_linears
 
     cfg = family_config_from_hf(tiny_qwen3_config(), "local")
     g = torch.Generator().manual_seed(seed)
-    h, q, kv, ffn = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_query_groups * cfg.head_dim, \
-        cfg.ffn_hidden_size
-    shapes = {"self_attention.linear_qkv": (q + 2 * kv, h), "self_attention.linear_proj": (h, q),
-              "mlp.linear_fc1": (2 * ffn, h), "mlp.linear_fc2": (h, ffn)}
     full = {}
-    for layer in range(cfg.num_layers):
-        for lin, (rows, cols) in shapes.items():
-            full[f"decoder.layers.{layer}.{lin}.lora_A"] = (torch.rand(RANK, cols, generator=g) * 2 - 1) / math.sqrt(cols)
-            full[f"decoder.layers.{layer}.{lin}.lora_B"] = 0.3 * torch.randn(rows, RANK, generator=g)
+    for base, (rows, cols) in adapted_linears(cfg).items():
+        full[f"{base}.lora_A"] = (torch.rand(RANK, cols, generator=g) * 2 - 1) / math.sqrt(cols)
+        full[f"{base}.lora_B"] = 0.3 * torch.randn(rows, RANK, generator=g)
     lora = LoraConfig(rank=RANK, alpha=ALPHA)
     return PeftAdapters(megatron_to_peft(full.items(), cfg), peft_adapter_config(lora, cfg, "tiny"))
 
