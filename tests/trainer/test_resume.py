@@ -63,6 +63,17 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, staleness, steps, l
         json.loads((ref / "summary.json").read_text())["accuracy_after"]
 
 
+def _tir_partial_run(model: Path, train_file: Path, run: Path, *extra: str) -> list:
+    """``tools/train.py`` on examples/tiny_tir's sizes: ``model`` on ``train_file`` (exact match), 4 steps
+    of 4 prompts x 2 with partial rollout (staleness 4: the run's length) and a checkpoint every 2,
+    into ``run``; ``extra`` overrides."""
+    return [sys.executable, str(REPO / "tools/train.py"), "--config", str(REPO / "examples/tiny_tir/sizes.yaml"),
+            f"model.path={model}", f"data.train_files=[{train_file}]", "reward.kind=exact_match",
+            f"train.output_dir={run}", "train.steps=4", "train.save_every=2", "train.export_hf=false",
+            "rollout.prompts_per_step=4", "rollout.n_samples=2", "train.mini_batch_prompts=4",
+            "rollout.dynamic_sampling=false", "rollout.partial_rollout=true", "rollout.max_staleness=4", *extra]
+
+
 def _every_prompt_once(run: Path, steps: int, per_step: int) -> None:
     """By the ledger (the last attempt of each step says what it trained and dropped) every drawn
     prompt's group was trained once, dropped, or is held by the last checkpoint's buffer (dropped
@@ -169,12 +180,8 @@ def test_sigkill_with_episodes_in_flight_resumes_every_prompt_once(tmp_path):
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": "37*45", "answer": "1665"}) + "\n"
                                                   for _ in range(64)))
     run, port = tmp_path / "run", 25000 + os.getpid() % 5000
-    cmd = [sys.executable, str(REPO / "tools/train.py"), "--config", str(REPO / "examples/tiny_tir/sizes.yaml"),
-           f"model.path={model}", f"data.train_files=[{tmp_path / 'train.jsonl'}]", "reward.kind=exact_match",
-           f"train.output_dir={run}", "train.steps=4", "train.save_every=2", "train.export_hf=false",
-           "rollout.prompts_per_step=4", "rollout.n_samples=2", "train.mini_batch_prompts=4",
-           "rollout.dynamic_sampling=false", "rollout.partial_rollout=true", "rollout.max_staleness=4",
-           "rollout.max_inflight_groups=40", "environment.sandbox.wall_seconds=30"]
+    cmd = _tir_partial_run(model, tmp_path / "train.jsonl", run, "rollout.max_inflight_groups=40",
+                           "environment.sandbox.wall_seconds=30")
     kill_at_checkpoint(cmd, run / "checkpoints" / "step_2" / "complete", _env(port), 400)
     import torch
 
@@ -250,14 +257,10 @@ def test_sigkill_with_stateful_episodes_in_flight_resumes_each_from_its_state(tm
     # checkpoint holds episodes mid-way whatever the machine's speed (here, on a busy machine, 118 and
     # 1908 of 4000 had ended in two runs, about 2000 of those left mid-way had guessed; with 256 groups,
     # 511 of 512 had ended). Staleness 4 (the run's length): none is regenerated from its prompt.
-    cmd = [sys.executable, str(REPO / "tools/train.py"), "--config", str(REPO / "examples/tiny_tir/sizes.yaml"),
-           f"model.path={model}", f"data.train_files=[{tmp_path / 'train.jsonl'}]", "reward.kind=exact_match",
-           f"environment.name={tmp_path / 'logged_guess.py'}:Logged", f"environment.args.log={log}",
-           "environment.args.higher=((", "environment.args.lower=))", "environment.max_turns=4",
-           f"train.output_dir={run}", "train.steps=4", "train.save_every=2", "train.export_hf=false",
-           "rollout.prompts_per_step=4", "rollout.n_samples=2", "train.mini_batch_prompts=4",
-           "rollout.max_new_tokens=64", "rollout.dynamic_sampling=false", "rollout.partial_rollout=true",
-           "rollout.max_staleness=4", "rollout.max_inflight_groups=2000"]
+    cmd = _tir_partial_run(model, tmp_path / "train.jsonl", run,
+                           f"environment.name={tmp_path / 'logged_guess.py'}:Logged", f"environment.args.log={log}",
+                           "environment.args.higher=((", "environment.args.lower=))", "environment.max_turns=4",
+                           "rollout.max_new_tokens=64", "rollout.max_inflight_groups=2000")
     kill_at_checkpoint(cmd, run / "checkpoints" / "step_2" / "complete", _env(port), 400)
     import torch
 
