@@ -34,6 +34,19 @@ def game():
     return GuessNumber(higher="((", lower="))")
 
 
+
+def _ended_or_held(engine, n: int) -> dict:
+    """Collect ``engine``'s episodes until each of the ``n`` has ended (``{key: sample}``, returned) or
+    is held by its inner engine at its third turn (``engine.engine._held``)."""
+    done = {}
+    for _ in range(400):
+        for r, s in engine.collect(timeout=0.05):
+            r.extend(s, 0)
+            done[r.key] = r.to_sample(s.finish_reason)
+        if len(engine.engine._held) + len(done) == n:
+            break
+    return done
+
 def test_64_episodes_each_with_its_own_state_survive_an_interrupt_and_a_resume_in_a_new_engine():
     secrets = [(7 * i + 3) % 64 for i in range(64)]
     rows = [{"prompt": "guess", "secret": s} for s in secrets]
@@ -52,13 +65,7 @@ def test_64_episodes_each_with_its_own_state_survive_an_interrupt_and_a_resume_i
     reqs = [Request(list(PROMPT), 400, key=i, episode={"row": r}) for i, r in enumerate(rows)]
     held["on"] = True
     engine.submit(reqs, params)
-    done = {}
-    for _ in range(400):  # every episode ended, or held at its third turn
-        for r, s in engine.collect(timeout=0.05):
-            r.extend(s, 0)
-            done[r.key] = r.to_sample(s.finish_reason)
-        if len(engine.engine._held) + len(done) == 64:
-            break
+    done = _ended_or_held(engine, 64)
     assert 0 < len(done) < 64
     back = engine.interrupt()
     assert len(back) == 64 - len(done) and all(s.finish_reason == FINISH_ABORT for _, s in back)
@@ -194,13 +201,7 @@ def test_64_concurrent_episodes_cut_mid_guess_by_an_interrupt_and_resubmitted_st
     params = SamplingParams(1, 1.0, 1.0, 400, [EOS])
     reqs = [Request(list(PROMPT), 400, key=i, episode={"row": {"secret": s}}) for i, s in enumerate(SECRETS)]
     engine.submit(reqs, params)
-    finished = {}
-    for _ in range(400):  # every episode ended, or held at its third turn
-        for r, s in engine.collect(timeout=0.05):
-            r.extend(s, 0)
-            finished[r.key] = r.to_sample(s.finish_reason)
-        if len(engine.engine._held) + len(finished) == 64:
-            break
+    finished = _ended_or_held(engine, 64)
     back = engine.interrupt()
     assert len(back) == 64 - len(finished) > 0 and cut["partial"] > 0
     for r, s in back:
